@@ -1,0 +1,88 @@
+"""RMSNorm, optionally fused with the residual add before it.
+
+Used by every decoder layer twice (input and post-attention norms) and once at the end of
+the model. `rms_norm_ref` is the PyTorch reference (the CPU path); `rms_norm_triton` is the
+GPU kernel: one program per token row, the whole hidden size in one block.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> x / sqrt(mean(x^2) + eps) * weight; with residual, returns (out, x + residual)."""
+    if residual is not None:
+        residual = x + residual
+        x = residual
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    # Same operation order as Hugging Face's LlamaRMSNorm, so fp32 results match bit for bit.
+    out = (weight.float() * (xf * torch.rsqrt(variance + eps))).to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    x_stride,
+    residual_stride,
+    out_stride,
+    hidden_size,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < hidden_size
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # The sum is rounded to the activation dtype first, as the unfused add would do.
+        x = x + tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        tl.store(residual_ptr + row * residual_stride + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    variance = tl.sum(xf * xf, axis=0) / hidden_size
+    rstd = 1.0 / tl.sqrt(variance + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = w * (xf * rstd)
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Triton RMSNorm; with residual, the sum x + residual is written into `residual` in place."""
+    assert x.dim() == 2 and x.stride(-1) == 1, "x must be [T, H] with contiguous rows"
+    num_tokens, hidden_size = x.shape
+    out = torch.empty_like(x)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(-1) == 1
+    if num_tokens > 0:
+        block_size = triton.next_power_of_2(hidden_size)
+        _rms_norm_kernel[(num_tokens,)](
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
+            x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            out.stride(0),
+            hidden_size,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_SIZE=block_size,
+            num_warps=min(max(block_size // 256, 1), 8),
+        )
+    return out if residual is None else (out, residual)

@@ -1,0 +1,49 @@
+"""SiLU-and-mul, the gated activation of the Llama MLP: silu(gate) * up.
+
+The MLP's fused gate_up projection yields x [T, 2*I] = [gate | up]; this returns
+[T, I]. `silu_and_mul_ref` is the PyTorch reference (the CPU path); `silu_and_mul_triton`
+is the GPU kernel: a 2-D grid over (token, column block), computed in fp32.
+"""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2*I] -> silu(x[:, :I]) * x[:, I:], as Hugging Face's LlamaMLP computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    x_stride,
+    out_stride,
+    intermediate_size,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = cols < intermediate_size
+    gate = tl.load(x_ptr + token * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + token * x_stride + intermediate_size + cols, mask=mask, other=0.0)
+    out = gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
+    tl.store(out_ptr + token * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """Triton SiLU-and-mul of x [T, 2*I] -> [T, I]."""
+    assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] % 2 == 0
+    num_tokens, intermediate_size = x.shape[0], x.shape[1] // 2
+    out = torch.empty((num_tokens, intermediate_size), dtype=x.dtype, device=x.device)
+    if num_tokens > 0:
+        block_size = min(triton.next_power_of_2(intermediate_size), 1024)
+        grid = (num_tokens, triton.cdiv(intermediate_size, block_size))
+        _silu_and_mul_kernel[grid](
+            x, out, x.stride(0), out.stride(0), intermediate_size, BLOCK_SIZE=block_size
+        )
+    return out

@@ -1,0 +1,101 @@
+"""Writing new keys and values into the paged KV cache by slot mapping.
+
+The worker calls this once per layer before attention: token t's K/V go to
+cache[slot // block_size, slot % block_size], slot = slot_mapping[t]; a negative slot
+(a padding token) is skipped. Caches are [num_blocks, block_size, num_kv_heads, head_dim].
+`write_kv_ref` is the PyTorch reference (the CPU path); `write_kv_triton` is the GPU
+kernel: one program per token, all its kv heads.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+def write_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter key/value [T, kvh, hd] into the caches in place; negative slots are skipped."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    # view() (not reshape) so that a non-contiguous cache raises instead of writing a copy.
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[valid]
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[valid]
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    key_token_stride,
+    key_head_stride,
+    value_token_stride,
+    value_head_stride,
+    cache_block_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    block_size,
+    num_kv_heads,
+    head_dim,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_HEADS)[:, None]
+        dims = tl.arange(0, BLOCK_DIM)[None, :]
+        mask = (heads < num_kv_heads) & (dims < head_dim)
+        cache_offsets = (
+            (slot // block_size) * cache_block_stride
+            + (slot % block_size) * cache_slot_stride
+            + heads * cache_head_stride
+            + dims
+        )
+        k = tl.load(key_ptr + token * key_token_stride + heads * key_head_stride + dims, mask=mask)
+        v = tl.load(
+            value_ptr + token * value_token_stride + heads * value_head_stride + dims, mask=mask
+        )
+        tl.store(key_cache_ptr + cache_offsets, k, mask=mask)
+        tl.store(value_cache_ptr + cache_offsets, v, mask=mask)
+
+
+def write_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Triton scatter of key/value [T, kvh, hd] into the paged caches; negative slots skipped."""
+    assert key.stride(-1) == 1 and value.stride(-1) == 1
+    assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        key_cache.shape[1],
+        num_kv_heads,
+        head_dim,
+        BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
+        BLOCK_DIM=triton.next_power_of_2(head_dim),
+    )

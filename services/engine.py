@@ -1,0 +1,122 @@
+"""The in-process engine: scheduler and one worker wired in a single process.
+
+For scripts, tests and offline batch use. The parts still talk only through the
+protocol messages, and every step message makes a msgpack round trip, exactly as
+it would on the bus, so nothing unserializable can slip in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler
+from services.worker.model_runner import ModelRunner
+from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
+from shared.protocol import (
+    MODEL_RUNNER_OUTPUT,
+    SCHEDULER_OUTPUT,
+    EngineOutput,
+    FinishReason,
+    Logprobs,
+    SamplingParams,
+)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] = field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.NONE
+    num_cached_tokens: int = 0
+    text: str = ""
+
+
+class Engine:
+    def __init__(
+        self,
+        run_config: ModelRunConfig = ModelRunConfig(),
+        cache_config: CacheConfig = CacheConfig(),
+        scheduler_config: SchedulerConfig = SchedulerConfig(),
+    ) -> None:
+        self.worker = ModelRunner(run_config, cache_config, scheduler_config)
+        self.scheduler = Scheduler(
+            scheduler_config, cache_config, self.worker.num_blocks, self.worker.max_model_len
+        )
+        self.cache_config = cache_config
+        self.model_config = self.worker.model_config
+        self._tokenizer = None
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from shared.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.worker.model_path)
+        return self._tokenizer
+
+    def add_request(
+        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        request_id = request_id or f"req-{next(self._ids)}"
+        eos = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
+        self.scheduler.add_request(
+            Request(
+                request_id,
+                prompt_token_ids,
+                sampling_params,
+                eos_token_id=eos,
+                arrival_time=time.time(),
+                block_size=self.cache_config.block_size,
+            )
+        )
+        return request_id
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineOutput]:
+        scheduler_output = SCHEDULER_OUTPUT.decode(SCHEDULER_OUTPUT.encode(self.scheduler.schedule()))
+        runner_output = self.worker.execute_model(scheduler_output)
+        runner_output = MODEL_RUNNER_OUTPUT.decode(MODEL_RUNNER_OUTPUT.encode(runner_output))
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] = SamplingParams(),
+    ) -> list[GenerationResult]:
+        """Run prompts (text or token ids) to completion, results in prompt order."""
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        results: dict[str, GenerationResult] = {}
+        order = []
+        for prompt, params in zip(prompts, sampling_params):
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = self.add_request(token_ids, params)
+            results[request_id] = GenerationResult(request_id, token_ids)
+            order.append(request_id)
+        pending = set(order)
+        while pending:
+            for out in self.step():
+                result = results.get(out.request_id)
+                if result is None:
+                    continue
+                result.token_ids.extend(out.new_token_ids)
+                result.logprobs.extend(out.logprobs)
+                result.num_cached_tokens = out.num_cached_tokens
+                if out.finish_reason != FinishReason.NONE:
+                    result.finish_reason = out.finish_reason
+                    pending.discard(out.request_id)
+        if any(isinstance(p, str) for p in prompts):
+            for result in results.values():
+                result.text = self.tokenizer.decode(result.token_ids)
+        return [results[r] for r in order]

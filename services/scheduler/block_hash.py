@@ -1,0 +1,38 @@
+"""Chained block hashes for prefix caching.
+
+A full block's hash covers its parent's hash, its own token ids and extra keys
+(a cache salt, later a LoRA id), so equal hashes mean equal prefixes. The hash is
+sha256 over a fixed byte layout: the same in every process and across restarts
+(Python's ``hash()`` is salted per process and must never be used here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+NONE_HASH = b"\x00" * 32
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids, extra_keys: tuple[str, ...] = ()) -> bytes:
+    h = hashlib.sha256()
+    h.update(parent_hash or NONE_HASH)
+    h.update(array("q", token_ids).tobytes())
+    for key in extra_keys:
+        encoded = key.encode()
+        h.update(len(encoded).to_bytes(4, "little"))
+        h.update(encoded)
+    return h.digest()
+
+
+def extend_block_hashes(
+    block_hashes: list[bytes], token_ids: list[int], block_size: int, cache_salt: str = ""
+) -> None:
+    """Append the hashes of every newly completed full block of ``token_ids``."""
+    start = len(block_hashes) * block_size
+    while start + block_size <= len(token_ids):
+        parent = block_hashes[-1] if block_hashes else None
+        # The salt only enters the first block: the chain carries it onwards.
+        extra = (cache_salt,) if (cache_salt and not block_hashes) else ()
+        block_hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra))
+        start += block_size

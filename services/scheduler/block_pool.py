@@ -1,0 +1,158 @@
+"""The KV cache block pool: blocks, their free list in LRU order, and the prefix cache.
+
+Every block is a ``KVCacheBlock``. Free blocks sit in ``FreeKVCacheBlockQueue``, a
+doubly linked list threaded through the blocks themselves, so taking the head,
+appending at the tail and removing a block from the middle (a prefix-cache hit on a
+free block) are all O(1). Eviction takes from the head: freed blocks go to the tail,
+so the least recently freed block is reused first.
+
+A freed block keeps its hash (and stays findable in ``cached_blocks``) until it is
+handed out again, so a finished or preempted request's prefix can still be hit.
+"""
+
+from __future__ import annotations
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks between two sentinels; LRU at the head."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        prev = self._head
+        for block in blocks:
+            prev.next_free = block
+            block.prev_free = prev
+            prev = block
+        prev.next_free = self._tail
+        self._tail.prev_free = prev
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free blocks left")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        if block.prev_free is None or block.next_free is None:
+            raise ValueError(f"{block} is not in the free queue")
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"{block} is already in the free queue")
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self]
+
+
+class BlockPool:
+    """Owns every block: hands out, reference-counts, frees and caches them."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def usage(self) -> float:
+        """Fraction of blocks in use by running requests (0.0 - 1.0)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` from the LRU end, evicting their cached hashes."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits, pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Register a block whose tokens are all known under its chained hash."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        # An identical block computed by another request keeps the entry; this one
+        # is simply not findable (it still works for its own request).
+        self.cached_blocks.setdefault(block_hash, block)
+
+    def free_blocks(self, ordered_blocks) -> None:
+        """Drop one reference each; blocks reaching zero go to the free tail in order.
+
+        Callers pass a request's blocks tail-first, so the end of a prefix chain is
+        evicted before its beginning (the beginning is the most shareable part).
+        """
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible while no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return True

@@ -1,0 +1,90 @@
+"""The scheduler's view of one request: its tokens, progress and status."""
+
+from __future__ import annotations
+
+import enum
+
+from shared.protocol import EngineRequest, FinishReason, SamplingParams
+
+from .block_hash import extend_block_hashes
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class Request:
+    """``num_tokens`` = prompt + output; ``num_computed_tokens`` of them have KV."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float = 0.0,
+        block_size: int = 16,
+        cache_salt: str = "",
+        gateway_id: str = "",
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.cache_salt = cache_salt
+        self.gateway_id = gateway_id
+        self.block_size = block_size
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Tokens found in the prefix cache when the request was first scheduled.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason = FinishReason.NONE
+        self.block_hashes: list[bytes] = []
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+
+    @classmethod
+    def from_engine_request(cls, req: EngineRequest, block_size: int) -> "Request":
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            eos_token_id=req.eos_token_id,
+            arrival_time=req.arrival_time,
+            block_size=block_size,
+            cache_salt=req.cache_salt,
+            gateway_id=req.gateway_id,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        if len(self.all_token_ids) % self.block_size == 0:
+            extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )

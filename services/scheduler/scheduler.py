@@ -1,0 +1,305 @@
+"""The V1 scheduler: one token budget per step, no prefill/decode phases.
+
+Each step gives every request ``min(num_tokens - num_computed_tokens, budget)``
+tokens, running requests first (in admission order), then waiting ones, so prompt
+chunks and decodes share one batch. It produces the step as a diff for the workers
+(``SchedulerOutput``) and turns the workers' sampled tokens back into per-request
+outputs, finishing requests on EOS, stop token ids, max_tokens or max_model_len.
+
+Pure and synchronous: no bus, no model. The scheduler service wraps it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from shared.config import CacheConfig, SchedulerConfig
+from shared.protocol import (
+    CachedRequestData,
+    EngineOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+# Output tokens sent with each EngineOutput before the new ones, so a stateless
+# detokenizer can finish UTF-8 characters and stop strings that span tokens.
+DETOKENIZE_WINDOW = 8
+
+
+class RequestRejected(ValueError):
+    """The request can never run on this engine (too long for the model or the pool)."""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.num_blocks = num_blocks
+        # A lone request must always fit the pool, or preempting it could never help.
+        self.max_model_len = min(max_model_len, num_blocks * self.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests the workers hold state for; they are told when it can go.
+        self._sent_to_workers: set[str] = set()
+        self._finished_req_ids: set[str] = set()
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ intake
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {request.num_prompt_tokens} tokens, but this engine "
+                f"accepts at most {self.max_model_len - 1} prompt tokens (max_model_len "
+                f"{self.max_model_len}, KV cache {self.num_blocks} blocks of {self.block_size})"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids) -> list[Request]:
+        """Finish the named requests now, freeing their blocks. Unknown ids are ignored."""
+        aborted = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, FinishReason.ABORT)
+            aborted.append(request)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        # Invariant: every running request holds blocks for its num_computed_tokens,
+        # and every request appears at most once in running + waiting.
+        budget = self.config.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
+        num_scheduled: dict[str, int] = {}
+        new_blocks_of: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if threshold:
+                num_new = min(num_new, threshold)
+            num_new = min(num_new, budget)
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()  # lowest priority: the last admitted
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_blocks_of[request.request_id] = [b.block_id for b in new_blocks]
+            budget -= num_new
+            index += 1
+
+        scheduled_new: list[Request] = []
+        scheduled_resumed: list[Request] = []
+        # After a preemption the pool is full: admitting waiting requests would thrash.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if threshold:
+                num_new = min(num_new, threshold)
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new, computed_blocks, num_computed
+            )
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+                self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_computed)
+            request.num_computed_tokens = num_computed
+            resumed = request.status == RequestStatus.PREEMPTED
+            request.status = RequestStatus.RUNNING
+            (scheduled_resumed if resumed else scheduled_new).append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        output = self._make_output(
+            scheduled_new, scheduled_resumed, scheduled_running, num_scheduled, new_blocks_of
+        )
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _make_output(
+        self, scheduled_new, scheduled_resumed, scheduled_running, num_scheduled, new_blocks_of
+    ) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        new_reqs = []
+        for request in scheduled_new:
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(request.request_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                    eos_token_id=request.eos_token_id,
+                )
+            )
+            self._sent_to_workers.add(request.request_id)
+        cached = CachedRequestData()
+        resumed_flags = [True] * len(scheduled_resumed) + [False] * len(scheduled_running)
+        for request, resumed in zip(scheduled_resumed + scheduled_running, resumed_flags):
+            cached.req_ids.append(request.request_id)
+            cached.resumed_from_preemption.append(resumed)
+            cached.new_block_ids.append(
+                kv.get_block_ids(request.request_id) if resumed else new_blocks_of[request.request_id]
+            )
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+        order = [r.request_id for r in scheduled_new] + cached.req_ids
+        self._step_id += 1
+        finished = sorted(self._finished_req_ids)
+        self._finished_req_ids.clear()
+        return SchedulerOutput(
+            step_id=self._step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            scheduled_req_ids=order,
+            num_scheduled_tokens=[num_scheduled[r] for r in order],
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s", request.request_id)
+
+    # ------------------------------------------------------------------ results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineOutput]:
+        """Append sampled tokens, finish requests that stop, and report per request."""
+        outputs = []
+        logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
+        for req_id, token_ids, lp in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, logprobs
+        ):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING or not token_ids:
+                continue  # aborted meanwhile, or a prompt chunk that samples nothing
+            new_token_ids = []
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                new_token_ids.append(token_id)
+                reason = self._check_stop(request)
+                if reason != FinishReason.NONE:
+                    self.running.remove(request)
+                    self._finish(request, reason)
+                    break
+            outputs.append(self._engine_output(request, new_token_ids, [lp] if lp else []))
+        return outputs
+
+    def _check_stop(self, request: Request) -> FinishReason:
+        params = request.sampling_params
+        last = request.all_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                return FinishReason.STOP
+            if last in params.stop_token_ids:
+                return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return FinishReason.NONE
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._sent_to_workers:
+            self._sent_to_workers.discard(request.request_id)
+            self._finished_req_ids.add(request.request_id)
+
+    def _engine_output(self, request: Request, new_token_ids, logprobs) -> EngineOutput:
+        output = request.output_token_ids
+        start = max(0, len(output) - len(new_token_ids) - DETOKENIZE_WINDOW)
+        return EngineOutput(
+            request_id=request.request_id,
+            gateway_id=request.gateway_id,
+            new_token_ids=new_token_ids,
+            window_token_ids=output[start:],
+            window_offset=start,
+            num_prompt_tokens=request.num_prompt_tokens,
+            finish_reason=request.finish_reason,
+            logprobs=logprobs,
+            stop=request.sampling_params.stop,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict:
+        kv = self.kv_cache_manager
+        return {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+            "kv_cache_usage_perc": kv.usage(),
+            "prefix_cache_queries": kv.prefix_cache_stats.queries,
+            "prefix_cache_hits": kv.prefix_cache_stats.hits,
+            "num_preemptions": self.num_preemptions,
+        }

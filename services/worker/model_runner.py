@@ -1,0 +1,255 @@
+"""Runs one engine step on this worker: diff in, sampled tokens out.
+
+``execute_model`` applies the step diff to the cached request state and the
+persistent batch, builds the flat model inputs with vectorised gathers (token
+ids, positions, slot mapping, block tables, query start offsets, sequence
+lengths), runs the model over the paged KV cache and samples the last position
+of every request whose prompt is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import numpy as np
+import torch
+
+from kernels import get_kernel_ops
+from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
+from shared.model_config import ModelConfig
+from shared.model_files import default_model_path, iter_weights, load_model_config
+from shared.protocol import ModelRunnerOutput, SchedulerOutput
+
+from .input_batch import CachedRequestState, InputBatch
+from .models.llama import AttentionMetadata, LlamaForCausalLM
+from .sampler import Sampler
+from .sampling_batch import make_sampling_batch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        run_config: ModelRunConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+    ) -> None:
+        self.run_config = run_config
+        self.cache_config = cache_config
+        self.device = resolve_device(run_config.device)
+        self.dtype = resolve_dtype(run_config.dtype, self.device)
+        self.model_path = run_config.model or default_model_path()
+        self.model_config: ModelConfig = load_model_config(self.model_path)
+        self.max_model_len = min(
+            run_config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        self.block_size = cache_config.block_size
+        self.ops = get_kernel_ops(run_config.kernel_backend)
+
+        torch.manual_seed(run_config.seed)
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(self.model_config, self.ops)
+        self.model.load_weights(iter_weights(self.model_path, dtype=torch.float32))
+        self.model.to(dtype=self.dtype)
+        self.model.cos_sin_cache = self.model.cos_sin_cache.float()
+        self.model.eval()
+
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.input_batch = InputBatch(scheduler_config.max_num_seqs, self.max_model_len, max_blocks_per_req)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
+        logger.info(
+            "model %s loaded: %s on %s, kernels=%s, %d KV blocks of %d tokens",
+            self.model_path, self.dtype, self.device, self.ops.name, self.num_blocks, self.block_size,
+        )
+
+    # ------------------------------------------------------------------ KV cache
+
+    def kv_block_bytes(self) -> int:
+        cfg = self.model_config
+        per_layer = 2 * self.block_size * cfg.num_key_value_heads * cfg.head_dim
+        return per_layer * cfg.num_hidden_layers * torch.finfo(self.dtype).bits // 8
+
+    def _num_kv_blocks(self) -> int:
+        if self.cache_config.num_gpu_blocks is not None:
+            return self.cache_config.num_gpu_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.cache_config.gpu_memory_utilization - (total - free)
+            # Leave room for activations of the largest step.
+            budget -= 2 << 30
+        else:
+            budget = self.cache_config.cpu_kv_cache_gib * (1 << 30)
+        num_blocks = int(budget // self.kv_block_bytes())
+        if num_blocks < 1:
+            raise RuntimeError(
+                "no memory left for the KV cache: raise gpu_memory_utilization / "
+                "cpu_kv_cache_gib or set num_gpu_blocks"
+            )
+        return num_blocks
+
+    def _allocate_kv_caches(self, num_blocks: int):
+        cfg = self.model_config
+        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_hidden_layers)
+        ]
+
+    # ------------------------------------------------------------------ state
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+
+        for new in out.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                sampling_params=params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                eos_token_id=new.eos_token_id,
+                generator=generator,
+            )
+
+        cached = out.scheduled_cached_reqs
+        for req_id, resumed, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            state = self.requests[req_id]
+            state.num_computed_tokens = num_computed
+            if resumed:
+                state.block_ids = list(new_block_ids)
+            else:
+                state.block_ids.extend(new_block_ids)
+            index = batch.req_id_to_index.get(req_id)
+            if index is not None:
+                batch.num_computed_tokens[index] = num_computed
+                if resumed:
+                    batch.set_block_ids(index, new_block_ids)
+                else:
+                    batch.append_block_ids(index, new_block_ids)
+
+        # Rows of requests not scheduled this step (preempted, or out of budget) go;
+        # scheduled requests without a row (new, resumed, back in budget) come.
+        scheduled = set(out.scheduled_req_ids)
+        for req_id in list(batch.req_id_to_index):
+            if req_id not in scheduled:
+                batch.remove_request(req_id)
+        batch.condense()
+        for req_id in out.scheduled_req_ids:
+            if req_id not in batch.req_id_to_index:
+                batch.add_request(self.requests[req_id])
+
+    # ------------------------------------------------------------------ step
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(out)
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        if out.total_num_scheduled_tokens == 0 or num_reqs == 0:
+            return ModelRunnerOutput(step_id=out.step_id)
+
+        num_scheduled = np.zeros(num_reqs, dtype=np.int64)
+        for req_id, n in zip(out.scheduled_req_ids, out.num_scheduled_tokens):
+            num_scheduled[batch.req_id_to_index[req_id]] = n
+        inputs = self._prepare_inputs(num_scheduled)
+        hidden = self.model(inputs["input_ids"], inputs["positions"], inputs["attn"], self.kv_caches)
+
+        # Only requests whose every known token is now computed get a sample; a
+        # prompt chunk gets none (and draws no randomness from a seeded generator).
+        seq_lens = inputs["seq_lens_np"]
+        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
+        states = batch.states[:num_reqs]
+        sampled_by_row: dict[int, tuple[int, object]] = {}
+        if len(sample_rows):
+            logits_indices = inputs["logits_indices"][torch.from_numpy(sample_rows).to(self.device)]
+            logits = self.model.compute_logits(hidden[logits_indices])
+            sample_states = [states[i] for i in sample_rows]
+            sampling = make_sampling_batch(sample_states, self.device)
+            sampled, logprobs = self.sampler(logits, sampling)
+            for j, (row, token) in enumerate(zip(sample_rows.tolist(), sampled.tolist())):
+                sampled_by_row[row] = (token, logprobs[j] if logprobs else None)
+
+        req_ids, sampled_token_ids, out_logprobs = [], [], []
+        for i, state in enumerate(states):
+            req_ids.append(state.req_id)
+            if i not in sampled_by_row:
+                sampled_token_ids.append([])
+                out_logprobs.append(None)
+                continue
+            token, lp = sampled_by_row[i]
+            state.token_ids.append(token)
+            state.output_token_ids.append(token)
+            batch.append_token(i, token)
+            sampled_token_ids.append([token])
+            out_logprobs.append(lp)
+        return ModelRunnerOutput(
+            step_id=out.step_id,
+            req_ids=req_ids,
+            sampled_token_ids=sampled_token_ids,
+            logprobs=out_logprobs if any(lp is not None for lp in out_logprobs) else [],
+        )
+
+    def _prepare_inputs(self, num_scheduled: np.ndarray) -> dict:
+        batch = self.input_batch
+        num_reqs = len(num_scheduled)
+        cu = np.cumsum(num_scheduled)
+        total = int(cu[-1])
+        req_indices = np.repeat(np.arange(num_reqs), num_scheduled)
+        offsets = np.arange(total) - np.repeat(cu - num_scheduled, num_scheduled)
+        positions = batch.num_computed_tokens[req_indices] + offsets
+        input_ids = batch.token_ids[req_indices, positions]
+        block_numbers = batch.block_table[req_indices, positions // self.block_size]
+        slot_mapping = block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
+        seq_lens = batch.num_computed_tokens[:num_reqs] + num_scheduled
+        query_start_loc = np.concatenate([[0], cu]).astype(np.int32)
+        max_blocks = int(batch.num_blocks[:num_reqs].max())
+
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_table[:num_reqs, :max_blocks])).to(dev),
+            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return {
+            "input_ids": torch.from_numpy(input_ids).to(dev),
+            "positions": torch.from_numpy(positions).to(dev),
+            "attn": attn,
+            "logits_indices": torch.from_numpy(cu - 1).to(dev),
+            "seq_lens_np": seq_lens,
+        }

@@ -1,0 +1,217 @@
+"""Every message that crosses a process boundary, and every bus subject name.
+
+The request's way (see docs/ARCHITECTURE.md):
+
+    gateway -> tokenizer -> scheduler ==SchedulerOutput==> workers
+                                      <==ModelRunnerOutput== (rank 0)
+    scheduler -> detokenizer -> gateway (EngineOutput / TextDelta)
+
+Hot per-step messages are ``array_like`` Structs of ints and lists of ints, encoded
+with msgpack; one Encoder/Decoder per type, made once. No tensors, no pickles.
+Fields of ``array_like`` Structs are only ever appended, with defaults (schema
+evolution keeps old peers readable).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+# --------------------------------------------------------------------------- subjects
+
+SUBJECT_PREFIX = "llm"
+TOKENIZE = f"{SUBJECT_PREFIX}.tokenize"
+DETOKENIZE = f"{SUBJECT_PREFIX}.detokenize"
+ENGINE_REQUESTS = f"{SUBJECT_PREFIX}.engine.requests"
+ENGINE_ABORT = f"{SUBJECT_PREFIX}.engine.abort"
+ENGINE_STATS = f"{SUBJECT_PREFIX}.engine.stats"
+
+
+def engine_step_subject(engine_id: str) -> str:
+    """Every worker rank of an engine receives each step diff here."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.step"
+
+
+def engine_result_subject(engine_id: str) -> str:
+    """Rank 0 answers each step here; workers also report readiness here."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.result"
+
+
+def gateway_stream_subject(gateway_id: str) -> str:
+    """Text deltas for the requests one gateway replica owns."""
+    return f"{SUBJECT_PREFIX}.stream.{gateway_id}"
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
+    """Per-request sampling and stopping settings (OpenAI / vLLM meaning).
+
+    ``top_k`` <= 0 and ``top_p`` == 1 disable those filters. ``logprobs`` is the
+    number of top alternatives to return besides the sampled token (None: no
+    logprobs at all). ``stop`` strings are handled by the detokenizer only.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+class EngineRequest(msgspec.Struct, omit_defaults=True):
+    """A tokenized request as the scheduler receives it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    eos_token_id: int | None = None
+    # Where outputs go: the detokenizer forwards text to this gateway's subject.
+    gateway_id: str = ""
+    cache_salt: str = ""
+
+
+class AbortRequest(msgspec.Struct, omit_defaults=True):
+    request_ids: list[str]
+
+
+# --------------------------------------------------------------------------- the step diff
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the workers have not seen: sent once, then cached on each worker."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Masked while fewer than min_tokens were generated.
+    eos_token_id: int | None = None
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What changed for requests the workers already hold, as parallel lists.
+
+    ``new_block_ids[i]`` are appended to the request's block table, unless
+    ``resumed_from_preemption[i]``, in which case they replace it (the request
+    was preempted, its blocks freed, and it is being recomputed).
+    """
+
+    req_ids: list[str] = []
+    resumed_from_preemption: list[bool] = []
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One engine step, as a diff against what the workers already hold.
+
+    ``num_scheduled_tokens`` is parallel to ``scheduled_req_ids`` (new requests
+    first, then cached ones, in batch order).
+    """
+
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData] = []
+    scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    scheduled_req_ids: list[str] = []
+    num_scheduled_tokens: list[int] = []
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: list[str] = []
+
+
+class Logprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of one sampled position: index 0 is the sampled token, then top-n."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Rank 0's answer to one step. ``sampled_token_ids[i]`` is empty for a
+    request whose prompt is still being prefilled in chunks."""
+
+    step_id: int
+    req_ids: list[str] = []
+    sampled_token_ids: list[list[int]] = []
+    logprobs: list[Logprobs | None] = []
+    error: str = ""
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+class FinishReason(enum.IntEnum):
+    NONE = 0
+    STOP = 1  # EOS, a stop token id, or a stop string
+    LENGTH = 2  # max_tokens or max_model_len
+    ABORT = 3
+    ERROR = 4
+
+    def openai_name(self) -> str | None:
+        return {1: "stop", 2: "length", 3: "abort", 4: "error"}.get(int(self))
+
+
+class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New tokens of one request after one step, scheduler -> detokenizer.
+
+    Carries the request's recent token window (``window_token_ids`` ends with the
+    new tokens; ``window_offset`` is the index of its first token in the output)
+    so that any stateless detokenizer replica can produce the next text delta.
+    """
+
+    request_id: str
+    gateway_id: str
+    new_token_ids: list[int]
+    window_token_ids: list[int]
+    window_offset: int
+    num_prompt_tokens: int
+    finish_reason: FinishReason = FinishReason.NONE
+    logprobs: list[Logprobs] = []
+    stop: list[str] = []
+    num_cached_tokens: int = 0
+    error: str = ""
+
+
+# --------------------------------------------------------------------------- codecs
+
+
+class Codec:
+    """A msgpack encoder/decoder pair for one message type, made once."""
+
+    __slots__ = ("type", "_encoder", "_decoder")
+
+    def __init__(self, message_type: type) -> None:
+        self.type = message_type
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(message_type)
+
+    def encode(self, message) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, data: bytes):
+        return self._decoder.decode(data)
+
+
+SCHEDULER_OUTPUT = Codec(SchedulerOutput)
+MODEL_RUNNER_OUTPUT = Codec(ModelRunnerOutput)
+ENGINE_REQUEST = Codec(EngineRequest)
+ENGINE_OUTPUT = Codec(EngineOutput)
+ABORT_REQUEST = Codec(AbortRequest)

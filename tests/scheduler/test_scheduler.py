@@ -1,0 +1,220 @@
+"""Scheduler decisions: budget and chunking, admission, preemption, abort, stops."""
+
+import pytest
+
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.scheduler import RequestRejected, Scheduler
+from shared.config import CacheConfig, SchedulerConfig
+from shared.protocol import FinishReason, ModelRunnerOutput, SamplingParams
+
+BS = 4
+EOS = 2
+
+
+def make_scheduler(num_blocks=64, max_model_len=256, **kw):
+    return Scheduler(SchedulerConfig(**kw), CacheConfig(block_size=BS), num_blocks, max_model_len)
+
+
+def make_request(req_id, n_prompt, **params):
+    params.setdefault("max_tokens", 100)
+    base = 1000 * (1 + sum(map(ord, req_id)))  # distinct prompts: no prefix sharing
+    return Request(req_id, list(range(base, base + n_prompt)), SamplingParams(**params),
+                   eos_token_id=EOS, block_size=BS)
+
+
+def run_step(sched, token_of=lambda req_id: 7):
+    """Schedule one step and answer it like a worker would: a token for each
+    request whose known tokens are all computed after the step."""
+    out = sched.schedule()
+    req_ids, tokens = [], []
+    for req_id in out.scheduled_req_ids:
+        req = sched.requests.get(req_id)
+        req_ids.append(req_id)
+        done = req is not None and req.num_computed_tokens == req.num_tokens
+        tokens.append([token_of(req_id)] if done else [])
+    results = sched.update_from_output(out, ModelRunnerOutput(out.step_id, req_ids, tokens))
+    return out, results
+
+
+def scheduled(out):
+    return dict(zip(out.scheduled_req_ids, out.num_scheduled_tokens))
+
+
+def test_budget_is_shared_running_first_then_waiting_chunked():
+    sched = make_scheduler(max_num_batched_tokens=10)
+    sched.add_request(make_request("a", 6))
+    sched.add_request(make_request("b", 9))
+    out, _ = run_step(sched)
+    assert scheduled(out) == {"a": 6, "b": 4}  # b's prompt is chunked
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["a", "b"]
+    assert out.total_num_scheduled_tokens == 10
+    out, results = run_step(sched)
+    # a decodes 1 token, b finishes its prompt (5 more).
+    assert scheduled(out) == {"a": 1, "b": 5}
+    assert out.scheduled_new_reqs == []  # the diff: no request is sent twice
+    assert out.scheduled_cached_reqs.req_ids == ["a", "b"]
+    assert out.scheduled_cached_reqs.num_computed_tokens == [6, 4]
+    assert {r.request_id: r.new_token_ids for r in results} == {"a": [7], "b": [7]}
+
+
+def test_long_prefill_threshold_caps_each_chunk():
+    sched = make_scheduler(max_num_batched_tokens=100, long_prefill_token_threshold=8)
+    sched.add_request(make_request("a", 20))
+    sched.add_request(make_request("b", 3))
+    out, _ = run_step(sched)
+    assert scheduled(out) == {"a": 8, "b": 3}
+    out, _ = run_step(sched)
+    assert scheduled(out) == {"a": 8, "b": 1}
+
+
+def test_chunked_prefill_off_waits_for_room():
+    sched = make_scheduler(max_num_batched_tokens=10, enable_chunked_prefill=False)
+    sched.add_request(make_request("a", 6))
+    sched.add_request(make_request("b", 9))
+    out, _ = run_step(sched)
+    assert scheduled(out) == {"a": 6}
+
+
+def test_max_num_seqs_limits_running():
+    sched = make_scheduler(max_num_seqs=2)
+    for name in "abc":
+        sched.add_request(make_request(name, 3))
+    out, _ = run_step(sched)
+    assert set(scheduled(out)) == {"a", "b"}
+    assert [r.request_id for r in sched.waiting] == ["c"]
+
+
+def test_new_blocks_are_sent_as_a_diff():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4))
+    out, _ = run_step(sched)
+    assert out.scheduled_new_reqs[0].block_ids == [0]
+    out, _ = run_step(sched)  # 5th token needs a second block
+    assert out.scheduled_cached_reqs.new_block_ids == [[1]]
+    out, _ = run_step(sched)
+    assert out.scheduled_cached_reqs.new_block_ids == [[]]
+
+
+def test_preemption_takes_the_last_admitted_and_recomputes_it():
+    # 5 blocks of 4 tokens: a and b each take 2 blocks for 8-token prompts.
+    sched = make_scheduler(num_blocks=5, max_model_len=20)
+    sched.add_request(make_request("a", 8))
+    sched.add_request(make_request("b", 8))
+    out, _ = run_step(sched)
+    assert scheduled(out) == {"a": 8, "b": 8}
+    # Each now needs a third block; only one is free, so b (admitted last) goes.
+    out, _ = run_step(sched)
+    assert scheduled(out) == {"a": 1}
+    b = sched.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert list(sched.waiting) == [b]
+    assert sched.num_preemptions == 1
+    assert sched.kv_cache_manager.get_block_ids("b") == []
+    # a finishes; b comes back resumed, recomputing prompt + its output token.
+    sched.abort_requests(["a"])
+    out, _ = run_step(sched)
+    assert out.scheduled_cached_reqs.req_ids == ["b"]
+    assert out.scheduled_cached_reqs.resumed_from_preemption == [True]
+    # Its first two blocks were still in the prefix cache: only the rest is computed.
+    assert out.scheduled_cached_reqs.num_computed_tokens == [8]
+    assert scheduled(out) == {"b": 1}
+    assert out.finished_req_ids == ["a"]
+
+
+def test_preemption_of_the_only_request_never_happens_thanks_to_length_cap():
+    sched = make_scheduler(num_blocks=2, max_model_len=1000)
+    assert sched.max_model_len == 8
+    sched.add_request(make_request("a", 6, max_tokens=100))
+    results = []
+    for _ in range(5):
+        _, r = run_step(sched)
+        results += r
+    assert results[-1].finish_reason == FinishReason.LENGTH
+    assert sum(len(r.new_token_ids) for r in results) == 2  # 6 + 2 = 8 tokens
+    assert sched.kv_cache_manager.num_free_blocks == 2
+
+
+def test_abort_running_and_waiting_frees_blocks_and_tells_workers():
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add_request(make_request("a", 5))
+    sched.add_request(make_request("b", 5))
+    run_step(sched)
+    aborted = sched.abort_requests(["a", "b", "unknown"])
+    assert [r.request_id for r in aborted] == ["a", "b"]
+    assert all(r.finish_reason == FinishReason.ABORT for r in aborted)
+    assert sched.kv_cache_manager.num_free_blocks == 64
+    assert not sched.has_unfinished_requests()
+    out = sched.schedule()
+    assert out.finished_req_ids == ["a"]  # b never reached a worker
+    assert out.total_num_scheduled_tokens == 0
+
+
+def test_output_of_an_aborted_request_is_dropped():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 3))
+    out = sched.schedule()
+    sched.abort_requests(["a"])
+    results = sched.update_from_output(out, ModelRunnerOutput(out.step_id, ["a"], [[5]]))
+    assert results == []
+
+
+@pytest.mark.parametrize(
+    "params, tokens, n_out, reason",
+    [
+        ({}, [5, EOS, 5], 2, FinishReason.STOP),
+        ({"ignore_eos": True, "max_tokens": 3}, [5, EOS, 5], 3, FinishReason.LENGTH),
+        ({"stop_token_ids": [9]}, [5, 9, 5], 2, FinishReason.STOP),
+        ({"max_tokens": 2}, [5, 5, 5], 2, FinishReason.LENGTH),
+        ({"min_tokens": 3}, [EOS, 9, 5, EOS], 4, FinishReason.STOP),
+        ({"min_tokens": 2, "stop_token_ids": [9]}, [9, 9], 2, FinishReason.STOP),
+    ],
+)
+def test_stop_conditions(params, tokens, n_out, reason):
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 3, **{"max_tokens": 100, **params}))
+    stream = iter(tokens)
+    results = []
+    for _ in range(len(tokens)):
+        _, r = run_step(sched, lambda _id: next(stream))
+        results += r
+        if r and r[-1].finish_reason != FinishReason.NONE:
+            break
+    generated = [t for r in results for t in r.new_token_ids]
+    assert generated == tokens[:n_out]
+    assert results[-1].finish_reason == reason
+    assert sched.kv_cache_manager.num_free_blocks == 64
+
+
+def test_max_model_len_stops_with_length():
+    sched = make_scheduler(max_model_len=6)
+    sched.add_request(make_request("a", 4))
+    results = []
+    for _ in range(4):
+        results += run_step(sched)[1]
+    assert [len(r.new_token_ids) for r in results] == [1, 1]
+    assert results[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_requests_that_can_never_run_are_rejected():
+    sched = make_scheduler(num_blocks=4, max_model_len=100)  # pool holds 16 tokens
+    with pytest.raises(RequestRejected, match="at most 15 prompt tokens"):
+        sched.add_request(make_request("a", 16))
+    with pytest.raises(RequestRejected, match="empty"):
+        sched.add_request(make_request("b", 0))
+    sched.add_request(make_request("c", 3))
+    with pytest.raises(RequestRejected, match="already in use"):
+        sched.add_request(make_request("c", 3))
+    assert sched.get_num_unfinished_requests() == 1
+
+
+def test_engine_output_carries_a_window_for_the_detokenizer():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 3, max_tokens=20))
+    counter = iter(range(100, 200))
+    results = []
+    for _ in range(12):
+        results += run_step(sched, lambda _id: next(counter))[1]
+    last = results[-1]
+    assert last.new_token_ids == [111]
+    assert last.window_offset == 3 and last.window_token_ids == list(range(103, 112))
+    assert last.num_prompt_tokens == 3
