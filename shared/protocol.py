@@ -26,6 +26,12 @@ DETOKENIZE = f"{SUBJECT_PREFIX}.detokenize"
 ENGINE_REQUESTS = f"{SUBJECT_PREFIX}.engine.requests"
 ENGINE_ABORT = f"{SUBJECT_PREFIX}.engine.abort"
 ENGINE_STATS = f"{SUBJECT_PREFIX}.engine.stats"
+PING = f"{SUBJECT_PREFIX}.ping"
+
+
+def ping_subject(service: str) -> str:
+    """Every replica of a service answers health pings here (queue group)."""
+    return f"{PING}.{service}"
 
 
 def engine_step_subject(engine_id: str) -> str:
@@ -36,6 +42,16 @@ def engine_step_subject(engine_id: str) -> str:
 def engine_result_subject(engine_id: str) -> str:
     """Rank 0 answers each step here; workers also report readiness here."""
     return f"{SUBJECT_PREFIX}.engine.{engine_id}.result"
+
+
+def engine_ready_subject(engine_id: str) -> str:
+    """Workers announce themselves here (and answer the scheduler's hello)."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.ready"
+
+
+def engine_hello_subject(engine_id: str) -> str:
+    """The scheduler asks every worker rank of its engine to announce itself."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.hello"
 
 
 def gateway_stream_subject(gateway_id: str) -> str:
@@ -190,6 +206,125 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     error: str = ""
 
 
+# --------------------------------------------------------------------------- service messages
+
+
+class ErrorInfo(msgspec.Struct, omit_defaults=True):
+    """An error for the client, in OpenAI's shape plus the HTTP status to use."""
+
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    status: int = 400
+
+
+class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """gateway -> tokenizer (request/reply). Exactly one of messages / prompt /
+    prompt_token_ids is set. The tokenizer validates, tokenizes and forwards an
+    ``EngineRequest`` to a scheduler, then replies with a ``TokenizeReply``."""
+
+    request_id: str
+    gateway_id: str
+    model: str = ""
+    messages: list[dict] | None = None  # [{"role": ..., "content": str}]
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling_params: SamplingParams = SamplingParams()
+    add_generation_prompt: bool = True
+    cache_salt: str = ""
+
+
+class TokenizeReply(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    num_prompt_tokens: int = 0
+    error: ErrorInfo | None = None
+
+
+class EngineRequestReply(msgspec.Struct, omit_defaults=True):
+    """scheduler -> tokenizer: the request was queued, or why not."""
+
+    request_id: str
+    error: ErrorInfo | None = None
+
+
+class EngineOutputBatch(msgspec.Struct, array_like=True, gc=False):
+    """scheduler -> detokenizer: every request's new tokens of one step."""
+
+    outputs: list[EngineOutput]
+
+
+class TopLogprob(msgspec.Struct, array_like=True, gc=False):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class StreamDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """detokenizer -> gateway: the text of tokens [token_offset, token_offset +
+    num_tokens) of one request's output. The gateway writes deltas in offset
+    order; ``finish_reason`` set means the stream ends after this delta."""
+
+    request_id: str
+    token_offset: int
+    num_tokens: int
+    text: str
+    finish_reason: FinishReason = FinishReason.NONE
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = []
+    error: str = ""
+
+
+class StreamDeltaBatch(msgspec.Struct, array_like=True, gc=False):
+    deltas: list[StreamDelta]
+
+
+class EngineStats(msgspec.Struct, omit_defaults=True):
+    """scheduler -> anyone (gateways for /metrics), published every second."""
+
+    engine_id: str
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage_perc: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    ready: bool = False
+    timestamp: float = 0.0
+
+
+class WorkerReady(msgspec.Struct, omit_defaults=True):
+    """worker -> scheduler: this rank is up, with its share of the KV cache."""
+
+    engine_id: str
+    rank: int
+    world_size: int
+    instance_id: str
+    num_blocks: int
+    max_model_len: int
+    block_size: int
+
+
+class Ping(msgspec.Struct, omit_defaults=True):
+    pass
+
+
+class Pong(msgspec.Struct, omit_defaults=True):
+    service: str
+    instance_id: str
+    info: dict = {}
+
+
 # --------------------------------------------------------------------------- codecs
 
 
@@ -215,3 +350,11 @@ MODEL_RUNNER_OUTPUT = Codec(ModelRunnerOutput)
 ENGINE_REQUEST = Codec(EngineRequest)
 ENGINE_OUTPUT = Codec(EngineOutput)
 ABORT_REQUEST = Codec(AbortRequest)
+TOKENIZE_REQUEST = Codec(TokenizeRequest)
+TOKENIZE_REPLY = Codec(TokenizeReply)
+ENGINE_REQUEST_REPLY = Codec(EngineRequestReply)
+ENGINE_OUTPUT_BATCH = Codec(EngineOutputBatch)
+STREAM_DELTA_BATCH = Codec(StreamDeltaBatch)
+ENGINE_STATS_MSG = Codec(EngineStats)
+WORKER_READY = Codec(WorkerReady)
+PONG = Codec(Pong)

