@@ -1,0 +1,63 @@
+"""The kernels layer: one set of operations the model calls, from Triton or from PyTorch.
+
+`get_kernel_ops(backend)` is chosen once when a worker builds its model: "triton" runs the
+Triton kernels (CUDA), "torch" the PyTorch references (the CPU path), "auto" picks Triton
+when CUDA is available. Both backends take and return the same tensors; see each kernel's
+module for shapes and layouts.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
+from kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+from kernels.write_kv import write_kv_ref, write_kv_triton
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The model's kernels from one backend; every callable has the same signature in both."""
+
+    name: str
+    rms_norm: Callable
+    rotary_embedding: Callable
+    silu_and_mul: Callable
+    write_kv: Callable
+    paged_attention: Callable
+
+
+TORCH_OPS = KernelOps(
+    name="torch",
+    rms_norm=rms_norm_ref,
+    rotary_embedding=rotary_embedding_ref,
+    silu_and_mul=silu_and_mul_ref,
+    write_kv=write_kv_ref,
+    paged_attention=paged_attention_ref,
+)
+
+TRITON_OPS = KernelOps(
+    name="triton",
+    rms_norm=rms_norm_triton,
+    rotary_embedding=rotary_embedding_triton,
+    silu_and_mul=silu_and_mul_triton,
+    write_kv=write_kv_triton,
+    paged_attention=paged_attention_triton,
+)
+
+
+def get_kernel_ops(backend: str = "auto") -> KernelOps:
+    """The kernel set for backend "torch", "triton" or "auto" (Triton iff CUDA is available)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        backend = "triton" if torch.cuda.is_available() else "torch"
+    return TRITON_OPS if backend == "triton" else TORCH_OPS
+
+
+__all__ = ["BACKENDS", "KernelOps", "get_kernel_ops"]

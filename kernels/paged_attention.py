@@ -108,3 +108,167 @@ def paged_attention_ref(
             int(group_seq_lens.max()), out,
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    scale_log2,  # softmax scale * log2(e): the kernel works with exp2
+    query_token_stride,
+    query_head_stride,
+    out_token_stride,
+    out_head_stride,
+    cache_block_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    block_table_stride,
+    block_size,
+    head_dim,
+    GROUP: tl.constexpr,  # query heads per kv head
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # next power of two >= BLOCK_Q * GROUP, at least 16
+    BLOCK_N: tl.constexpr,  # keys per inner-loop tile
+    HEAD_DIM: tl.constexpr,  # head_dim rounded up to a power of two
+    INPUT_PRECISION: tl.constexpr,
+):
+    # One program: request `req`, its query tokens [q_block*BLOCK_Q, +BLOCK_Q), and the GROUP
+    # query heads sharing kv head `kv_head`, flattened into BLOCK_M rows (token-major), so
+    # each K/V tile is loaded once for the whole group.
+    req = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_index = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (q_index < q_len)
+    q_position = context_len + q_index
+    dims = tl.arange(0, HEAD_DIM)
+    dim_valid = dims < head_dim
+
+    token = (q_start + q_index).to(tl.int64)
+    q = tl.load(
+        query_ptr + token[:, None] * query_token_stride + head[:, None] * query_head_stride
+        + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )  # fmt: skip
+
+    # Finite start for the running max, so rows with every key masked give p = 0, not NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # The last key any row of this program may see.
+    kv_end = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
+    block_table = block_tables_ptr + req.to(tl.int64) * block_table_stride
+    kv_head_offset = kv_head.to(tl.int64) * cache_head_stride
+    for start in range(0, kv_end, BLOCK_N):
+        positions = start + tl.arange(0, BLOCK_N)
+        key_valid = positions < kv_end
+        block = tl.load(block_table + positions // block_size, mask=key_valid, other=0)
+        slot_offset = (
+            block.to(tl.int64) * cache_block_stride
+            + (positions % block_size) * cache_slot_stride
+            + kv_head_offset
+        )
+        kv_mask = key_valid[None, :] & dim_valid[:, None]
+        k = tl.load(  # [HEAD_DIM, BLOCK_N]
+            key_cache_ptr + slot_offset[None, :] + dims[:, None], mask=kv_mask, other=0.0
+        )
+        s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
+        visible = key_valid[None, :] & (positions[None, :] <= q_position[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(  # [BLOCK_N, HEAD_DIM]
+            value_cache_ptr + slot_offset[:, None] + dims[None, :],
+            mask=tl.trans(kv_mask),
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(v.dtype), v, input_precision=INPUT_PRECISION
+        )
+        m_i = m_new
+
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride
+        + dims[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & dim_valid[None, :],
+    )  # fmt: skip
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Triton paged attention, one launch for the whole mixed batch; same contract as the ref."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert query.stride(-1) == 1 and key_cache.stride(-1) == 1
+    assert key_cache.stride() == value_cache.stride()
+    out = torch.empty_like(query)
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    # Decodes want one query token per program (rows = the GQA group); prefill chunks want
+    # enough tokens to fill a 64-row tile of the tensor core MMA.
+    rows = 16 if max_query_len == 1 else 64
+    block_q = max(1, min(rows // group, max_query_len))
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _paged_attention_kernel[grid](
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * 1.4426950408889634,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        key_cache.shape[1],
+        head_dim,
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        HEAD_DIM=max(16, triton.next_power_of_2(head_dim)),
+        INPUT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+    return out

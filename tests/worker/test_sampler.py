@@ -1,0 +1,113 @@
+"""Sampler: filters, penalties, min_tokens masking, seeded draws and logprobs."""
+
+import math
+
+import torch
+
+from services.worker.input_batch import CachedRequestState
+from services.worker.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from services.worker.sampling_batch import make_sampling_batch
+from shared.protocol import SamplingParams
+
+V = 10
+
+
+def state(params, prompt=(1, 2), output=(), seed_gen=True, eos=None):
+    gen = torch.Generator().manual_seed(params.seed) if (params.seed is not None and seed_gen) else None
+    return CachedRequestState("r", list(prompt) + list(output), len(prompt), params, [], 0, eos,
+                              generator=gen, output_token_ids=list(output))
+
+
+def sample(logits, states, seed=0):
+    sampler = Sampler(torch.Generator().manual_seed(seed))
+    return sampler(logits, make_sampling_batch(states, "cpu"))
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(3, V)
+    tokens, lps = sample(logits, [state(SamplingParams(temperature=0))] * 3)
+    assert tokens.tolist() == logits.argmax(-1).tolist() and lps is None
+
+
+def test_top_k_and_top_p_keep_the_right_sets():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    kept = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False, False]]
+    probs = torch.softmax(logits, -1)[0]  # ~[0.64, 0.24, 0.09, 0.03, 0.01]
+    kept = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.8]))
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False, False]]
+    assert probs[0] < 0.8 < probs[0] + probs[1]
+    kept = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.1]))
+    assert torch.isfinite(kept).tolist() == [[True, False, False, False, False]]
+
+
+def test_min_p_drops_tokens_below_fraction_of_top():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = apply_min_p(logits, torch.tensor([0.2]))  # threshold 0.1
+    assert torch.isfinite(kept).tolist() == [[True, True, True, False]]
+
+
+def test_sampling_only_draws_allowed_tokens_and_matches_distribution():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1, 1e-9, 1e-9]])).repeat(4000, 1)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    tokens, _ = sample(logits, [state(params)] * 4000)
+    counts = torch.bincount(tokens, minlength=5).float() / 4000
+    assert counts[3:].sum() == 0
+    assert torch.allclose(counts[:3], torch.tensor([0.6, 0.3, 0.1]), atol=0.04)
+
+
+def test_penalties_match_a_naive_implementation():
+    torch.manual_seed(0)
+    logits = torch.randn(2, V)
+    params = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
+    states = [state(params, prompt=(1, 2), output=(3, 3, 4)), state(params, prompt=(5,), output=())]
+    batch = make_sampling_batch(states, "cpu")
+    from services.worker.sampler import apply_penalties
+
+    got = apply_penalties(logits.clone(), batch)
+    want = logits.clone()
+    for row, (prompt, output) in enumerate([((1, 2), (3, 3, 4)), ((5,), ())]):
+        for t in set(prompt) | set(output):
+            want[row, t] = want[row, t] / 1.3 if want[row, t] > 0 else want[row, t] * 1.3
+        for t in set(output):
+            want[row, t] -= 0.5 * output.count(t) + 0.25
+    assert torch.allclose(got, want)
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(2, V)
+    logits[:, 7] = 10.0  # eos is by far the likeliest
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[8])
+    logits[:, 8] = 9.0
+    early = state(params, output=(1,), eos=7)
+    done = state(params, output=(1, 1), eos=7)
+    tokens, _ = sample(logits, [early, done])
+    assert tokens.tolist()[1] == 7
+    assert tokens.tolist()[0] not in (7, 8)
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 1000)
+    params = SamplingParams(temperature=1.0, seed=1234)
+    alone = [sample(logits, [state(params)])[0].item() for _ in range(1)]
+    other = SamplingParams(temperature=1.0)
+    batch_logits = torch.cat([torch.randn(2, 1000), logits, torch.randn(1, 1000)])
+    mixed, _ = sample(batch_logits, [state(other), state(other), state(params), state(other)], seed=99)
+    assert mixed[2].item() == alone[0]
+
+
+def test_logprobs_are_raw_log_softmax_with_rank():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    params = SamplingParams(temperature=0, logprobs=2)
+    tokens, lps = sample(logits, [state(params)])
+    want = torch.log_softmax(logits, -1)[0]
+    lp = lps[0]
+    assert lp.token_ids == [1, 1, 2]
+    assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(lp.logprobs, [want[1], want[1], want[2]]))
+    assert lp.sampled_rank == 1
+    # Rank of a sampled token that is not the top one.
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    p2 = SamplingParams(temperature=0, logprobs=0, repetition_penalty=100.0)
+    _, lps = sample(logits, [state(p2, prompt=(1,))])
+    assert lps[0].token_ids == [2] and lps[0].sampled_rank == 2
