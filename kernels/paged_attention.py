@@ -74,13 +74,18 @@ def paged_attention_ref(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, nh, hd] -> out [T, nh, hd]; see the module docstring for the layout.
+
+    `out`, if given, is a preallocated [T, nh, hd] tensor the result is written into.
 
     Cache slots that no request reads (past seq_len in a request's last block) must hold
     finite values (zeros or old K/V), as 0 * NaN would leak into the padded SDPA.
     """
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
     if query.shape[0] == 0:
         return out
     seq_lens = seq_lens.long()
@@ -226,6 +231,8 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged attention, one launch for the whole mixed batch; same contract as the ref."""
     num_tokens, num_heads, head_dim = query.shape
@@ -233,7 +240,9 @@ def paged_attention_triton(
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert query.stride(-1) == 1 and key_cache.stride(-1) == 1
     assert key_cache.stride() == value_cache.stride()
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(-1) == 1
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out

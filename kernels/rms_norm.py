@@ -15,15 +15,21 @@ def rms_norm_ref(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] -> x / sqrt(mean(x^2) + eps) * weight; with residual, returns (out, x + residual)."""
+    """x [T, H] -> x / sqrt(mean(x^2) + eps) * weight; with residual, returns (out, x + residual).
+
+    `out`, if given, is a preallocated [T, H] tensor the result is written into.
+    """
     if residual is not None:
         residual = x + residual
         x = residual
     xf = x.float()
     variance = xf.pow(2).mean(-1, keepdim=True)
     # Same operation order as Hugging Face's LlamaRMSNorm, so fp32 results match bit for bit.
-    out = (weight.float() * (xf * torch.rsqrt(variance + eps))).to(x.dtype)
+    normed = (weight.float() * (xf * torch.rsqrt(variance + eps))).to(x.dtype)
+    out = normed if out is None else out.copy_(normed)
     return out if residual is None else (out, residual)
 
 
@@ -46,8 +52,10 @@ def _rms_norm_kernel(
     mask = cols < hidden_size
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        # The sum is rounded to the activation dtype first, as the unfused add would do.
-        x = x + tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        # Added in fp32 (the interpreter mangles bf16 arithmetic) and rounded to the activation
+        # dtype, as the unfused add would do.
+        r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(residual_ptr + row * residual_stride + cols, x, mask=mask)
     xf = x.to(tl.float32)
     variance = tl.sum(xf * xf, axis=0) / hidden_size
@@ -62,11 +70,15 @@ def rms_norm_triton(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton RMSNorm; with residual, the sum x + residual is written into `residual` in place."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be [T, H] with contiguous rows"
     num_tokens, hidden_size = x.shape
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty_like(x)
+    assert out.shape == x.shape and out.stride(-1) == 1
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(-1) == 1
     if num_tokens > 0:

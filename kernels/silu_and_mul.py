@@ -11,10 +11,17 @@ import triton
 import triton.language as tl
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2*I] -> silu(x[:, :I]) * x[:, I:], as Hugging Face's LlamaMLP computes it."""
+def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, 2*I] -> silu(x[:, :I]) * x[:, I:], computed in fp32 and rounded once to x.dtype.
+
+    `out`, if given, is a preallocated [T, I] tensor the result is written into.
+    """
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        # fp32 is the CPU path: no casts, the same ops as Hugging Face's LlamaMLP.
+        return torch.mul(F.silu(gate), up, out=out)
+    result = (F.silu(gate.float()) * up.float()).to(x.dtype)
+    return result if out is None else out.copy_(result)
 
 
 @triton.jit
@@ -35,11 +42,13 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + token * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton SiLU-and-mul of x [T, 2*I] -> [T, I]."""
     assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] % 2 == 0
     num_tokens, intermediate_size = x.shape[0], x.shape[1] // 2
-    out = torch.empty((num_tokens, intermediate_size), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((num_tokens, intermediate_size), dtype=x.dtype, device=x.device)
+    assert out.shape == (num_tokens, intermediate_size) and out.stride(-1) == 1
     if num_tokens > 0:
         block_size = min(triton.next_power_of_2(intermediate_size), 1024)
         grid = (num_tokens, triton.cdiv(intermediate_size, block_size))

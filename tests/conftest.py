@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def smollm_path():
-    from shared.model_files import default_model_path
+    from shared.model_config import default_model_path
 
     return default_model_path()
 

@@ -12,6 +12,7 @@ def main() -> None:
     engine_args.add_engine_args(parser)
     add_flag(parser, "--step-timeout", "STEP_TIMEOUT", 60.0, float, help="seconds to wait for a step's result")
     add_flag(parser, "--stats-interval", "STATS_INTERVAL", 1.0, float, help="seconds between EngineStats messages")
+    add_flag(parser, "--worker-timeout", "WORKER_TIMEOUT", 5.0, float, help="seconds of worker silence that fail the engine")
     args = parser.parse_args()
     setup_logging(args.log_level)
     service = SchedulerService(
@@ -21,6 +22,7 @@ def main() -> None:
         world_size=args.tensor_parallel_size,
         step_timeout=args.step_timeout,
         stats_interval=args.stats_interval,
+        worker_timeout=args.worker_timeout,
         nats_url=args.nats_url,
     )
     run_service(service)

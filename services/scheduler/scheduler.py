@@ -24,14 +24,12 @@ from shared.protocol import (
     SchedulerOutput,
 )
 
+from shared.incremental_detokenizer import window_tokens
+
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-# Output tokens sent with each EngineOutput before the new ones, so a stateless
-# detokenizer can finish UTF-8 characters and stop strings that span tokens.
-DETOKENIZE_WINDOW = 8
 
 
 class RequestRejected(ValueError):
@@ -215,6 +213,7 @@ class Scheduler:
             num_scheduled_tokens=[num_scheduled[r] for r in order],
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
+            reset_state=self._step_id == 1,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -276,13 +275,15 @@ class Scheduler:
             self._finished_req_ids.add(request.request_id)
 
     def _engine_output(self, request: Request, new_token_ids, logprobs) -> EngineOutput:
-        output = request.output_token_ids
-        start = max(0, len(output) - len(new_token_ids) - DETOKENIZE_WINDOW)
+        # The tokens before the new ones that a stateless detokenizer needs to finish
+        # UTF-8 characters and stop strings that span tokens.
+        window = window_tokens(request.sampling_params.stop)
+        start = max(0, request.num_output_tokens - len(new_token_ids) - window)
         return EngineOutput(
             request_id=request.request_id,
             gateway_id=request.gateway_id,
             new_token_ids=new_token_ids,
-            window_token_ids=output[start:],
+            window_token_ids=request.all_token_ids[request.num_prompt_tokens + start :],
             window_offset=start,
             num_prompt_tokens=request.num_prompt_tokens,
             finish_reason=request.finish_reason,

@@ -64,6 +64,7 @@ class SchedulerService(Service):
         world_size: int = 1,
         step_timeout: float = 60.0,
         stats_interval: float = 1.0,
+        worker_timeout: float = 5.0,
         nats_url: str | None = None,
     ) -> None:
         super().__init__(nats_url)
@@ -73,8 +74,10 @@ class SchedulerService(Service):
         self.world_size = world_size
         self.step_timeout = step_timeout
         self.stats_interval = stats_interval
+        self.worker_timeout = worker_timeout
         self.scheduler: Scheduler | None = None
         self.workers: dict[int, object] = {}
+        self._last_seen: dict[int, float] = {}
         self._work = asyncio.Event()
         self._pending_step: tuple[int, asyncio.Future] | None = None
         self.prompt_tokens_total = 0
@@ -107,6 +110,7 @@ class SchedulerService(Service):
                 self.world_size, self.cache_config.block_size,
             )
             return
+        self._last_seen[ready.rank] = time.monotonic()
         known = self.workers.get(ready.rank)
         if known is not None and known.instance_id == ready.instance_id:
             return
@@ -127,6 +131,9 @@ class SchedulerService(Service):
         """Fail every request and wait for the workers to announce themselves again."""
         scheduler, self.scheduler = self.scheduler, None
         self.workers.clear()
+        self._last_seen.clear()
+        if self._pending_step is not None and not self._pending_step[1].done():
+            self._pending_step[1].cancel()
         if scheduler is None:
             return
         logger.error("engine %s: %s; failing %d request(s)", self.engine_id, reason,
@@ -200,6 +207,10 @@ class SchedulerService(Service):
             await self.nc.publish(engine_step_subject(self.engine_id), SCHEDULER_OUTPUT.encode(step))
             try:
                 result = await asyncio.wait_for(future, self.step_timeout)
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise
+                continue  # the engine failed while the step ran
             except asyncio.TimeoutError:
                 self._fail_engine(f"no answer to step {step.step_id} within {self.step_timeout}s")
                 continue
@@ -217,8 +228,17 @@ class SchedulerService(Service):
             if not scheduler.has_unfinished_requests():
                 self._work.clear()
 
+    def _check_workers(self) -> None:
+        """Workers heartbeat with their ready message; a silent rank fails the engine."""
+        now = time.monotonic()
+        for rank in list(self.workers):
+            if now - self._last_seen.get(rank, now) > self.worker_timeout:
+                self._fail_engine(f"worker rank {rank} silent for more than {self.worker_timeout}s")
+                return
+
     async def _stats_loop(self) -> None:
         while True:
+            self._check_workers()
             stats = EngineStats(engine_id=self.engine_id, ready=self.ready, timestamp=time.time(),
                                 prompt_tokens_total=self.prompt_tokens_total,
                                 generation_tokens_total=self.generation_tokens_total)
@@ -226,4 +246,4 @@ class SchedulerService(Service):
                 for key, value in self.scheduler.stats().items():
                     setattr(stats, key, value)
             await self.nc.publish(ENGINE_STATS, ENGINE_STATS_MSG.encode(stats))
-            await asyncio.sleep(self.stats_interval)
+            await asyncio.sleep(min(self.stats_interval, self.worker_timeout / 3))

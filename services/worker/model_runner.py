@@ -122,6 +122,10 @@ class ModelRunner:
 
     def _update_states(self, out: SchedulerOutput) -> None:
         batch = self.input_batch
+        if out.reset_state:
+            for req_id in list(self.requests):
+                batch.remove_request(req_id)
+            self.requests.clear()
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)

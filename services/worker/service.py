@@ -33,6 +33,8 @@ from .model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+HEARTBEAT_INTERVAL = 0.5
+
 
 class WorkerService(Service):
     name = "worker"
@@ -72,6 +74,13 @@ class WorkerService(Service):
         await self.subscribe(engine_step_subject(self.engine_id), self._on_step)
         await self.subscribe(engine_hello_subject(self.engine_id), self._on_hello)
         await self._announce()
+        self.spawn(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        """The ready message doubles as a heartbeat: the scheduler notices a dead rank."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+            await self._announce()
 
     async def _announce(self) -> None:
         await self.nc.publish(engine_ready_subject(self.engine_id), WORKER_READY.encode(self.ready_message()))

@@ -32,10 +32,11 @@ SEEDS = [
     "Write a haiku about the sea.",
     "List three prime numbers and explain why each of them is prime:",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    PARAGRAPH + "Summarise the paragraph above in one sentence:",
-    PARAGRAPH * 3 + "Question: who combined movable type with a press? Answer:",
-    PARAGRAPH * 4 + "Translate the first sentence into French:",
-    PARAGRAPH * 5 + "What happened next?",
+    # Distinct openings: no shared prefix, so the long prompts really compete for blocks.
+    "Read this. " + PARAGRAPH + "Summarise the paragraph above in one sentence:",
+    "Exam text: " + PARAGRAPH * 2 + "Question: who combined movable type with a press? Answer:",
+    "Source document. " + PARAGRAPH * 4 + "Translate the first sentence into French:",
+    "Story so far: " + PARAGRAPH * 4 + "And then? " + "What happened next?",
 ]
 
 

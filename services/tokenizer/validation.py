@@ -1,0 +1,162 @@
+"""Request validation at the tokenizer: OpenAI / vLLM ranges, OpenAI's error shape.
+
+Pure functions, no bus. Each check raises ``InvalidRequest`` carrying the
+``ErrorInfo`` (status 400, the offending parameter named) that the gateway hands
+to the client as is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from shared.protocol import ErrorInfo, SamplingParams, TokenizeRequest
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+MAX_LOGPROBS = 20
+
+
+class InvalidRequest(ValueError):
+    """The request cannot be served as sent; ``error`` says why, for the client."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.error = ErrorInfo(message, type="invalid_request_error", param=param, code=code, status=400)
+
+
+def _check_range(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:
+    ok = (low < value if low_open else low <= value) and value <= high
+    if not ok:  # also catches NaN
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise InvalidRequest(f"{name} must be in {interval}, got {value}", param=name)
+
+
+def validate_sampling_params(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """Check every setting against its allowed range; return it normalised (top_k -1 -> 0).
+
+    ``max_tokens == 0`` means "not given": it is resolved once the prompt length is
+    known (``resolve_max_tokens``).
+    """
+    _check_range("temperature", params.temperature, 0.0, 2.0)
+    _check_range("top_p", params.top_p, 0.0, 1.0, low_open=True)
+    if params.top_k < -1:
+        raise InvalidRequest(f"top_k must be -1 or 0 (disabled) or at least 1, got {params.top_k}", param="top_k")
+    _check_range("min_p", params.min_p, 0.0, 1.0)
+    _check_range("presence_penalty", params.presence_penalty, -2.0, 2.0)
+    _check_range("frequency_penalty", params.frequency_penalty, -2.0, 2.0)
+    if not (params.repetition_penalty > 0 and math.isfinite(params.repetition_penalty)):
+        raise InvalidRequest(
+            f"repetition_penalty must be a finite number > 0, got {params.repetition_penalty}",
+            param="repetition_penalty",
+        )
+    if params.max_tokens < 0:
+        raise InvalidRequest(f"max_tokens must be at least 1, got {params.max_tokens}", param="max_tokens")
+    if params.min_tokens < 0:
+        raise InvalidRequest(f"min_tokens must be at least 0, got {params.min_tokens}", param="min_tokens")
+    if params.max_tokens > 0 and params.min_tokens > params.max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})", param="min_tokens"
+        )
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(
+            f"logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}", param="logprobs"
+        )
+    for s in params.stop:
+        if not s:
+            raise InvalidRequest("stop strings must not be empty", param="stop")
+    for token_id in params.stop_token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(
+                f"stop_token_ids has {token_id}, outside the vocabulary [0, {vocab_size})", param="stop_token_ids"
+            )
+    if params.top_k == -1:
+        params = msgspec.structs.replace(params, top_k=0)
+    return params
+
+
+def chat_messages(messages: list[dict]) -> list[dict]:
+    """The messages as the chat template takes them: role and string content checked.
+
+    Content given as OpenAI text parts (``[{"type": "text", "text": ...}]``) is joined
+    into one string, as vLLM does.
+    """
+    if not messages:
+        raise InvalidRequest("messages must not be empty", param="messages")
+    result = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param="messages"
+            )
+        content = message.get("content")
+        if isinstance(content, list):
+            content = _join_text_parts(content, i)
+            message = {**message, "content": content}
+        if not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content must be a string", param="messages")
+        result.append(message)
+    return result
+
+
+def _join_text_parts(parts: list, index: int) -> str:
+    texts = []
+    for part in parts:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise InvalidRequest(f"messages[{index}].content parts must be text parts", param="messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def validate_request_shape(request: TokenizeRequest, vocab_size: int) -> None:
+    """Exactly one prompt form; token ids inside the vocabulary."""
+    given = [name for name in ("messages", "prompt", "prompt_token_ids") if getattr(request, name) is not None]
+    if len(given) != 1:
+        raise InvalidRequest(
+            f"exactly one of messages, prompt, prompt_token_ids must be given, got {given or 'none'}",
+            param=given[1] if len(given) > 1 else "messages",
+        )
+    for token_id in request.prompt_token_ids or ():
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(
+                f"prompt_token_ids has {token_id}, outside the vocabulary [0, {vocab_size})",
+                param="prompt_token_ids",
+            )
+
+
+def resolve_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int, param: str) -> SamplingParams:
+    """Check the prompt (and the completion, when max_tokens was given) fits the context.
+
+    ``param`` names the prompt field ("messages" or "prompt") in errors. Without
+    max_tokens the completion may fill the context.
+    """
+    kind = "messages" if param == "messages" else "prompt"
+    if prompt_len == 0:
+        raise InvalidRequest(f"the {kind} resulted in an empty prompt", param=param)
+    if prompt_len >= max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your {kind} "
+            f"resulted in {prompt_len} tokens, leaving no room for the completion. "
+            f"Please reduce the length of the {kind}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if params.max_tokens == 0:
+        max_tokens = max_model_len - prompt_len
+        if params.min_tokens > max_tokens:
+            raise InvalidRequest(
+                f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens left in the context "
+                f"({max_model_len} tokens, {prompt_len} in the {kind})",
+                param="min_tokens",
+            )
+        return msgspec.structs.replace(params, max_tokens=max_tokens)
+    if prompt_len + params.max_tokens > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the {kind}, {params.max_tokens} "
+            f"in the completion). Please reduce the length of the {kind} or completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return params

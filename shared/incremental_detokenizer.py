@@ -1,0 +1,217 @@
+"""Stateless incremental detokenization: one ``EngineOutput`` in, one text delta out.
+
+Sits in the detokenizer service, between the scheduler (which publishes each step's
+new token ids) and the gateway (which writes text to the client). It keeps no state
+per request: every ``EngineOutput`` carries the request's recent output tokens (its
+window, ending with the new tokens), and that is enough to produce the text of
+exactly the new tokens, so any detokenizer replica can handle any step.
+
+What the client sees after ``n`` output tokens is defined once, globally::
+
+    clean(n)   = decode(output[:n]) without trailing U+FFFD   (an unfinished
+                 UTF-8 character is emitted with the token that completes it)
+                 cut before the first stop string, if one occurs
+    emitted(n) = clean(n)                      if the request finished at n
+                 clean(n)[: len(clean(n)) - H] otherwise (H = longest stop - 1:
+                 no part of a stop string that may still complete is streamed)
+
+and the delta of a step is ``emitted(n)`` minus ``emitted(n - len(new))``. Both are
+computed inside the window: its text and the global text agree after the window's
+first whole character, so differences of positions measured from there are the
+same. The window start may cut a character (its leading bytes then decode to
+U+FFFD "garbage", counted and skipped) and must leave at least H characters of
+text before the new tokens (see ``window_tokens``)::
+
+    window_token_ids:  [ prev tokens (k) ........................ | new tokens (m) ]
+    window text:       [ garbage g | prev text ... [held back H] | new text ...... ]
+                                                  ^ emitted up to here before
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import msgspec
+
+from shared.protocol import EngineOutput, FinishReason, Logprobs, TokenLogprob, TopLogprob
+
+logger = logging.getLogger(__name__)
+
+REPLACEMENT_CHAR = "\ufffd"
+# Previous tokens the window needs without stop strings: an unfinished character at
+# the window start (up to 3 tokens of continuation bytes), one at the end (up to 3),
+# and at least one whole character between them.
+BASE_WINDOW = 8
+# UTF-8 bytes per character, at most; every non-special token carries >= 1 byte.
+_MAX_BYTES_PER_CHAR = 4
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def window_tokens(stop: list[str]) -> int:
+    """Output tokens the scheduler must send before the new ones for these stop strings.
+
+    The detokenizer holds back and re-reads up to ``H = longest stop - 1`` characters of
+    text before the new tokens; each character is at most 4 UTF-8 bytes and each
+    (non-special) token at least one byte, so ``4 * H`` tokens cover them, on top of
+    ``BASE_WINDOW`` for the unfinished characters at both ends.
+    """
+    return BASE_WINDOW + _MAX_BYTES_PER_CHAR * holdback_chars(stop)
+
+
+def holdback_chars(stop: list[str]) -> int:
+    """Characters held back from a running stream: a stop string's longest proper prefix."""
+    return max((len(s) for s in stop), default=1) - 1
+
+
+class DetokenizedOutput(msgspec.Struct, gc=False):
+    """The text of one ``EngineOutput``'s new tokens and what it means for the request.
+
+    ``stopped``: a stop string ended the request in this step (the scheduler must be
+    told to abort it). ``already_stopped``: a stop string ended it in an earlier step,
+    so this output (tokens the scheduler made before the abort reached it) is dropped.
+    """
+
+    text: str
+    finish_reason: FinishReason
+    stopped: bool = False
+    already_stopped: bool = False
+    window_too_short: bool = False
+    logprobs: list[TokenLogprob] = []
+
+
+class IncrementalDetokenizer:
+    """Turns ``EngineOutput``s into text deltas with one tokenizer; no per-request state."""
+
+    def __init__(self, tokenizer) -> None:
+        # Imported here so the scheduler can use ``window_tokens`` without the tokenizer stack.
+        from shared.tokenizer import _byte_alphabet
+
+        self.tokenizer = tokenizer
+        backend = tokenizer.backend
+        decoder = backend.decoder
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+        self._unicode_to_byte = {c: b for b, c in _byte_alphabet().items()}
+        # Per-id token text and raw bytes for logprobs, filled lazily.
+        self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
+
+    # ------------------------------------------------------------------ text
+
+    def decode_window(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def process(self, output: EngineOutput) -> DetokenizedOutput:
+        """The text delta of ``output``'s new tokens (see the module docstring)."""
+        window = output.window_token_ids
+        num_new = len(output.new_token_ids)
+        num_prev = len(window) - num_new
+        if num_prev < 0:
+            raise ValueError(f"window of {len(window)} tokens does not hold the {num_new} new ones")
+        stop = [s for s in output.stop if s]
+        holdback = holdback_chars(stop)
+        if num_new == 0:
+            # An error report without tokens: nothing to decode.
+            return DetokenizedOutput("", output.finish_reason, logprobs=self.token_logprobs(output.logprobs))
+
+        prev_full = self.decode_window(window[:num_prev])
+        cur_full = self.decode_window(window)
+        # Leading U+FFFD from bytes of a character that began before the window. Counting
+        # a genuine U+FFFD after them too only shifts both texts alike.
+        garbage = 0 if output.window_offset == 0 else _count_leading(cur_full, REPLACEMENT_CHAR)
+        prev = prev_full.rstrip(REPLACEMENT_CHAR)[garbage:]
+        cur = cur_full.rstrip(REPLACEMENT_CHAR)[garbage:]
+
+        window_too_short = output.window_offset > 0 and len(prev) < holdback
+        if window_too_short:
+            logger.warning(
+                "%s: detokenize window of %d tokens holds %d characters before the new tokens, "
+                "%d needed for stop strings; text may be lost",
+                output.request_id, len(window), len(prev), holdback,
+            )
+
+        finish_reason = output.finish_reason
+        stopped = False
+        if stop:
+            if _find_stop(prev, stop, 0) is not None:
+                return DetokenizedOutput(
+                    "", FinishReason.STOP, already_stopped=True, window_too_short=window_too_short
+                )
+            # Only a stop string that ends in the new text can be new.
+            cut = _find_stop(cur, stop, max(0, len(prev) - holdback))
+            if cut is not None:
+                cur = cur[:cut]
+                finish_reason = FinishReason.STOP
+                stopped = True
+
+        emitted_before = max(0, len(prev) - holdback)
+        emitted_now = len(cur) if finish_reason != FinishReason.NONE else max(0, len(cur) - holdback)
+        text = cur[emitted_before:emitted_now] if emitted_now > emitted_before else ""
+        return DetokenizedOutput(
+            text, finish_reason, stopped=stopped, window_too_short=window_too_short,
+            logprobs=self.token_logprobs(output.logprobs),
+        )
+
+    # ------------------------------------------------------------------ logprobs
+
+    def token_logprobs(self, logprobs: list[Logprobs]) -> list[TokenLogprob]:
+        """OpenAI-shaped logprobs: the sampled token first, then its top alternatives."""
+        result = []
+        for lp in logprobs:
+            if not lp.token_ids:
+                continue
+            tops = [
+                TopLogprob(self.token_text(t), float(v), list(self.token_bytes(t)))
+                for t, v in zip(lp.token_ids[1:], lp.logprobs[1:])
+            ]
+            sampled = lp.token_ids[0]
+            result.append(
+                TokenLogprob(self.token_text(sampled), float(lp.logprobs[0]), list(self.token_bytes(sampled)), tops)
+            )
+        return result
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (part of a character for some tokens)."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = self._raw_bytes(token_id)
+            self._token_bytes[token_id] = raw
+        return raw
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.token_bytes(token_id).decode("utf-8", errors="replace")
+            self._token_text[token_id] = text
+        return text
+
+    def _raw_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode("utf-8")
+        token = self.tokenizer.backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        if self._byte_level and all(c in self._unicode_to_byte for c in token):
+            return bytes(self._unicode_to_byte[c] for c in token)
+        match = _BYTE_TOKEN.fullmatch(token)
+        if match:  # SentencePiece byte fallback
+            return bytes([int(match.group(1), 16)])
+        if not self._byte_level:  # SentencePiece: "▁" is a space
+            return token.replace("\u2581", " ").encode("utf-8")
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+def _count_leading(text: str, char: str) -> int:
+    return len(text) - len(text.lstrip(char))
+
+
+def _find_stop(text: str, stop: list[str], start: int) -> int | None:
+    """Index of the earliest stop string occurrence in ``text[start:]``, or None."""
+    best = None
+    for s in stop:
+        i = text.find(s, start)
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best
+

@@ -1,0 +1,299 @@
+"""The model's tokenizer: ``load_tokenizer(path)`` for a GGUF file or a Hugging Face folder.
+
+For a GGUF file the ``tokenizers.Tokenizer`` is rebuilt from the metadata llama.cpp
+stores (byte-level BPE vocabulary, merges, token types, special ids), with the
+pre-tokenizer that the file's ``tokenizer.ggml.pre`` names. For a folder it is read
+from tokenizer.json and tokenizer_config.json. Chat templates are rendered with
+Jinja2 the way transformers does (sandboxed, trim_blocks, lstrip_blocks).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+from shared.model_config import gguf_value, open_gguf, read_json, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+# llama_token_type values in tokenizer.ggml.token_type.
+_CONTROL, _USER_DEFINED = 3, 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2_pre() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _split_pre(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+# tokenizer.ggml.pre -> (pre-tokenizer, BPE ignore_merges), as llama.cpp's llama-vocab.cpp
+# splits each pre-type. "smollm" is the original SmolLM2 tokenizer.json: every digit
+# alone, then GPT-2's byte-level regex.
+_GGUF_PRE_TOKENIZERS = {
+    "default": (_gpt2_pre, False),
+    "gpt2": (_gpt2_pre, False),
+    "smollm": (
+        lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_pre()]),
+        False,
+    ),
+    "llama-bpe": (lambda: _split_pre(_LLAMA3_SPLIT), True),
+    "llama3": (lambda: _split_pre(_LLAMA3_SPLIT), True),
+    "qwen2": (lambda: _split_pre(_QWEN2_SPLIT), False),
+}
+
+
+class Tokenizer:
+    """Our tokenizer: a ``tokenizers.Tokenizer`` (``.backend``) plus special ids and chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        unk_token: str | None = None,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.unk_token, self.pad_token = unk_token, pad_token
+        self.chat_template = chat_template
+        self._id = {t: backend.token_to_id(t) for t in (bos_token, eos_token, unk_token, pad_token) if t is not None}
+        probe = backend.encode("a", add_special_tokens=True).ids
+        # Whether the post-processor adds BOS: llama.cpp's / HF's add_bos_token.
+        self.add_bos_token = bool(probe) and self.bos_token_id is not None and probe[0] == self.bos_token_id
+
+    # ---------------------------------------------------------------- ids and text
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; BOS (and EOS) only where the model's tokenizer adds them."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        """Text of a token list (as transformers: the backend's decoder applied to them)."""
+        decoder = self.backend.decoder
+        return decoder.decode(list(tokens)) if decoder is not None else "".join(tokens)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._id.get(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._id.get(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._id.get(self.pad_token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added tokens included (may be < the model's)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def all_special_ids(self) -> list[int]:
+        ids = {i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special}
+        ids.update(i for i in self._id.values() if i is not None)
+        return sorted(ids)
+
+    # ---------------------------------------------------------------- chat
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """The prompt text for ``messages``, rendered as transformers renders it."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        context = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "unk_token": self.unk_token or "",
+            "pad_token": self.pad_token or "",
+        }
+        context.update(kwargs)
+        return _compile_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **context
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(source: str):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes HTML characters; transformers' does not.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of a ``.gguf`` file or a Hugging Face folder."""
+    kind, p = resolve_model_path(path)
+    return _tokenizer_from_gguf(p) if kind == "gguf" else _tokenizer_from_hf(p)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the byte-level BPE alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _tokenizer_from_gguf(path: Path) -> Tokenizer:
+    reader = open_gguf(path)
+    model = gguf_value(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(
+            f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
+            "use the model's Hugging Face folder instead"
+        )
+    pre = gguf_value(reader, "tokenizer.ggml.pre", "default")
+    if pre not in _GGUF_PRE_TOKENIZERS:
+        raise ValueError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported ({sorted(_GGUF_PRE_TOKENIZERS)})")
+    make_pre, ignore_merges = _GGUF_PRE_TOKENIZERS[pre]
+
+    tokens: list[str] = gguf_value(reader, "tokenizer.ggml.tokens")
+    types: list[int] = gguf_value(reader, "tokenizer.ggml.token_type", None) or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges")]
+    alphabet = _byte_alphabet()
+    alphabet_chars = set(alphabet.values())
+
+    def spelled(token: str) -> str:
+        # Tokens outside the byte alphabet (a few files store raw text) are respelled, as transformers does.
+        if set(token) <= alphabet_chars:
+            return token
+        return "".join(alphabet[b] for b in token.encode("utf-8"))
+
+    vocab = {spelled(t): i for i, t in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = make_pre()
+    backend.decoder = decoders.ByteLevel()
+
+    # Control and user-defined tokens are matched whole in the text, as llama.cpp does; only
+    # control tokens are special (skipped by decode(skip_special_tokens=True)).
+    def added(token_type: int) -> list[AddedToken]:
+        return [
+            AddedToken(t, normalized=False, special=token_type == _CONTROL)
+            for t, ty in zip(tokens, types)
+            if ty == token_type and t in vocab
+        ]
+
+    backend.add_special_tokens(added(_CONTROL))
+    backend.add_tokens(added(_USER_DEFINED))
+    if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise ValueError(f"{path}: rebuilt vocabulary has {backend.get_vocab_size()} tokens, file has {len(tokens)}")
+
+    def token_of(key: str) -> str | None:
+        i = gguf_value(reader, f"tokenizer.ggml.{key}", None)
+        return None if i is None else tokens[int(i)]
+
+    bos, eos = token_of("bos_token_id"), token_of("eos_token_id")
+    add_bos = bool(gguf_value(reader, "tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(gguf_value(reader, "tokenizer.ggml.add_eos_token", False))
+    backend.post_processor = _template_processor(backend, bos if add_bos else None, eos if add_eos else None)
+    return Tokenizer(
+        backend,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=token_of("unknown_token_id"),
+        pad_token=token_of("padding_token_id"),
+        chat_template=gguf_value(reader, "tokenizer.chat_template", None),
+    )
+
+
+def _template_processor(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None):
+    single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
+    pair = single + " " + " ".join(([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else []))
+    specials = [(t, backend.token_to_id(t)) for t in (bos, eos) if t]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def _token_str(value: Any) -> str | None:
+    # tokenizer_config.json spells a special token as a string or as an AddedToken dict.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _tokenizer_from_hf(folder: Path) -> Tokenizer:
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{folder} has no tokenizer.json (only fast tokenizers are supported)")
+    backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    config = read_json(folder / "tokenizer_config.json") or {}
+    bos, eos = _token_str(config.get("bos_token")), _token_str(config.get("eos_token"))
+    # tokenizer.json's post-processor decides BOS/EOS (as in transformers 5); only without one
+    # do tokenizer_config's add_bos_token/add_eos_token flags apply (as LlamaTokenizerFast did).
+    if backend.post_processor is None:
+        backend.post_processor = _template_processor(
+            backend,
+            bos if config.get("add_bos_token") and bos else None,
+            eos if config.get("add_eos_token") and eos else None,
+        )
+    template = config.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    elif template is None and (folder / "chat_template.json").is_file():
+        template = read_json(folder / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # named templates: use the default one
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    return Tokenizer(
+        backend,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=_token_str(config.get("unk_token")),
+        pad_token=_token_str(config.get("pad_token")),
+        chat_template=template,
+    )

@@ -1,0 +1,59 @@
+"""RMSNorm: the Triton kernel against the PyTorch reference, with and without residual."""
+
+import pytest
+import torch
+
+from kernels.rms_norm import rms_norm_ref, rms_norm_triton
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+SHAPES = [(1, 576), (257, 4096), (33, 5120)] if ON_CUDA else [(1, 576), (7, 96), (5, 1000)]
+TOLERANCES = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("num_tokens,hidden_size", SHAPES)
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+def test_triton_matches_reference(num_tokens, hidden_size, dtype):
+    x = torch.randn(num_tokens, hidden_size, device=DEVICE).to(dtype)
+    weight = torch.randn(hidden_size, device=DEVICE).to(dtype)
+    out = torch.full_like(x, float("nan"))
+    got = rms_norm_triton(x, weight, 1e-5, out=out)
+    tol = TOLERANCES[dtype]
+    assert got is out
+    torch.testing.assert_close(got, rms_norm_ref(x, weight, 1e-5), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("num_tokens,hidden_size", SHAPES)
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+def test_triton_with_residual_matches_reference(num_tokens, hidden_size, dtype):
+    x = torch.randn(num_tokens, hidden_size, device=DEVICE).to(dtype)
+    weight = torch.randn(hidden_size, device=DEVICE).to(dtype)
+    residual = torch.randn(num_tokens, hidden_size, device=DEVICE).to(dtype)
+    _, expected_residual = rms_norm_ref(x, weight, 1e-6, residual.clone())
+    out, new_residual = rms_norm_triton(
+        x, weight, 1e-6, residual.clone(), out=torch.full_like(x, float("nan"))
+    )
+    tol = TOLERANCES[dtype]
+    # Exact, except that the interpreter rounds fp32 -> bf16 by truncation (1 ulp apart).
+    sum_tol = tol if dtype == torch.bfloat16 and not ON_CUDA else 0.0
+    torch.testing.assert_close(new_residual, expected_residual, rtol=sum_tol, atol=sum_tol)
+    # Normalise the sum the kernel returned, so a 1-ulp sum difference is not counted twice.
+    torch.testing.assert_close(out, rms_norm_ref(new_residual, weight, 1e-6), rtol=tol, atol=tol)
+
+
+def test_reference_formula():
+    x = torch.randn(4, 64, dtype=torch.float64, device=DEVICE)
+    weight = torch.randn(64, dtype=torch.float64, device=DEVICE)
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    # The reference computes in fp32 whatever the input dtype.
+    torch.testing.assert_close(rms_norm_ref(x, weight, 1e-6), expected, rtol=1e-5, atol=1e-6)
+    residual = torch.randn(4, 64, dtype=torch.float64, device=DEVICE)
+    out, summed = rms_norm_ref(x, weight, 1e-6, residual)
+    torch.testing.assert_close(summed, x + residual)
+    torch.testing.assert_close(out, rms_norm_ref(x + residual, weight, 1e-6))
+
+
+def test_reference_keeps_half_dtype():
+    x = torch.randn(3, 32, device=DEVICE).to(torch.bfloat16)
+    out = rms_norm_ref(x, torch.ones(32, device=DEVICE, dtype=torch.bfloat16), 1e-6)
+    assert out.dtype == torch.bfloat16

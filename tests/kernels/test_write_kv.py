@@ -1,0 +1,63 @@
+"""write_kv: the Triton kernel against the PyTorch reference, and the reference against a
+per-token loop; negative slots must leave the cache untouched."""
+
+import pytest
+import torch
+
+from kernels.write_kv import write_kv_ref, write_kv_triton
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+# (num_tokens, num_blocks, block_size, num_kv_heads, head_dim)
+SHAPES = (
+    [(1, 64, 16, 8, 128), (300, 512, 16, 8, 128), (97, 128, 16, 3, 64)]
+    if ON_CUDA
+    else [(1, 8, 16, 2, 64), (11, 6, 4, 3, 64), (9, 4, 16, 1, 128)]
+)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def make_inputs(num_tokens, num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # K and V as slices of one fused qkv-like tensor, so their token stride is not dense.
+    kv = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim, generator=gen).to(DEVICE, dtype)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads : 2 * num_kv_heads]
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(cache_shape, generator=gen).to(DEVICE, dtype)
+    value_cache = torch.randn(cache_shape, generator=gen).to(DEVICE, dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::3] = -1  # padding tokens
+    return key, value, key_cache, value_cache, slots.to(DEVICE)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_matches_reference(shape, dtype):
+    key, value, key_cache, value_cache, slots = make_inputs(*shape, dtype)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    write_kv_ref(key, value, expected_k, expected_v, slots)
+    write_kv_triton(key, value, key_cache, value_cache, slots)
+    torch.testing.assert_close(key_cache, expected_k, rtol=0, atol=0)
+    torch.testing.assert_close(value_cache, expected_v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("write_kv", [write_kv_ref, write_kv_triton])
+def test_matches_per_token_loop_and_skips_negative_slots(write_kv):
+    key, value, key_cache, value_cache, slots = make_inputs(11, 6, 4, 3, 64, torch.float32)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    block_size = key_cache.shape[1]
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected_k[slot // block_size, slot % block_size] = key[t]
+            expected_v[slot // block_size, slot % block_size] = value[t]
+    write_kv(key, value, key_cache, value_cache, slots)
+    torch.testing.assert_close(key_cache, expected_k, rtol=0, atol=0)
+    torch.testing.assert_close(value_cache, expected_v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("write_kv", [write_kv_ref, write_kv_triton])
+def test_all_negative_slots_write_nothing(write_kv):
+    key, value, key_cache, value_cache, _ = make_inputs(5, 4, 4, 2, 64, torch.float32)
+    before_k, before_v = key_cache.clone(), value_cache.clone()
+    write_kv(key, value, key_cache, value_cache, torch.full((5,), -1, device=DEVICE))
+    assert torch.equal(key_cache, before_k) and torch.equal(value_cache, before_v)
