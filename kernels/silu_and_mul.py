@@ -12,7 +12,7 @@ import triton.language as tl
 
 
 def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, 2*I] -> silu(x[:, :I]) * x[:, I:], computed in fp32 and rounded once to x.dtype.
+    """x [T, 2*I] -> silu(x[:, :I]) * x[:, I:]; fp16/bf16 go through fp32, rounded once.
 
     `out`, if given, is a preallocated [T, I] tensor the result is written into.
     """

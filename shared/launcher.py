@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.nats_server import NatsServer
+from shared.nats_server import NatsServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,8 +76,14 @@ class Stack:
         self.nats = NatsServer(port=cfg.nats_port, log_file=log)
         model = ["--model", cfg.model] if cfg.model else []
         tp = ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+        # TP ranks meet in a torch.distributed rendezvous hosted by rank 0 (engine_args may override).
+        dist = []
+        if cfg.tensor_parallel_size > 1:
+            dist = ["--dist-init-method", f"tcp://127.0.0.1:{free_port()}"]
         for rank in range(cfg.tensor_parallel_size):
-            self.start_service(f"worker-{rank}", "services.worker", [*model, *tp, "--rank", str(rank), *cfg.engine_args])
+            self.start_service(
+                f"worker-{rank}", "services.worker", [*model, *tp, "--rank", str(rank), *dist, *cfg.engine_args]
+            )
         self.start_service("scheduler", "services.scheduler", [*model, *tp, *cfg.engine_args])
         for i in range(cfg.num_tokenizers):
             self.start_service(f"tokenizer-{i}", "services.tokenizer", [*model])

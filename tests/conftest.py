@@ -5,7 +5,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
+# Without a GPU the Triton kernels run under Triton's interpreter. triton.jit reads
+# this when a kernel is decorated, i.e. when `kernels` is first imported: it must be
+# set before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

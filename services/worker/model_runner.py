@@ -5,6 +5,13 @@ persistent batch, builds the flat model inputs with vectorised gathers (token
 ids, positions, slot mapping, block tables, query start offsets, sequence
 lengths), runs the model over the paged KV cache and samples the last position
 of every request whose prompt is complete.
+
+Under tensor parallelism (``ParallelConfig``) every rank builds the same runner over
+its shard of the model and of the KV cache (its KV heads only), receives the same
+step diffs and runs the same code: the LM head all-gathers the full logits onto every
+rank, and the shared and per-request generators are seeded alike on every rank, so
+every rank samples the same tokens and keeps the same request state. Only the driver
+(rank 0) computes logprobs, which draw no randomness.
 """
 
 from __future__ import annotations
@@ -16,13 +23,14 @@ import numpy as np
 import torch
 
 from kernels import get_kernel_ops
-from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
+from shared.config import CacheConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
 from shared.model_config import ModelConfig
-from shared.model_files import default_model_path, iter_weights, load_model_config
+from shared.model_files import default_model_path, load_model_config, open_weights
 from shared.protocol import ModelRunnerOutput, SchedulerOutput
 
 from .input_batch import CachedRequestState, InputBatch
 from .models.llama import AttentionMetadata, LlamaForCausalLM
+from .parallel import ShardLayout, init_distributed, tp_device
 from .sampler import Sampler
 from .sampling_batch import make_sampling_batch
 
@@ -31,10 +39,9 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+def resolve_device(name: str, parallel_config: ParallelConfig = ParallelConfig()) -> torch.device:
+    """``auto``: CUDA when available, else CPU; under TP each rank takes GPU ``rank % count``."""
+    return tp_device(name, parallel_config)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -49,10 +56,12 @@ class ModelRunner:
         run_config: ModelRunConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
+        parallel_config: ParallelConfig = ParallelConfig(),
     ) -> None:
         self.run_config = run_config
         self.cache_config = cache_config
-        self.device = resolve_device(run_config.device)
+        self.parallel_config = parallel_config
+        self.device = resolve_device(run_config.device, parallel_config)
         self.dtype = resolve_dtype(run_config.dtype, self.device)
         self.model_path = run_config.model or default_model_path()
         self.model_config: ModelConfig = load_model_config(self.model_path)
@@ -62,11 +71,23 @@ class ModelRunner:
         )
         self.block_size = cache_config.block_size
         self.ops = get_kernel_ops(run_config.kernel_backend)
+        # This rank's heads / columns / vocabulary rows (checked before joining the group).
+        self.shard = ShardLayout.for_rank(
+            self.model_config, parallel_config.rank, parallel_config.tensor_parallel_size
+        )
+        # Joins the engine's ranks (a no-op with one rank; the worker service joins first).
+        self.tp = init_distributed(parallel_config, self.device)
+        self.rank = self.tp.rank
+        self.is_driver = self.rank == 0
 
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
         torch.manual_seed(run_config.seed)
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(self.model_config, self.ops)
-        self.model.load_weights(iter_weights(self.model_path, dtype=torch.float32))
+            self.model = LlamaForCausalLM(self.model_config, self.ops, self.tp)
+        # Each rank reads only its rows / columns of the sharded tensors.
+        with open_weights(self.model_path) as weights:
+            self.model.load_weights_from(weights, dtype=torch.float32)
         self.model.to(dtype=self.dtype)
         self.model.cos_sin_cache = self.model.cos_sin_cache.float()
         self.model.eval()
@@ -76,17 +97,21 @@ class ModelRunner:
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(scheduler_config.max_num_seqs, self.max_model_len, max_blocks_per_req)
         self.requests: dict[str, CachedRequestState] = {}
+        # Seeded alike on every rank: unseeded random requests draw the same noise everywhere.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
         logger.info(
-            "model %s loaded: %s on %s, kernels=%s, %d KV blocks of %d tokens",
-            self.model_path, self.dtype, self.device, self.ops.name, self.num_blocks, self.block_size,
+            "model %s loaded: %s on %s, kernels=%s, rank %d/%d (%d q heads, %d KV heads), "
+            "%d KV blocks of %d tokens",
+            self.model_path, self.dtype, self.device, self.ops.name, self.rank, self.tp.world_size,
+            self.shard.num_heads, self.shard.num_kv_heads, self.num_blocks, self.block_size,
         )
 
     # ------------------------------------------------------------------ KV cache
 
     def kv_block_bytes(self) -> int:
+        """Bytes of one KV block on this rank (its KV heads only)."""
         cfg = self.model_config
-        per_layer = 2 * self.block_size * cfg.num_key_value_heads * cfg.head_dim
+        per_layer = 2 * self.block_size * self.shard.num_kv_heads * cfg.head_dim
         return per_layer * cfg.num_hidden_layers * torch.finfo(self.dtype).bits // 8
 
     def _num_kv_blocks(self) -> int:
@@ -109,7 +134,7 @@ class ModelRunner:
 
     def _allocate_kv_caches(self, num_blocks: int):
         cfg = self.model_config
-        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, self.shard.num_kv_heads, cfg.head_dim)
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -202,6 +227,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[logits_indices])
             sample_states = [states[i] for i in sample_rows]
             sampling = make_sampling_batch(sample_states, self.device)
+            if not self.is_driver:
+                sampling.num_logprobs = None  # only rank 0 replies; logprobs draw no randomness
             sampled, logprobs = self.sampler(logits, sampling)
             for j, (row, token) in enumerate(zip(sample_rows.tolist(), sampled.tolist())):
                 sampled_by_row[row] = (token, logprobs[j] if logprobs else None)

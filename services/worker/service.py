@@ -10,6 +10,7 @@ steps run strictly in arrival order (one subscription callback at a time).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,7 +30,8 @@ from shared.protocol import (
     engine_step_subject,
 )
 
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, resolve_device
+from .parallel import init_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,18 @@ class WorkerService(Service):
         self.engine_id = engine_id
         self.parallel_config = parallel_config
         self.rank = parallel_config.rank
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        self.runner = ModelRunner(run_config, cache_config, scheduler_config)
+        # Tensor parallelism: join the engine's ranks (blocks until all have joined)
+        # before building the runner, which then loads only this rank's shard.
+        device = resolve_device(run_config.device, parallel_config)
+        init_distributed(parallel_config, device)
+        # The forward thread runs the collectives; CUDA's current device is per thread.
+        initializer = None
+        if device.type == "cuda" and device.index is not None:
+            import torch
+
+            initializer = functools.partial(torch.cuda.set_device, device)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward", initializer=initializer)
+        self.runner = ModelRunner(run_config, cache_config, scheduler_config, parallel_config)
         self._result_subject = engine_result_subject(engine_id)
 
     def info(self) -> dict:

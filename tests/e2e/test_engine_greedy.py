@@ -158,3 +158,26 @@ def test_logprobs_and_stop_token_ids_through_the_engine(smollm_worker, smollm_pr
         assert lp.sampled_rank == 1 and lp.token_ids[1] == token  # greedy: top-1
         assert lp.logprobs[1] >= lp.logprobs[2] >= lp.logprobs[3]
     assert_no_leaks(engine)
+
+
+def test_tiny_llama_greedy_equals_hf_on_the_triton_path(tiny_llama):
+    """Every kernel from Triton (the interpreter on CPU), same tokens as HF."""
+    from services.worker.model_runner import ModelRunner
+    from shared.config import ModelRunConfig
+
+    torch_worker, hf_model = tiny_llama
+    worker = ModelRunner(
+        ModelRunConfig(model=torch_worker.model_path, kernel_backend="triton"),
+        CacheConfig(num_gpu_blocks=16),
+        SchedulerConfig(max_num_seqs=4),
+    )
+    assert worker.ops.name == "triton"
+    engine = engine_for(worker, max_num_batched_tokens=24)
+    gen = torch.Generator().manual_seed(3)
+    vocab = worker.model_config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (5, 19, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    refs = hf_greedy(hf_model, prompts, 6, stop_at_eos=False)
+    results = engine.generate(prompts, params)
+    assert_greedy_matches([r.token_ids for r in results], refs, 6)
+    assert_no_leaks(engine)

@@ -5,6 +5,16 @@ decodes mixed) and calls kernels only through ``KernelOps``, so the same code
 runs the PyTorch references on CPU and Triton on CUDA. Weights arrive under
 Hugging Face names (see ``shared/model_files.py``); q/k/v and gate/up are fused
 into one matrix each at load.
+
+Tensor parallelism (``ShardLayout`` / ``TensorParallel`` from ``..parallel``): each
+rank holds its query heads' rows of q/k/v (KV heads split across ranks, or the one
+KV head its query heads read when there are fewer KV heads than ranks), its slice
+of the MLP's intermediate columns, and its slice of the (padded) vocabulary. o_proj
+and down_proj are row-parallel (partial sums, then an all-reduce); the embedding
+looks up only its vocabulary rows (zeros elsewhere, then an all-reduce); the LM head
+computes its vocabulary slice of the logits and all-gathers the full row. With one
+rank every one of those steps is the plain single-device code, chosen at
+construction: no collective and no branch runs in the forward pass.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ from torch import nn
 
 from kernels.rotary import compute_cos_sin_cache
 from shared.model_config import ModelConfig
+
+from ..parallel import ShardLayout, TensorParallel
 
 
 @dataclass
@@ -51,13 +63,28 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+
+
+def row_parallel_linear(tp: TensorParallel):
+    """``linear`` for a row-parallel weight: this rank's partial sum, then an all-reduce.
+    With one rank it is ``nn.functional.linear`` itself."""
+    if not tp.enabled:
+        return nn.functional.linear
+    all_reduce = tp.all_reduce
+
+    def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return all_reduce(nn.functional.linear(x, weight))
+
+    return linear_all_reduce
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ops) -> None:
+    def __init__(self, config: ModelConfig, ops, shard: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
         self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = shard.num_heads  # on this rank
+        self.num_kv_heads = shard.num_kv_heads  # on this rank
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -69,6 +96,7 @@ class LlamaAttention(nn.Module):
             else None
         )
         self.o_weight = nn.Parameter(torch.empty(hidden, self.q_size), requires_grad=False)
+        self.o_proj = row_parallel_linear(tp)
 
     def forward(self, x, positions, attn: AttentionMetadata, kv_cache, cos_sin_cache):
         qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
@@ -96,30 +124,31 @@ class LlamaAttention(nn.Module):
             attn.max_query_len,
             attn.max_seq_len,
         )
-        return nn.functional.linear(out.view(num_tokens, self.q_size), self.o_weight)
+        return self.o_proj(out.view(num_tokens, self.q_size), self.o_weight)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops) -> None:
+    def __init__(self, config: ModelConfig, ops, shard: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
-        inter = config.intermediate_size
+        inter = shard.intermediate_size  # on this rank
         self.gate_up_weight = nn.Parameter(torch.empty(2 * inter, config.hidden_size), requires_grad=False)
         self.down_weight = nn.Parameter(torch.empty(config.hidden_size, inter), requires_grad=False)
+        self.down_proj = row_parallel_linear(tp)
 
     def forward(self, x):
-        return nn.functional.linear(
+        return self.down_proj(
             self.ops.silu_and_mul(nn.functional.linear(x, self.gate_up_weight)), self.down_weight
         )
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops) -> None:
+    def __init__(self, config: ModelConfig, ops, shard: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
         self.eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, ops)
-        self.mlp = LlamaMLP(config, ops)
+        self.self_attn = LlamaAttention(config, ops, shard, tp)
+        self.mlp = LlamaMLP(config, ops, shard, tp)
         self.input_norm = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
 
@@ -134,20 +163,37 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+@dataclass
+class _WeightSlot:
+    """Where one checkpoint tensor goes: ``target`` receives ``tensor.narrow(dim, start, stop)``
+    of the full tensor of shape ``full_shape`` (``dim`` None: the whole tensor)."""
+
+    target: torch.Tensor
+    full_shape: tuple[int, ...]
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, ops) -> None:
+    def __init__(self, config: ModelConfig, ops, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        tp = tp or TensorParallel.single()
         self.config = config
         self.ops = ops
-        self.embed_weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.tp = tp
+        self.shard = ShardLayout.for_rank(config, tp.rank, tp.world_size)
+        vocab_rows = self.shard.vocab_per_rank if tp.enabled else config.vocab_size
+        # Rows past the true vocabulary (padding on the last rank(s)) stay zero.
+        self.embed_weight = nn.Parameter(torch.zeros(vocab_rows, config.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, ops) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, ops, self.shard, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+            else nn.Parameter(torch.zeros(vocab_rows, config.hidden_size), requires_grad=False)
         )
         self.register_buffer(
             "cos_sin_cache",
@@ -156,85 +202,137 @@ class LlamaForCausalLM(nn.Module):
             ),
             persistent=False,
         )
+        # Single-device or vocab-parallel embedding and LM head, fixed here once.
+        self.embed = self._embed_vocab_parallel if tp.enabled else self._embed
+        self.compute_logits = self._logits_vocab_parallel if tp.enabled else self._logits
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches) -> torch.Tensor:
-        x = nn.functional.embedding(input_ids, self.embed_weight)
+        x = self.embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, attn, kv_cache, self.cos_sin_cache)
         x, _ = self.ops.rms_norm(x, self.norm, self.config.rms_norm_eps, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_weight if self.lm_head is None else self.lm_head
-        return nn.functional.linear(hidden, weight).float()
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(input_ids, self.embed_weight)
+
+    def _embed_vocab_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
+        start = self.shard.vocab_start
+        outside = (input_ids < start) | (input_ids >= start + self.shard.vocab_per_rank)
+        x = nn.functional.embedding((input_ids - start).masked_fill_(outside, 0), self.embed_weight)
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
+
+    def _lm_weight(self) -> torch.Tensor:
+        return self.embed_weight if self.lm_head is None else self.lm_head
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> full logits ``[N, vocab]`` in float32."""
+        return nn.functional.linear(hidden, self._lm_weight()).float()
+
+    def _logits_vocab_parallel(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = nn.functional.linear(hidden, self._lm_weight())
+        return self.tp.all_gather_last_dim(local)[:, : self.config.vocab_size].float()
 
     # ------------------------------------------------------------------ loading
 
-    def load_weights(self, weights) -> None:
-        """Copy (hf_name, tensor) pairs into the fused parameters; every one must arrive."""
-        cfg = self.config
-        q_size = cfg.num_attention_heads * cfg.head_dim
-        kv_size = cfg.num_key_value_heads * cfg.head_dim
-        inter = cfg.intermediate_size
-        loaded: set[str] = set()
+    def _weight_plan(self) -> dict[str, _WeightSlot]:
+        """Every checkpoint tensor this rank needs, under its HF name, and where it goes."""
+        cfg, shard = self.config, self.shard
+        hd, hidden = cfg.head_dim, cfg.hidden_size
+        q_full, kv_full = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        inter_full = cfg.intermediate_size
+        q_size, kv_size, inter = shard.num_heads * hd, shard.num_kv_heads * hd, shard.intermediate_size
+        q_start, kv_start = shard.head_start * hd, shard.kv_head_start * hd
+        i_start = shard.inter_start
+        plan: dict[str, _WeightSlot] = {}
 
-        def put(param: torch.Tensor, tensor: torch.Tensor, rows: slice | None = None, key: str = "") -> None:
-            target = param if rows is None else param[rows]
-            if target.shape != tensor.shape:
-                raise ValueError(f"weight {key}: expected shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
-            target.copy_(tensor)
-            loaded.add(key)
+        def add(name, target, full_shape, dim=None, start=0, stop=0):
+            if dim is not None and start == 0 and stop == full_shape[dim]:
+                dim = None  # the whole tensor (always so with one rank)
+            plan[name] = _WeightSlot(target, tuple(full_shape), dim, start, stop)
 
-        for name, tensor in weights:
-            if name == "model.embed_tokens.weight":
-                put(self.embed_weight.data, tensor, key=name)
-                continue
-            if name == "model.norm.weight":
-                put(self.norm.data, tensor, key=name)
-                continue
-            if name == "lm_head.weight":
-                if self.lm_head is not None:
-                    put(self.lm_head.data, tensor, key=name)
-                continue
-            parts = name.split(".")
-            if parts[:2] != ["model", "layers"]:
-                continue
-            layer = self.layers[int(parts[2])]
-            suffix = ".".join(parts[3:])
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv_rows = {
-                "q": slice(0, q_size),
-                "k": slice(q_size, q_size + kv_size),
-                "v": slice(q_size + kv_size, q_size + 2 * kv_size),
-            }
-            if suffix in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
-                put(attn.qkv_weight.data, tensor, qkv_rows[parts[4][0]], name)
-            elif suffix in ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"):
-                if attn.qkv_bias is not None:
-                    put(attn.qkv_bias.data, tensor, qkv_rows[parts[4][0]], name)
-            elif suffix == "self_attn.o_proj.weight":
-                put(attn.o_weight.data, tensor, key=name)
-            elif suffix == "mlp.gate_proj.weight":
-                put(mlp.gate_up_weight.data, tensor, slice(0, inter), name)
-            elif suffix == "mlp.up_proj.weight":
-                put(mlp.gate_up_weight.data, tensor, slice(inter, 2 * inter), name)
-            elif suffix == "mlp.down_proj.weight":
-                put(mlp.down_weight.data, tensor, key=name)
-            elif suffix == "input_layernorm.weight":
-                put(layer.input_norm.data, tensor, key=name)
-            elif suffix == "post_attention_layernorm.weight":
-                put(layer.post_attn_norm.data, tensor, key=name)
-        expected = {"model.embed_tokens.weight", "model.norm.weight"}
+        v_start, v_stop = shard.vocab_start, shard.vocab_stop
+        if self.tp.enabled:
+            vocab_slice = slice(0, v_stop - v_start)
+        else:
+            v_start, v_stop, vocab_slice = 0, cfg.vocab_size, slice(None)
+        add("model.embed_tokens.weight", self.embed_weight.data[vocab_slice], (cfg.vocab_size, hidden), 0, v_start, v_stop)
         if self.lm_head is not None:
-            expected.add("lm_head.weight")
-        for i in range(cfg.num_hidden_layers):
-            for w in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                expected.add(f"model.layers.{i}.self_attn.{w}.weight")
-            for w in ("gate_proj", "up_proj", "down_proj"):
-                expected.add(f"model.layers.{i}.mlp.{w}.weight")
-            expected.add(f"model.layers.{i}.input_layernorm.weight")
-            expected.add(f"model.layers.{i}.post_attention_layernorm.weight")
-        missing = sorted(expected - loaded)
+            add("lm_head.weight", self.lm_head.data[vocab_slice], (cfg.vocab_size, hidden), 0, v_start, v_stop)
+        add("model.norm.weight", self.norm.data, (hidden,))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = attn.qkv_weight.data
+            rows = {
+                "q": (slice(0, q_size), q_full, q_start, q_start + q_size),
+                "k": (slice(q_size, q_size + kv_size), kv_full, kv_start, kv_start + kv_size),
+                "v": (slice(q_size + kv_size, q_size + 2 * kv_size), kv_full, kv_start, kv_start + kv_size),
+            }
+            for key, (local, full, start, stop) in rows.items():
+                add(f"{p}self_attn.{key}_proj.weight", qkv[local], (full, hidden), 0, start, stop)
+                if attn.qkv_bias is not None:
+                    add(f"{p}self_attn.{key}_proj.bias", attn.qkv_bias.data[local], (full,), 0, start, stop)
+            add(f"{p}self_attn.o_proj.weight", attn.o_weight.data, (hidden, q_full), 1, q_start, q_start + q_size)
+            gate_up = mlp.gate_up_weight.data
+            add(f"{p}mlp.gate_proj.weight", gate_up[:inter], (inter_full, hidden), 0, i_start, i_start + inter)
+            add(f"{p}mlp.up_proj.weight", gate_up[inter:], (inter_full, hidden), 0, i_start, i_start + inter)
+            add(f"{p}mlp.down_proj.weight", mlp.down_weight.data, (hidden, inter_full), 1, i_start, i_start + inter)
+            add(f"{p}input_layernorm.weight", layer.input_norm.data, (hidden,))
+            add(f"{p}post_attention_layernorm.weight", layer.post_attn_norm.data, (hidden,))
+        return plan
+
+    @staticmethod
+    def _put(slot: _WeightSlot, tensor: torch.Tensor, name: str) -> None:
+        if slot.target.shape != tensor.shape:
+            raise ValueError(f"weight {name}: expected shape {tuple(slot.target.shape)}, got {tuple(tensor.shape)}")
+        slot.target.copy_(tensor)
+
+    @staticmethod
+    def _check_full_shape(slot: _WeightSlot, shape, name: str) -> None:
+        if tuple(shape) != slot.full_shape:
+            raise ValueError(f"weight {name}: expected shape {slot.full_shape}, got {tuple(shape)}")
+
+    def _check_complete(self, plan: dict[str, _WeightSlot], loaded: set[str]) -> None:
+        missing = sorted(set(plan) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+    def load_weights(self, weights) -> None:
+        """Copy (hf_name, full tensor) pairs into this rank's (fused) parameters, taking
+        this rank's shard of each; every weight must arrive. Unknown names are skipped."""
+        plan = self._weight_plan()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            slot = plan.get(name)
+            if slot is None:
+                continue
+            if slot.dim is not None:
+                self._check_full_shape(slot, tensor.shape, name)
+                tensor = tensor.narrow(slot.dim, slot.start, slot.stop - slot.start)
+            self._put(slot, tensor, name)
+            loaded.add(name)
+        self._check_complete(plan, loaded)
+
+    def load_weights_from(self, source, dtype: torch.dtype = torch.float32) -> None:
+        """Load from a ``WeightSource`` (``shared.model_files.open_weights``), reading only
+        this rank's rows / columns of each sharded tensor with ``load_slice``."""
+        plan = self._weight_plan()
+        loaded: set[str] = set()
+        for name in source.names():
+            slot = plan.get(name)
+            if slot is None:
+                continue
+            if slot.dim is None:
+                tensor = source.load(name, dtype)
+            else:
+                self._check_full_shape(slot, source.shape(name), name)
+                if slot.stop == slot.start:  # a rank holding only vocabulary padding
+                    loaded.add(name)
+                    continue
+                tensor = source.load_slice(name, slot.dim, slot.start, slot.stop, dtype)
+            self._put(slot, tensor, name)
+            loaded.add(name)
+        self._check_complete(plan, loaded)

@@ -1,0 +1,307 @@
+"""Parsing OpenAI chat / completions request bodies into one ``GenerationRequest``.
+
+The gateway checks shapes and types at the edge (a wrong type names its parameter
+in a 400); value ranges (temperature in [0, 2], ...) are the tokenizer service's
+to check, and its error passes through. Absent settings take OpenAI's / vLLM's
+defaults; ``SamplingParams.max_tokens == 0`` tells the tokenizer "not given: as
+many as fit in the context".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from shared.protocol import SamplingParams
+
+from .errors import ApiError, invalid
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+MAX_N = 128
+MAX_SUB_REQUESTS = 256
+# vLLM's CompletionRequest (and OpenAI's legacy completions API) default to 16 tokens;
+# chat completions default to "as many as fit".
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+MAX_TOKENS_NOT_GIVEN = 0
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked chat or completions request, ready to fan out into engine requests.
+
+    ``prompts`` holds, per prompt, the prompt fields of a ``TokenizeRequest``
+    (``messages``, ``prompt`` or ``prompt_token_ids``). Choice ``p * n + i`` is
+    prompt ``p``'s ``i``-th sample.
+    """
+
+    kind: str  # "chat" | "completion"
+    model: str
+    prompts: tuple[dict, ...]
+    sampling_params: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    add_generation_prompt: bool = True
+    cache_salt: str = ""
+
+    def choice_params(self, i: int) -> SamplingParams:
+        """Sample ``i``'s settings: a given seed becomes seed + i, so the n samples differ
+        from each other yet repeat from call to call."""
+        params = self.sampling_params
+        if params.seed is None or i == 0:
+            return params
+        return msgspec.structs.replace(params, seed=params.seed + i)
+
+
+class Fields:
+    """Typed reads of a JSON object's optional fields; ``None`` counts as absent."""
+
+    def __init__(self, body: dict) -> None:
+        self.body = body
+
+    def has(self, name: str) -> bool:
+        return self.body.get(name) is not None
+
+    def raw(self, name: str, default=None):
+        value = self.body.get(name, default)
+        return default if value is None else value
+
+    def bool(self, name: str, default: bool) -> bool:
+        value = self.raw(name, default)
+        if not isinstance(value, bool):
+            raise invalid(f"{name} must be a boolean, got {value!r}", param=name)
+        return value
+
+    def int(self, name: str, default, minimum: int | None = None):
+        value = self.raw(name, default)
+        if value is default:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise invalid(f"{name} must be an integer, got {value!r}", param=name)
+        if minimum is not None and value < minimum:
+            raise invalid(f"{name} must be at least {minimum}, got {value}", param=name)
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise invalid(f"{name} is out of range: {value}", param=name)
+        return value
+
+    def float(self, name: str, default: float) -> float:
+        value = self.raw(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise invalid(f"{name} must be a number, got {value!r}", param=name)
+        return float(value)
+
+    def str(self, name: str, default: str) -> str:
+        value = self.raw(name, default)
+        if not isinstance(value, str):
+            raise invalid(f"{name} must be a string, got {value!r}", param=name)
+        return value
+
+    def str_list(self, name: str) -> list[str]:
+        """A string or a list of strings (as ``stop``), always as a list."""
+        value = self.raw(name, [])
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise invalid(f"{name} must be a string or a list of strings", param=name)
+        return value
+
+    def int_list(self, name: str) -> list[int]:
+        value = self.raw(name, [])
+        if not isinstance(value, list) or not all(_is_int(v) for v in value):
+            raise invalid(f"{name} must be a list of integers", param=name)
+        return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_object(body) -> Fields:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return Fields(body)
+
+
+def check_model(f: Fields, served_model_names: tuple[str, ...]) -> str:
+    """The served name the response reports; an unknown name is a 400 (model_not_found)."""
+    if not f.has("model"):
+        return served_model_names[0]
+    model = f.str("model", "")
+    if model not in served_model_names:
+        raise ApiError(
+            f"The model `{model}` does not exist. Served: {', '.join(served_model_names)}",
+            status=400,
+            param="model",
+            code="model_not_found",
+        )
+    return served_model_names[0]
+
+
+def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    seed = f.int("seed", None)
+    return SamplingParams(
+        temperature=f.float("temperature", 1.0),
+        top_p=f.float("top_p", 1.0),
+        top_k=f.int("top_k", 0),
+        min_p=f.float("min_p", 0.0),
+        seed=seed,
+        presence_penalty=f.float("presence_penalty", 0.0),
+        frequency_penalty=f.float("frequency_penalty", 0.0),
+        repetition_penalty=f.float("repetition_penalty", 1.0),
+        max_tokens=max_tokens,
+        min_tokens=f.int("min_tokens", 0, minimum=0),
+        stop_token_ids=f.int_list("stop_token_ids"),
+        stop=f.str_list("stop"),
+        ignore_eos=f.bool("ignore_eos", False),
+        logprobs=logprobs,
+    )
+
+
+def _common(f: Fields) -> dict:
+    """Settings shared by chat and completions: n, stream, stream_options, user."""
+    n = f.int("n", 1, minimum=1)
+    if n > MAX_N:
+        raise invalid(f"n must be at most {MAX_N}, got {n}", param="n")
+    seed = f.int("seed", None)
+    if seed is not None and seed + n - 1 > INT64_MAX:
+        raise invalid(f"seed + n - 1 must fit in a signed 64-bit integer, got seed={seed}", param="seed")
+    stream = f.bool("stream", False)
+    include_usage = False
+    if f.has("stream_options"):
+        if not stream:
+            raise invalid("stream_options can only be given when stream is true", param="stream_options")
+        options = f.raw("stream_options")
+        if not isinstance(options, dict):
+            raise invalid("stream_options must be an object", param="stream_options")
+        include_usage = Fields(options).bool("include_usage", False)
+    f.str("user", "")
+    return {"n": n, "stream": stream, "include_usage": include_usage, "cache_salt": f.str("cache_salt", "")}
+
+
+def _max_tokens(f: Fields, names: tuple[str, ...], absent: int) -> int:
+    """The first of ``names`` given (>= 1); ``absent`` when none is in the body at all,
+    "not given" (0) when one is there as null."""
+    for name in names:
+        if f.has(name):
+            return f.int(name, None, minimum=1)
+    if any(name in f.body for name in names):
+        return MAX_TOKENS_NOT_GIVEN
+    return absent
+
+
+# --------------------------------------------------------------------------- chat
+
+
+def parse_chat(body, served_model_names: tuple[str, ...]) -> GenerationRequest:
+    f = _as_object(body)
+    model = check_model(f, served_model_names)
+    messages = chat_messages(f.body.get("messages", _MISSING))
+    logprobs = f.bool("logprobs", False)
+    top_logprobs = f.int("top_logprobs", None, minimum=0)
+    if top_logprobs is not None and not logprobs:
+        raise invalid("when top_logprobs is given, logprobs must be true", param="top_logprobs")
+    common = _common(f)
+    max_tokens = _max_tokens(f, ("max_completion_tokens", "max_tokens"), MAX_TOKENS_NOT_GIVEN)
+    params = _sampling_params(f, max_tokens, (top_logprobs or 0) if logprobs else None)
+    return GenerationRequest(
+        kind="chat",
+        model=model,
+        prompts=({"messages": messages},),
+        sampling_params=params,
+        logprobs=logprobs,
+        add_generation_prompt=f.bool("add_generation_prompt", True),
+        **common,
+    )
+
+
+def chat_messages(messages) -> list[dict]:
+    """The messages with string content (text parts joined by newlines, as vLLM does)."""
+    if messages is _MISSING or messages is None:
+        raise invalid("messages is required", param="messages")
+    if not isinstance(messages, list):
+        raise invalid("messages must be a list of message objects", param="messages")
+    if not messages:
+        raise invalid("messages must not be empty", param="messages")
+    result = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise invalid(f"messages[{i}] must be an object", param="messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param="messages")
+        clean = {"role": role, "content": _message_content(message.get("content"), i)}
+        for key in ("name", "tool_call_id"):
+            if isinstance(message.get(key), str):
+                clean[key] = message[key]
+        result.append(clean)
+    return result
+
+
+def _message_content(content, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"messages[{i}].content must be a string or a list of content parts", param="messages")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise invalid(f"messages[{i}].content: only text parts are supported, got {kind!r}", param="messages")
+        if not isinstance(part.get("text"), str):
+            raise invalid(f"messages[{i}].content: a text part needs a string 'text'", param="messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+# --------------------------------------------------------------------------- completions
+
+
+def parse_completion(body, served_model_names: tuple[str, ...]) -> GenerationRequest:
+    f = _as_object(body)
+    model = check_model(f, served_model_names)
+    prompts = completion_prompts(f.body.get("prompt", _MISSING))
+    if f.bool("echo", False):
+        raise invalid("echo is not supported", param="echo")
+    if f.has("suffix"):
+        raise invalid("suffix is not supported", param="suffix")
+    logprobs = f.int("logprobs", None, minimum=0)
+    common = _common(f)
+    if len(prompts) * common["n"] > MAX_SUB_REQUESTS:
+        raise invalid(
+            f"at most {MAX_SUB_REQUESTS} choices per request (prompts x n), got {len(prompts) * common['n']}",
+            param="n",
+        )
+    max_tokens = _max_tokens(f, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
+    return GenerationRequest(
+        kind="completion",
+        model=model,
+        prompts=tuple(prompts),
+        sampling_params=_sampling_params(f, max_tokens, logprobs),
+        logprobs=logprobs is not None,
+        **common,
+    )
+
+
+def completion_prompts(prompt) -> list[dict]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    shapes = "a string, a list of strings, a list of token ids or a list of token-id lists"
+    if prompt is _MISSING or prompt is None:
+        raise invalid("prompt is required", param="prompt")
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise invalid(f"prompt must be {shapes} (and not empty)", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [{"prompt": p} for p in prompt]
+    if all(_is_int(t) for t in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+        return [{"prompt_token_ids": p} for p in prompt]
+    raise invalid(f"prompt must be {shapes} (and not empty)", param="prompt")
