@@ -8,8 +8,12 @@ through block_tables[i]. GQA: query head h reads kv head h // (num_heads // num_
 
 `paged_attention_ref` is the PyTorch reference and the CPU production path (gather + one
 SDPA call per query-length bucket); `paged_attention_triton` is the GPU kernel (one launch,
-online softmax, grid over request x query block x kv head).
+online softmax, grid over request x query block x kv head), which for decode batches too
+small to fill the GPU also splits each sequence's keys among programs (flash-decoding) and
+merges the partial softmaxes in a second small launch.
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +122,9 @@ def paged_attention_ref(
 @triton.jit
 def _paged_attention_kernel(
     out_ptr,
+    partial_ptr,  # split-KV only: fp32 [T, nh, NUM_SPLITS, HEAD_DIM] unnormalised outputs
+    partial_max_ptr,  # split-KV only: fp32 [T, nh, NUM_SPLITS] running max (log2 domain)
+    partial_sum_ptr,  # split-KV only: fp32 [T, nh, NUM_SPLITS] softmax denominators
     query_ptr,
     key_cache_ptr,
     value_cache_ptr,
@@ -134,7 +141,9 @@ def _paged_attention_kernel(
     cache_head_stride,
     block_table_stride,
     block_size,
+    num_heads,
     head_dim,
+    NUM_SPLITS: tl.constexpr,  # programs sharing one (request, query block, kv head)
     GROUP: tl.constexpr,  # query heads per kv head
     BLOCK_Q: tl.constexpr,  # query tokens per program
     BLOCK_M: tl.constexpr,  # next power of two >= BLOCK_Q * GROUP, at least 16
@@ -144,10 +153,12 @@ def _paged_attention_kernel(
 ):
     # One program: request `req`, its query tokens [q_block*BLOCK_Q, +BLOCK_Q), and the GROUP
     # query heads sharing kv head `kv_head`, flattened into BLOCK_M rows (token-major), so
-    # each K/V tile is loaded once for the whole group.
+    # each K/V tile is loaded once for the whole group. With NUM_SPLITS > 1 the keys are
+    # shared out among NUM_SPLITS programs (flash-decoding), merged by _merge_splits_kernel.
     req = tl.program_id(0)
     q_block = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
 
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -177,22 +188,26 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # The last key any row of this program may see.
+    # One past the last key any row of this query block may see, and this split's share.
     kv_end = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
+    kv_lo = split * tiles_per_split * BLOCK_N
+    kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
     block_table = block_tables_ptr + req.to(tl.int64) * block_table_stride
     kv_head_offset = kv_head.to(tl.int64) * cache_head_stride
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_lo, kv_hi, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
-        key_valid = positions < kv_end
+        key_valid = positions < kv_hi
         block = tl.load(block_table + positions // block_size, mask=key_valid, other=0)
         slot_offset = (
             block.to(tl.int64) * cache_block_stride
             + (positions % block_size) * cache_slot_stride
             + kv_head_offset
         )
-        kv_mask = key_valid[None, :] & dim_valid[:, None]
         k = tl.load(  # [HEAD_DIM, BLOCK_N]
-            key_cache_ptr + slot_offset[None, :] + dims[:, None], mask=kv_mask, other=0.0
+            key_cache_ptr + slot_offset[None, :] + dims[:, None],
+            mask=dim_valid[:, None] & key_valid[None, :],
+            other=0.0,
         )
         s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
         visible = key_valid[None, :] & (positions[None, :] <= q_position[:, None])
@@ -204,7 +219,7 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(  # [BLOCK_N, HEAD_DIM]
             value_cache_ptr + slot_offset[:, None] + dims[None, :],
-            mask=tl.trans(kv_mask),
+            mask=key_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )
         acc = acc * alpha[:, None] + tl.dot(
@@ -212,13 +227,73 @@ def _paged_attention_kernel(
         )
         m_i = m_new
 
-    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    store_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SPLITS == 1:
+        acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride
+            + dims[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=store_mask,
+        )  # fmt: skip
+    else:
+        # A split with no visible key leaves max = -1e30, sum = 0, acc = 0: weight 0 in the merge.
+        partial = (token * num_heads + head) * NUM_SPLITS + split
+        tl.store(partial_max_ptr + partial, m_i, mask=row_valid)
+        tl.store(partial_sum_ptr + partial, l_i, mask=row_valid)
+        tl.store(partial_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc, mask=store_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    partial_ptr,
+    partial_max_ptr,
+    partial_sum_ptr,
+    out_token_stride,
+    out_head_stride,
+    num_heads,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    # One program per (token, query head): rescale each split's partial softmax to the
+    # common max and normalise once.
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    partial = (token * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    m = tl.load(partial_max_ptr + partial)
+    weight = tl.exp2(m - tl.max(m, axis=0))
+    denominator = tl.sum(tl.load(partial_sum_ptr + partial) * weight, axis=0)
+    acc = tl.load(partial_ptr + partial[:, None] * HEAD_DIM + dims[None, :])
+    out = tl.sum(acc * weight[:, None], axis=0) / denominator
     tl.store(
-        out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride
-        + dims[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & dim_valid[None, :],
-    )  # fmt: skip
+        out_ptr + token * out_token_stride + head * out_head_stride + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < head_dim,
+    )
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _choose_num_splits(
+    query: torch.Tensor, num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int
+) -> int:
+    """Split the keys of decode-only batches too small to fill the GPU (e.g. 1 request, 32k)."""
+    if not query.is_cuda or max_query_len > 1 or max_seq_len < 2048:
+        return 1
+    programs = num_reqs * num_kv_heads
+    sms = _num_sms(query.device.index or 0)
+    if programs >= sms:
+        return 1
+    # About 2 programs per SM, each with at least 1024 keys, rounded down to a power of two
+    # (the merge kernel's tl.arange needs one).
+    wanted = min(triton.cdiv(2 * sms, programs), max_seq_len // 1024, 64)
+    return 1 << (wanted.bit_length() - 1)
 
 
 def paged_attention_triton(
@@ -233,8 +308,13 @@ def paged_attention_triton(
     max_seq_len: int,
     *,
     out: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Triton paged attention, one launch for the whole mixed batch; same contract as the ref."""
+    """Triton paged attention, one launch for the whole mixed batch; same contract as the ref.
+
+    num_splits (a power of two) splits each sequence's keys among that many programs, merged
+    by a second small launch; None chooses it from the batch shape (see _choose_num_splits).
+    """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -252,9 +332,26 @@ def paged_attention_triton(
     rows = 16 if max_query_len == 1 else 64
     block_q = max(1, min(rows // group, max_query_len))
     block_m = max(16, triton.next_power_of_2(block_q * group))
-    grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    if num_splits is None:
+        num_splits = _choose_num_splits(
+            query, num_reqs, num_kv_heads, max_query_len, max_seq_len
+        )
+    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits: a power of 2"
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        partial_sum = torch.empty(
+            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+        partial_max = torch.empty_like(partial_sum)
+        partial = partial_sum.new_empty((num_tokens, num_heads, num_splits, head_dim_padded))
+    else:
+        partial = partial_max = partial_sum = out  # unused
+    grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
         out,
+        partial,
+        partial_max,
+        partial_sum,
         query,
         key_cache,
         value_cache,
@@ -271,13 +368,28 @@ def paged_attention_triton(
         key_cache.stride(2),
         block_tables.stride(0),
         key_cache.shape[1],
+        num_heads,
         head_dim,
+        NUM_SPLITS=num_splits,
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=64 if head_dim <= 128 else 32,
-        HEAD_DIM=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM=head_dim_padded,
         INPUT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4,
     )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            partial,
+            partial_max,
+            partial_sum,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            head_dim,
+            NUM_SPLITS=num_splits,
+            HEAD_DIM=head_dim_padded,
+        )
     return out

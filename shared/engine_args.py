@@ -36,6 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--rank", "RANK", 0, int, help="this worker's tensor-parallel rank")
     add_flag(parser, "--dist-init-method", "DIST_INIT_METHOD", "", help="torch.distributed rendezvous, e.g. tcp://host:29500")
     add_flag(parser, "--seed", "SEED", 0, int, help="seed of the worker's shared sampling generator")
+    add_flag(parser, "--profile-steps", "PROFILE_STEPS", False, bool, help="time each step's phases (scripts/bench_overhead.py)")
 
 
 def cache_config(args) -> CacheConfig:

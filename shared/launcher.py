@@ -105,14 +105,14 @@ class Stack:
                 raise RuntimeError(f"service(s) exited during start-up: {dead}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=1) as r:
-                    if r.status == 200 and self._engine_ready():
+                    if r.status == 200 and self.engine_ready():
                         return
             except OSError:
                 pass
             time.sleep(0.3)
         raise TimeoutError(f"stack not ready after {timeout}s")
 
-    def _engine_ready(self) -> bool:
+    def engine_ready(self) -> bool:
         """The scheduler answers its health ping with ready=True once its workers are up."""
         import asyncio
 

@@ -44,6 +44,11 @@ def engine_result_subject(engine_id: str) -> str:
     return f"{SUBJECT_PREFIX}.engine.{engine_id}.result"
 
 
+def engine_profile_subject(engine_id: str) -> str:
+    """The scheduler answers with its step profile summary (JSON) when profiling."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.profile"
+
+
 def engine_ready_subject(engine_id: str) -> str:
     """Workers announce themselves here (and answer the scheduler's hello)."""
     return f"{SUBJECT_PREFIX}.engine.{engine_id}.ready"
@@ -171,6 +176,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampled_token_ids: list[list[int]] = []
     logprobs: list[Logprobs | None] = []
     error: str = ""
+    # Seconds per worker phase (shared/step_profile.WORKER_PHASES), when profiling.
+    timings: list[float] = []
 
 
 # --------------------------------------------------------------------------- outputs

@@ -23,6 +23,7 @@ def main() -> None:
         step_timeout=args.step_timeout,
         stats_interval=args.stats_interval,
         worker_timeout=args.worker_timeout,
+        profile=args.profile_steps,
         nats_url=args.nats_url,
     )
     run_service(service)

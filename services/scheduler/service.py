@@ -15,6 +15,7 @@ the engine back to waiting for its workers.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -42,10 +43,13 @@ from shared.protocol import (
     ErrorInfo,
     FinishReason,
     engine_hello_subject,
+    engine_profile_subject,
     engine_ready_subject,
     engine_result_subject,
     engine_step_subject,
 )
+
+from shared.step_profile import NULL_CLOCK, SCHEDULER_PHASES, WORKER_PHASES, PhaseClock, StepProfile
 
 from .request import Request
 from .scheduler import RequestRejected, Scheduler
@@ -65,6 +69,7 @@ class SchedulerService(Service):
         step_timeout: float = 60.0,
         stats_interval: float = 1.0,
         worker_timeout: float = 5.0,
+        profile: bool = False,
         nats_url: str | None = None,
     ) -> None:
         super().__init__(nats_url)
@@ -82,6 +87,9 @@ class SchedulerService(Service):
         self._pending_step: tuple[int, asyncio.Future] | None = None
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.profile = StepProfile() if profile else None
+        self._idle_since: float | None = None
+        self._last_result_decode = 0.0
 
     @property
     def ready(self) -> bool:
@@ -95,6 +103,8 @@ class SchedulerService(Service):
         await self.subscribe(engine_result_subject(self.engine_id), self._on_result)
         await self.subscribe(ENGINE_REQUESTS, self._on_request, queue="scheduler")
         await self.subscribe(ENGINE_ABORT, self._on_abort)
+        if self.profile is not None:
+            await self.subscribe(engine_profile_subject(self.engine_id), self._on_profile)
         await self.nc.publish(engine_hello_subject(self.engine_id), b"")
         self.spawn(self._engine_loop())
         self.spawn(self._stats_loop())
@@ -182,7 +192,9 @@ class SchedulerService(Service):
                 self._work.set()  # the workers must drop their state
 
     async def _on_result(self, msg: Msg) -> None:
+        start = time.perf_counter()
         output = MODEL_RUNNER_OUTPUT.decode(msg.data)
+        self._last_result_decode = time.perf_counter() - start
         if self._pending_step is not None and self._pending_step[0] == output.step_id:
             future = self._pending_step[1]
             if not future.done():
@@ -198,13 +210,19 @@ class SchedulerService(Service):
             if scheduler is None:
                 self._work.clear()
                 continue
+            clock = PhaseClock() if self.profile is not None else NULL_CLOCK
+            if self._idle_since is not None:
+                clock.durations["idle"] = time.perf_counter() - self._idle_since
             step = scheduler.schedule()
+            clock.lap("schedule")
             if step.total_num_scheduled_tokens == 0 and not step.finished_req_ids:
                 self._work.clear()
                 continue
             future = loop.create_future()
             self._pending_step = (step.step_id, future)
-            await self.nc.publish(engine_step_subject(self.engine_id), SCHEDULER_OUTPUT.encode(step))
+            data = SCHEDULER_OUTPUT.encode(step)
+            clock.lap("encode")
+            await self.nc.publish(engine_step_subject(self.engine_id), data)
             try:
                 result = await asyncio.wait_for(future, self.step_timeout)
             except asyncio.CancelledError:
@@ -221,12 +239,36 @@ class SchedulerService(Service):
             if result.error:
                 self._fail_engine(f"worker error: {result.error}")
                 continue
+            clock.lap("bus_round_trip")
             outputs = scheduler.update_from_output(step, result)
+            clock.lap("update")
             if outputs:
                 self.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
                 await self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs)))
+            clock.lap("publish_outputs")
+            if self.profile is not None:
+                self._record_profile(step, result, clock.durations)
             if not scheduler.has_unfinished_requests():
                 self._work.clear()
+                self._idle_since = None
+
+    def _record_profile(self, step, result, durations: dict[str, float]) -> None:
+        # The round trip as measured here includes the worker's own work and the
+        # result's decoding; what remains is the bus.
+        worker = dict(zip(WORKER_PHASES, result.timings))
+        durations["result_decode"] = self._last_result_decode
+        durations["bus_round_trip"] -= sum(worker.values()) + self._last_result_decode
+        durations.update({f"worker_{k}" if k in SCHEDULER_PHASES else k: v for k, v in worker.items()})
+        self.profile.add(len(step.scheduled_req_ids), durations)
+        self._idle_since = time.perf_counter()
+
+    async def _on_profile(self, msg: Msg) -> None:
+        """Answer with the profile summary; a request body {"reset": true} clears it first,
+        {"num_reqs": n} restricts the summary to steps of n requests."""
+        query = json.loads(msg.data or b"{}")
+        if query.get("reset"):
+            self.profile.clear()
+        await msg.respond(json.dumps(self.profile.summary(query.get("num_reqs"))).encode())
 
     def _check_workers(self) -> None:
         """Workers heartbeat with their ready message; a silent rank fails the engine."""

@@ -19,6 +19,7 @@ def main() -> None:
         engine_args.scheduler_config(args),
         engine_args.parallel_config(args),
         nats_url=args.nats_url,
+        profile=args.profile_steps,
     )
     run_service(service)
 

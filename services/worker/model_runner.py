@@ -27,6 +27,7 @@ from shared.config import CacheConfig, ModelRunConfig, ParallelConfig, Scheduler
 from shared.model_config import ModelConfig
 from shared.model_files import default_model_path, load_model_config, open_weights
 from shared.protocol import ModelRunnerOutput, SchedulerOutput
+from shared.step_profile import NULL_CLOCK
 
 from .input_batch import CachedRequestState, InputBatch
 from .models.llama import AttentionMetadata, LlamaForCausalLM
@@ -203,8 +204,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput, clock=NULL_CLOCK) -> ModelRunnerOutput:
+        """``clock``: a step_profile.PhaseClock to time the phases, when profiling."""
         self._update_states(out)
+        clock.lap("update_states")
         batch = self.input_batch
         num_reqs = batch.num_reqs
         if out.total_num_scheduled_tokens == 0 or num_reqs == 0:
@@ -214,6 +217,7 @@ class ModelRunner:
         for req_id, n in zip(out.scheduled_req_ids, out.num_scheduled_tokens):
             num_scheduled[batch.req_id_to_index[req_id]] = n
         inputs = self._prepare_inputs(num_scheduled)
+        clock.lap("prepare_inputs")
         hidden = self.model(inputs["input_ids"], inputs["positions"], inputs["attn"], self.kv_caches)
 
         # Only requests whose every known token is now computed get a sample; a
@@ -225,6 +229,7 @@ class ModelRunner:
         if len(sample_rows):
             logits_indices = inputs["logits_indices"][torch.from_numpy(sample_rows).to(self.device)]
             logits = self.model.compute_logits(hidden[logits_indices])
+            clock.lap("forward")
             sample_states = [states[i] for i in sample_rows]
             sampling = make_sampling_batch(sample_states, self.device)
             if not self.is_driver:
@@ -232,6 +237,7 @@ class ModelRunner:
             sampled, logprobs = self.sampler(logits, sampling)
             for j, (row, token) in enumerate(zip(sample_rows.tolist(), sampled.tolist())):
                 sampled_by_row[row] = (token, logprobs[j] if logprobs else None)
+        clock.lap("sampling")
 
         req_ids, sampled_token_ids, out_logprobs = [], [], []
         for i, state in enumerate(states):
@@ -246,6 +252,7 @@ class ModelRunner:
             batch.append_token(i, token)
             sampled_token_ids.append([token])
             out_logprobs.append(lp)
+        clock.lap("output")
         return ModelRunnerOutput(
             step_id=out.step_id,
             req_ids=req_ids,

@@ -14,6 +14,8 @@ import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from nats.aio.msg import Msg
 
 from shared.bus import Service
@@ -29,6 +31,8 @@ from shared.protocol import (
     engine_result_subject,
     engine_step_subject,
 )
+
+from shared.step_profile import NULL_CLOCK, WORKER_PHASES, PhaseClock
 
 from .model_runner import ModelRunner, resolve_device
 from .parallel import init_distributed
@@ -49,9 +53,11 @@ class WorkerService(Service):
         scheduler_config: SchedulerConfig,
         parallel_config: ParallelConfig = ParallelConfig(),
         nats_url: str | None = None,
+        profile: bool = False,
     ) -> None:
         super().__init__(nats_url)
         self.engine_id = engine_id
+        self.profile = profile
         self.parallel_config = parallel_config
         self.rank = parallel_config.rank
         # Tensor parallelism: join the engine's ranks (blocks until all have joined)
@@ -61,11 +67,11 @@ class WorkerService(Service):
         # The forward thread runs the collectives; CUDA's current device is per thread.
         initializer = None
         if device.type == "cuda" and device.index is not None:
-            import torch
 
             initializer = functools.partial(torch.cuda.set_device, device)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward", initializer=initializer)
         self.runner = ModelRunner(run_config, cache_config, scheduler_config, parallel_config)
+        self._sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else None
         self._result_subject = engine_result_subject(engine_id)
 
     def info(self) -> dict:
@@ -101,10 +107,16 @@ class WorkerService(Service):
         await self._announce()
 
     async def _on_step(self, msg: Msg) -> None:
+        clock = PhaseClock(self._sync) if self.profile else NULL_CLOCK
         scheduler_output = SCHEDULER_OUTPUT.decode(msg.data)
+        clock.lap("decode")
         loop = asyncio.get_running_loop()
         try:
-            output = await loop.run_in_executor(self._executor, self.runner.execute_model, scheduler_output)
+            output = await loop.run_in_executor(
+                self._executor, self.runner.execute_model, scheduler_output, clock
+            )
+            if self.profile:
+                output.timings = [clock.durations.get(phase, 0.0) for phase in WORKER_PHASES]
         except Exception as e:
             logger.exception("engine %s rank %d: step %d failed", self.engine_id, self.rank, scheduler_output.step_id)
             output = ModelRunnerOutput(step_id=scheduler_output.step_id, error=f"{type(e).__name__}: {e}")

@@ -1,0 +1,131 @@
+"""Per-step time profile of the engine at batch 1, 8, 32 and 128 decode.
+
+Starts nats-server, a worker and a scheduler with ``--profile-steps``, feeds
+tokenized requests straight to the scheduler (no gateway/tokenizer: this measures
+the engine's step loop), and for each batch size lets that many requests decode,
+then prints the median time of every phase of a step and the share that is not
+the forward pass and sampling.
+
+    .venv/bin/python scripts/bench_overhead.py [--batches 1 8 32 128] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import nats  # noqa: E402
+
+from shared.launcher import Stack, StackConfig  # noqa: E402
+from shared.nats_server import NatsServer  # noqa: E402
+from shared.protocol import (  # noqa: E402
+    ABORT_REQUEST,
+    ENGINE_ABORT,
+    ENGINE_REQUEST,
+    ENGINE_REQUEST_REPLY,
+    ENGINE_REQUESTS,
+    AbortRequest,
+    EngineRequest,
+    SamplingParams,
+    engine_profile_subject,
+)
+
+ENGINE_PHASES = [
+    "idle", "schedule", "encode", "bus_round_trip", "decode", "update_states", "prepare_inputs",
+    "forward", "sampling", "output", "result_decode", "update", "publish_outputs",
+]
+
+
+class EngineOnly(Stack):
+    """nats-server, one worker and the scheduler: the engine's step loop alone."""
+
+    def start(self) -> None:
+        self.nats = NatsServer(log_file=f"{self.config.log_dir}/nats.log")
+        args = ["--profile-steps", *self.config.engine_args]
+        self.start_service("worker-0", "services.worker", args)
+        self.start_service("scheduler", "services.scheduler", args)
+
+
+async def profile_batch(nc, batch: int, steps: int, prompt_len: int) -> dict:
+    subject = engine_profile_subject("0")
+    ids = [f"bench-{batch}-{i}-{uuid.uuid4().hex[:6]}" for i in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    for i, req_id in enumerate(ids):
+        prompt = [(i * 7 + j) % 1000 + 100 for j in range(prompt_len)]  # distinct: no prefix hits
+        reply = await nc.request(ENGINE_REQUESTS, ENGINE_REQUEST.encode(EngineRequest(req_id, prompt, params)), timeout=10)
+        error = ENGINE_REQUEST_REPLY.decode(reply.data).error
+        if error:
+            raise RuntimeError(error.message)
+    try:
+        # Let every prompt finish prefilling, then measure decode-only steps.
+        await asyncio.sleep(1.0)
+        await nc.request(subject, json.dumps({"reset": True}).encode(), timeout=5)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            summary = json.loads((await nc.request(subject, json.dumps({"num_reqs": batch}).encode(), timeout=5)).data)
+            if summary["num_steps"] >= steps:
+                return summary
+        raise TimeoutError(f"batch {batch}: fewer than {steps} steps in 600 s")
+    finally:
+        await nc.publish(ENGINE_ABORT, ABORT_REQUEST.encode(AbortRequest(ids)))
+        await nc.flush()
+        await asyncio.sleep(1.0)
+
+
+async def run(url: str, batches: list[int], steps: int, prompt_len: int) -> list[tuple[int, dict]]:
+    nc = await nats.connect(url)
+    results = []
+    for batch in batches:
+        results.append((batch, await profile_batch(nc, batch, steps, prompt_len)))
+    await nc.close()
+    return results
+
+
+def print_table(results: list[tuple[int, dict]]) -> None:
+    header = "| phase (median ms) | " + " | ".join(f"batch {b}" for b, _ in results) + " |"
+    print(header)
+    print("|---" * (len(results) + 1) + "|")
+    for phase in ENGINE_PHASES:
+        cells = [f"{r['median_ms'].get(phase, 0.0):.3f}" for _, r in results]
+        print(f"| {phase} | " + " | ".join(cells) + " |")
+    print("| **step** | " + " | ".join(f"{r['median_step_ms']:.2f}" for _, r in results) + " |")
+    print("| **not forward/sampling** | " + " | ".join(f"{100 * r['overhead_share']:.1f}%" for _, r in results) + " |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--steps", type=int, default=30, help="decode steps measured per batch size")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--json", help="also write the results here")
+    args, engine_args = parser.parse_known_args()
+    engine_args = engine_args or ["--max-num-seqs", str(max(args.batches)), "--num-gpu-blocks", "4096"]
+    with tempfile.TemporaryDirectory() as logs:
+        stack = EngineOnly(StackConfig(engine_args=engine_args, log_dir=logs))
+        stack.start()
+        try:
+            deadline = time.monotonic() + 300
+            while not stack.engine_ready():
+                if stack.dead_services() or time.monotonic() > deadline:
+                    raise RuntimeError(f"engine did not start: {stack.dead_services()}")
+                time.sleep(0.5)
+            results = asyncio.run(run(stack.nats.url, args.batches, args.steps, args.prompt_len))
+        finally:
+            stack.stop()
+    print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict((str(b), r) for b, r in results), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

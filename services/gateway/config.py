@@ -1,0 +1,46 @@
+"""The gateway's settings: one frozen dataclass, filled from flags (``__main__``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from shared.config import ConfigError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_served_model_name(model: str) -> str:
+    """The name clients use for ``model``: the model file's or folder's base name
+    (without ``.gguf``), or the default model's name."""
+    name = os.path.basename(os.path.normpath(model)) if model else ""
+    if name.lower().endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    return name or DEFAULT_MODEL_NAME
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (tests)
+    served_model_names: tuple[str, ...] = (DEFAULT_MODEL_NAME,)
+    api_key: str = ""  # "": no authentication
+    request_timeout: float = 600.0  # seconds for a whole request
+    tokenize_timeout: float = 10.0  # seconds to wait for the tokenizer's reply
+    health_timeout: float = 0.5  # seconds a tokenizer has to answer /health's ping
+    shutdown_timeout: float = 5.0  # seconds open connections get to close on shutdown
+    access_log: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or not all(self.served_model_names):
+            raise ConfigError(f"served_model_names must be non-empty names, got {self.served_model_names!r}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("request_timeout", "tokenize_timeout", "health_timeout", "shutdown_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+
+    @property
+    def model_name(self) -> str:
+        """The name responses report."""
+        return self.served_model_names[0]

@@ -1,0 +1,154 @@
+"""One HTTP generation request as the gateway runs it: fan-out, merged outputs, cleanup.
+
+A request with ``P`` prompts and ``n`` samples becomes ``P * n`` engine requests,
+``f"{request_id}-{p}-{i}"`` for choice ``p * n + i`` (a given seed becomes
+``seed + i``). ``start()`` tokenizes them all at once; if any is refused, the
+request fails with the first refusal (by choice index) and ``close()`` aborts the
+ones accepted. ``events()`` yields every choice's in-order deltas as they come,
+until all choices end or the request's deadline passes, and records the
+gateway-side metrics. ``close()`` (always called) aborts in the engine whatever
+the engine has not ended itself: client gone, timeout, error, shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from shared.protocol import ErrorInfo, FinishReason, StreamDelta, TokenizeRequest
+
+from .errors import ApiError, request_timeout
+from .openai_requests import GenerationRequest
+from .service import GatewayService
+from .streams import RequestStream
+
+Event = tuple[RequestStream, "StreamDelta | ErrorInfo"]
+
+
+class Generation:
+    def __init__(self, gateway: GatewayService, request: GenerationRequest, request_id: str) -> None:
+        self.gateway = gateway
+        self.request = request
+        self.request_id = request_id
+        self.created = int(time.time())
+        self.arrival = time.monotonic()
+        self.deadline = self.arrival + gateway.config.request_timeout
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        n = request.n
+        self.streams = [
+            RequestStream(f"{request_id}-{p}-{i}", p * n + i, p, self._events)
+            for p in range(len(request.prompts))
+            for i in range(n)
+        ]
+        self.prompt_tokens = [0] * len(request.prompts)
+        self._refused: set[str] = set()  # ids the tokenizer turned down: nothing to abort
+        self._last_token_time: dict[int, float] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ start
+
+    def tokenize_request(self, stream: RequestStream) -> TokenizeRequest:
+        r = self.request
+        return TokenizeRequest(
+            request_id=stream.request_id,
+            gateway_id=self.gateway.gateway_id,
+            model=r.model,
+            sampling_params=r.choice_params(stream.index % r.n),
+            add_generation_prompt=r.add_generation_prompt,
+            cache_salt=r.cache_salt,
+            **r.prompts[stream.prompt_index],
+        )
+
+    async def start(self) -> None:
+        """Send every engine request; raises the first ``ApiError`` if any is refused."""
+        results = await asyncio.gather(
+            *(self.gateway.tokenize(s, self.tokenize_request(s)) for s in self.streams), return_exceptions=True
+        )
+        errors = []
+        for stream, result in zip(self.streams, results):
+            if isinstance(result, BaseException):
+                errors.append(result)
+                if isinstance(result, ApiError) and result.status < 500:
+                    self._refused.add(stream.request_id)
+                continue
+            self.gateway.metrics.prompt_tokens.inc(result.num_prompt_tokens)
+            self.prompt_tokens[stream.prompt_index] = result.num_prompt_tokens
+        for error in errors:
+            if not isinstance(error, ApiError):
+                raise error
+        if errors:
+            raise errors[0]
+
+    # ------------------------------------------------------------------ outputs
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Each choice's deltas in token order, the choices interleaved as they arrive; a
+        choice's last event has a finish reason or is an ``ErrorInfo``."""
+        remaining = len(self.streams)
+        timed_out = False
+        while remaining:
+            try:
+                stream, item = await asyncio.wait_for(self._events.get(), max(0.0, self.deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                if timed_out:  # cannot happen: every stream was failed below
+                    raise
+                timed_out = True
+                error = request_timeout(self.gateway.config.request_timeout).info
+                for s in self.streams:
+                    s.fail(error)
+                self.deadline = float("inf")
+                continue
+            now = time.monotonic()
+            if isinstance(item, ErrorInfo):
+                remaining -= 1
+                self.gateway.metrics.finished("error", now - self.arrival)
+            else:
+                self._observe(stream, item, now)
+                if item.finish_reason != FinishReason.NONE:
+                    remaining -= 1
+            yield stream, item
+
+    def _observe(self, stream: RequestStream, delta: StreamDelta, now: float) -> None:
+        metrics = self.gateway.metrics
+        if delta.num_tokens:
+            last = self._last_token_time.get(stream.index)
+            if last is None:
+                metrics.time_to_first_token.observe(now - self.arrival)
+            else:
+                metrics.inter_token_latency.observe(now - last)
+            self._last_token_time[stream.index] = now
+            metrics.generation_tokens.inc(delta.num_tokens)
+        if delta.finish_reason != FinishReason.NONE:
+            metrics.finished(FinishReason(delta.finish_reason).openai_name(), now - self.arrival)
+
+    def usage(self) -> dict:
+        """OpenAI usage: each prompt counted once however many samples it had."""
+        cached = [0] * len(self.prompt_tokens)
+        prompt_tokens = list(self.prompt_tokens)
+        for s in self.streams:
+            cached[s.prompt_index] = max(cached[s.prompt_index], s.num_cached_tokens)
+            if not prompt_tokens[s.prompt_index]:
+                prompt_tokens[s.prompt_index] = s.num_prompt_tokens
+        completion_tokens = sum(s.num_output_tokens for s in self.streams)
+        return {
+            "prompt_tokens": sum(prompt_tokens),
+            "completion_tokens": completion_tokens,
+            "total_tokens": sum(prompt_tokens) + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached)},
+        }
+
+    # ------------------------------------------------------------------ cleanup
+
+    def close(self) -> None:
+        """Forget the streams; abort in the engine every request it has not ended.
+        Synchronous, so a cancelled handler's ``finally`` cannot lose it."""
+        if self._closed:
+            return
+        self._closed = True
+        to_abort = []
+        for s in self.streams:
+            self.gateway.release(s)
+            if not s.engine_done and s.request_id not in self._refused:
+                to_abort.append(s.request_id)
+        self.gateway.abort_soon(to_abort)

@@ -1,0 +1,117 @@
+"""Prometheus metrics of ``GET /metrics``, named as vLLM's with the prefix ``natsllm:``.
+
+Two sources. Engine-side state (running / waiting requests, KV cache usage,
+prefix cache queries and hits, preemptions) comes from the ``EngineStats`` each
+scheduler publishes about once a second on ``llm.engine.stats``: the latest
+message per engine is kept, engines silent for longer than ``ENGINE_STATS_TTL``
+are dropped, and the rest are summed when scraped. Token counts and latencies
+(TTFT, inter-token, end-to-end) and finished requests are measured here, at the
+gateway, per engine request.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from shared.protocol import EngineStats
+
+ENGINE_STATS_TTL = 10.0
+
+# vLLM's buckets.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineStatsStore:
+    """The latest ``EngineStats`` per engine id, forgetting engines gone silent."""
+
+    def __init__(self, ttl: float = ENGINE_STATS_TTL) -> None:
+        self.ttl = ttl
+        self._latest: dict[str, tuple[float, EngineStats]] = {}
+
+    def update(self, stats: EngineStats) -> None:
+        self._latest[stats.engine_id] = (time.monotonic(), stats)
+
+    def current(self) -> list[EngineStats]:
+        cutoff = time.monotonic() - self.ttl
+        for engine_id in [e for e, (seen, _) in self._latest.items() if seen < cutoff]:
+            del self._latest[engine_id]
+        return [stats for _, stats in self._latest.values()]
+
+
+class _EngineCollector:
+    """Sums the live engines' stats at scrape time, so gauges are never staler than
+    the latest message."""
+
+    GAUGES = (
+        ("num_requests_running", "Number of requests in model execution batches."),
+        ("num_requests_waiting", "Number of requests waiting to be processed."),
+        ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+    )
+    COUNTERS = (
+        ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
+        ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+        ("num_preemptions", "num_preemptions", "Cumulative number of preemptions from the engine."),
+    )
+
+    def __init__(self, store: EngineStatsStore, model_name: str) -> None:
+        self.store = store
+        self.model_name = model_name
+
+    def collect(self):
+        engines = self.store.current()
+        for field, doc in self.GAUGES:
+            gauge = GaugeMetricFamily(f"natsllm:{field}", doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], float(sum(getattr(s, field) for s in engines)))
+            yield gauge
+        for name, field, doc in self.COUNTERS:
+            counter = CounterMetricFamily(f"natsllm:{name}", doc, labels=["model_name"])
+            counter.add_metric([self.model_name], float(sum(getattr(s, field) for s in engines)))
+            yield counter
+        engines_gauge = GaugeMetricFamily("natsllm:num_engines", "Engines heard from recently.", labels=["model_name"])
+        engines_gauge.add_metric([self.model_name], float(len(engines)))
+        yield engines_gauge
+
+
+class GatewayMetrics:
+    """The gateway's own registry; ``render()`` is the body of ``GET /metrics``."""
+
+    content_type = "text/plain; version=0.0.4; charset=utf-8"
+
+    def __init__(self, model_name: str, engine_stats: EngineStatsStore) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter("natsllm:prompt_tokens", "Number of prefill tokens processed.",
+                                     labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter("natsllm:generation_tokens", "Number of generation tokens processed.",
+                                         labels, registry=r).labels(model_name)
+        success = Counter("natsllm:request_success", "Count of successfully processed requests.",
+                          labels + ["finished_reason"], registry=r)
+        self.request_success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
+        self.time_to_first_token = Histogram("natsllm:time_to_first_token_seconds",
+                                             "Histogram of time to first token in seconds.",
+                                             labels, buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.inter_token_latency = Histogram("natsllm:inter_token_latency_seconds",
+                                             "Histogram of inter-token latency in seconds.",
+                                             labels, buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e_request_latency = Histogram("natsllm:e2e_request_latency_seconds",
+                                             "Histogram of e2e request latency in seconds.",
+                                             labels, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        r.register(_EngineCollector(engine_stats, model_name))
+
+    def finished(self, reason: str | None, e2e_seconds: float) -> None:
+        if reason in self.request_success:
+            self.request_success[reason].inc()
+        self.e2e_request_latency.observe(e2e_seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

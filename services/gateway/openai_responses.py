@@ -1,0 +1,193 @@
+"""OpenAI response objects: chat / completions, whole or as stream chunks.
+
+Shapes as the official ``openai`` client parses them (and vLLM's server writes
+them): ``chat.completion`` / ``chat.completion.chunk`` with ``message`` /
+``delta``, ``text_completion`` with ``text``; logprobs as
+``{"content": [{token, logprob, bytes, top_logprobs}]}`` for chat and
+``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`` for
+completions. ``-inf`` logprobs are clamped to -9999.0 (JSON has no infinity).
+"""
+
+from __future__ import annotations
+
+from shared.protocol import FinishReason, StreamDelta, TokenLogprob
+
+from .openai_requests import GenerationRequest
+
+MIN_LOGPROB = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def _finish_reason(delta: StreamDelta) -> str | None:
+    return FinishReason(delta.finish_reason).openai_name()
+
+
+class ChoiceResult:
+    """One choice of a non-streamed response, accumulated from its deltas."""
+
+    __slots__ = ("text_parts", "logprobs", "finish_reason")
+
+    def __init__(self) -> None:
+        self.text_parts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+
+    def add(self, delta: StreamDelta) -> None:
+        self.text_parts.append(delta.text)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason != FinishReason.NONE:
+            self.finish_reason = _finish_reason(delta)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+class ResponseFormat:
+    """What chat and completions share: ids, usage chunk, when a chunk is worth sending."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, response_id: str, created: int, request: GenerationRequest) -> None:
+        self.response_id = response_id
+        self.created = created
+        self.request = request
+
+    def _head(self, object_name: str) -> dict:
+        return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.request.model}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = self._head(self.chunk_object_name)
+        chunk["choices"] = choices
+        if self.request.include_usage:
+            chunk["usage"] = None  # OpenAI: every chunk but the last has usage null
+        return chunk
+
+    def usage_chunk(self, usage: dict) -> dict:
+        chunk = self._head(self.chunk_object_name)
+        chunk["choices"] = []
+        chunk["usage"] = usage
+        return chunk
+
+    def response(self, results: list[ChoiceResult], usage: dict) -> dict:
+        body = self._head(self.object_name)
+        body["choices"] = [self._choice(i, r) for i, r in enumerate(results)]
+        body["usage"] = usage
+        return body
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def chunk(self, index: int, delta: StreamDelta) -> dict | None:
+        """The chunk for one in-order delta of choice ``index``; None when it says nothing."""
+        if not delta.text and not delta.logprobs and delta.finish_reason == FinishReason.NONE:
+            return None
+        return self._chunk([self._chunk_choice(index, delta)])
+
+    def _choice(self, index: int, result: ChoiceResult) -> dict:
+        raise NotImplementedError
+
+    def _chunk_choice(self, index: int, delta: StreamDelta) -> dict:
+        raise NotImplementedError
+
+
+class ChatFormat(ResponseFormat):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def opening(self) -> list[dict]:
+        """vLLM's (and OpenAI's) first chunk per choice: the role, empty content."""
+        num_choices = len(self.request.prompts) * self.request.n
+        return [
+            self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+            for i in range(num_choices)
+        ]
+
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> dict | None:
+        if not self.request.logprobs:
+            return None
+        return {
+            "content": [
+                {
+                    "token": lp.token,
+                    "logprob": _logprob(lp.logprob),
+                    "bytes": lp.bytes,
+                    "top_logprobs": [
+                        {"token": top.token, "logprob": _logprob(top.logprob), "bytes": top.bytes}
+                        for top in lp.top_logprobs
+                    ],
+                }
+                for lp in logprobs
+            ]
+        }
+
+    def _choice(self, index: int, result: ChoiceResult) -> dict:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": self._logprobs(result.logprobs),
+            "finish_reason": result.finish_reason,
+            "stop_reason": None,
+        }
+
+    def _chunk_choice(self, index: int, delta: StreamDelta) -> dict:
+        return {
+            "index": index,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": self._logprobs(delta.logprobs),
+            "finish_reason": _finish_reason(delta),
+        }
+
+
+class CompletionFormat(ResponseFormat):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, response_id: str, created: int, request: GenerationRequest) -> None:
+        super().__init__(response_id, created, request)
+        self._text_len: dict[int, int] = {}  # per streamed choice: characters sent so far
+
+    def _logprobs(self, logprobs: list[TokenLogprob], text_start: int) -> dict | None:
+        if not self.request.logprobs:
+            return None
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        offset = text_start
+        for lp in logprobs:
+            tokens.append(lp.token)
+            token_logprobs.append(_logprob(lp.logprob))
+            tops = {top.token: _logprob(top.logprob) for top in lp.top_logprobs}
+            tops.setdefault(lp.token, _logprob(lp.logprob))  # vLLM: the sampled token is always listed
+            top_logprobs.append(tops)
+            text_offset.append(offset)
+            offset += len(lp.token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": text_offset}
+
+    def _choice(self, index: int, result: ChoiceResult) -> dict:
+        return {
+            "index": index,
+            "text": result.text,
+            "logprobs": self._logprobs(result.logprobs, 0),
+            "finish_reason": result.finish_reason,
+            "stop_reason": None,
+        }
+
+    def _chunk_choice(self, index: int, delta: StreamDelta) -> dict:
+        start = self._text_len.get(index, 0)
+        self._text_len[index] = start + len(delta.text)
+        return {
+            "index": index,
+            "text": delta.text,
+            "logprobs": self._logprobs(delta.logprobs, start),
+            "finish_reason": _finish_reason(delta),
+            "stop_reason": None,
+        }
+
+
+def response_format(kind: str, response_id: str, created: int, request: GenerationRequest) -> ResponseFormat:
+    return (ChatFormat if kind == "chat" else CompletionFormat)(response_id, created, request)

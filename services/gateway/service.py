@@ -1,0 +1,164 @@
+"""The gateway's bus side: tokenize requests out, text deltas in, aborts out.
+
+First and last stop on the request's way. Each gateway replica subscribes, before
+it sends any request, to its own subject ``llm.stream.<gateway_id>`` (no queue
+group: only this replica holds the HTTP streams). For each engine request it
+registers a ``RequestStream`` under the request id, then asks a tokenizer on
+``llm.tokenize`` (request/reply). Deltas for ids it does not hold (finished,
+aborted, or another gateway's) are dropped. Requests that end early are aborted
+on ``llm.engine.abort``. ``EngineStats`` from ``llm.engine.stats`` feed /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from shared.bus import Service
+from shared.protocol import (
+    ABORT_REQUEST,
+    ENGINE_ABORT,
+    ENGINE_STATS,
+    ENGINE_STATS_MSG,
+    STREAM_DELTA_BATCH,
+    TOKENIZE,
+    TOKENIZE_REPLY,
+    TOKENIZE_REQUEST,
+    AbortRequest,
+    TokenizeReply,
+    TokenizeRequest,
+    gateway_stream_subject,
+    ping_subject,
+)
+
+from .config import GatewayConfig
+from .errors import ApiError, no_tokenizer, shutting_down, tokenizer_timeout
+from .metrics import EngineStatsStore, GatewayMetrics
+from .streams import RequestStream
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayService(Service):
+    name = "gateway"
+
+    def __init__(self, config: GatewayConfig, nats_url: str | None = None, instance_id: str | None = None) -> None:
+        super().__init__(nats_url, instance_id)
+        self.config = config
+        self.streams: dict[str, RequestStream] = {}
+        self.engine_stats = EngineStatsStore()
+        self.metrics = GatewayMetrics(config.model_name, self.engine_stats)
+        self.closing = False
+        self.num_dropped_deltas = 0
+
+    @property
+    def gateway_id(self) -> str:
+        return self.instance_id
+
+    def info(self) -> dict:
+        return {"gateway_id": self.gateway_id, "open_requests": len(self.streams), "port": self.config.port}
+
+    async def setup(self) -> None:
+        await self.subscribe(gateway_stream_subject(self.gateway_id), self._on_deltas)
+        await self.subscribe(ENGINE_STATS, self._on_stats)
+        # The server has our stream subscription before any tokenize request leaves.
+        await self.nc.flush()
+
+    # ------------------------------------------------------------------ inbound
+
+    async def _on_deltas(self, msg: Msg) -> None:
+        batch = STREAM_DELTA_BATCH.decode(msg.data)
+        for delta in batch.deltas:
+            stream = self.streams.get(delta.request_id)
+            if stream is None:
+                self.num_dropped_deltas += 1
+                logger.debug("%s: delta for an unknown or finished request dropped", delta.request_id)
+                continue
+            stream.push(delta)
+            if stream.finished:
+                self.release(stream)
+
+    async def _on_stats(self, msg: Msg) -> None:
+        try:
+            stats = ENGINE_STATS_MSG.decode(msg.data)
+        except msgspec.DecodeError as e:
+            logger.warning("malformed engine stats message: %s", e)
+            return
+        self.engine_stats.update(stats)
+
+    # ------------------------------------------------------------------ outbound
+
+    async def tokenize(self, stream: RequestStream, request: TokenizeRequest) -> TokenizeReply:
+        """Register ``stream`` (outputs may beat the reply here), then ask a tokenizer.
+
+        Raises ``ApiError``: the tokenizer's refusal as is, 503 when none is
+        subscribed, 504 when none answers in time. The caller releases the stream.
+        """
+        if self.closing:
+            raise shutting_down()
+        self.streams[stream.request_id] = stream
+        try:
+            msg = await self.nc.request(
+                TOKENIZE, TOKENIZE_REQUEST.encode(request), timeout=self.config.tokenize_timeout
+            )
+        except NoRespondersError:
+            logger.warning("%s: no tokenizer is subscribed to %s", request.request_id, TOKENIZE)
+            raise no_tokenizer() from None
+        except (NatsTimeoutError, asyncio.TimeoutError):
+            logger.warning("%s: no tokenizer answer within %.1fs", request.request_id, self.config.tokenize_timeout)
+            raise tokenizer_timeout(self.config.tokenize_timeout) from None
+        except NatsError as e:
+            logger.warning("%s: tokenize request failed: %r", request.request_id, e)
+            raise ApiError(f"the bus is unavailable: {e}", status=503, type="service_unavailable") from None
+        reply = TOKENIZE_REPLY.decode(msg.data)
+        if reply.error is not None:
+            raise ApiError.from_info(reply.error)
+        return reply
+
+    def release(self, stream: RequestStream) -> None:
+        if self.streams.get(stream.request_id) is stream:
+            del self.streams[stream.request_id]
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if not request_ids or self.nc is None or self.nc.is_closed:
+            return
+        logger.info("aborting %s", ", ".join(request_ids))
+        try:
+            await self.nc.publish(ENGINE_ABORT, ABORT_REQUEST.encode(AbortRequest(request_ids=request_ids)))
+        except NatsError as e:
+            logger.warning("abort of %s not sent: %r", request_ids, e)
+
+    def abort_soon(self, request_ids: list[str]) -> None:
+        """``abort`` from code that must not await (cleanup of a cancelled request)."""
+        if request_ids:
+            self.spawn(self.abort(request_ids))
+
+    async def tokenizer_alive(self) -> bool:
+        try:
+            await self.nc.request(ping_subject("tokenizer"), b"", timeout=self.config.health_timeout)
+            return True
+        except (NatsError, asyncio.TimeoutError):
+            return False
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def shutdown_requests(self) -> None:
+        """End every open request (503 / an error event) and abort it in the engine."""
+        self.closing = True
+        streams = list(self.streams.values())
+        self.streams.clear()
+        error = shutting_down().info
+        for stream in streams:
+            stream.fail(error)
+        await self.abort([s.request_id for s in streams])
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await self.nc.flush(timeout=1)
+            except (NatsError, asyncio.TimeoutError):
+                pass

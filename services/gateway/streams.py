@@ -1,0 +1,104 @@
+"""One engine request's output at the gateway, put back in token order.
+
+Detokenizer replicas publish ``StreamDelta``s for the same request independently,
+so they can arrive out of order, twice, or (for a zero-token end message) after
+the tokens they follow. A ``RequestStream`` keeps the next expected token offset,
+buffers deltas from the future, drops repeats, and hands in-order deltas to its
+sink (the HTTP request's queue) as ``(stream, delta)``; the stream ends with the
+delta that carries a finish reason, or with ``(stream, ErrorInfo)``.
+
+    offsets:   0    1    2    3    4    5
+    arrived:  [0,2) .......... [3,5)+end
+    written:  [0,2)                          next_offset = 2, [3,5) waits
+    arrives:            [2,3) -> written, then [3,5)+end   next_offset = 5, finished
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared.protocol import ErrorInfo, FinishReason, StreamDelta
+
+
+class RequestStream:
+    """Per-request reorder buffer; ``push`` is called from the bus handler, never blocks."""
+
+    __slots__ = (
+        "request_id", "index", "prompt_index", "next_offset", "finished", "engine_done", "finish_reason",
+        "num_prompt_tokens", "num_cached_tokens", "_pending", "_sink",
+    )
+
+    def __init__(self, request_id: str, index: int, prompt_index: int, sink: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self.index = index  # the OpenAI choice index
+        self.prompt_index = prompt_index
+        self.next_offset = 0  # == the number of output tokens written so far
+        self.finished = False  # nothing more goes to the sink
+        self.engine_done = False  # the engine ended the request (else it may need an abort)
+        self.finish_reason = FinishReason.NONE
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+        self._pending: dict[int, list[StreamDelta]] = {}
+        self._sink = sink
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.next_offset
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(v) for v in self._pending.values())
+
+    def push(self, delta: StreamDelta) -> None:
+        if self.finished:
+            return
+        if delta.error:
+            self.engine_done = True
+            self.fail(ErrorInfo(delta.error, type="internal_error", status=500))
+            return
+        if delta.token_offset > self.next_offset:
+            if delta.num_tokens or delta.finish_reason != FinishReason.NONE:
+                self._pending.setdefault(delta.token_offset, []).append(delta)
+            return
+        self._accept(delta)
+        while not self.finished and self.next_offset in self._pending:
+            # Token-bearing deltas first: a zero-token end at the same offset comes after them.
+            for waiting in sorted(self._pending.pop(self.next_offset), key=lambda d: -d.num_tokens):
+                self._accept(waiting)
+
+    def _accept(self, delta: StreamDelta) -> None:
+        """``delta`` starts at or before ``next_offset``."""
+        if self.finished:
+            return
+        if delta.token_offset < self.next_offset:
+            # A repeat of tokens already written; only its end (if any, and only when it
+            # covers no unwritten token) still counts.
+            if delta.finish_reason != FinishReason.NONE and delta.token_offset + delta.num_tokens <= self.next_offset:
+                self._emit(StreamDelta(delta.request_id, self.next_offset, 0, "", delta.finish_reason,
+                                       delta.num_prompt_tokens, delta.num_cached_tokens))
+            return
+        if delta.num_tokens == 0 and delta.finish_reason == FinishReason.NONE and not delta.text:
+            return
+        self._emit(delta)
+
+    def _emit(self, delta: StreamDelta) -> None:
+        self.next_offset += delta.num_tokens
+        if delta.num_prompt_tokens:
+            self.num_prompt_tokens = delta.num_prompt_tokens
+        if delta.num_cached_tokens:
+            self.num_cached_tokens = delta.num_cached_tokens
+        if delta.finish_reason != FinishReason.NONE:
+            self.finished = self.engine_done = True
+            self.finish_reason = FinishReason(delta.finish_reason)
+            self._pending.clear()
+        self._sink.put_nowait((self, delta))
+
+    def fail(self, error: ErrorInfo) -> None:
+        """End the stream with an error (engine error, timeout, gateway shutdown); unless
+        the engine ended it, the owner still has to abort it there."""
+        if self.finished:
+            return
+        self.finished = True
+        self.finish_reason = FinishReason.ERROR
+        self._pending.clear()
+        self._sink.put_nowait((self, error))

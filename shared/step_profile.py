@@ -1,0 +1,81 @@
+"""Per-step time accounting, for finding the engine's overhead (off by default).
+
+The worker reports its phases of each step in ``ModelRunnerOutput.timings``; the
+scheduler adds its own (scheduling, encoding, the bus round trip, applying the
+result, publishing outputs, idle time) and keeps a window of recent steps. The
+summary answers on ``llm.engine.<id>.profile`` (see ``scripts/bench_overhead.py``).
+When profiling is off no clock is read and nothing is sent.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+
+WORKER_PHASES = ("decode", "update_states", "prepare_inputs", "forward", "sampling", "output")
+SCHEDULER_PHASES = ("schedule", "encode", "bus_round_trip", "result_decode", "update", "publish_outputs", "idle")
+# What is model work rather than engine overhead.
+MODEL_PHASES = ("forward", "sampling")
+
+
+class PhaseClock:
+    """Durations of consecutive phases: ``lap(name)`` closes the phase that just ran."""
+
+    __slots__ = ("_last", "_sync", "durations")
+
+    def __init__(self, sync=None) -> None:
+        # On a GPU, ``sync`` (torch.cuda.synchronize) makes a lap include the kernels it launched.
+        self._sync = sync
+        self._last = time.perf_counter()
+        self.durations: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        if self._sync is not None:
+            self._sync()
+        now = time.perf_counter()
+        self.durations[name] = self.durations.get(name, 0.0) + now - self._last
+        self._last = now
+
+
+class NullClock:
+    """Stands in for PhaseClock when profiling is off: reads no clock."""
+
+    __slots__ = ()
+    durations: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        pass
+
+
+NULL_CLOCK = NullClock()
+
+
+class StepProfile:
+    """A window of recent steps: their batch size and per-phase seconds."""
+
+    def __init__(self, window: int = 2000) -> None:
+        self.steps: deque[tuple[int, dict[str, float]]] = deque(maxlen=window)
+
+    def add(self, num_reqs: int, phases: dict[str, float]) -> None:
+        self.steps.append((num_reqs, phases))
+
+    def clear(self) -> None:
+        self.steps.clear()
+
+    def summary(self, num_reqs: int | None = None) -> dict:
+        """Median milliseconds per phase (steps of ``num_reqs`` requests only, if given),
+        the median step time, and the share that is not model work."""
+        steps = [p for n, p in self.steps if num_reqs is None or n == num_reqs]
+        if not steps:
+            return {"num_steps": 0}
+        phases = {name for p in steps for name in p}
+        medians = {name: statistics.median(p.get(name, 0.0) for p in steps) * 1e3 for name in sorted(phases)}
+        totals = [sum(p.values()) for p in steps]
+        overhead = [sum(v for k, v in p.items() if k not in MODEL_PHASES and k != "idle") for p in steps]
+        return {
+            "num_steps": len(steps),
+            "median_ms": medians,
+            "median_step_ms": statistics.median(totals) * 1e3,
+            "overhead_share": statistics.median(o / t for o, t in zip(overhead, totals) if t > 0),
+        }
