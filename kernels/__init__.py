@@ -2,8 +2,8 @@
 
 `get_kernel_ops(backend)` is chosen once when a worker builds its model: "triton" runs the
 Triton kernels (CUDA), "torch" the PyTorch references (the CPU path), "auto" picks Triton
-when CUDA is available. Both backends take and return the same tensors; see each kernel's
-module for shapes and layouts.
+when CUDA (and Triton) is available. Both backends take and return the same tensors; see
+each kernel's module for shapes and layouts.
 """
 
 from collections.abc import Callable
@@ -15,6 +15,7 @@ from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
 from kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+from kernels.triton_import import HAS_TRITON
 from kernels.write_kv import write_kv_ref, write_kv_triton
 
 BACKENDS = ("auto", "torch", "triton")
@@ -56,7 +57,9 @@ def get_kernel_ops(backend: str = "auto") -> KernelOps:
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        backend = "triton" if torch.cuda.is_available() else "torch"
+        backend = "triton" if torch.cuda.is_available() and HAS_TRITON else "torch"
+    if backend == "triton" and not HAS_TRITON:
+        raise ValueError("kernel backend 'triton' needs Triton, which is not installed")
     return TRITON_OPS if backend == "triton" else TORCH_OPS
 
 

@@ -17,8 +17,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from kernels.triton_import import tl, triton
 
 
 def _gather_kv(
@@ -26,7 +26,7 @@ def _gather_kv(
 ) -> torch.Tensor:
     """Cache [num_blocks, bs, kvh, hd] -> [N, kvh, max_len, hd] through each request's blocks."""
     block_size = cache.shape[1]
-    num_blocks = triton.cdiv(max_len, block_size)
+    num_blocks = -(-max_len // block_size)
     blocks = block_tables[:, :num_blocks].long()
     # Table entries past a request's last block may be garbage (even out of range): use block 0.
     needed = (seq_lens.long() + block_size - 1) // block_size
@@ -85,8 +85,8 @@ def paged_attention_ref(
 
     `out`, if given, is a preallocated [T, nh, hd] tensor the result is written into.
 
-    Cache slots that no request reads (past seq_len in a request's last block) must hold
-    finite values (zeros or old K/V), as 0 * NaN would leak into the padded SDPA.
+    The caches must hold finite values everywhere (zeros or old K/V, never torch.empty
+    garbage): masked padding keys still enter the padded SDPA, and 0 * NaN is NaN.
     """
     if out is None:
         out = torch.empty_like(query)
@@ -241,7 +241,10 @@ def _paged_attention_kernel(
         partial = (token * num_heads + head) * NUM_SPLITS + split
         tl.store(partial_max_ptr + partial, m_i, mask=row_valid)
         tl.store(partial_sum_ptr + partial, l_i, mask=row_valid)
-        tl.store(partial_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc, mask=store_mask)
+        # All HEAD_DIM columns (padding ones are 0), as the merge reads them unmasked.
+        tl.store(
+            partial_ptr + partial[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None]
+        )
 
 
 @triton.jit

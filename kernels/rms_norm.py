@@ -6,8 +6,8 @@ GPU kernel: one program per token row, the whole hidden size in one block.
 """
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels.triton_import import tl, triton
 
 
 def rms_norm_ref(

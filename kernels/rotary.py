@@ -9,8 +9,8 @@ is the GPU kernel: one program per token, all q and k heads of that token.
 """
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels.triton_import import tl, triton
 
 
 def compute_cos_sin_cache(

@@ -7,8 +7,8 @@ is the GPU kernel: a 2-D grid over (token, column block), computed in fp32.
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from kernels.triton_import import tl, triton
 
 
 def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,8 +8,8 @@ kernel: one program per token, all its kv heads.
 """
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels.triton_import import tl, triton
 
 
 def write_kv_ref(

@@ -225,7 +225,7 @@ def bench_attention(ops_triton, ops_torch, sizes: Sizes, dtype, device, timer) -
             if device == "cuda":
                 torch.cuda.empty_cache()
     header = ["model", "kind", "batch", "context", "triton ms", "triton BW / FLOP/s",
-              "torch ref ms", "SDPA (dense KV) ms", "ref / triton"]  # fmt: skip
+              "torch ref ms", "SDPA (dense KV) ms", "triton speed-up vs ref"]  # fmt: skip
     print_table("paged_attention", header, rows)
 
 

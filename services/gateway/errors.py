@@ -17,7 +17,13 @@ _json = msgspec.json.Encoder()
 
 
 class ApiError(Exception):
-    """A request ends with this HTTP status and OpenAI-shaped error body."""
+    """A request ends with this HTTP status and OpenAI-shaped error body.
+
+    ``maybe_submitted``: raised by a tokenize request that may still have reached an
+    engine (no answer in time), so the request id must be aborted there.
+    """
+
+    maybe_submitted = False
 
     def __init__(
         self,
@@ -63,9 +69,16 @@ def no_tokenizer() -> ApiError:
 
 
 def tokenizer_timeout(seconds: float) -> ApiError:
-    return ApiError(
-        f"the tokenizer service did not answer within {seconds:g}s", status=504, type="service_unavailable"
-    )
+    error = ApiError(f"the tokenizer service did not answer within {seconds:g}s", status=504,
+                     type="service_unavailable")
+    error.maybe_submitted = True
+    return error
+
+
+def bus_unavailable(reason: str) -> ApiError:
+    error = ApiError(f"the message bus is unavailable: {reason}", status=503, type="service_unavailable")
+    error.maybe_submitted = True
+    return error
 
 
 def request_timeout(seconds: float) -> ApiError:

@@ -69,7 +69,7 @@ class Generation:
         for stream, result in zip(self.streams, results):
             if isinstance(result, BaseException):
                 errors.append(result)
-                if isinstance(result, ApiError) and result.status < 500:
+                if isinstance(result, ApiError) and not result.maybe_submitted:
                     self._refused.add(stream.request_id)
                 continue
             self.gateway.metrics.prompt_tokens.inc(result.num_prompt_tokens)

@@ -38,7 +38,7 @@ from shared.protocol import (
 )
 
 from .config import GatewayConfig
-from .errors import ApiError, no_tokenizer, shutting_down, tokenizer_timeout
+from .errors import ApiError, bus_unavailable, no_tokenizer, shutting_down, tokenizer_timeout
 from .metrics import EngineStatsStore, GatewayMetrics
 from .streams import RequestStream
 
@@ -115,7 +115,7 @@ class GatewayService(Service):
             raise tokenizer_timeout(self.config.tokenize_timeout) from None
         except NatsError as e:
             logger.warning("%s: tokenize request failed: %r", request.request_id, e)
-            raise ApiError(f"the bus is unavailable: {e}", status=503, type="service_unavailable") from None
+            raise bus_unavailable(repr(e)) from None
         reply = TOKENIZE_REPLY.decode(msg.data)
         if reply.error is not None:
             raise ApiError.from_info(reply.error)

@@ -180,3 +180,13 @@ def test_triton_split_kv_matches_reference(num_splits, num_heads, num_kv_heads):
         *batch.args(), out=poisoned_out(batch.query), num_splits=num_splits
     )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_triton_head_dim_not_power_of_two(num_splits):
+    batch = make_batch([1, 6, 1], [20, 9, 0], 4, 2, 80, seed=8)
+    expected = paged_attention_ref(*batch.args())
+    out = paged_attention_triton(
+        *batch.args(), out=poisoned_out(batch.query), num_splits=num_splits
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,118 @@
+"""The gateway's HTTP routes (Starlette): the OpenAI API, /health and /metrics.
+
+    POST /v1/chat/completions   chat, streamed (SSE) or not
+    POST /v1/completions        completions, streamed (SSE) or not
+    GET  /v1/models             the served model name(s)
+    GET  /v1/models/{model}
+    GET  /health                200 when a tokenizer answers a ping, else 503
+    GET  /metrics               Prometheus text
+
+With an API key set, every ``/v1`` route needs ``Authorization: Bearer <key>``.
+Every error answer has OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from .errors import ApiError, error_response, json_response
+from .serving import GenerationEndpoint
+from .service import GatewayService
+
+logger = logging.getLogger(__name__)
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI (streams pass untouched): /v1 routes need the bearer key."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected):
+                error = ApiError("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                 status=401, code="invalid_api_key")
+                await error_response(error.info)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class InfoRoutes:
+    """The routes that do not generate."""
+
+    def __init__(self, gateway: GatewayService) -> None:
+        self.gateway = gateway
+        self.started = int(time.time())
+
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "natsllm",
+                "root": name, "parent": None}
+
+    async def models(self, request: Request) -> Response:
+        names = self.gateway.config.served_model_names
+        return json_response({"object": "list", "data": [self._model_card(n) for n in names]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in self.gateway.config.served_model_names:
+            return error_response(ApiError(f"The model `{name}` does not exist.", status=404, param="model",
+                                           code="model_not_found").info)
+        return json_response(self._model_card(name))
+
+    async def health(self, request: Request) -> Response:
+        tokenizer = await self.gateway.tokenizer_alive()
+        ok = tokenizer and not self.gateway.closing
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "tokenizer": tokenizer,
+            "engines": len(self.gateway.engine_stats.current()),
+            "gateway_id": self.gateway.gateway_id,
+        }
+        return json_response(body, 200 if ok else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.gateway.metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(ApiError(f"{exc.detail}: {request.method} {request.url.path}",
+                                   status=exc.status_code, type=kind).info)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(ApiError(f"internal error: {exc}", status=500, type="internal_error").info)
+
+
+def build_app(gateway: GatewayService) -> Starlette:
+    info = InfoRoutes(gateway)
+    routes = [
+        Route("/v1/chat/completions", GenerationEndpoint(gateway, "chat").endpoint, methods=["POST"]),
+        Route("/v1/completions", GenerationEndpoint(gateway, "completion").endpoint, methods=["POST"]),
+        Route("/v1/models", info.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", info.model, methods=["GET"]),
+        Route("/health", info.health, methods=["GET"]),
+        Route("/metrics", info.metrics, methods=["GET"]),
+    ]
+    api_key = gateway.config.api_key
+    middleware = [Middleware(ApiKeyMiddleware, api_key=api_key)] if api_key else []
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+    )

@@ -1,0 +1,157 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: parse, run, answer.
+
+Tokenize errors come back before any byte is sent, with their own status, for
+streamed requests too. A streamed answer is SSE (``data: {json}`` blocks, then
+``data: [DONE]``); an error after the stream began is sent as a
+``data: {"error": ...}`` block, as vLLM does. Whatever way a request ends — done,
+client gone, error, timeout — ``Generation.close()`` runs and aborts in the
+engine what is still running there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import msgspec
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from shared.protocol import ErrorInfo
+
+from .errors import ApiError, error_body, invalid, json_response
+from .generation import Generation
+from .openai_requests import GenerationRequest, parse_chat, parse_completion
+from .openai_responses import ChoiceResult, ResponseFormat, response_format
+from .service import GatewayService
+
+logger = logging.getLogger(__name__)
+
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+# A client that went away gets no response; 499 is what the access log shows.
+CLIENT_CLOSED = 499
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+def sse(obj) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+async def read_json(request: Request):
+    try:
+        body = await request.body()
+    except ClientDisconnect:
+        raise ClientGone() from None
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+
+
+async def until_disconnected(request: Request, work: Awaitable):
+    """Run ``work``; if the client disconnects first, cancel it and raise ``ClientGone``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled from outside (server shutdown)
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientGone()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # After the body is read, the server's receive() only returns on disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class GenerationStream(StreamingResponse):
+    """SSE response that runs ``on_close`` however it ends (done, client gone, cancelled)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class GenerationEndpoint:
+    """One of the two generation routes; ``kind`` is "chat" or "completion"."""
+
+    def __init__(self, gateway: GatewayService, kind: str) -> None:
+        self.gateway = gateway
+        self.kind = kind
+        self.parse: Callable[..., GenerationRequest] = parse_chat if kind == "chat" else parse_completion
+        self.id_prefix = "chatcmpl" if kind == "chat" else "cmpl"
+
+    async def endpoint(self, request: Request) -> Response:
+        """The Starlette endpoint: every failure becomes an OpenAI error answer."""
+        try:
+            return await self.handle(request)
+        except ApiError as e:
+            return json_response(error_body(e.info), e.status)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+
+    async def handle(self, request: Request) -> Response:
+        body = await read_json(request)
+        parsed = self.parse(body, self.gateway.config.served_model_names)
+        generation = Generation(self.gateway, parsed, f"{self.id_prefix}-{uuid.uuid4().hex}")
+        fmt = response_format(self.kind, generation.request_id, generation.created, parsed)
+        try:
+            await until_disconnected(request, generation.start())
+            if parsed.stream:
+                # From here the response owns the generation and closes it when done.
+                return GenerationStream(self.stream(generation, fmt), on_close=generation.close)
+        except BaseException:
+            generation.close()
+            raise
+        try:
+            return json_response(await until_disconnected(request, self.collect(generation, fmt)))
+        finally:
+            generation.close()
+
+    async def stream(self, generation: Generation, fmt: ResponseFormat) -> AsyncIterator[bytes]:
+        for chunk in fmt.opening():
+            yield sse(chunk)
+        async for stream, item in generation.events():
+            if isinstance(item, ErrorInfo):
+                logger.warning("%s: ended with an error: %s", stream.request_id, item.message)
+                yield sse(error_body(item))
+                break
+            chunk = fmt.chunk(stream.index, item)
+            if chunk is not None:
+                yield sse(chunk)
+        else:
+            if generation.request.include_usage:
+                yield sse(fmt.usage_chunk(generation.usage()))
+        yield DONE
+
+    async def collect(self, generation: Generation, fmt: ResponseFormat) -> dict:
+        results = [ChoiceResult() for _ in generation.streams]
+        async for stream, item in generation.events():
+            if isinstance(item, ErrorInfo):
+                logger.warning("%s: ended with an error: %s", stream.request_id, item.message)
+                raise ApiError.from_info(item)
+            results[stream.index].add(item)
+        return fmt.response(results, generation.usage())

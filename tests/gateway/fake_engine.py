@@ -1,0 +1,196 @@
+"""A fake tokenizer + engine + detokenizer for the gateway tests, on a real NATS bus.
+
+It answers ``TokenizeRequest``s on ``llm.tokenize`` (queue group "tokenizer", and
+health pings as a "tokenizer") and then "generates" a known text: the label
+``[<first word of the prompt>]`` (``[<word>/<seed>]`` with a seed) followed by the
+words of ``WORDS``, one token each. The output goes to the requesting gateway's
+stream subject as ``StreamDeltaBatch``es, deliberately out of order, split into
+deltas of one or two tokens, some before the tokenize reply and some after, with
+a repeated delta and a delta for an unknown request mixed in.
+
+Control words in the prompt: ``REJECT`` (a 400 from the "tokenizer"),
+``UNAVAILABLE`` (its 503), ``REJECTSECOND`` (refuse only sample 1), ``HANG``
+(two tokens, then nothing), ``FAIL`` (two tokens, then an engine error).
+It records every request and every abort it sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from nats.aio.msg import Msg
+
+from shared.bus import Service
+from shared.protocol import (
+    ABORT_REQUEST,
+    ENGINE_ABORT,
+    STREAM_DELTA_BATCH,
+    TOKENIZE,
+    TOKENIZE_REPLY,
+    TOKENIZE_REQUEST,
+    ErrorInfo,
+    FinishReason,
+    StreamDelta,
+    StreamDeltaBatch,
+    TokenizeReply,
+    TokenizeRequest,
+    TokenLogprob,
+    TopLogprob,
+    gateway_stream_subject,
+)
+
+WORDS = "The quick brown fox jumps over the lazy dog .".split()
+REJECTION = ErrorInfo(
+    "This model's maximum context length is 64 tokens. However, you requested 100 tokens.",
+    param="max_tokens",
+    code="context_length_exceeded",
+    status=400,
+)
+
+
+def prompt_words(request: TokenizeRequest) -> list[str]:
+    if request.messages is not None:
+        return request.messages[-1]["content"].split()
+    if request.prompt is not None:
+        return request.prompt.split()
+    return [f"ids{len(request.prompt_token_ids)}"]
+
+
+def label(first_word: str, seed: int | None = None) -> str:
+    return f"[{first_word}]" if seed is None else f"[{first_word}/{seed}]"
+
+
+def output_tokens(first_word: str, seed: int | None = None) -> list[str]:
+    """The fake model's whole output for a prompt starting with ``first_word``."""
+    return [label(first_word, seed)] + [f" {w}" for w in WORDS]
+
+
+def expected_text(first_word: str, seed: int | None = None, max_tokens: int = 0) -> str:
+    tokens = output_tokens(first_word, seed)
+    return "".join(tokens[:max_tokens] if max_tokens else tokens)
+
+
+def token_logprob(token: str, position: int, num_top: int) -> TokenLogprob:
+    tops = [TopLogprob(f"alt{r}", -1.0 - r, list(f"alt{r}".encode())) for r in range(num_top)]
+    return TokenLogprob(token, -0.25 * (position + 1), list(token.encode()), tops)
+
+
+class FakeEngine(Service):
+    """Plays tokenizer, scheduler and detokenizer for one test module."""
+
+    name = "tokenizer"
+
+    def __init__(self, nats_url: str) -> None:
+        super().__init__(nats_url)
+        self.requests: list[TokenizeRequest] = []
+        self.aborted: list[str] = []
+        self._changed = asyncio.Condition()
+
+    async def setup(self) -> None:
+        await self.subscribe(TOKENIZE, self._on_tokenize, queue="tokenizer")
+        await self.subscribe(ENGINE_ABORT, self._on_abort)
+        await self.nc.flush()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_for(self, predicate, timeout: float = 5.0):
+        """Until ``predicate()`` is truthy (bounded by ``timeout``); returns its value."""
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
+        return predicate()
+
+    def requests_with(self, word: str) -> list[TokenizeRequest]:
+        return [r for r in self.requests if word in prompt_words(r)]
+
+    async def _on_abort(self, msg: Msg) -> None:
+        self.aborted.extend(ABORT_REQUEST.decode(msg.data).request_ids)
+        await self._notify()
+
+    async def _on_tokenize(self, msg: Msg) -> None:
+        request = TOKENIZE_REQUEST.decode(msg.data)
+        self.requests.append(request)
+        await self._notify()
+        self.spawn(self._serve(msg, request))
+
+    async def _serve(self, msg: Msg, request: TokenizeRequest) -> None:
+        words = prompt_words(request)
+        num_prompt_tokens = len(words) + 3
+        if "REJECT" in words or ("REJECTSECOND" in words and request.request_id.endswith("-1")):
+            await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, error=REJECTION)))
+            return
+        if "UNAVAILABLE" in words:
+            error = ErrorInfo("no scheduler is available", type="service_unavailable", status=503)
+            await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, error=error)))
+            return
+        deltas = self.deltas(request, words, num_prompt_tokens)
+        rng = random.Random(request.request_id)
+        order = list(range(len(deltas)))
+        rng.shuffle(order)
+        if order == sorted(order) and len(order) > 1:
+            order.reverse()
+        shuffled = [deltas[i] for i in order]
+        subject = gateway_stream_subject(request.gateway_id)
+        half = len(shuffled) // 2
+        bogus = StreamDelta("no-such-request", 0, 1, "junk")
+        # Half the output before the tokenize reply: the engine can be faster than the reply.
+        await self.publish(subject, shuffled[:half] + [bogus])
+        await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, num_prompt_tokens)))
+        rest = shuffled[half:]
+        for i in range(0, len(rest), 2):
+            await self.publish(subject, rest[i : i + 2])
+        if deltas:
+            await self.publish(subject, [deltas[0]])  # a repeat, after the end
+
+    async def publish(self, subject: str, deltas: list[StreamDelta]) -> None:
+        if deltas:
+            await self.nc.publish(subject, STREAM_DELTA_BATCH.encode(StreamDeltaBatch(deltas)))
+
+    def deltas(self, request: TokenizeRequest, words: list[str], num_prompt_tokens: int) -> list[StreamDelta]:
+        params = request.sampling_params
+        tokens = output_tokens(words[0] if words else "", params.seed)
+        texts = list(tokens)
+        finish = FinishReason.STOP
+        error = ""
+        if "HANG" in words or "FAIL" in words:
+            tokens, texts = tokens[:2], texts[:2]
+            finish = FinishReason.NONE
+            error = "the engine failed: FAIL" if "FAIL" in words else ""
+        elif params.max_tokens and params.max_tokens < len(tokens):
+            tokens, texts = tokens[: params.max_tokens], texts[: params.max_tokens]
+            finish = FinishReason.LENGTH
+        for stop in params.stop:
+            # As the detokenizer: the text ends just before the stop string.
+            text = ""
+            for j, token in enumerate(tokens):
+                if stop in text + token:
+                    texts = texts[:j] + [(text + token)[len(text):(text + token).index(stop)]]
+                    tokens = tokens[: j + 1]
+                    finish = FinishReason.STOP
+                    break
+                text += token
+        deltas = []
+        offset = 0
+        sizes = [1, 2] * len(tokens)
+        while offset < len(tokens):
+            size = min(sizes.pop(), len(tokens) - offset)
+            logprobs = []
+            if params.logprobs is not None:
+                logprobs = [token_logprob(tokens[j], j, params.logprobs) for j in range(offset, offset + size)]
+            deltas.append(
+                StreamDelta(
+                    request.request_id, offset, size, "".join(texts[offset : offset + size]),
+                    num_prompt_tokens=num_prompt_tokens, logprobs=logprobs,
+                )
+            )
+            offset += size
+        if error:
+            deltas.append(StreamDelta(request.request_id, offset, 0, "", FinishReason.ERROR, error=error))
+        elif finish != FinishReason.NONE:
+            deltas[-1] = StreamDelta(
+                request.request_id, deltas[-1].token_offset, deltas[-1].num_tokens, deltas[-1].text, finish,
+                num_prompt_tokens=num_prompt_tokens, num_cached_tokens=2, logprobs=deltas[-1].logprobs,
+            )
+        return deltas
