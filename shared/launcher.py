@@ -33,6 +33,8 @@ class StackConfig:
     engine_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # Services not to start (e.g. {"scheduler"}), for tests of a stack missing a part.
+    without: frozenset[str] = frozenset()
     log_dir: str | None = None
 
 
@@ -54,7 +56,9 @@ class Stack:
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env
 
-    def start_service(self, name: str, module: str, args: list[str]) -> subprocess.Popen:
+    def start_service(self, name: str, module: str, args: list[str]) -> subprocess.Popen | None:
+        if module.removeprefix("services.") in self.config.without:
+            return None
         # Without a log folder the services log to this terminal.
         out = None
         if self.config.log_dir is not None:
@@ -85,8 +89,13 @@ class Stack:
                 f"worker-{rank}", "services.worker", [*model, *tp, "--rank", str(rank), *dist, *cfg.engine_args]
             )
         self.start_service("scheduler", "services.scheduler", [*model, *tp, *cfg.engine_args])
+        # The tokenizer validates prompt lengths: it must know a --max-model-len cap.
+        max_len = []
+        if "--max-model-len" in cfg.engine_args:
+            i = cfg.engine_args.index("--max-model-len")
+            max_len = cfg.engine_args[i : i + 2]
         for i in range(cfg.num_tokenizers):
-            self.start_service(f"tokenizer-{i}", "services.tokenizer", [*model])
+            self.start_service(f"tokenizer-{i}", "services.tokenizer", [*model, *max_len])
         for i in range(cfg.num_detokenizers):
             self.start_service(f"detokenizer-{i}", "services.detokenizer", [*model])
         self.start_service(

@@ -1,12 +1,16 @@
 """``python -m services.gateway``: the OpenAI-compatible HTTP front on the bus."""
 
 import asyncio
+import logging
+import sys
 
 from shared.bus import setup_logging
 from shared.cli import add_flag, base_parser
 
 from .config import GatewayConfig, default_served_model_name
-from .server import GatewayServer
+from .server import GatewayServer, ServeError
+
+logger = logging.getLogger("services.gateway")
 
 
 def build_config(args) -> GatewayConfig:
@@ -38,7 +42,11 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging(args.log_level)
     server = GatewayServer(build_config(args), nats_url=args.nats_url)
-    asyncio.run(server.run())
+    try:
+        asyncio.run(server.run())
+    except ServeError as e:
+        logger.error("%s", e)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -88,16 +88,15 @@ class Generation:
         remaining = len(self.streams)
         timed_out = False
         while remaining:
+            # After the deadline every unfinished stream holds its error event: no wait.
+            timeout = None if timed_out else max(0.0, self.deadline - time.monotonic())
             try:
-                stream, item = await asyncio.wait_for(self._events.get(), max(0.0, self.deadline - time.monotonic()))
+                stream, item = await asyncio.wait_for(self._events.get(), timeout)
             except asyncio.TimeoutError:
-                if timed_out:  # cannot happen: every stream was failed below
-                    raise
                 timed_out = True
                 error = request_timeout(self.gateway.config.request_timeout).info
                 for s in self.streams:
                     s.fail(error)
-                self.deadline = float("inf")
                 continue
             now = time.monotonic()
             if isinstance(item, ErrorInfo):

@@ -84,8 +84,6 @@ class _EngineCollector:
 class GatewayMetrics:
     """The gateway's own registry; ``render()`` is the body of ``GET /metrics``."""
 
-    content_type = "text/plain; version=0.0.4; charset=utf-8"
-
     def __init__(self, model_name: str, engine_stats: EngineStatsStore) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]

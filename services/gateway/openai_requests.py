@@ -3,8 +3,10 @@
 The gateway checks shapes and types at the edge (a wrong type names its parameter
 in a 400); value ranges (temperature in [0, 2], ...) are the tokenizer service's
 to check, and its error passes through. Absent settings take OpenAI's / vLLM's
-defaults; ``SamplingParams.max_tokens == 0`` tells the tokenizer "not given: as
-many as fit in the context".
+defaults. ``SamplingParams.max_tokens == 0`` tells the tokenizer "not given: as
+many as fit in the context" (max_model_len - prompt_len): chat without
+max_tokens / max_completion_tokens, and completions with ``max_tokens: null``;
+completions without the field get 16, as in OpenAI's API and vLLM.
 """
 
 from __future__ import annotations
@@ -78,9 +80,9 @@ class Fields:
         return value
 
     def int(self, name: str, default, minimum: int | None = None):
-        value = self.raw(name, default)
-        if value is default:
-            return value
+        if not self.has(name):
+            return default
+        value = self.body[name]
         if isinstance(value, bool) or not isinstance(value, int):
             raise invalid(f"{name} must be an integer, got {value!r}", param=name)
         if minimum is not None and value < minimum:
@@ -118,7 +120,8 @@ class Fields:
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A JSON integer that fits the bus's 64-bit ints."""
+    return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
 
 
 def _as_object(body) -> Fields:

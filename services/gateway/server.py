@@ -21,11 +21,22 @@ from .service import GatewayService
 STARTUP_TIMEOUT = 30.0
 
 
+class ServeError(RuntimeError):
+    """The HTTP side could not start (e.g. the port is taken)."""
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         # GatewayServer.run() owns SIGTERM / SIGINT.
         yield
+
+    async def startup(self, sockets=None) -> None:
+        # uvicorn calls sys.exit() when it cannot bind; that would escape the event loop.
+        try:
+            await super().startup(sockets)
+        except SystemExit:
+            raise ServeError(f"cannot serve HTTP on {self.config.host}:{self.config.port}") from None
 
 
 class GatewayServer:
@@ -65,7 +76,7 @@ class GatewayServer:
                 await self.gateway.close()
                 if self._serving.done():
                     self._serving.result()
-                raise RuntimeError(f"the HTTP server did not start on {self.config.host}:{self.config.port}")
+                raise ServeError(f"the HTTP server did not start on {self.config.host}:{self.config.port}")
             await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
@@ -76,13 +87,21 @@ class GatewayServer:
         await self.gateway.close()
 
     async def run(self) -> None:
-        """Serve until SIGTERM or SIGINT."""
+        """Serve until SIGTERM or SIGINT (which also end a start still waiting for NATS)."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await self.start()
         stopping = asyncio.ensure_future(stop.wait())
+        starting = asyncio.ensure_future(self.start())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            await self.gateway.close()
+            return
+        starting.result()
         await asyncio.wait({stopping, self._serving}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         await self.stop()

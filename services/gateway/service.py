@@ -17,7 +17,7 @@ import logging
 import msgspec
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.errors import NoRespondersError
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from shared.bus import Service
@@ -110,6 +110,12 @@ class GatewayService(Service):
         except NoRespondersError:
             logger.warning("%s: no tokenizer is subscribed to %s", request.request_id, TOKENIZE)
             raise no_tokenizer() from None
+        except MaxPayloadError:
+            raise ApiError(
+                f"the request is too large to pass on (over {self.nc.max_payload} bytes once encoded)",
+                param="prompt" if request.messages is None else "messages",
+                code="request_too_large",
+            ) from None
         except (NatsTimeoutError, asyncio.TimeoutError):
             logger.warning("%s: no tokenizer answer within %.1fs", request.request_id, self.config.tokenize_timeout)
             raise tokenizer_timeout(self.config.tokenize_timeout) from None

@@ -69,11 +69,6 @@ class TensorParallel:
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
 
-    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self.enabled:
-            dist.broadcast(x, src=src, group=self.group)
-        return x
-
 
 def init_distributed(
     parallel_config: ParallelConfig,

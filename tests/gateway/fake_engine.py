@@ -10,7 +10,8 @@ a repeated delta and a delta for an unknown request mixed in.
 
 Control words in the prompt: ``REJECT`` (a 400 from the "tokenizer"),
 ``UNAVAILABLE`` (its 503), ``REJECTSECOND`` (refuse only sample 1), ``HANG``
-(two tokens, then nothing), ``FAIL`` (two tokens, then an engine error).
+(two tokens, then nothing), ``FAIL`` (two tokens, then an engine error),
+``SILENT`` (no tokenize reply at all).
 It records every request and every abort it sees.
 """
 
@@ -118,6 +119,8 @@ class FakeEngine(Service):
     async def _serve(self, msg: Msg, request: TokenizeRequest) -> None:
         words = prompt_words(request)
         num_prompt_tokens = len(words) + 3
+        if "SILENT" in words:
+            return
         if "REJECT" in words or ("REJECTSECOND" in words and request.request_id.endswith("-1")):
             await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, error=REJECTION)))
             return

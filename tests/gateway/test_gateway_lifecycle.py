@@ -58,9 +58,17 @@ async def test_client_gone_during_non_stream_request_aborts(gateway, fake):
     assert request.request_id not in gateway.gateway.streams
 
 
-async def test_request_timeout_aborts(nats_server, fake):
-    async with GatewayServer(gateway_config(request_timeout=0.5), nats_url=nats_server.url) as server:
+async def test_timeouts_abort(nats_server, fake):
+    config = gateway_config(request_timeout=0.5, tokenize_timeout=0.3)
+    async with GatewayServer(config, nats_url=nats_server.url) as server:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
+            r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "SILENT tokenizer"})
+            assert r.status_code == 504
+            assert r.json()["error"]["message"] == "the tokenizer service did not answer within 0.3s"
+            # The tokenizer may have handed it to an engine after all.
+            [request] = fake.requests_with("SILENT")
+            await fake.wait_for(lambda: request.request_id in fake.aborted)
+
             r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "HANG timeout"})
             assert r.status_code == 504
             assert r.json()["error"]["type"] == "timeout" and "0.5s" in r.json()["error"]["message"]

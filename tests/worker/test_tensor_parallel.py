@@ -17,7 +17,6 @@ import hashlib
 import json
 import math
 import multiprocessing
-import os
 import traceback
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import pytest
 import torch
 
 from services.worker.models.llama import LlamaForCausalLM
-from services.worker.parallel import ShardLayout, TensorParallel
+from services.worker.parallel import ShardLayout, TensorParallel, destroy_distributed
 from shared.config import CacheConfig, ConfigError, ModelRunConfig, ParallelConfig, SchedulerConfig
 from shared.model_config import load_model_config
 from shared.model_files import open_weights
@@ -132,10 +131,7 @@ def _rank_main(rank: int, world_size: int, init_method: str, model_dir: str, out
         out.write_text(json.dumps({"error": traceback.format_exc()}))
         raise
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_distributed()
 
 
 def run_ranks(model_dir: Path, world_size: int, out_dir: Path) -> list[dict]:

@@ -1,0 +1,66 @@
+"""Request parsing at the edge: defaults, fan-out settings, max_tokens encoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.errors import ApiError
+from services.gateway.openai_requests import parse_chat, parse_completion
+
+NAMES = ("m", "alias")
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_max_tokens_absent_is_zero_and_max_completion_tokens_wins():
+    assert parse_chat({"messages": USER}, NAMES).sampling_params.max_tokens == 0
+    assert parse_chat({"messages": USER, "max_tokens": 5}, NAMES).sampling_params.max_tokens == 5
+    r = parse_chat({"messages": USER, "max_tokens": 5, "max_completion_tokens": 7}, NAMES)
+    assert r.sampling_params.max_tokens == 7
+
+
+def test_completion_max_tokens_default_16_and_null_is_as_many_as_fit():
+    assert parse_completion({"prompt": "x"}, NAMES).sampling_params.max_tokens == 16
+    assert parse_completion({"prompt": "x", "max_tokens": None}, NAMES).sampling_params.max_tokens == 0
+
+
+def test_model_defaults_to_the_first_served_name():
+    assert parse_chat({"messages": USER}, NAMES).model == "m"
+    assert parse_chat({"messages": USER, "model": "alias"}, NAMES).model == "m"
+    with pytest.raises(ApiError) as info:
+        parse_chat({"messages": USER, "model": "x"}, NAMES)
+    assert info.value.info.code == "model_not_found" and info.value.status == 400
+
+
+def test_seed_plus_i_and_logprobs_mapping():
+    r = parse_chat({"messages": USER, "n": 3, "seed": 10, "logprobs": True}, NAMES)
+    assert [r.choice_params(i).seed for i in range(3)] == [10, 11, 12]
+    assert r.sampling_params.logprobs == 0 and r.logprobs
+    assert parse_chat({"messages": USER}, NAMES).sampling_params.logprobs is None
+    assert parse_chat({"messages": USER, "n": 2}, NAMES).choice_params(1).seed is None
+    r = parse_completion({"prompt": [[1, 2], [3]], "logprobs": 3, "stop": "x"}, NAMES)
+    assert r.sampling_params.logprobs == 3 and r.sampling_params.stop == ["x"]
+    assert r.prompts == ({"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]})
+
+
+def test_content_parts_joined_and_null_content_allowed():
+    r = parse_chat({"messages": [
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "u"},
+    ]}, NAMES)
+    assert r.prompts[0]["messages"] == [
+        {"role": "assistant", "content": ""}, {"role": "user", "content": "a\nb", "name": "u"}
+    ]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": USER, "n": 1000}, "n"),
+    ({"messages": USER, "seed": 2**63 - 1, "n": 2}, "seed"),
+    ({"messages": USER, "ignore_eos": "yes"}, "ignore_eos"),
+    ({"messages": USER, "stream": True, "stream_options": []}, "stream_options"),
+    ({"messages": USER, "stop_token_ids": [True]}, "stop_token_ids"),
+    ({"messages": USER, "min_tokens": -1}, "min_tokens"),
+])
+def test_bad_values_name_their_param(body, param):
+    with pytest.raises(ApiError) as info:
+        parse_chat(body, NAMES)
+    assert info.value.info.param == param and info.value.status == 400

