@@ -39,6 +39,7 @@ class Service:
         self.instance_id = instance_id or uuid.uuid4().hex[:12]
         self.nc: nats.NATS | None = None
         self.handler_errors = 0
+        self.exit_code = 0
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
 
@@ -79,6 +80,12 @@ class Service:
             logger.error("%s %s: task failed", self.name, self.instance_id, exc_info=task.exception())
 
     def stop(self) -> None:
+        self._stop.set()
+
+    def fail(self, reason: str) -> None:
+        """Stop with a non-zero exit code, so a supervisor restarts the service."""
+        logger.error("%s %s: %s; exiting", self.name, self.instance_id, reason)
+        self.exit_code = 1
         self._stop.set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -131,5 +138,7 @@ def setup_logging(level: str | None = None) -> None:
     )
 
 
-def run_service(service: Service) -> None:
+def run_service(service: Service) -> int:
+    """Run until stopped; returns the exit code for the process."""
     asyncio.run(service.run())
+    return service.exit_code

@@ -43,6 +43,7 @@ class Stack:
         self.config = config
         self.nats: NatsServer | None = None
         self.processes: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, tuple[str, list[str]]] = {}
 
     @property
     def base_url(self) -> str:
@@ -72,7 +73,17 @@ class Stack:
             start_new_session=True,
         )
         self.processes[name] = process
+        self.commands[name] = (module, args)
         return process
+
+    def restart_service(self, name: str) -> subprocess.Popen:
+        """Start a service again with the arguments it was first started with."""
+        process = self.processes.get(name)
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        module, args = self.commands[name]
+        return self.start_service(name, module, args)
 
     def start(self) -> None:
         cfg = self.config

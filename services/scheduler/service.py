@@ -83,6 +83,7 @@ class SchedulerService(Service):
         self.scheduler: Scheduler | None = None
         self.workers: dict[int, object] = {}
         self._last_seen: dict[int, float] = {}
+        self._retired: set[str] = set()
         self._work = asyncio.Event()
         self._pending_step: tuple[int, asyncio.Future] | None = None
         self.prompt_tokens_total = 0
@@ -121,6 +122,8 @@ class SchedulerService(Service):
             )
             return
         self._last_seen[ready.rank] = time.monotonic()
+        if ready.instance_id in self._retired:
+            return  # a survivor of a failed TP group: it exits and comes back anew
         known = self.workers.get(ready.rank)
         if known is not None and known.instance_id == ready.instance_id:
             return
@@ -140,6 +143,9 @@ class SchedulerService(Service):
     def _fail_engine(self, reason: str) -> None:
         """Fail every request and wait for the workers to announce themselves again."""
         scheduler, self.scheduler = self.scheduler, None
+        if self.world_size > 1:
+            # The ranks' process group is broken: only a whole new set of ranks will do.
+            self._retired.update(w.instance_id for w in self.workers.values())
         self.workers.clear()
         self._last_seen.clear()
         if self._pending_step is not None and not self._pending_step[1].done():

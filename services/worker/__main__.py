@@ -1,5 +1,7 @@
 """``python -m services.worker``: one model runner rank on the bus."""
 
+import os
+
 from shared import engine_args
 from shared.bus import run_service, setup_logging
 from shared.cli import base_parser
@@ -21,7 +23,10 @@ def main() -> None:
         nats_url=args.nats_url,
         profile=args.profile_steps,
     )
-    run_service(service)
+    code = run_service(service)
+    if code:
+        # A forward thread may be stuck in a collective with a dead peer: don't wait for it.
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -54,10 +55,15 @@ class WorkerService(Service):
         parallel_config: ParallelConfig = ParallelConfig(),
         nats_url: str | None = None,
         profile: bool = False,
+        peer_timeout: float = 5.0,
     ) -> None:
         super().__init__(nats_url)
         self.engine_id = engine_id
         self.profile = profile
+        self.world_size = parallel_config.tensor_parallel_size
+        self.peer_timeout = peer_timeout
+        self._peers: dict[int, str] = {}
+        self._peer_seen: dict[int, float] = {}
         self.parallel_config = parallel_config
         self.rank = parallel_config.rank
         # Tensor parallelism: join the engine's ranks (blocks until all have joined)
@@ -93,6 +99,9 @@ class WorkerService(Service):
         await self.subscribe(engine_hello_subject(self.engine_id), self._on_hello)
         await self._announce()
         self.spawn(self._heartbeat())
+        if self.world_size > 1:
+            await self.subscribe(engine_ready_subject(self.engine_id), self._watch_peers)
+            self.spawn(self._check_peers())
 
     async def _heartbeat(self) -> None:
         """The ready message doubles as a heartbeat: the scheduler notices a dead rank."""
@@ -122,6 +131,30 @@ class WorkerService(Service):
             output = ModelRunnerOutput(step_id=scheduler_output.step_id, error=f"{type(e).__name__}: {e}")
         if self.rank == 0:
             await self.nc.publish(self._result_subject, MODEL_RUNNER_OUTPUT.encode(output))
+        if output.error and self.world_size > 1:
+            # The ranks' collectives are out of step now: the group must restart whole.
+            await self.nc.flush()
+            self.fail(f"step {scheduler_output.step_id} failed under tensor parallelism")
+
+    async def _watch_peers(self, msg: Msg) -> None:
+        """Under TP, a peer rank that restarted or went silent breaks the process group."""
+        ready = WORKER_READY.decode(msg.data)
+        if ready.rank == self.rank or ready.world_size != self.world_size:
+            return
+        known = self._peers.get(ready.rank)
+        if known is not None and known != ready.instance_id:
+            self.fail(f"peer rank {ready.rank} restarted")
+        self._peers[ready.rank] = ready.instance_id
+        self._peer_seen[ready.rank] = time.monotonic()
+
+    async def _check_peers(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+            now = time.monotonic()
+            for rank, seen in self._peer_seen.items():
+                if now - seen > self.peer_timeout:
+                    self.fail(f"peer rank {rank} silent for more than {self.peer_timeout}s")
+                    return
 
     async def cleanup(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

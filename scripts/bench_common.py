@@ -1,0 +1,254 @@
+"""Shared, dependency-light helpers of the benchmark scripts.
+
+- a seeded synthetic dataset made of real English text (public-domain paragraphs
+  built in, or any text file), each prompt sized to about N tokens of a tokenizer;
+- length draws (uniform spread around a mean, as vLLM's random dataset);
+- percentiles and the summary of a list of numbers;
+- a loopback-only check for benchmark targets.
+
+Nothing here imports torch or the engine, so the unit tests stay fast.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import random
+import re
+from dataclasses import dataclass
+from typing import Callable, Sequence
+from urllib.parse import urlparse
+
+# Public-domain English prose (19th-century novels and essays, US founding texts).
+# Real text keeps a tokenizer's token/word ratio what it is on real prompts.
+PARAGRAPHS: tuple[str, ...] = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife. However little known the feelings or views of such a man may be on "
+    "his first entering a neighbourhood, this truth is so well fixed in the minds of the surrounding "
+    "families, that he is considered the rightful property of some one or other of their daughters.",
+    "Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my "
+    "purse, and nothing particular to interest me on shore, I thought I would sail about a little and "
+    "see the watery part of the world. It is a way I have of driving off the spleen and regulating the "
+    "circulation. Whenever I find myself growing grim about the mouth; whenever it is a damp, drizzly "
+    "November in my soul, then, I account it high time to get to sea as soon as I can.",
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+    "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of "
+    "Light, it was the season of Darkness, it was the spring of hope, it was the winter of despair, we "
+    "had everything before us, we had nothing before us.",
+    "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing "
+    "to do: once or twice she had peeped into the book her sister was reading, but it had no pictures "
+    "or conversations in it, and what is the use of a book, thought Alice, without pictures or "
+    "conversations? So she was considering in her own mind, as well as she could, for the hot day made "
+    "her feel very sleepy and stupid, whether the pleasure of making a daisy-chain would be worth the "
+    "trouble of getting up and picking the daisies, when suddenly a White Rabbit with pink eyes ran "
+    "close by her.",
+    "To Sherlock Holmes she is always the woman. I have seldom heard him mention her under any other "
+    "name. In his eyes she eclipses and predominates the whole of her sex. It was not that he felt any "
+    "emotion akin to love for Irene Adler. All emotions, and that one particularly, were abhorrent to "
+    "his cold, precise but admirably balanced mind. He was, I take it, the most perfect reasoning and "
+    "observing machine that the world has seen.",
+    "You will rejoice to hear that no disaster has accompanied the commencement of an enterprise which "
+    "you have regarded with such evil forebodings. I arrived here yesterday, and my first task is to "
+    "assure my dear sister of my welfare and increasing confidence in the success of my undertaking. "
+    "I am already far north of London, and as I walk in the streets of Petersburgh, I feel a cold "
+    "northern breeze play upon my cheeks, which braces my nerves and fills me with delight.",
+    "Four score and seven years ago our fathers brought forth on this continent, a new nation, "
+    "conceived in Liberty, and dedicated to the proposition that all men are created equal. Now we are "
+    "engaged in a great civil war, testing whether that nation, or any nation so conceived and so "
+    "dedicated, can long endure. We are met on a great battle-field of that war.",
+    "When in the Course of human events, it becomes necessary for one people to dissolve the political "
+    "bands which have connected them with another, and to assume among the powers of the earth, the "
+    "separate and equal station to which the Laws of Nature and of Nature's God entitle them, a decent "
+    "respect to the opinions of mankind requires that they should declare the causes which impel them "
+    "to the separation.",
+    "I went to the woods because I wished to live deliberately, to front only the essential facts of "
+    "life, and see if I could not learn what it had to teach, and not, when I came to die, discover "
+    "that I had not lived. I did not wish to live what was not life, living is so dear; nor did I wish "
+    "to practise resignation, unless it was quite necessary.",
+    "Happy families are all alike; every unhappy family is unhappy in its own way. Everything was in "
+    "confusion in the Oblonskys' house. The wife had discovered that the husband was carrying on an "
+    "intrigue with a French girl, who had been a governess in their family, and she had announced to "
+    "her husband that she could not go on living in the same house with him.",
+    "The studio was filled with the rich odour of roses, and when the light summer wind stirred amidst "
+    "the trees of the garden, there came through the open door the heavy scent of the lilac, or the "
+    "more delicate perfume of the pink-flowering thorn. From the corner of the divan of Persian "
+    "saddle-bags on which he was lying, smoking, as was his custom, innumerable cigarettes, Lord Henry "
+    "Wotton could just catch the gleam of the honey-sweet and honey-coloured blossoms of a laburnum.",
+    "Whether I shall turn out to be the hero of my own life, or whether that station will be held by "
+    "anybody else, these pages must show. To begin my life with the beginning of my life, I record "
+    "that I was born (as I have been informed and believe) on a Friday, at twelve o'clock at night. "
+    "It was remarked that the clock began to strike, and I began to cry, simultaneously.",
+    "In my younger and more vulnerable years my father gave me some advice that I've been turning over "
+    "in my mind ever since. The sea was calm that morning, and the fishermen drew their boats up onto "
+    "the shingle, mending nets and talking of the weather, of prices at the market, and of the great "
+    "storm that had wrecked three ships off the headland in the winter before.",
+    "There was no possibility of taking a walk that day. We had been wandering, indeed, in the leafless "
+    "shrubbery an hour in the morning; but since dinner the cold winter wind had brought with it clouds "
+    "so sombre, and a rain so penetrating, that further out-door exercise was now out of the question. "
+    "I was glad of it: I never liked long walks, especially on chilly afternoons.",
+    "The history of all hitherto existing society is the history of struggles between classes, wrote "
+    "the economists of that century, while the engineers were busy laying railways across the plains, "
+    "building bridges of iron over wide rivers, and stringing telegraph wires from one city to the "
+    "next, so that news which once took weeks to travel now arrived within the hour.",
+    "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition, seemed "
+    "to unite some of the best blessings of existence; and had lived nearly twenty-one years in the "
+    "world with very little to distress or vex her. She was the youngest of the two daughters of a "
+    "most affectionate, indulgent father.",
+)
+
+_SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences (or clauses ending in . ! ? ; :) of ``text``, whitespace-normalised."""
+    text = " ".join(text.split())
+    return [s for s in _SENTENCE_END.split(text) if s]
+
+
+def load_sentences(text_file: str | None = None) -> list[str]:
+    """Sentences of a text file, or of the built-in paragraphs."""
+    if text_file:
+        with open(text_file, encoding="utf-8", errors="replace") as f:
+            sentences = split_sentences(f.read())
+        if not sentences:
+            raise ValueError(f"{text_file} holds no text")
+        return sentences
+    return [s for p in PARAGRAPHS for s in split_sentences(p)]
+
+
+def draw_lengths(rng: random.Random, mean: int, range_ratio: float, n: int) -> list[int]:
+    """``n`` integers uniform in [mean*(1-r), mean*(1+r)], each at least 1 (vLLM's random dataset)."""
+    if mean < 1:
+        raise ValueError(f"length must be >= 1, got {mean}")
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    lo = max(1, int(mean * (1 - range_ratio)))
+    hi = max(lo, int(mean * (1 + range_ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+Encode = Callable[[str], list[int]]
+Decode = Callable[[list[int]], str]
+
+
+def text_of_tokens(
+    rng: random.Random, sentences: Sequence[str], num_tokens: int, encode: Encode, decode: Decode
+) -> tuple[str, list[int]]:
+    """Real text of exactly ``num_tokens`` tokens (as ``encode`` counts them, no specials).
+
+    Random sentences are joined (starting at a random one, then in order, as a
+    passage reads) until there are enough tokens; the ids are cut to ``num_tokens``
+    and decoded. Returns (text, ids); re-encoding the text gives about, not always
+    exactly, ``num_tokens`` ids (a word cut in two may merge differently).
+    """
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+    start = rng.randrange(len(sentences))
+    parts: list[str] = []
+    ids: list[int] = []
+    # Each sentence adds >= 1 token, so this ends; the bound is only a guard.
+    for i in range(num_tokens + len(sentences)):
+        parts.append(sentences[(start + i) % len(sentences)])
+        # Re-encode every few sentences only; encoding is linear in the text.
+        if len(parts) % 4 == 0 or i >= num_tokens + len(sentences) - 1:
+            ids = encode(" ".join(parts))
+            if len(ids) >= num_tokens:
+                break
+    else:  # pragma: no cover - guard
+        ids = encode(" ".join(parts))
+    if len(ids) < num_tokens:
+        ids = encode(" ".join(parts))
+    ids = ids[:num_tokens]
+    return decode(ids), ids
+
+
+@dataclass
+class SampleRequest:
+    prompt: str  # the user text (without the shared prefix)
+    prompt_token_ids: list[int]  # ids of ``prompt`` (no specials)
+    output_len: int
+    prefix: str = ""  # the shared system prompt, "" if none
+
+
+def make_dataset(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    encode: Encode,
+    decode: Decode,
+    seed: int = 0,
+    shared_prefix_len: int = 0,
+    text_file: str | None = None,
+) -> list[SampleRequest]:
+    """The seeded synthetic dataset: prompt and output lengths drawn uniformly with
+    ``range_ratio`` spread; prompts are real text of about the drawn token count;
+    ``shared_prefix_len`` > 0 gives every request the same system prompt of that size."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    rng = random.Random(seed)
+    sentences = load_sentences(text_file)
+    input_lens = draw_lengths(rng, input_len, range_ratio, num_prompts)
+    output_lens = draw_lengths(rng, output_len, range_ratio, num_prompts)
+    prefix = ""
+    if shared_prefix_len > 0:
+        prefix, _ = text_of_tokens(rng, sentences, shared_prefix_len, encode, decode)
+    requests = []
+    for n_in, n_out in zip(input_lens, output_lens):
+        text, ids = text_of_tokens(rng, sentences, n_in, encode, decode)
+        requests.append(SampleRequest(text, ids, n_out, prefix))
+    return requests
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation (numpy's default)."""
+    if not values:
+        return math.nan
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(values: Sequence[float], percentiles: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
+    """mean, median, std, min, max and the given percentiles (NaN when empty)."""
+    out: dict[str, float] = {}
+    n = len(values)
+    out["mean"] = sum(values) / n if n else math.nan
+    out["median"] = percentile(values, 50)
+    out["std"] = math.sqrt(sum((v - out["mean"]) ** 2 for v in values) / n) if n else math.nan
+    out["min"] = min(values) if n else math.nan
+    out["max"] = max(values) if n else math.nan
+    for p in percentiles:
+        out[f"p{p:g}"] = percentile(values, p)
+    return out
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def check_loopback_url(url: str) -> str:
+    """``url`` unchanged if its host is a loopback address (127.0.0.0/8, ::1, localhost);
+    else ValueError: the benchmarks only ever load servers on this machine."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https"):
+        raise ValueError(f"base URL must be http(s)://..., got {url!r}")
+    host = parsed.hostname or ""
+    if host == "localhost":
+        return url
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return url
+    except ValueError:
+        pass
+    raise ValueError(f"only loopback targets are allowed (127.0.0.0/8, [::1], localhost), got host {host!r}")
+
+
+def fmt(value: float, digits: int = 2) -> str:
+    return "nan" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"

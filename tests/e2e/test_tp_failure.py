@@ -1,0 +1,89 @@
+"""A tensor-parallel rank that dies fails the engine's requests fast and clearly.
+
+TP=2 on a tiny random Llama (4 heads, 2 KV heads) through the real services: kill
+rank 1 mid-stream; the stream ends with an error within seconds, new requests get
+503 while the engine is broken, and once both ranks are back it serves again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from shared.launcher import Stack, StackConfig
+from shared.nats_server import free_port
+from tests.hf_reference import make_tiny_random_llama
+
+
+@pytest.fixture(scope="module")
+def tp_stack(tmp_path_factory):
+    model = make_tiny_random_llama(tmp_path_factory.mktemp("tiny-tp"), seed=1, num_heads=4, num_kv_heads=2)
+    logs = tmp_path_factory.mktemp("tp-logs")
+    stack = Stack(StackConfig(port=free_port(), model=str(model), tensor_parallel_size=2,
+                              engine_args=["--num-gpu-blocks", "256"], log_dir=str(logs)))
+    stack.start()
+    try:
+        stack.wait_ready(timeout=240)
+        yield stack, os.path.basename(str(model))
+    finally:
+        stack.stop()
+
+
+def chat(stack, model, **extra):
+    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, **extra}
+    return httpx.post(stack.base_url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def test_dead_rank_fails_requests_then_503_until_whole_again(tp_stack):
+    stack, model = tp_stack
+    assert chat(stack, model).status_code == 200
+
+    body = {"model": model, "messages": [{"role": "user", "content": "go on"}], "stream": True,
+            "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    events = []
+    with httpx.Client(timeout=60) as http, http.stream("POST", stack.base_url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        killed_at = None
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 3:
+                os.killpg(stack.processes["worker-1"].pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+            if line == "data: [DONE]":
+                break
+        ended_after = time.monotonic() - killed_at
+    errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    assert len(errors) == 1, events[-3:]
+    assert "worker" in errors[0]["message"] or "engine" in errors[0]["message"]
+    # Bounded by the worker heartbeat timeout (5 s), not by a step or request timeout.
+    assert ended_after < 20
+
+    # Broken engine: new requests are refused at once with 503.
+    deadline = time.monotonic() + 20
+    status = None
+    while time.monotonic() < deadline:
+        status = chat(stack, model).status_code
+        if status == 503:
+            break
+        time.sleep(0.5)
+    assert status == 503
+
+    # Rank 0 exits by itself (its process group is broken); restart both ranks.
+    stack.processes["worker-0"].wait(timeout=30)
+    assert stack.processes["worker-0"].returncode != 0
+    stack.restart_service("worker-0")
+    stack.restart_service("worker-1")
+    deadline = time.monotonic() + 120
+    while not stack.engine_ready():
+        assert time.monotonic() < deadline, "engine not whole again"
+        time.sleep(0.5)
+    resp = chat(stack, model)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["finish_reason"] in ("length", "stop")
