@@ -145,18 +145,22 @@ def text_of_tokens(
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
     start = rng.randrange(len(sentences))
     parts: list[str] = []
-    ids: list[int] = []
-    # Each sentence adds >= 1 token, so this ends; the bound is only a guard.
-    for i in range(num_tokens + len(sentences)):
+    chars = 0
+    i = 0
+    # A token is at most a few characters of English: start from ~3 chars a token,
+    # then add sentences four at a time until there are enough tokens. Each
+    # sentence adds >= 1 token, so the bound below is only a guard.
+    while chars < 3 * num_tokens:
         parts.append(sentences[(start + i) % len(sentences)])
-        # Re-encode every few sentences only; encoding is linear in the text.
-        if len(parts) % 4 == 0 or i >= num_tokens + len(sentences) - 1:
-            ids = encode(" ".join(parts))
-            if len(ids) >= num_tokens:
-                break
-    else:  # pragma: no cover - guard
-        ids = encode(" ".join(parts))
-    if len(ids) < num_tokens:
+        chars += len(parts[-1]) + 1
+        i += 1
+    ids = encode(" ".join(parts))
+    for _ in range(num_tokens):
+        if len(ids) >= num_tokens:
+            break
+        for _ in range(4):
+            parts.append(sentences[(start + i) % len(sentences)])
+            i += 1
         ids = encode(" ".join(parts))
     ids = ids[:num_tokens]
     return decode(ids), ids

@@ -4,7 +4,9 @@ Starts nats-server, a worker and a scheduler with ``--profile-steps``, feeds
 tokenized requests straight to the scheduler (no gateway/tokenizer: this measures
 the engine's step loop), and for each batch size lets that many requests decode,
 then prints the median time of every phase of a step and the share that is not
-the forward pass and sampling.
+the forward pass and sampling. It also times the bare NATS round trip of a step
+message of each batch size (to an echo process and back), apart from the asyncio
+and thread hops that the bus_round_trip phase includes.
 
     .venv/bin/python scripts/bench_overhead.py [--batches 1 8 32 128] [--steps 30]
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,9 +36,12 @@ from shared.protocol import (  # noqa: E402
     ENGINE_REQUEST,
     ENGINE_REQUEST_REPLY,
     ENGINE_REQUESTS,
+    SCHEDULER_OUTPUT,
     AbortRequest,
+    CachedRequestData,
     EngineRequest,
     SamplingParams,
+    SchedulerOutput,
     engine_profile_subject,
 )
 
@@ -81,12 +88,65 @@ async def profile_batch(nc, batch: int, steps: int, prompt_len: int) -> dict:
         await asyncio.sleep(1.0)
 
 
+ECHO = """
+import asyncio, sys, nats
+async def main():
+    nc = await nats.connect(sys.argv[1])
+    async def echo(msg):
+        await nc.publish("bench.echo.back", msg.data)
+    await nc.subscribe("bench.echo", cb=echo)
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+def decode_step_message(batch: int) -> bytes:
+    """A decode step of ``batch`` requests as the scheduler encodes it."""
+    ids = [f"req-{i:04d}-{uuid.uuid4().hex[:8]}" for i in range(batch)]
+    step = SchedulerOutput(
+        step_id=1000,
+        scheduled_cached_reqs=CachedRequestData(ids, [False] * batch, [[]] * batch, [300] * batch),
+        scheduled_req_ids=ids,
+        num_scheduled_tokens=[1] * batch,
+        total_num_scheduled_tokens=batch,
+    )
+    return SCHEDULER_OUTPUT.encode(step)
+
+
+async def nats_echo_rtt(nc, batch: int, repeats: int = 300) -> tuple[float, int]:
+    """Median round trip (ms) of a step message to another process and back."""
+    data = decode_step_message(batch)
+    replies: asyncio.Queue = asyncio.Queue()
+
+    async def on_reply(msg):
+        replies.put_nowait(msg)
+
+    sub = await nc.subscribe("bench.echo.back", cb=on_reply)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        await nc.publish("bench.echo", data)
+        await replies.get()
+        times.append(time.perf_counter() - start)
+    await sub.unsubscribe()
+    return statistics.median(times) * 1e3, len(data)
+
+
 async def run(url: str, batches: list[int], steps: int, prompt_len: int) -> list[tuple[int, dict]]:
     nc = await nats.connect(url)
+    echo = subprocess.Popen([sys.executable, "-c", ECHO, url], stdout=subprocess.PIPE, text=True)
+    echo.stdout.readline()
     results = []
-    for batch in batches:
-        results.append((batch, await profile_batch(nc, batch, steps, prompt_len)))
-    await nc.close()
+    try:
+        for batch in batches:
+            summary = await profile_batch(nc, batch, steps, prompt_len)
+            summary["nats_echo_ms"], summary["step_message_bytes"] = await nats_echo_rtt(nc, batch)
+            results.append((batch, summary))
+    finally:
+        echo.kill()
+        await nc.close()
     return results
 
 
@@ -97,6 +157,8 @@ def print_table(results: list[tuple[int, dict]]) -> None:
     for phase in ENGINE_PHASES:
         cells = [f"{r['median_ms'].get(phase, 0.0):.3f}" for _, r in results]
         print(f"| {phase} | " + " | ".join(cells) + " |")
+    print("| NATS round trip of the step message (echo, ms) | " + " | ".join(f"{r['nats_echo_ms']:.3f}" for _, r in results) + " |")
+    print("| step message size (bytes) | " + " | ".join(str(r["step_message_bytes"]) for _, r in results) + " |")
     print("| **step** | " + " | ".join(f"{r['median_step_ms']:.2f}" for _, r in results) + " |")
     print("| **not forward/sampling** | " + " | ".join(f"{100 * r['overhead_share']:.1f}%" for _, r in results) + " |")
 

@@ -1,8 +1,8 @@
-"""A tensor-parallel rank that dies fails the engine's requests fast and clearly.
+"""TP=2 through the real services on a tiny random Llama (4 heads, 2 KV heads).
 
-TP=2 on a tiny random Llama (4 heads, 2 KV heads) through the real services: kill
-rank 1 mid-stream; the stream ends with an error within seconds, new requests get
-503 while the engine is broken, and once both ranks are back it serves again.
+Greedy output equals TP=1 (the in-process engine on the same weights). Then a
+rank dies mid-stream: the stream ends with an error within seconds, new requests
+get 503 while the engine is broken, and once both ranks are back it serves again.
 """
 
 from __future__ import annotations
@@ -29,18 +29,39 @@ def tp_stack(tmp_path_factory):
     stack.start()
     try:
         stack.wait_ready(timeout=240)
-        yield stack, os.path.basename(str(model))
+        yield stack, os.path.basename(str(model)), str(model)
     finally:
         stack.stop()
 
 
-def chat(stack, model, **extra):
-    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, **extra}
+def chat(stack, model, **fields):
+    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, **fields}
     return httpx.post(stack.base_url + "/v1/chat/completions", json=body, timeout=60)
 
 
+def test_tp2_greedy_equals_tp1(tp_stack):
+    stack, model, path = tp_stack
+    from services.engine import Engine
+    from shared.config import CacheConfig, ModelRunConfig
+    from shared.protocol import SamplingParams
+
+    engine = Engine(ModelRunConfig(model=path), CacheConfig(num_gpu_blocks=64))
+    questions = ["hello there", "what is two plus two", "tell me a story about a fox"]
+    for q in questions:
+        prompt = engine.tokenizer.encode(
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False
+        )
+        want = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+        resp = chat(stack, model, messages=[{"role": "user", "content": q}], max_tokens=16,
+                    temperature=0, ignore_eos=True, logprobs=True)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        assert choice["message"]["content"] == engine.tokenizer.decode(want.token_ids).rstrip("\ufffd")
+        assert len(choice["logprobs"]["content"]) == 16
+
+
 def test_dead_rank_fails_requests_then_503_until_whole_again(tp_stack):
-    stack, model = tp_stack
+    stack, model, _ = tp_stack
     assert chat(stack, model).status_code == 200
 
     body = {"model": model, "messages": [{"role": "user", "content": "go on"}], "stream": True,

@@ -1,0 +1,195 @@
+"""Offline throughput: our in-process engine against Hugging Face transformers ``generate``.
+
+Same weights (the GGUF file, dequantized to the same dtype by each side's own loader),
+same prompts (token ids of real text, from bench_common's seeded dataset), same output
+lengths (ours: ``max_tokens`` with ``ignore_eos``; HF: ``min_new_tokens`` =
+``max_new_tokens``), greedy, same torch thread count. HF runs static batches of
+``--hf-batch-size`` prompts (default: all at once) with left padding; ours gets all
+prompts at once and schedules them itself (continuous batching, chunked prefill).
+Only generation is timed (not loading, not the warm-up), as output tokens / seconds.
+
+    .venv/bin/python scripts/bench_offline.py [--num-prompts 32] [--output-len 128]
+
+Prints both results and their ratio; the LAST line is one JSON object with at least
+``ours_tok_s``, ``hf_tok_s`` and ``ratio``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from bench_common import make_dataset  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="", help="GGUF file (default: the default model)")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128, help="mean prompt length in tokens")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per prompt")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="prompt lengths uniform in [len*(1-r), len*(1+r)]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, the same for both")
+    p.add_argument("--hf-batch-size", type=int, default=0, help="HF static batch size (0: all prompts at once)")
+    p.add_argument("--max-num-seqs", type=int, default=0, help="our engine's batch cap (0: max(32, num prompts))")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="our engine's token budget per step")
+    p.add_argument("--only", choices=("both", "ours", "hf"), default="both")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--result-file", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.output_len < 1 or args.input_len < 1:
+        p.error("--num-prompts, --input-len and --output-len must be >= 1")
+    return args
+
+
+def run_ours(model_path: str, prompts: list[list[int]], output_len: int, args) -> dict:
+    from services.engine import Engine
+    from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
+    from shared.protocol import SamplingParams
+
+    n = len(prompts)
+    # Every sequence's blocks fit at once, so nothing is ever preempted.
+    need_blocks = sum((len(p) + output_len) // 16 + 2 for p in prompts)
+    t0 = time.perf_counter()
+    engine = Engine(
+        run_config=ModelRunConfig(model=model_path),
+        cache_config=CacheConfig(num_gpu_blocks=max(need_blocks, 256)),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs or max(32, n),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        ),
+    )
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    if not args.no_warmup:
+        engine.generate(prompts[: min(4, n)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    outputs = [r.token_ids for r in results]
+    return {"outputs": outputs, "seconds": elapsed, "load_s": load_s, "dtype": str(engine.worker.dtype) if hasattr(engine.worker, "dtype") else "float32"}
+
+
+def run_hf(model_path: str, prompts: list[list[int]], output_len: int, args) -> dict:
+    import torch
+
+    from tests.hf_reference import load_hf_model_from_gguf
+
+    t0 = time.perf_counter()
+    model = load_hf_model_from_gguf(model_path)
+    load_s = time.perf_counter() - t0
+    cfg = model.generation_config
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else model.config.pad_token_id
+    if pad is None:
+        eos = cfg.eos_token_id if cfg.eos_token_id is not None else model.config.eos_token_id
+        pad = eos[0] if isinstance(eos, (list, tuple)) else (eos or 0)
+    batch_size = args.hf_batch_size or len(prompts)
+
+    @torch.inference_mode()
+    def generate(batch: list[list[int]], new_tokens: int) -> list[list[int]]:
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, p in enumerate(batch):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, pad_token_id=pad, temperature=None, top_p=None, top_k=None,
+        )
+        return [row[width:].tolist() for row in out]
+
+    if not args.no_warmup:
+        generate(prompts[: min(4, len(prompts))], 4)
+    t0 = time.perf_counter()
+    outputs = []
+    for i in range(0, len(prompts), batch_size):
+        outputs.extend(generate(prompts[i : i + batch_size], output_len))
+    elapsed = time.perf_counter() - t0
+    return {"outputs": outputs, "seconds": elapsed, "load_s": load_s, "dtype": str(next(model.parameters()).dtype)}
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    """(share of identical sequences, mean share of the leading tokens that agree)."""
+    same = sum(x == y for x, y in zip(a, b)) / len(a)
+    prefix = []
+    for x, y in zip(a, b):
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        prefix.append(k / max(len(x), 1))
+    return same, sum(prefix) / len(prefix)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from shared.model_config import default_model_path
+    from shared.tokenizer import load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    model_path = args.model or default_model_path()
+    tok = load_tokenizer(model_path)
+    dataset = make_dataset(
+        args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+        lambda s: tok.encode(s, add_special_tokens=False), tok.decode, seed=args.seed,
+    )
+    # The model's own specials (BOS where its tokenizer adds one) lead every prompt.
+    bos = [tok.bos_token_id] if tok.add_bos_token and tok.bos_token_id is not None else []
+    prompts = [bos + r.prompt_token_ids for r in dataset]
+    output_len = args.output_len  # the same for every prompt: HF's static batch needs that
+    n_out = len(prompts) * output_len
+    print(f"model {Path(model_path).name}, {len(prompts)} prompts of ~{args.input_len} tokens, "
+          f"{output_len} output tokens each, greedy, {args.threads} torch threads", flush=True)
+
+    record: dict = {
+        "model": Path(model_path).name, "num_prompts": len(prompts), "input_len": args.input_len,
+        "prompt_tokens": sum(len(p) for p in prompts), "output_len": output_len, "threads": args.threads,
+        "hf_batch_size": args.hf_batch_size or len(prompts),
+    }
+    ours = hf = None
+    if args.only in ("both", "ours"):
+        ours = run_ours(model_path, prompts, output_len, args)
+        got = sum(len(o) for o in ours["outputs"])
+        record.update(ours_s=ours["seconds"], ours_tok_s=got / ours["seconds"], ours_output_tokens=got, ours_dtype=ours["dtype"],
+                      ours_load_s=ours["load_s"])
+        print(f"ours: {got} tokens in {ours['seconds']:.2f} s = {record['ours_tok_s']:.1f} tok/s "
+              f"(load {ours['load_s']:.1f} s)", flush=True)
+    if args.only in ("both", "hf"):
+        hf = run_hf(model_path, prompts, output_len, args)
+        got = sum(len(o) for o in hf["outputs"])
+        record.update(hf_s=hf["seconds"], hf_tok_s=got / hf["seconds"], hf_output_tokens=got,
+                      hf_load_s=hf["load_s"], hf_dtype=hf["dtype"])
+        print(f"hf transformers (static batch {record['hf_batch_size']}): {got} tokens in {hf['seconds']:.2f} s "
+              f"= {record['hf_tok_s']:.1f} tok/s (load {hf['load_s']:.1f} s)", flush=True)
+    if ours and hf:
+        record["ratio"] = record["ours_tok_s"] / record["hf_tok_s"]
+        same, lead = agreement(ours["outputs"], hf["outputs"])
+        record.update(identical_outputs=same, leading_agreement=lead)
+        print(f"ratio ours/hf: {record['ratio']:.2f}x; greedy outputs identical for {same:.0%} of prompts, "
+              f"{lead:.0%} of tokens agree before the first difference", flush=True)
+        if record["ours_output_tokens"] != n_out or record["hf_output_tokens"] != n_out:
+            print(f"warning: expected {n_out} output tokens on each side", flush=True)
+    line = json.dumps(record)
+    if args.result_file:
+        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result_file).write_text(line + "\n")
+    print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
