@@ -256,3 +256,93 @@ def check_loopback_url(url: str) -> str:
 
 def fmt(value: float, digits: int = 2) -> str:
     return "nan" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+# --------------------------------------------------------------------------- peer comparison
+
+
+def ratio(a: float | None, b: float | None) -> float:
+    """a / b, NaN when either is missing, NaN or b is 0."""
+    if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
+        return math.nan
+    return a / b
+
+
+def compare_peers(results: dict[str, dict[int, dict]], ours: str = "ours") -> list[dict]:
+    """Rows of our / peer ratios per (peer, concurrency), from bench_serving metrics.
+
+    ``results[server][concurrency]`` is one run's ``metrics`` dict. Ratios: output
+    tokens/s (> 1: we are faster), median TTFT and median TPOT (< 1: we are faster).
+    """
+    rows = []
+    for peer, by_conc in sorted(results.items()):
+        if peer == ours:
+            continue
+        for conc in sorted(by_conc):
+            mine, theirs = results.get(ours, {}).get(conc), by_conc[conc]
+            row = {"peer": peer, "concurrency": conc}
+            for name, m in ((ours, mine), (peer, theirs)):
+                side = "ours" if name == ours else "peer"
+                row[f"{side}_output_tok_s"] = m["output_throughput"] if m else math.nan
+                row[f"{side}_ttft_ms"] = m["ttft_ms"]["median"] if m else math.nan
+                row[f"{side}_tpot_ms"] = m["tpot_ms"]["median"] if m else math.nan
+                row[f"{side}_failed"] = m["failed"] if m else None
+            row["output_tok_s_ratio"] = ratio(row["ours_output_tok_s"], row["peer_output_tok_s"])
+            row["ttft_ratio"] = ratio(row["ours_ttft_ms"], row["peer_ttft_ms"])
+            row["tpot_ratio"] = ratio(row["ours_tpot_ms"], row["peer_tpot_ms"])
+            rows.append(row)
+    return rows
+
+
+def format_peer_table(rows: list[dict]) -> str:
+    """A Markdown table of ``compare_peers`` rows."""
+    head = ("| peer | conc | ours tok/s | peer tok/s | tok/s ours/peer | ours TTFT ms | peer TTFT ms "
+            "| TTFT ours/peer | ours TPOT ms | peer TPOT ms | TPOT ours/peer |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['peer']} | {r['concurrency']} | {fmt(r['ours_output_tok_s'], 1)} | {fmt(r['peer_output_tok_s'], 1)} "
+            f"| {fmt(r['output_tok_s_ratio'])} | {fmt(r['ours_ttft_ms'], 0)} | {fmt(r['peer_ttft_ms'], 0)} "
+            f"| {fmt(r['ttft_ratio'])} | {fmt(r['ours_tpot_ms'], 1)} | {fmt(r['peer_tpot_ms'], 1)} | {fmt(r['tpot_ratio'])} |"
+        )
+    return "\n".join(lines)
+
+
+def load_serving_results(folder: str) -> dict[str, dict[int, dict]]:
+    """``{label: {max_concurrency: metrics}}`` of every bench_serving JSON in ``folder``."""
+    import glob
+    import json
+    import os
+
+    out: dict[str, dict[int, dict]] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(path) as f:
+            record = json.load(f)
+        if not isinstance(record, dict) or "metrics" not in record or "config" not in record:
+            continue
+        label = record.get("label") or record["config"].get("base_url", path)
+        out.setdefault(label, {})[int(record["config"].get("max_concurrency") or 0)] = record["metrics"]
+    return out
+
+
+def _main(argv: list[str]) -> int:
+    """``python scripts/bench_common.py compare FOLDER [SUMMARY_JSON]``: the peer ratio table."""
+    import json
+
+    if len(argv) < 2 or argv[0] != "compare":
+        print(_main.__doc__)
+        return 2
+    rows = compare_peers(load_serving_results(argv[1]))
+    print(format_peer_table(rows))
+    if len(argv) > 2:
+        def clean(v):
+            return None if isinstance(v, float) and (math.isnan(v) or math.isinf(v)) else v
+        with open(argv[2], "w") as f:
+            json.dump([{k: clean(v) for k, v in r.items()} for r in rows], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main(sys.argv[1:]))

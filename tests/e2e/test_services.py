@@ -16,8 +16,9 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 
-from shared.launcher import Stack, StackConfig
+from shared.launcher import StackConfig
 from shared.nats_server import free_port
+from tests.e2e.stacks import running_stack
 from tests.hf_reference import hf_greedy
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -35,26 +36,15 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("stack-logs")
-    stack = Stack(
-        StackConfig(
-            port=free_port(),
-            num_tokenizers=2,
-            num_detokenizers=2,
-            engine_args=["--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--num-gpu-blocks", "512"],
-            log_dir=str(logs),
-        )
+    config = StackConfig(
+        port=free_port(),
+        num_tokenizers=2,
+        num_detokenizers=2,
+        engine_args=["--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--num-gpu-blocks", "512"],
+        log_dir=str(tmp_path_factory.mktemp("stack-logs")),
     )
-    stack.start()
-    try:
-        stack.wait_ready(timeout=240)
+    with running_stack(config) as stack:
         yield stack
-    finally:
-        stack.stop()
-        for log in sorted(logs.iterdir()):
-            text = log.read_text(errors="replace")
-            if "Traceback" in text:
-                print(f"---- {log.name}\n{text[-4000:]}")
 
 
 @pytest.fixture(scope="module")

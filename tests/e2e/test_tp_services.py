@@ -19,9 +19,10 @@ from openai import AsyncOpenAI
 
 from services.engine import Engine
 from shared.config import CacheConfig, SchedulerConfig
-from shared.launcher import Stack, StackConfig
+from shared.launcher import StackConfig
 from shared.nats_server import free_port
 from shared.protocol import WORKER_READY, SamplingParams, engine_ready_subject
+from tests.e2e.stacks import running_stack
 from tests.hf_reference import hf_greedy
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -43,25 +44,14 @@ def messages(question):
 
 @pytest.fixture(scope="module")
 def tp_stack(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("tp-stack-logs")
-    stack = Stack(
-        StackConfig(
-            port=free_port(),
-            tensor_parallel_size=TP,
-            engine_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--cpu-kv-cache-gib", str(KV_GIB)],
-            log_dir=str(logs),
-        )
+    config = StackConfig(
+        port=free_port(),
+        tensor_parallel_size=TP,
+        engine_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--cpu-kv-cache-gib", str(KV_GIB)],
+        log_dir=str(tmp_path_factory.mktemp("tp-stack-logs")),
     )
-    stack.start()
-    try:
-        stack.wait_ready(timeout=240)
+    with running_stack(config) as stack:
         yield stack
-    finally:
-        stack.stop()
-        for log in sorted(logs.iterdir()):
-            text = log.read_text(errors="replace")
-            if "Traceback" in text:
-                print(f"---- {log.name}\n{text[-4000:]}")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Serving benchmark of our stack side by side with llama.cpp, on the same GGUF file.
+#
+#   scripts/bench_peers.sh [--concurrency "1 8 32"] [--input-len 128] [--output-len 64]
+#                          [--peers "ours llamacpp-python llama-server"] [--out DIR]
+#                          [--install-only] [--run-timeout SECONDS]
+#
+# Peers (each installed into build/, nothing is added to the project's dependencies):
+#   llamacpp-python  llama-cpp-python[server] (`python -m llama_cpp.server`) in its own
+#                    venv build/bench-venv, compiled from source (cmake). Its server
+#                    runs ONE request at a time (a global lock; no parallel slots), so
+#                    it is measured at that real parallelism.
+#   llama-server     llama.cpp's own C++ server, built from the llama.cpp source that the
+#                    same llama-cpp-python sdist vendors, with --parallel slots = the
+#                    largest concurrency and continuous batching.
+# One server at a time runs (so they never share the 2 cores): for each server it starts
+# it, runs scripts/bench_serving.py at each concurrency with equal output lengths
+# (ignore_eos/min_tokens), stops it; then prints a table of our/peer ratios and writes
+# every result as JSON under --out. Every server it starts is stopped on exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+CONCURRENCY="1 8 32"
+INPUT_LEN=128
+OUTPUT_LEN=64
+PEERS="ours llamacpp-python llama-server"
+OUT="bench_results/peers-$(date +%Y%m%d-%H%M%S)"
+INSTALL_ONLY=0
+RUN_TIMEOUT=600          # seconds for one bench_serving run
+THREADS=$(nproc)
+BENCH_VENV=${BENCH_VENV:-build/bench-venv}
+LLAMA_SRC=build/llama.cpp-src
+LLAMA_BUILD=build/llama.cpp-build
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --concurrency) CONCURRENCY=$2; shift 2 ;;
+    --input-len) INPUT_LEN=$2; shift 2 ;;
+    --output-len) OUTPUT_LEN=$2; shift 2 ;;
+    --peers) PEERS=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --install-only) INSTALL_ONLY=1; shift ;;
+    --run-timeout) RUN_TIMEOUT=$2; shift 2 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+done
+MAX_CONC=1
+for c in $CONCURRENCY; do [ "$c" -gt "$MAX_CONC" ] && MAX_CONC=$c; done
+has_peer() { case " $PEERS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+log() { echo "[bench_peers $(date +%H:%M:%S)] $*" >&2; }
+
+# ------------------------------------------------------------------ installs
+scripts/install
+PY=$ROOT/.venv/bin/python
+LLAMA_CPP_PYTHON_VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+
+install_llamacpp_python() {
+  if [ -x "$BENCH_VENV/bin/python" ] && "$BENCH_VENV/bin/python" -c "import llama_cpp.server.app" 2>/dev/null; then
+    return
+  fi
+  log "building llama-cpp-python[server]==$LLAMA_CPP_PYTHON_VERSION into $BENCH_VENV (compiles llama.cpp: long on 2 cores)"
+  python3 -m venv "$BENCH_VENV"
+  CMAKE_ARGS=${CMAKE_ARGS:--DGGML_NATIVE=ON} MAKEFLAGS=-j$THREADS CMAKE_BUILD_PARALLEL_LEVEL=$THREADS \
+    nice -n 19 "$BENCH_VENV/bin/pip" install -q "llama-cpp-python[server]==$LLAMA_CPP_PYTHON_VERSION"
+}
+
+install_llama_server() {
+  if [ -x "$LLAMA_BUILD/bin/llama-server" ]; then
+    return
+  fi
+  log "building llama.cpp's llama-server from the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist (long on 2 cores)"
+  mkdir -p build/llama-sdist
+  local sdist=build/llama-sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz
+  if [ ! -f "$sdist" ]; then
+    python3 -m pip download -q --no-deps --no-binary=:all: "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d build/llama-sdist
+  fi
+  rm -rf "$LLAMA_SRC" && mkdir -p "$LLAMA_SRC"
+  tar -xzf "$sdist" -C "$LLAMA_SRC" --strip-components=3 "llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
+  nice -n 19 cmake -S "$LLAMA_SRC" -B "$LLAMA_BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
+  nice -n 19 cmake --build "$LLAMA_BUILD" --target llama-server -j "$THREADS" >/dev/null
+}
+
+if has_peer llamacpp-python; then install_llamacpp_python; fi
+if has_peer llama-server; then install_llama_server; fi
+[ "$INSTALL_ONLY" = 1 ] && { log "installed"; exit 0; }
+
+# ------------------------------------------------------------------ servers
+MODEL=$("$PY" -c "from shared.model_config import default_model_path; print(default_model_path())")
+MODEL_NAME=$(basename "$MODEL" .gguf)
+mkdir -p "$OUT"
+PIDS=()
+stop_all() {
+  for pid in "${PIDS[@]:-}"; do
+    [ -n "$pid" ] || continue
+    kill -TERM -- "-$pid" 2>/dev/null || true
+    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  PIDS=()
+}
+trap stop_all EXIT
+trap 'exit 130' INT TERM
+
+free_port() { "$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+
+# Starts "$@" in its own session (so its whole process group can be stopped), logging to $1's log.
+start_server() {
+  local name=$1; shift
+  setsid "$@" >"$OUT/$name.log" 2>&1 &
+  PIDS+=("$!")
+  SERVER_PID=$!
+}
+
+wait_ready() {  # url pid timeout
+  local url=$1 pid=$2 deadline=$((SECONDS + $3))
+  while [ $SECONDS -lt $deadline ]; do
+    kill -0 "$pid" 2>/dev/null || { log "server exited during start-up"; return 1; }
+    if curl -sf --noproxy '*' -m 2 "$url/v1/models" >/dev/null 2>&1; then return 0; fi
+    sleep 1
+  done
+  log "server not ready after $3 s"; return 1
+}
+
+start_peer() {  # name port -> sets SERVER_PID
+  local name=$1 port=$2
+  case "$name" in
+    ours)
+      # max_num_seqs = the largest concurrency; everything else at its defaults.
+      start_server ours scripts/serve --port "$port" --max-num-seqs "$MAX_CONC" ;;
+    llamacpp-python)
+      # logits_all off: no request here wants prompt logprobs (the server's default
+      # computes the vocabulary logits of every prompt token); interrupt_requests off:
+      # by default a new request cuts the stream of the one running.
+      start_server llamacpp-python "$BENCH_VENV/bin/python" -m llama_cpp.server --model "$MODEL" \
+        --model_alias "$MODEL_NAME" --host 127.0.0.1 --port "$port" --n_ctx 4096 --n_batch 512 \
+        --n_threads "$THREADS" --n_threads_batch "$THREADS" --logits_all False --interrupt_requests False ;;
+    llama-server)
+      # One slot per concurrent request, each with room for a whole request; continuous batching.
+      local per_slot=$(( (INPUT_LEN * 2 + OUTPUT_LEN * 2 + 255) / 256 * 256 ))
+      start_server llama-server "$LLAMA_BUILD/bin/llama-server" -m "$MODEL" --alias "$MODEL_NAME" \
+        --host 127.0.0.1 --port "$port" --parallel "$MAX_CONC" --ctx-size $((per_slot * MAX_CONC)) \
+        --threads "$THREADS" --threads-batch "$THREADS" --cont-batching --no-webui ;;
+    *) log "unknown peer $name"; return 1 ;;
+  esac
+}
+
+for peer in $PEERS; do
+  port=$(free_port)
+  log "starting $peer on port $port"
+  start_peer "$peer" "$port"
+  if ! wait_ready "http://127.0.0.1:$port" "$SERVER_PID" 600; then
+    tail -20 "$OUT/$peer.log" >&2
+    stop_all; continue
+  fi
+  for c in $CONCURRENCY; do
+    n=$(( c * 2 > 4 ? c * 2 : 4 ))
+    log "$peer: concurrency $c, $n prompts, input $INPUT_LEN, output $OUTPUT_LEN"
+    "$PY" scripts/bench_serving.py --base-url "http://127.0.0.1:$port" --label "$peer" \
+      --endpoint completions --num-prompts "$n" --max-concurrency "$c" \
+      --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --seed 0 \
+      --timeout "$RUN_TIMEOUT" --wait-for-server 60 \
+      --result-file "$OUT/$peer-c$c.json" || log "$peer at concurrency $c failed"
+  done
+  stop_all
+done
+
+echo
+echo "## ours / peer (tok/s > 1: ours faster; TTFT, TPOT < 1: ours faster; medians)"
+"$PY" scripts/bench_common.py compare "$OUT" "$OUT/summary.json"
+log "results in $OUT"

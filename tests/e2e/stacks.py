@@ -1,0 +1,26 @@
+"""Running a whole stack for a test module, with the services' tracebacks on failure."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from shared.launcher import Stack, StackConfig
+
+
+@contextlib.contextmanager
+def running_stack(config: StackConfig, timeout: float = 240):
+    """Start the stack, wait until the engine is ready, stop it afterwards; any
+    traceback in a service's log is printed (pytest shows it for a failed test)."""
+    stack = Stack(config)
+    stack.start()
+    try:
+        stack.wait_ready(timeout=timeout)
+        yield stack
+    finally:
+        stack.stop()
+        if config.log_dir:
+            for log in sorted(Path(config.log_dir).iterdir()):
+                text = log.read_text(errors="replace")
+                if "Traceback" in text:
+                    print(f"---- {log.name}\n{text[-4000:]}")

@@ -1,0 +1,152 @@
+"""Pure logic of scripts/bench_common.py: dataset, lengths, statistics, targets, ratios."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from bench_common import (
+    PARAGRAPHS,
+    check_loopback_url,
+    compare_peers,
+    draw_lengths,
+    format_peer_table,
+    load_sentences,
+    make_dataset,
+    percentile,
+    split_sentences,
+    summarize,
+    text_of_tokens,
+)
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word: exact and easy to reason about."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+        self.words: list[str] = []
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for w in text.split():
+            if w not in self.vocab:
+                self.vocab[w] = len(self.words)
+                self.words.append(w)
+            ids.append(self.vocab[w])
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_split_sentences():
+    assert split_sentences("One two.  Three; four!\nFive?") == ["One two.", "Three;", "four!", "Five?"]
+    assert split_sentences("   ") == []
+
+
+def test_load_sentences_builtin_and_file(tmp_path):
+    builtin = load_sentences()
+    assert len(builtin) > len(PARAGRAPHS) and all(builtin)
+    f = tmp_path / "t.txt"
+    f.write_text("Hello there. General Kenobi!")
+    assert load_sentences(str(f)) == ["Hello there.", "General Kenobi!"]
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError):
+        load_sentences(str(tmp_path / "empty.txt"))
+
+
+def test_draw_lengths_range_and_seed():
+    a = draw_lengths(random.Random(1), 100, 0.25, 500)
+    assert a == draw_lengths(random.Random(1), 100, 0.25, 500)
+    assert min(a) >= 75 and max(a) <= 125 and len(set(a)) > 20
+    assert draw_lengths(random.Random(0), 64, 0.0, 5) == [64] * 5
+    assert all(x >= 1 for x in draw_lengths(random.Random(0), 1, 0.9, 50))
+    with pytest.raises(ValueError):
+        draw_lengths(random.Random(0), 10, 1.0, 1)
+    with pytest.raises(ValueError):
+        draw_lengths(random.Random(0), 0, 0.0, 1)
+
+
+@pytest.mark.parametrize("n", [1, 7, 128, 1500])
+def test_text_of_tokens_exact_count(n):
+    tok = WordTokenizer()
+    text, ids = text_of_tokens(random.Random(0), load_sentences(), n, tok.encode, tok.decode)
+    assert len(ids) == n and len(tok.encode(text)) == n
+    assert text.split()[0][0].isupper()  # starts at a sentence: real text
+
+
+def test_make_dataset_seeded_with_prefix():
+    tok = WordTokenizer()
+    kw = dict(num_prompts=20, input_len=50, output_len=30, range_ratio=0.5, encode=tok.encode, decode=tok.decode)
+    a = make_dataset(seed=3, shared_prefix_len=40, **kw)
+    b = make_dataset(seed=3, shared_prefix_len=40, **kw)
+    c = make_dataset(seed=4, shared_prefix_len=40, **kw)
+    assert [(r.prompt, r.output_len) for r in a] == [(r.prompt, r.output_len) for r in b]
+    assert [r.prompt for r in a] != [r.prompt for r in c]
+    assert len({r.prefix for r in a}) == 1 and len(tok.encode(a[0].prefix)) == 40
+    for r in a:
+        assert 25 <= len(r.prompt_token_ids) <= 75 and 15 <= r.output_len <= 45
+        assert len(tok.encode(r.prompt)) == len(r.prompt_token_ids)
+    assert all(r.prefix == "" for r in make_dataset(seed=3, **kw))
+
+
+def test_make_dataset_with_the_default_tokenizer(smollm_tokenizer):
+    enc = lambda s: smollm_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    data = make_dataset(8, 128, 16, 0.0, enc, smollm_tokenizer.decode, seed=0)
+    for r in data:
+        assert len(r.prompt_token_ids) == 128
+        assert abs(len(enc(r.prompt)) - 128) <= 2  # a cut word may re-merge
+
+
+def test_percentile_matches_numpy_linear():
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert percentile(xs, 50) == 3.0
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 5.0
+    assert percentile(xs, 99) == pytest.approx(4.96)
+    assert percentile([1.0, 2.0], 25) == pytest.approx(1.25)
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile(xs, 101)
+
+
+def test_summarize():
+    s = summarize([1.0, 2.0, 3.0, 4.0])
+    assert s["mean"] == 2.5 and s["median"] == 2.5 and s["min"] == 1.0 and s["max"] == 4.0
+    assert s["p99"] == pytest.approx(3.97) and s["std"] == pytest.approx(math.sqrt(1.25))
+    empty = summarize([])
+    assert math.isnan(empty["mean"]) and math.isnan(empty["p99"])
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:1/v1", "http://127.5.6.7", "http://[::1]:80"])
+def test_loopback_allowed(url):
+    assert check_loopback_url(url) == url
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://192.168.1.2", "http://example.com", "ftp://127.0.0.1", "http://8.8.8.8"])
+def test_non_loopback_refused(url):
+    with pytest.raises(ValueError):
+        check_loopback_url(url)
+
+
+def _metrics(tok_s, ttft, tpot):
+    return {"output_throughput": tok_s, "ttft_ms": {"median": ttft}, "tpot_ms": {"median": tpot}, "failed": 0}
+
+
+def test_compare_peers_ratios_and_table():
+    results = {
+        "ours": {1: _metrics(10.0, 100.0, 50.0), 8: _metrics(60.0, 200.0, 80.0)},
+        "peer": {1: _metrics(20.0, 50.0, 25.0), 8: _metrics(30.0, 400.0, 160.0)},
+        "other": {32: _metrics(5.0, 1.0, 1.0)},
+    }
+    rows = compare_peers(results)
+    by = {(r["peer"], r["concurrency"]): r for r in rows}
+    assert set(by) == {("peer", 1), ("peer", 8), ("other", 32)}
+    assert by["peer", 1]["output_tok_s_ratio"] == 0.5 and by["peer", 1]["ttft_ratio"] == 2.0
+    assert by["peer", 8]["output_tok_s_ratio"] == 2.0 and by["peer", 8]["tpot_ratio"] == 0.5
+    assert math.isnan(by["other", 32]["output_tok_s_ratio"])  # we have no run at 32
+    table = format_peer_table(rows)
+    assert table.count("\n") == 1 + len(rows) and "| peer | 8 | 60.0 | 30.0 | 2.00 |" in table
