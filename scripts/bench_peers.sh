@@ -77,6 +77,8 @@ install_llama_server() {
   fi
   rm -rf "$LLAMA_SRC" && mkdir -p "$LLAMA_SRC"
   tar -xzf "$sdist" -C "$LLAMA_SRC" --strip-components=3 "llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
+  # The vendored tree's .git is a submodule pointer into a repository that is not here.
+  rm -rf "$LLAMA_SRC/.git"
   nice -n 19 cmake -S "$LLAMA_SRC" -B "$LLAMA_BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
   nice -n 19 cmake --build "$LLAMA_BUILD" --target llama-server -j "$THREADS" >/dev/null

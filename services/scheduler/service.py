@@ -56,6 +56,9 @@ from .scheduler import RequestRejected, Scheduler
 
 logger = logging.getLogger(__name__)
 
+# Seconds an abort for a request not (yet) seen is remembered.
+EARLY_ABORT_TTL = 30.0
+
 
 class SchedulerService(Service):
     name = "scheduler"
@@ -84,6 +87,7 @@ class SchedulerService(Service):
         self.workers: dict[int, object] = {}
         self._last_seen: dict[int, float] = {}
         self._retired: set[str] = set()
+        self._early_aborts: dict[str, float] = {}
         self._work = asyncio.Event()
         self._pending_step: tuple[int, asyncio.Future] | None = None
         self.prompt_tokens_total = 0
@@ -182,6 +186,8 @@ class SchedulerService(Service):
                 f"engine {self.engine_id} is not ready (waiting for its workers)",
                 type="service_unavailable", status=503,
             )
+        elif self._early_aborts.pop(request.request_id, None) is not None:
+            error = ErrorInfo("the request was aborted before it arrived", type="request_aborted", status=499)
         else:
             try:
                 self.scheduler.add_request(Request.from_engine_request(request, self.cache_config.block_size))
@@ -192,10 +198,20 @@ class SchedulerService(Service):
         await msg.respond(ENGINE_REQUEST_REPLY.encode(EngineRequestReply(request.request_id, error)))
 
     async def _on_abort(self, msg: Msg) -> None:
-        if self.scheduler is not None:
-            aborted = self.scheduler.abort_requests(ABORT_REQUEST.decode(msg.data).request_ids)
-            if aborted:
-                self._work.set()  # the workers must drop their state
+        request_ids = ABORT_REQUEST.decode(msg.data).request_ids
+        if self.scheduler is None:
+            return
+        aborted = self.scheduler.abort_requests(request_ids)
+        if aborted:
+            self._work.set()  # the workers must drop their state
+        # A client that leaves while its request is being tokenized can make the abort
+        # overtake the request: remember unknown ids for a while and refuse them.
+        now = time.monotonic()
+        known = {r.request_id for r in aborted}
+        for req_id in request_ids:
+            if req_id not in known:
+                self._early_aborts[req_id] = now
+        self._early_aborts = {k: t for k, t in self._early_aborts.items() if now - t < EARLY_ABORT_TTL}
 
     async def _on_result(self, msg: Msg) -> None:
         start = time.perf_counter()

@@ -1,0 +1,173 @@
+"""The scheduler service on a real NATS server, with a scripted fake worker.
+
+The fake worker announces itself like a real one and answers every step with
+token 7 for each request whose prompt is complete; the test checks intake before
+and after the engine is ready, rejection, the step loop's outputs, early aborts,
+and that a silent worker fails the engine's requests and closes intake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+
+from services.scheduler.service import SchedulerService
+from shared.config import CacheConfig, SchedulerConfig
+from shared.nats_server import NatsServer
+from shared.protocol import (
+    ABORT_REQUEST,
+    DETOKENIZE,
+    ENGINE_ABORT,
+    ENGINE_OUTPUT_BATCH,
+    ENGINE_REQUEST,
+    ENGINE_REQUEST_REPLY,
+    ENGINE_REQUESTS,
+    MODEL_RUNNER_OUTPUT,
+    SCHEDULER_OUTPUT,
+    WORKER_READY,
+    AbortRequest,
+    EngineRequest,
+    FinishReason,
+    ModelRunnerOutput,
+    SamplingParams,
+    WorkerReady,
+    engine_ready_subject,
+    engine_result_subject,
+    engine_step_subject,
+)
+
+ENGINE = "t0"
+
+
+class FakeWorker:
+    def __init__(self, nc, instance_id="w1"):
+        self.nc = nc
+        self.ready = WorkerReady(ENGINE, 0, 1, instance_id, num_blocks=32, max_model_len=256, block_size=16)
+        self.steps = []
+        self.computed: dict[str, int] = {}
+        self.lengths: dict[str, int] = {}
+        self.beating = True
+        self.answering = True
+
+    async def start(self):
+        await self.nc.subscribe(engine_step_subject(ENGINE), cb=self.on_step)
+        self.task = asyncio.get_running_loop().create_task(self.heartbeat())
+
+    async def heartbeat(self):
+        while True:
+            if self.beating:
+                await self.nc.publish(engine_ready_subject(ENGINE), WORKER_READY.encode(self.ready))
+            await asyncio.sleep(0.2)
+
+    async def on_step(self, msg):
+        if not self.answering:
+            return
+        step = SCHEDULER_OUTPUT.decode(msg.data)
+        self.steps.append(step)
+        for new in step.scheduled_new_reqs:
+            self.lengths[new.req_id] = len(new.prompt_token_ids)
+        tokens = []
+        for req_id, n in zip(step.scheduled_req_ids, step.num_scheduled_tokens):
+            self.computed[req_id] = self.computed.get(req_id, 0) + n
+            done = self.computed[req_id] >= self.lengths[req_id]
+            if done:
+                self.lengths[req_id] += 1
+            tokens.append([7] if done else [])
+        out = ModelRunnerOutput(step.step_id, list(step.scheduled_req_ids), tokens)
+        await self.nc.publish(engine_result_subject(ENGINE), MODEL_RUNNER_OUTPUT.encode(out))
+
+
+@pytest.fixture
+async def bus():
+    with NatsServer() as server:
+        service = SchedulerService(ENGINE, SchedulerConfig(max_num_batched_tokens=64), CacheConfig(),
+                                   worker_timeout=1.0, stats_interval=0.2, nats_url=server.url)
+        await service.start()
+        nc = await nats.connect(server.url)
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        async def on_outputs(msg):
+            for out in ENGINE_OUTPUT_BATCH.decode(msg.data).outputs:
+                outputs.put_nowait(out)
+
+        await nc.subscribe(DETOKENIZE, cb=on_outputs)
+        yield service, nc, outputs
+        await nc.close()
+        await service.close()
+
+
+async def submit(nc, req_id, n_prompt=20, max_tokens=3):
+    request = EngineRequest(req_id, list(range(100, 100 + n_prompt)), SamplingParams(max_tokens=max_tokens))
+    reply = await nc.request(ENGINE_REQUESTS, ENGINE_REQUEST.encode(request), timeout=5)
+    return ENGINE_REQUEST_REPLY.decode(reply.data).error
+
+
+async def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+async def test_intake_waits_for_workers_then_runs_requests(bus):
+    service, nc, outputs = bus
+    error = await submit(nc, "early")
+    assert error.status == 503 and "not ready" in error.message
+    worker = FakeWorker(nc)
+    await worker.start()
+    await wait_for(lambda: service.ready)
+    assert service.scheduler.num_blocks == 32
+    assert await submit(nc, "a") is None
+    got = [await asyncio.wait_for(outputs.get(), 5) for _ in range(3)]
+    assert [o.new_token_ids for o in got] == [[7], [7], [7]]
+    assert got[-1].finish_reason == FinishReason.LENGTH
+    assert worker.steps[0].reset_state and worker.steps[0].scheduled_new_reqs[0].req_id == "a"
+    # The whole 20-token prompt fits the 64-token budget: one step.
+    assert worker.steps[0].num_scheduled_tokens == [20]
+    too_long = await submit(nc, "b", n_prompt=300)
+    assert too_long.status == 400 and "prompt" in too_long.message
+    worker.task.cancel()
+
+
+async def test_an_abort_that_overtakes_its_request_is_remembered(bus):
+    service, nc, _ = bus
+    worker = FakeWorker(nc)
+    await worker.start()
+    await wait_for(lambda: service.ready)
+    await nc.publish(ENGINE_ABORT, ABORT_REQUEST.encode(AbortRequest(["late"])))
+    await nc.flush()
+    await wait_for(lambda: "late" in service._early_aborts)
+    error = await submit(nc, "late")
+    assert error is not None and error.type == "request_aborted"
+    assert not service.scheduler.has_unfinished_requests()
+    worker.task.cancel()
+
+
+async def test_a_silent_worker_fails_requests_and_closes_intake(bus):
+    service, nc, outputs = bus
+    worker = FakeWorker(nc)
+    await worker.start()
+    await wait_for(lambda: service.ready)
+    worker.steps.clear()
+    # A long request is running when the worker dies.
+    assert await submit(nc, "long", max_tokens=10_000) is None
+    await wait_for(lambda: len(worker.steps) > 3)
+    worker.beating = worker.answering = False  # it died
+    failed = None
+    deadline = time.monotonic() + 10
+    while failed is None and time.monotonic() < deadline:
+        out = await asyncio.wait_for(outputs.get(), 10)
+        if out.finish_reason == FinishReason.ERROR:
+            failed = out
+    assert failed is not None and "silent" in failed.error
+    error = await submit(nc, "after")
+    assert error.status == 503
+    # Whole again: the worker comes back (as a new instance after a restart).
+    worker.ready.instance_id = "w2"
+    worker.beating = worker.answering = True
+    await wait_for(lambda: service.ready)
+    assert await submit(nc, "again") is None
+    worker.task.cancel()
