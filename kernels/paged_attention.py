@@ -6,8 +6,11 @@ context of seq_lens[i] tokens (its new tokens included); its token j sits at pos
 seq_lens[i] - q_len_i + j and attends causally to cache positions 0..that position, read
 through block_tables[i]. GQA: query head h reads kv head h // (num_heads // num_kv_heads).
 
-`paged_attention_ref` is the PyTorch reference and the CPU production path (gather + one
-SDPA call per query-length bucket); `paged_attention_triton` is the GPU kernel (one launch,
+`paged_attention_ref` is the PyTorch reference and the CPU production path: decodes read
+their blocks with one `index_select` and attend with per-KV-head batched matmuls straight on
+the cache's [token, kv head, dim] rows (no transposed copy of K/V: that copy, not the
+arithmetic, is what a padded SDPA call spends its time on at decode); prefill chunks go
+through one padded SDPA call per query-length bucket. `paged_attention_triton` is the GPU kernel (one launch,
 online softmax, grid over request x query block x kv head), which for decode batches too
 small to fill the GPU also splits each sequence's keys among programs (flash-decoding) and
 merges the partial softmaxes in a second small launch.
@@ -34,6 +37,43 @@ def _gather_kv(
     blocks = torch.where(in_use, blocks, 0)
     kv = cache[blocks].flatten(1, 2)[:, :max_len]
     return kv.transpose(1, 2)
+
+
+def _attend_decodes(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor,
+) -> None:
+    """Requests with one query token each; writes their rows of `out`."""
+    n = seq_lens.shape[0]
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    group = query.shape[1] // num_kv_heads
+    num_blocks = -(-max_seq_len // block_size)
+    blocks = block_tables[:, :num_blocks].long()
+    needed = (seq_lens + block_size - 1) // block_size
+    # Table entries past a request's last block may be garbage (even out of range): use block 0.
+    blocks = torch.where(torch.arange(num_blocks, device=blocks.device) < needed[:, None], blocks, 0).flatten()
+    span = num_blocks * block_size
+    k = key_cache.index_select(0, blocks).view(n, span, num_kv_heads, head_dim)
+    v = value_cache.index_select(0, blocks).view(n, span, num_kv_heads, head_dim)
+    q = query.index_select(0, query_starts).view(n, num_kv_heads, group, head_dim)
+    scores = torch.empty(num_kv_heads, n, group, span, dtype=query.dtype, device=query.device)
+    for h in range(num_kv_heads):
+        torch.bmm(q[:, h], k[:, :, h].transpose(1, 2), out=scores[h])
+    scores = scores.float().mul_(scale)
+    hidden = torch.arange(span, device=query.device)[None, :] >= seq_lens[:, None]  # [n, span]
+    scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    o = torch.empty(n, num_kv_heads, group, head_dim, dtype=query.dtype, device=query.device)
+    for h in range(num_kv_heads):
+        o[:, h] = torch.bmm(probs[h], v[:, :, h])
+    out[query_starts] = o.view(n, -1, head_dim)
 
 
 def _attend_group(
@@ -96,21 +136,29 @@ def paged_attention_ref(
     query_start_loc = query_start_loc.long()
     query_starts = query_start_loc[:-1]
     query_lens = query_start_loc[1:] - query_starts
-    if max_query_len == 1:
-        # Decode-only batch: one group, no bucketing.
-        _attend_group(
-            query, key_cache, value_cache, block_tables, query_starts, query_lens,
-            seq_lens, scale, 1, max_seq_len, out,
-        )  # fmt: skip
+    if max_query_len == 1 and bool((query_lens == 1).all()):
+        _attend_decodes(
+            query, key_cache, value_cache, block_tables, query_starts, seq_lens, scale, max_seq_len, out
+        )
         return out
     # Padding every request to the batch's longest query would cost O(B * max_query_len),
     # e.g. 128 decodes next to one 2k-token chunk; bucketing requests by the power of two
     # of their query length bounds the padding to 2x per bucket, in a few SDPA calls.
+    # Requests with no query token this step (bucket -1) have nothing to attend.
     buckets = torch.ceil(torch.log2(query_lens.clamp(min=1).double())).long()
+    buckets = torch.where(query_lens > 0, buckets, -1)
     for bucket in torch.unique(buckets).tolist():
+        if bucket < 0:
+            continue
         reqs = torch.nonzero(buckets == bucket).squeeze(1)
         group_query_lens = query_lens[reqs]
         group_seq_lens = seq_lens[reqs]
+        if bucket == 0:  # one query token each
+            _attend_decodes(
+                query, key_cache, value_cache, block_tables[reqs], query_starts[reqs], group_seq_lens,
+                scale, int(group_seq_lens.max()), out,
+            )  # fmt: skip
+            continue
         _attend_group(
             query, key_cache, value_cache, block_tables[reqs], query_starts[reqs],
             group_query_lens, group_seq_lens, scale, int(group_query_lens.max()),

@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=0, help="HF static batch size (0: all prompts at once)")
     p.add_argument("--max-num-seqs", type=int, default=0, help="our engine's batch cap (0: max(32, num prompts))")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="our engine's token budget per step")
+    p.add_argument("--dtype", default="auto", help="our engine's dtype (auto: bfloat16 on CPUs with native bf16 dot products, else float32)")
+    p.add_argument("--hf-dtype", default="float32", help="HF's torch_dtype (float32: transformers' default)")
     p.add_argument("--only", choices=("both", "ours", "hf"), default="both")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--result-file", default=None, help="also write the JSON here")
@@ -52,6 +54,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.num_prompts < 1 or args.output_len < 1 or args.input_len < 1:
         p.error("--num-prompts, --input-len and --output-len must be >= 1")
     return args
+
+
+def warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """Four prompts that share no KV block with the measured ones (reversed token
+    order), so our prefix cache cannot carry anything from the warm-up into the run."""
+    return [p[::-1] for p in prompts[:4]]
 
 
 def run_ours(model_path: str, prompts: list[list[int]], output_len: int, args) -> dict:
@@ -64,7 +72,7 @@ def run_ours(model_path: str, prompts: list[list[int]], output_len: int, args) -
     need_blocks = sum((len(p) + output_len) // 16 + 2 for p in prompts)
     t0 = time.perf_counter()
     engine = Engine(
-        run_config=ModelRunConfig(model=model_path),
+        run_config=ModelRunConfig(model=model_path, dtype=args.dtype),
         cache_config=CacheConfig(num_gpu_blocks=max(need_blocks, 256)),
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs or max(32, n),
@@ -74,7 +82,7 @@ def run_ours(model_path: str, prompts: list[list[int]], output_len: int, args) -
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     if not args.no_warmup:
-        engine.generate(prompts[: min(4, n)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        engine.generate(warmup_prompts(prompts), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     t0 = time.perf_counter()
     results = engine.generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -88,7 +96,7 @@ def run_hf(model_path: str, prompts: list[list[int]], output_len: int, args) -> 
     from tests.hf_reference import load_hf_model_from_gguf
 
     t0 = time.perf_counter()
-    model = load_hf_model_from_gguf(model_path)
+    model = load_hf_model_from_gguf(model_path, getattr(torch, args.hf_dtype))
     load_s = time.perf_counter() - t0
     cfg = model.generation_config
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else model.config.pad_token_id
@@ -112,7 +120,7 @@ def run_hf(model_path: str, prompts: list[list[int]], output_len: int, args) -> 
         return [row[width:].tolist() for row in out]
 
     if not args.no_warmup:
-        generate(prompts[: min(4, len(prompts))], 4)
+        generate(warmup_prompts(prompts), 4)
     t0 = time.perf_counter()
     outputs = []
     for i in range(0, len(prompts), batch_size):

@@ -32,12 +32,12 @@ TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
 @functools.lru_cache(maxsize=2)
-def load_hf_model_from_gguf(gguf_path: str):
-    """``LlamaForCausalLM`` (fp32, eval) loaded by transformers from a GGUF file."""
+def load_hf_model_from_gguf(gguf_path: str, dtype: torch.dtype = torch.float32):
+    """``LlamaForCausalLM`` (fp32 unless told, eval) loaded by transformers from a GGUF file."""
     from transformers import AutoModelForCausalLM
 
     path = Path(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     return model.eval()
 
 

@@ -131,6 +131,20 @@ def test_reference_decode_only_batch():
     torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
 
 
+def test_reference_skips_requests_without_query_tokens():
+    # A request with no token this step must not write into its neighbour's rows.
+    batch = make_batch([1, 0, 1, 5, 0], [20, 9, 3, 4, 30], 6, 2, 64, block_size=8, seed=4)
+    out = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_bfloat16_decodes():
+    batch = make_batch([1] * 6, [0, 7, 16, 31, 64, 100], 9, 3, 64, dtype=torch.bfloat16, seed=5)
+    out = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=2e-2, atol=2e-2)
+
+
 def test_reference_long_single_prefill():
     # SmolLM2-135M heads; 2000 tokens must not need a [T, T] per head in padded form.
     batch = make_batch([2000], [0], 9, 3, 64, seed=3)
