@@ -1,7 +1,8 @@
 """The kernels layer: one set of operations the model calls, from Triton or from PyTorch.
 
 `get_kernel_ops(backend)` is chosen once when a worker builds its model: "triton" runs the
-Triton kernels (CUDA), "torch" the PyTorch references (the CPU path), "auto" picks Triton
+Triton kernels (CUDA), "torch" the PyTorch path (the references, and for SiLU-and-mul its
+own-dtype CPU variant), "auto" picks Triton
 when CUDA (and Triton) is available. Both backends take and return the same tensors; see
 each kernel's module for shapes and layouts.
 """
@@ -14,7 +15,7 @@ import torch
 from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
-from kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+from kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_triton
 from kernels.triton_import import HAS_TRITON
 from kernels.write_kv import write_kv_ref, write_kv_triton
 
@@ -37,7 +38,7 @@ TORCH_OPS = KernelOps(
     name="torch",
     rms_norm=rms_norm_ref,
     rotary_embedding=rotary_embedding_ref,
-    silu_and_mul=silu_and_mul_ref,
+    silu_and_mul=silu_and_mul_cpu,
     write_kv=write_kv_ref,
     paged_attention=paged_attention_ref,
 )

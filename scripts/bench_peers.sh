@@ -3,8 +3,10 @@
 #
 #   scripts/bench_peers.sh [--concurrency "1 8 32"] [--input-len 128] [--output-len 64]
 #                          [--peers "ours llamacpp-python llama-server"] [--out DIR]
-#                          [--install-only] [--run-timeout SECONDS]
+#                          [--install-only] [--run-timeout SECONDS] [--ours-dtype bfloat16]
 #
+# --ours-dtype: our workers' dtype (default bfloat16, our fastest on CPUs with native bf16
+# dot products; float32 is what matches Hugging Face bit for bit).
 # Peers (each installed into build/, nothing is added to the project's dependencies):
 #   llamacpp-python  llama-cpp-python[server] (`python -m llama_cpp.server`) in its own
 #                    venv build/bench-venv, compiled from source (cmake). Its server
@@ -28,6 +30,7 @@ PEERS="ours llamacpp-python llama-server"
 OUT="bench_results/peers-$(date +%Y%m%d-%H%M%S)"
 INSTALL_ONLY=0
 RUN_TIMEOUT=600          # seconds for one bench_serving run
+OURS_DTYPE=bfloat16
 THREADS=$(nproc)
 BENCH_VENV=${BENCH_VENV:-build/bench-venv}
 LLAMA_SRC=build/llama.cpp-src
@@ -41,7 +44,8 @@ while [ $# -gt 0 ]; do
     --out) OUT=$2; shift 2 ;;
     --install-only) INSTALL_ONLY=1; shift ;;
     --run-timeout) RUN_TIMEOUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    --ours-dtype) OURS_DTYPE=$2; shift 2 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -131,7 +135,7 @@ start_peer() {  # name port -> sets SERVER_PID
   case "$name" in
     ours)
       # max_num_seqs = the largest concurrency; everything else at its defaults.
-      start_server ours scripts/serve --port "$port" --max-num-seqs "$MAX_CONC" ;;
+      start_server ours scripts/serve --port "$port" --max-num-seqs "$MAX_CONC" --dtype "$OURS_DTYPE" ;;
     llamacpp-python)
       # logits_all off: no request here wants prompt logprobs (the server's default
       # computes the vocabulary logits of every prompt token); interrupt_requests off:

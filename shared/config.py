@@ -70,6 +70,7 @@ class ModelRunConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"
     kernel_backend: str = "auto"  # auto | torch | triton
+    cpu_prepack: bool = True  # CPU: reorder weight matrices once for oneDNN (services/worker/linear.py)
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
 

@@ -32,6 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--dtype", "DTYPE", "auto", help="auto|float32|bfloat16|float16")
     add_flag(parser, "--device", "DEVICE", "auto", help="auto|cpu|cuda|cuda:N")
     add_flag(parser, "--kernel-backend", "KERNEL_BACKEND", "auto", help="auto|torch|triton")
+    add_flag(parser, "--cpu-prepack", "CPU_PREPACK", True, bool, help="CPU: oneDNN-prepacked weight matrices")
     add_flag(parser, "--tensor-parallel-size", "TENSOR_PARALLEL_SIZE", 1, int, help="ranks per engine")
     add_flag(parser, "--rank", "RANK", 0, int, help="this worker's tensor-parallel rank")
     add_flag(parser, "--dist-init-method", "DIST_INIT_METHOD", "", help="torch.distributed rendezvous, e.g. tcp://host:29500")
@@ -63,6 +64,7 @@ def run_config(args) -> ModelRunConfig:
         dtype=args.dtype,
         device=args.device,
         kernel_backend=args.kernel_backend,
+        cpu_prepack=args.cpu_prepack,
         max_model_len=args.max_model_len,
         seed=args.seed,
     )

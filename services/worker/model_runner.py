@@ -30,6 +30,7 @@ from shared.protocol import ModelRunnerOutput, SchedulerOutput
 from shared.step_profile import NULL_CLOCK
 
 from .input_batch import CachedRequestState, InputBatch
+from .linear import can_prepack
 from .models.llama import AttentionMetadata, LlamaForCausalLM
 from .parallel import ShardLayout, init_distributed, tp_device
 from .sampler import Sampler
@@ -92,6 +93,9 @@ class ModelRunner:
         self.model.to(dtype=self.dtype)
         self.model.cos_sin_cache = self.model.cos_sin_cache.float()
         self.model.eval()
+        self.prepacked = run_config.cpu_prepack and can_prepack(self.device, self.dtype)
+        if self.prepacked:
+            self.model.prepack_linears()
 
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
@@ -101,9 +105,9 @@ class ModelRunner:
         # Seeded alike on every rank: unseeded random requests draw the same noise everywhere.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
         logger.info(
-            "model %s loaded: %s on %s, kernels=%s, rank %d/%d (%d q heads, %d KV heads), "
+            "model %s loaded: %s on %s, kernels=%s, prepacked=%s, rank %d/%d (%d q heads, %d KV heads), "
             "%d KV blocks of %d tokens",
-            self.model_path, self.dtype, self.device, self.ops.name, self.rank, self.tp.world_size,
+            self.model_path, self.dtype, self.device, self.ops.name, self.prepacked, self.rank, self.tp.world_size,
             self.shard.num_heads, self.shard.num_kv_heads, self.num_blocks, self.block_size,
         )
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
+from kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_ref, silu_and_mul_triton
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -29,3 +29,15 @@ def test_reference_formula():
     expected = gate * torch.sigmoid(gate) * up
     torch.testing.assert_close(silu_and_mul_ref(x), expected)
     torch.testing.assert_close(silu_and_mul_ref(x), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+def test_cpu_path_matches_reference(dtype):
+    x = (3 * torch.randn(7, 2 * 300)).to(dtype)
+    out = torch.full((7, 300), float("nan"), dtype=dtype)
+    got = silu_and_mul_cpu(x, out=out)
+    assert got is out
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, silu_and_mul_ref(x), rtol=0, atol=0)
+    else:  # one more rounding than the reference: within two units in the last place
+        torch.testing.assert_close(got, silu_and_mul_ref(x), rtol=2 * torch.finfo(dtype).eps, atol=1e-3)

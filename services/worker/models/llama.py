@@ -28,6 +28,7 @@ from torch import nn
 from kernels.rotary import compute_cos_sin_cache
 from shared.model_config import ModelConfig
 
+from ..linear import Linear, plain_linear, prepacked_linear
 from ..parallel import ShardLayout, TensorParallel
 
 
@@ -65,17 +66,13 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 
-def row_parallel_linear(tp: TensorParallel):
-    """``linear`` for a row-parallel weight: this rank's partial sum, then an all-reduce.
-    With one rank it is ``nn.functional.linear`` itself."""
+def row_parallel(tp: TensorParallel, linear: Linear) -> Linear:
+    """A row-parallel product: this rank's partial sum, then an all-reduce (with one rank,
+    ``linear`` itself)."""
     if not tp.enabled:
-        return nn.functional.linear
+        return linear
     all_reduce = tp.all_reduce
-
-    def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return all_reduce(nn.functional.linear(x, weight))
-
-    return linear_all_reduce
+    return lambda x: all_reduce(linear(x))
 
 
 class LlamaAttention(nn.Module):
@@ -96,10 +93,16 @@ class LlamaAttention(nn.Module):
             else None
         )
         self.o_weight = nn.Parameter(torch.empty(hidden, self.q_size), requires_grad=False)
-        self.o_proj = row_parallel_linear(tp)
+        self.tp = tp
+        self.qkv_proj = plain_linear(self, "qkv_weight", "qkv_bias" if config.attention_bias else None)
+        self.o_proj = row_parallel(tp, plain_linear(self, "o_weight"))
+
+    def prepack(self) -> None:
+        self.qkv_proj = prepacked_linear(self.qkv_weight, self.qkv_bias)
+        self.o_proj = row_parallel(self.tp, prepacked_linear(self.o_weight))
 
     def forward(self, x, positions, attn: AttentionMetadata, kv_cache, cos_sin_cache):
-        qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.contiguous()
         k = k.contiguous()
@@ -124,7 +127,7 @@ class LlamaAttention(nn.Module):
             attn.max_query_len,
             attn.max_seq_len,
         )
-        return self.o_proj(out.view(num_tokens, self.q_size), self.o_weight)
+        return self.o_proj(out.view(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -134,12 +137,16 @@ class LlamaMLP(nn.Module):
         inter = shard.intermediate_size  # on this rank
         self.gate_up_weight = nn.Parameter(torch.empty(2 * inter, config.hidden_size), requires_grad=False)
         self.down_weight = nn.Parameter(torch.empty(config.hidden_size, inter), requires_grad=False)
-        self.down_proj = row_parallel_linear(tp)
+        self.tp = tp
+        self.gate_up_proj = plain_linear(self, "gate_up_weight")
+        self.down_proj = row_parallel(tp, plain_linear(self, "down_weight"))
+
+    def prepack(self) -> None:
+        self.gate_up_proj = prepacked_linear(self.gate_up_weight)
+        self.down_proj = row_parallel(self.tp, prepacked_linear(self.down_weight))
 
     def forward(self, x):
-        return self.down_proj(
-            self.ops.silu_and_mul(nn.functional.linear(x, self.gate_up_weight)), self.down_weight
-        )
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -205,6 +212,21 @@ class LlamaForCausalLM(nn.Module):
         # Single-device or vocab-parallel embedding and LM head, fixed here once.
         self.embed = self._embed_vocab_parallel if tp.enabled else self._embed
         self.compute_logits = self._logits_vocab_parallel if tp.enabled else self._logits
+        self.lm_head_proj = plain_linear(self, "embed_weight" if self.lm_head is None else "lm_head")
+
+    def prepack_linears(self) -> None:
+        """Reorder every weight matrix once for oneDNN (CPU; see ``..linear``). The
+        products then read only the packed copies, so the checkpoint-layout matrices are
+        dropped, except the embedding, which the token lookup still reads."""
+        for layer in self.layers:
+            for module, names in ((layer.self_attn, ("qkv_weight", "o_weight")),
+                                  (layer.mlp, ("gate_up_weight", "down_weight"))):  # fmt: skip
+                module.prepack()
+                for name in names:
+                    getattr(module, name).data = torch.empty(0, dtype=getattr(module, name).dtype)
+        self.lm_head_proj = prepacked_linear(self._lm_weight())
+        if self.lm_head is not None:
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches) -> torch.Tensor:
         x = self.embed(input_ids)
@@ -229,10 +251,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> full logits ``[N, vocab]`` in float32."""
-        return nn.functional.linear(hidden, self._lm_weight()).float()
+        return self.lm_head_proj(hidden).float()
 
     def _logits_vocab_parallel(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = nn.functional.linear(hidden, self._lm_weight())
+        local = self.lm_head_proj(hidden)
         return self.tp.all_gather_last_dim(local)[:, : self.config.vocab_size].float()
 
     # ------------------------------------------------------------------ loading
