@@ -7,8 +7,8 @@ seq_lens[i] - q_len_i + j and attends causally to cache positions 0..that positi
 through block_tables[i]. GQA: query head h reads kv head h // (num_heads // num_kv_heads).
 
 `paged_attention_ref` is the PyTorch reference and the CPU production path: decodes read
-their blocks with one `index_select` and attend with per-KV-head batched matmuls straight on
-the cache's [token, kv head, dim] rows (no transposed copy of K/V: that copy, not the
+their blocks with one `index_select` and attend with batched matmuls straight on the
+cache's [token, kv head, dim] rows (no transposed copy of K/V: that copy, not the
 arithmetic, is what a padded SDPA call spends its time on at decode); prefill chunks go
 through one padded SDPA call per query-length bucket. `paged_attention_triton` is the GPU kernel (one launch,
 online softmax, grid over request x query block x kv head), which for decode batches too
@@ -53,27 +53,46 @@ def _attend_decodes(
     """Requests with one query token each; writes their rows of `out`."""
     n = seq_lens.shape[0]
     _, block_size, num_kv_heads, head_dim = key_cache.shape
-    group = query.shape[1] // num_kv_heads
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
     num_blocks = -(-max_seq_len // block_size)
     blocks = block_tables[:, :num_blocks].long()
     needed = (seq_lens + block_size - 1) // block_size
     # Table entries past a request's last block may be garbage (even out of range): use block 0.
     blocks = torch.where(torch.arange(num_blocks, device=blocks.device) < needed[:, None], blocks, 0).flatten()
     span = num_blocks * block_size
-    k = key_cache.index_select(0, blocks).view(n, span, num_kv_heads, head_dim)
-    v = value_cache.index_select(0, blocks).view(n, span, num_kv_heads, head_dim)
+    k = key_cache.index_select(0, blocks).view(n, span, num_kv_heads * head_dim)
+    v = value_cache.index_select(0, blocks).view(n, span, num_kv_heads * head_dim)
     q = query.index_select(0, query_starts).view(n, num_kv_heads, group, head_dim)
-    scores = torch.empty(num_kv_heads, n, group, span, dtype=query.dtype, device=query.device)
-    for h in range(num_kv_heads):
-        torch.bmm(q[:, h], k[:, :, h].transpose(1, 2), out=scores[h])
+    heads = torch.arange(num_kv_heads, device=query.device)
+    if query.dtype == torch.float32:
+        # One product per KV head on a strided view of K/V (fp32 GEMMs take the strides).
+        k, v = k.view(n, span, num_kv_heads, head_dim), v.view(n, span, num_kv_heads, head_dim)
+        scores = torch.empty(n, num_kv_heads, group, span, dtype=query.dtype, device=query.device)
+        for h in range(num_kv_heads):
+            scores[:, h] = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2))
+        scores = scores.view(n, num_heads, span)
+    else:
+        # bf16/fp16 GEMMs copy a strided operand, so K/V are read whole: each query head
+        # is placed in its KV head's columns of a zero row (block-diagonal queries), one
+        # product gives every head's scores, and the output keeps each head's own block.
+        # The zeros triple tiny products but save the copies.
+        q_rows = query.new_zeros(n, num_kv_heads, group, num_kv_heads, head_dim)
+        q_rows[:, heads, :, heads] = q.transpose(0, 1)
+        scores = torch.bmm(q_rows.view(n, num_heads, num_kv_heads * head_dim), k.transpose(1, 2))
     scores = scores.float().mul_(scale)
     hidden = torch.arange(span, device=query.device)[None, :] >= seq_lens[:, None]  # [n, span]
-    scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)
-    o = torch.empty(n, num_kv_heads, group, head_dim, dtype=query.dtype, device=query.device)
-    for h in range(num_kv_heads):
-        o[:, h] = torch.bmm(probs[h], v[:, :, h])
-    out[query_starts] = o.view(n, -1, head_dim)
+    scores.masked_fill_(hidden[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)  # [n, num_heads, span]
+    if query.dtype == torch.float32:
+        probs = probs.view(n, num_kv_heads, group, span)
+        o = torch.empty(n, num_kv_heads, group, head_dim, dtype=query.dtype, device=query.device)
+        for h in range(num_kv_heads):
+            o[:, h] = torch.bmm(probs[:, h], v[:, :, h])
+    else:
+        o = torch.bmm(probs, v).view(n, num_kv_heads, group, num_kv_heads, head_dim)[:, heads, :, heads]
+        o = o.transpose(0, 1)
+    out[query_starts] = o.reshape(n, num_heads, head_dim)
 
 
 def _attend_group(

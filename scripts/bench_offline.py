@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=0, help="our engine's batch cap (0: max(32, num prompts))")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="our engine's token budget per step")
     p.add_argument("--dtype", default="auto", help="our engine's dtype (auto: bfloat16 on CPUs with native bf16 dot products, else float32)")
+    p.add_argument("--cpu-prepack", action=argparse.BooleanOptionalAction, default=True,
+                   help="our engine's oneDNN-prepacked weights on CPU")
     p.add_argument("--hf-dtype", default="float32", help="HF's torch_dtype (float32: transformers' default)")
     p.add_argument("--only", choices=("both", "ours", "hf"), default="both")
     p.add_argument("--no-warmup", action="store_true")
@@ -72,7 +74,7 @@ def run_ours(model_path: str, prompts: list[list[int]], output_len: int, args) -
     need_blocks = sum((len(p) + output_len) // 16 + 2 for p in prompts)
     t0 = time.perf_counter()
     engine = Engine(
-        run_config=ModelRunConfig(model=model_path, dtype=args.dtype),
+        run_config=ModelRunConfig(model=model_path, dtype=args.dtype, cpu_prepack=args.cpu_prepack),
         cache_config=CacheConfig(num_gpu_blocks=max(need_blocks, 256)),
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs or max(32, n),
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
     record: dict = {
         "model": Path(model_path).name, "num_prompts": len(prompts), "input_len": args.input_len,
         "prompt_tokens": sum(len(p) for p in prompts), "output_len": output_len, "threads": args.threads,
-        "hf_batch_size": args.hf_batch_size or len(prompts),
+        "ours_cpu_prepack": args.cpu_prepack, "hf_batch_size": args.hf_batch_size or len(prompts),
     }
     ours = hf = None
     if args.only in ("both", "ours"):
