@@ -8,7 +8,7 @@ the forward pass and sampling. It also times the bare NATS round trip of a step
 message of each batch size (to an echo process and back), apart from the asyncio
 and thread hops that the bus_round_trip phase includes.
 
-    .venv/bin/python scripts/bench_overhead.py [--batches 1 8 32 128] [--steps 30]
+    .venv/bin/python scripts/bench_overhead.py [--batches 1 8 32 128] [--steps 30] [engine flags, e.g. --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -170,7 +170,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--json", help="also write the results here")
     args, engine_args = parser.parse_known_args()
-    engine_args = engine_args or ["--max-num-seqs", str(max(args.batches)), "--num-gpu-blocks", "4096"]
+    # Defaults first: flags given on the command line come later and win.
+    engine_args = ["--max-num-seqs", str(max(args.batches)), "--num-gpu-blocks", "4096", *engine_args]
     with tempfile.TemporaryDirectory() as logs:
         stack = EngineOnly(StackConfig(engine_args=engine_args, log_dir=logs))
         stack.start()
