@@ -2,9 +2,10 @@
 
 Every rank of an engine subscribes to the engine's step subject (no queue group:
 each rank receives each step diff), applies it to its cached state and runs the
-model; only rank 0 publishes the ``ModelRunnerOutput``. The forward pass runs in
-one dedicated thread so the event loop keeps answering pings and hellos, and
-steps run strictly in arrival order (one subscription callback at a time).
+model; only rank 0 publishes the ``ModelRunnerOutput``. The forward pass (and all
+other torch work: loading, process-group setup) runs in one dedicated thread so the
+event loop keeps answering pings and hellos, and steps run strictly in arrival order
+(one subscription callback at a time).
 """
 
 from __future__ import annotations
@@ -66,17 +67,23 @@ class WorkerService(Service):
         self._peer_seen: dict[int, float] = {}
         self.parallel_config = parallel_config
         self.rank = parallel_config.rank
-        # Tensor parallelism: join the engine's ranks (blocks until all have joined)
-        # before building the runner, which then loads only this rank's shard.
         device = resolve_device(run_config.device, parallel_config)
-        init_distributed(parallel_config, device)
-        # The forward thread runs the collectives; CUDA's current device is per thread.
+        # CUDA's current device is per thread.
         initializer = None
         if device.type == "cuda" and device.index is not None:
-
             initializer = functools.partial(torch.cuda.set_device, device)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward", initializer=initializer)
-        self.runner = ModelRunner(run_config, cache_config, scheduler_config, parallel_config)
+
+        def build_runner() -> ModelRunner:
+            # Tensor parallelism: join the engine's ranks (blocks until all have joined)
+            # before building the runner, which then loads only this rank's shard.
+            init_distributed(parallel_config, device)
+            return ModelRunner(run_config, cache_config, scheduler_config, parallel_config)
+
+        # All torch work of this process happens on the forward thread, loading
+        # included: a second thread that runs parallel CPU ops gets its own OpenMP
+        # pool, and once two pools exist every op runs ~1.7x slower on 2 cores.
+        self.runner = self._executor.submit(build_runner).result()
         self._sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else None
         self._result_subject = engine_result_subject(engine_id)
 
