@@ -24,6 +24,8 @@ from shared.protocol import PONG, Pong, ping_subject
 
 logger = logging.getLogger(__name__)
 
+TASK_STOP_TIMEOUT = 5.0  # seconds close() waits for the service's cancelled tasks
+
 
 def default_nats_url() -> str:
     return os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
@@ -109,11 +111,14 @@ class Service:
         await msg.respond(PONG.encode(Pong(self.name, self.instance_id, self.info())))
 
     async def close(self) -> None:
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await task
+        if tasks:
+            # A task that ignores its cancel must not keep the service from stopping.
+            _, stuck = await asyncio.wait(tasks, timeout=TASK_STOP_TIMEOUT)
+            for task in stuck:
+                logger.warning("%s %s: task %r did not stop when cancelled", self.name, self.instance_id, task)
         await self.cleanup()
         if self.nc is not None and not self.nc.is_closed:
             with contextlib.suppress(Exception):

@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from shared.aio import wait_for
 from shared.protocol import ErrorInfo, FinishReason, StreamDelta, TokenizeRequest
 
 from .errors import ApiError, request_timeout
@@ -91,7 +92,7 @@ class Generation:
             # After the deadline every unfinished stream holds its error event: no wait.
             timeout = None if timed_out else max(0.0, self.deadline - time.monotonic())
             try:
-                stream, item = await asyncio.wait_for(self._events.get(), timeout)
+                stream, item = await wait_for(self._events.get(), timeout)
             except asyncio.TimeoutError:
                 timed_out = True
                 error = request_timeout(self.gateway.config.request_timeout).info

@@ -21,6 +21,7 @@ import time
 
 from nats.aio.msg import Msg
 
+from shared.aio import wait_for
 from shared.bus import Service
 from shared.config import CacheConfig, SchedulerConfig
 from shared.protocol import (
@@ -246,7 +247,7 @@ class SchedulerService(Service):
             clock.lap("encode")
             await self.nc.publish(engine_step_subject(self.engine_id), data)
             try:
-                result = await asyncio.wait_for(future, self.step_timeout)
+                result = await wait_for(future, self.step_timeout)
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():
                     raise
