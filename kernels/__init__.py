@@ -1,8 +1,8 @@
 """The kernels layer: one set of operations the model calls, from Triton or from PyTorch.
 
 `get_kernel_ops(backend)` is chosen once when a worker builds its model: "triton" runs the
-Triton kernels (CUDA), "torch" the PyTorch path (the references, and for SiLU-and-mul its
-own-dtype CPU variant), "auto" picks Triton
+Triton kernels (CUDA), "torch" the PyTorch path (the references, and for SiLU-and-mul and the
+KV write their faster CPU variants), "auto" picks Triton
 when CUDA (and Triton) is available. Both backends take and return the same tensors; see
 each kernel's module for shapes and layouts.
 """
@@ -17,7 +17,7 @@ from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
 from kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_triton
 from kernels.triton_import import HAS_TRITON
-from kernels.write_kv import write_kv_ref, write_kv_triton
+from kernels.write_kv import write_kv_cpu, write_kv_triton
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -39,7 +39,7 @@ TORCH_OPS = KernelOps(
     rms_norm=rms_norm_ref,
     rotary_embedding=rotary_embedding_ref,
     silu_and_mul=silu_and_mul_cpu,
-    write_kv=write_kv_ref,
+    write_kv=write_kv_cpu,
     paged_attention=paged_attention_ref,
 )
 

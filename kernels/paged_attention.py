@@ -17,6 +17,7 @@ merges the partial softmaxes in a second small launch.
 """
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,60 +40,123 @@ def _gather_kv(
     return kv.transpose(1, 2)
 
 
-def _attend_decodes(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_starts: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    max_seq_len: int,
-    out: torch.Tensor,
-) -> None:
-    """Requests with one query token each; writes their rows of `out`."""
+@dataclass
+class _DecodePlan:
+    """What every layer's decode attention shares within one step, built once per step."""
+
+    blocks: torch.Tensor  # [n * num_blocks] int64: each request's blocks, in order
+    span: int  # num_blocks * block_size: keys read per request
+    bias: torch.Tensor  # [n, 1, span] float32: 0 for visible keys, -inf past seq_len
+    query_rows: torch.Tensor | None  # [n] int64 rows of `query`; None: row i is request i
+
+
+def _decode_plan(
+    block_tables: torch.Tensor, query_starts: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, block_size: int
+) -> _DecodePlan:
     n = seq_lens.shape[0]
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    num_heads = query.shape[1]
-    group = num_heads // num_kv_heads
+    seq_lens = seq_lens.long()
     num_blocks = -(-max_seq_len // block_size)
     blocks = block_tables[:, :num_blocks].long()
     needed = (seq_lens + block_size - 1) // block_size
     # Table entries past a request's last block may be garbage (even out of range): use block 0.
     blocks = torch.where(torch.arange(num_blocks, device=blocks.device) < needed[:, None], blocks, 0).flatten()
     span = num_blocks * block_size
-    k = key_cache.index_select(0, blocks).view(n, span, num_kv_heads * head_dim)
-    v = value_cache.index_select(0, blocks).view(n, span, num_kv_heads * head_dim)
-    q = query.index_select(0, query_starts).view(n, num_kv_heads, group, head_dim)
-    heads = torch.arange(num_kv_heads, device=query.device)
+    hidden = torch.arange(span, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+    bias = torch.zeros(n, 1, span, device=seq_lens.device).masked_fill_(hidden[:, None, :], float("-inf"))
+    identity = query_starts.shape[0] == n and bool(
+        (query_starts == torch.arange(n, device=query_starts.device)).all()
+    )
+    return _DecodePlan(blocks, span, bias, None if identity else query_starts.long())
+
+
+class _PlanMemo:
+    """The plan of the last all-decode step, reused while the same metadata tensors (the
+    same objects, not modified in place since) come back, as they do from each layer of
+    a model; None when that step's batch is not all decodes.
+
+    In-place changes are seen through tensors' version counters, which inference-mode
+    tensors lack: there, new metadata must come as new tensors (the model runner builds
+    them anew each step)."""
+
+    def __init__(self) -> None:
+        # (metadata tensors, key, plan), replaced whole; the strong references keep any
+        # other tensor from taking these objects' identities.
+        self._entry: tuple | None = None
+
+    def get(
+        self, block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+        max_seq_len: int, block_size: int,
+    ) -> _DecodePlan | None:  # fmt: skip
+        sources = (block_tables, query_start_loc, seq_lens)
+        key = (max_seq_len, block_size, *(0 if t.is_inference() else t._version for t in sources))
+        entry = self._entry
+        if entry is not None and entry[1] == key and all(a is b for a, b in zip(entry[0], sources)):
+            return entry[2]
+        query_starts = query_start_loc[:-1].long()
+        all_decodes = bool((query_start_loc[1:].long() - query_starts == 1).all())
+        plan = _decode_plan(block_tables, query_starts, seq_lens, max_seq_len, block_size) if all_decodes else None
+        self._entry = (sources, key, plan)
+        return plan
+
+
+_DECODE_PLANS = _PlanMemo()
+
+
+@functools.lru_cache(maxsize=16)
+def _head_selector(num_kv_heads: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[1, kvh, 1, kvh, 1]: 1 where a query head's KV head meets its own columns."""
+    eye = torch.eye(num_kv_heads, dtype=dtype, device=device)
+    return eye.view(1, num_kv_heads, 1, num_kv_heads, 1)
+
+
+def _attend_decodes(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: _DecodePlan,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Requests with one query token each; writes their rows of `out`."""
+    n = plan.bias.shape[0]
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    span = plan.span
+    k = key_cache.index_select(0, plan.blocks).view(n, span, num_kv_heads * head_dim)
+    v = value_cache.index_select(0, plan.blocks).view(n, span, num_kv_heads * head_dim)
+    rows = query[:n] if plan.query_rows is None else query.index_select(0, plan.query_rows)
+    q = rows.view(n, num_kv_heads, group, head_dim)
     if query.dtype == torch.float32:
         # One product per KV head on a strided view of K/V (fp32 GEMMs take the strides).
         k, v = k.view(n, span, num_kv_heads, head_dim), v.view(n, span, num_kv_heads, head_dim)
         scores = torch.empty(n, num_kv_heads, group, span, dtype=query.dtype, device=query.device)
         for h in range(num_kv_heads):
             scores[:, h] = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2))
-        scores = scores.view(n, num_heads, span)
+        scores = scores.view(n, num_heads, span).mul_(scale)
     else:
         # bf16/fp16 GEMMs copy a strided operand, so K/V are read whole: each query head
         # is placed in its KV head's columns of a zero row (block-diagonal queries), one
         # product gives every head's scores, and the output keeps each head's own block.
         # The zeros triple tiny products but save the copies.
-        q_rows = query.new_zeros(n, num_kv_heads, group, num_kv_heads, head_dim)
-        q_rows[:, heads, :, heads] = q.transpose(0, 1)
-        scores = torch.bmm(q_rows.view(n, num_heads, num_kv_heads * head_dim), k.transpose(1, 2))
-    scores = scores.float().mul_(scale)
-    hidden = torch.arange(span, device=query.device)[None, :] >= seq_lens[:, None]  # [n, span]
-    scores.masked_fill_(hidden[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)  # [n, num_heads, span]
+        selector = _head_selector(num_kv_heads, query.dtype, query.device)
+        q_rows = (q.unsqueeze(3) * selector).view(n, num_heads, num_kv_heads * head_dim)
+        scores = torch.bmm(q_rows, k.transpose(1, 2)).float().mul_(scale)
+    # Adding 0 / -inf is exactly a masked fill of the hidden keys.
+    probs = torch.softmax(scores.add_(plan.bias), dim=-1).to(query.dtype)  # [n, num_heads, span]
     if query.dtype == torch.float32:
         probs = probs.view(n, num_kv_heads, group, span)
         o = torch.empty(n, num_kv_heads, group, head_dim, dtype=query.dtype, device=query.device)
         for h in range(num_kv_heads):
             o[:, h] = torch.bmm(probs[:, h], v[:, :, h])
     else:
-        o = torch.bmm(probs, v).view(n, num_kv_heads, group, num_kv_heads, head_dim)[:, heads, :, heads]
-        o = o.transpose(0, 1)
-    out[query_starts] = o.reshape(n, num_heads, head_dim)
+        # [n, kvh, group, kvh, hd] -> each query head's own KV head block [n, kvh, group, hd]
+        o = torch.diagonal(torch.bmm(probs, v).view(n, num_kv_heads, group, num_kv_heads, head_dim), 0, 1, 3)
+        o = o.permute(0, 3, 1, 2)
+    if plan.query_rows is None:
+        out[:n].view(n, num_kv_heads, group, head_dim).copy_(o)
+    else:
+        out[plan.query_rows] = o.reshape(n, num_heads, head_dim)
 
 
 def _attend_group(
@@ -151,15 +215,16 @@ def paged_attention_ref(
         out = torch.empty_like(query)
     if query.shape[0] == 0:
         return out
+    block_size = key_cache.shape[1]
+    if max_query_len == 1:
+        plan = _DECODE_PLANS.get(block_tables, query_start_loc, seq_lens, max_seq_len, block_size)
+        if plan is not None:
+            _attend_decodes(query, key_cache, value_cache, plan, scale, out)
+            return out
     seq_lens = seq_lens.long()
     query_start_loc = query_start_loc.long()
     query_starts = query_start_loc[:-1]
     query_lens = query_start_loc[1:] - query_starts
-    if max_query_len == 1 and bool((query_lens == 1).all()):
-        _attend_decodes(
-            query, key_cache, value_cache, block_tables, query_starts, seq_lens, scale, max_seq_len, out
-        )
-        return out
     # Padding every request to the batch's longest query would cost O(B * max_query_len),
     # e.g. 128 decodes next to one 2k-token chunk; bucketing requests by the power of two
     # of their query length bounds the padding to 2x per bucket, in a few SDPA calls.
@@ -173,10 +238,10 @@ def paged_attention_ref(
         group_query_lens = query_lens[reqs]
         group_seq_lens = seq_lens[reqs]
         if bucket == 0:  # one query token each
-            _attend_decodes(
-                query, key_cache, value_cache, block_tables[reqs], query_starts[reqs], group_seq_lens,
-                scale, int(group_seq_lens.max()), out,
-            )  # fmt: skip
+            plan = _decode_plan(
+                block_tables[reqs], query_starts[reqs], group_seq_lens, int(group_seq_lens.max()), block_size
+            )
+            _attend_decodes(query, key_cache, value_cache, plan, scale, out)
             continue
         _attend_group(
             query, key_cache, value_cache, block_tables[reqs], query_starts[reqs],

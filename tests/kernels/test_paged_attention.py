@@ -145,6 +145,26 @@ def test_reference_bfloat16_decodes():
     torch.testing.assert_close(out.double(), dense_attention(batch), rtol=2e-2, atol=2e-2)
 
 
+def test_decode_plan_is_rebuilt_when_the_metadata_changes():
+    # Each layer of a step passes the same metadata tensors, and the decode plan built
+    # for the first is reused; a change in place (or new tensors) must rebuild it.
+    batch = make_batch([1] * 4, [5, 17, 30, 2], 6, 2, 64, block_size=8, seed=7)
+    first = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(first.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+    again = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    # The same tensors changed in place: one key fewer each...
+    batch.seq_lens -= 1
+    batch.max_seq_len -= 1
+    out = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+    # ...then two requests trade their blocks and lengths.
+    batch.block_tables[[0, 2]] = batch.block_tables[[2, 0]]
+    batch.seq_lens[[0, 2]] = batch.seq_lens[[2, 0]]
+    out = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+
+
 def test_reference_long_single_prefill():
     # SmolLM2-135M heads; 2000 tokens must not need a [T, T] per head in padded form.
     batch = make_batch([2000], [0], 9, 3, 64, seed=3)

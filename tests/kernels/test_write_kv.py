@@ -4,7 +4,7 @@ per-token loop; negative slots must leave the cache untouched."""
 import pytest
 import torch
 
-from kernels.write_kv import write_kv_ref, write_kv_triton
+from kernels.write_kv import write_kv_cpu, write_kv_ref, write_kv_triton
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -61,3 +61,17 @@ def test_all_negative_slots_write_nothing(write_kv):
     before_k, before_v = key_cache.clone(), value_cache.clone()
     write_kv(key, value, key_cache, value_cache, torch.full((5,), -1, device=DEVICE))
     assert torch.equal(key_cache, before_k) and torch.equal(value_cache, before_v)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("padding", [False, True])
+def test_cpu_path_matches_reference(shape, dtype, padding):
+    key, value, key_cache, value_cache, slots = make_inputs(*shape, dtype)
+    if not padding:
+        slots = torch.randperm(shape[1] * shape[2])[: shape[0]].to(slots.device)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    write_kv_ref(key, value, expected_k, expected_v, slots)
+    write_kv_cpu(key, value, key_cache, value_cache, slots)
+    torch.testing.assert_close(key_cache, expected_k, rtol=0, atol=0)
+    torch.testing.assert_close(value_cache, expected_v, rtol=0, atol=0)
