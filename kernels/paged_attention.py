@@ -9,8 +9,9 @@ through block_tables[i]. GQA: query head h reads kv head h // (num_heads // num_
 `paged_attention_ref` is the PyTorch reference and the CPU production path: decodes read
 their blocks with one `index_select` and attend with batched matmuls straight on the
 cache's [token, kv head, dim] rows (no transposed copy of K/V: that copy, not the
-arithmetic, is what a padded SDPA call spends its time on at decode); prefill chunks go
-through one padded SDPA call per query-length bucket. `paged_attention_triton` is the GPU kernel (one launch,
+arithmetic, is what a padded SDPA call spends its time on at decode); what an all-decode
+step's layers share (block list, key mask, query rows) is built once for the step; prefill
+chunks go through one padded SDPA call per query-length bucket. `paged_attention_triton` is the GPU kernel (one launch,
 online softmax, grid over request x query block x kv head), which for decode batches too
 small to fill the GPU also splits each sequence's keys among programs (flash-decoding) and
 merges the partial softmaxes in a second small launch.
