@@ -2,6 +2,11 @@
 FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 WORKDIR /app
+# A C compiler for the CPU kernels in kernels/cpu (built on the worker's first start, for
+# the host's CPU); without one the worker runs their PyTorch paths.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 # Dependencies first, so code changes do not reinstall them.
 COPY pyproject.toml README.md ./
 RUN pip install --no-cache-dir "torch==2.13.0" \

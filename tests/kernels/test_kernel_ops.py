@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from kernels import get_kernel_ops
-from kernels.paged_attention import paged_attention_ref, paged_attention_triton
+from kernels.cpu_paged_attention import paged_attention_cpu
+from kernels.paged_attention import paged_attention_triton
 
 
 def test_explicit_backends():
     assert get_kernel_ops("torch").name == "torch"
-    assert get_kernel_ops("torch").paged_attention is paged_attention_ref
+    assert get_kernel_ops("torch").paged_attention is paged_attention_cpu
     assert get_kernel_ops("triton").name == "triton"
     assert get_kernel_ops("triton").paged_attention is paged_attention_triton
 

@@ -1,0 +1,98 @@
+"""Building the CPU kernels written in C (`kernels/cpu/*.c`) and loading them with ctypes.
+
+Each source is compiled once per source text, compiler, flags and CPU model (the code is
+built for the host's instruction set, `-march=native`) into a cache folder, and loaded
+from there afterwards. OpenMP comes from the runtime PyTorch already loaded (torch is
+imported first and the library asks for the same soname), so a kernel's threads are
+PyTorch's threads, not a second pool competing for the cores.
+
+When no C compiler is found, or building fails, `load_library` returns None and logs
+why once; the callers then run their PyTorch paths. `NATSLLM_NATIVE_KERNELS=0` turns
+the C kernels off (for comparisons); `NATSLLM_KERNEL_CACHE` moves the cache folder.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (loads PyTorch's OpenMP runtime before any kernel library)
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "cpu"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
+BUILD_TIMEOUT_S = 120
+
+
+def native_kernels_enabled() -> bool:
+    return os.environ.get("NATSLLM_NATIVE_KERNELS", "1") != "0"
+
+
+def cache_dir() -> Path:
+    if os.environ.get("NATSLLM_KERNEL_CACHE"):
+        return Path(os.environ["NATSLLM_KERNEL_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "natsllm" / "kernels"
+
+
+def _cpu_model() -> str:
+    """The host CPU's model name and feature flags (what -march=native compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    wanted = ("model name", "flags")
+    return "\n".join(sorted({line for line in text.splitlines() if line.startswith(wanted)}))
+
+
+def _find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(source: Path, compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: concurrent builders never see half a file.
+    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *CFLAGS, "-o", tmp, str(source)],
+            check=True, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+        )  # fmt: skip
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load_library(name: str) -> ctypes.CDLL | None:
+    """The compiled `kernels/cpu/<name>.c`, built on first use; None when it cannot be."""
+    if not native_kernels_enabled():
+        return None
+    compiler = _find_compiler()
+    if compiler is None:
+        logger.warning("no C compiler found: CPU kernel %s runs its PyTorch path", name)
+        return None
+    source = SOURCE_DIR / f"{name}.c"
+    key = hashlib.sha256(
+        b"\0".join([source.read_bytes(), compiler.encode(), " ".join(CFLAGS).encode(), _cpu_model().encode()])
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    try:
+        if not target.exists():
+            _build(source, compiler, target)
+        return ctypes.CDLL(str(target))
+    except subprocess.CalledProcessError as exc:
+        logger.warning("building CPU kernel %s failed; its PyTorch path runs instead:\n%s", name, exc.stderr)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        logger.warning("CPU kernel %s unavailable (%s); its PyTorch path runs instead", name, exc)
+    return None

@@ -1,0 +1,56 @@
+"""Building and loading the C kernels: one build per source and CPU, reused from the
+cache folder; without a compiler, or with the kernels turned off, no library (the
+callers then run their PyTorch paths)."""
+
+import logging
+
+import pytest
+
+from kernels import cpu_build
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty cache folder and no library loaded yet in this process."""
+    monkeypatch.setenv("NATSLLM_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("NATSLLM_NATIVE_KERNELS", raising=False)
+    cpu_build.load_library.cache_clear()
+    yield tmp_path
+    cpu_build.load_library.cache_clear()
+
+
+def test_builds_once_then_loads_from_the_cache(fresh, monkeypatch):
+    if cpu_build._find_compiler() is None:
+        pytest.skip("no C compiler here")
+    lib = cpu_build.load_library("paged_decode_attention")
+    assert lib is not None and hasattr(lib, "decode_attention_bf16")
+    built = list(fresh.glob("paged_decode_attention-*.so"))
+    assert len(built) == 1 and not list(fresh.glob("*.tmp"))
+
+    def no_build(*args):
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(cpu_build, "_build", no_build)
+    cpu_build.load_library.cache_clear()
+    assert cpu_build.load_library("paged_decode_attention") is not None
+
+
+def test_turned_off_by_the_environment(fresh, monkeypatch):
+    monkeypatch.setenv("NATSLLM_NATIVE_KERNELS", "0")
+    assert cpu_build.load_library("paged_decode_attention") is None
+    assert not list(fresh.iterdir())
+
+
+def test_no_compiler_means_no_library(fresh, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_build, "_find_compiler", lambda: None)
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
+        assert cpu_build.load_library("paged_decode_attention") is None
+    assert "no C compiler" in caplog.text
+
+
+def test_a_failing_build_means_no_library(fresh, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
+        assert cpu_build.load_library("paged_decode_attention") is None
+    assert "failed" in caplog.text
+    assert not list(fresh.iterdir()) or not list(fresh.glob("*.so"))
