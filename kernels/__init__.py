@@ -1,10 +1,10 @@
 """The kernels layer: one set of operations the model calls, from Triton or from PyTorch.
 
 `get_kernel_ops(backend)` is chosen once when a worker builds its model: "triton" runs the
-Triton kernels (CUDA), "torch" the CPU path (the PyTorch references, faster CPU variants of
-SiLU-and-mul and the KV write, and paged attention with decode steps in a C kernel when one
-can be built; see `kernels.cpu_build`), "auto" picks Triton
-when CUDA (and Triton) is available. Both backends take and return the same tensors; see
+Triton kernels (CUDA), "torch" the CPU path (the PyTorch references, or faster CPU variants
+of them: RMSNorm, rotary embedding and decode attention in C kernels where one can be
+built, see `kernels.cpu_build`; SiLU-and-mul and the KV write in fewer tensor ops), "auto"
+picks Triton when CUDA (and Triton) is available. Both backends take and return the same tensors; see
 each kernel's module for shapes and layouts.
 """
 
@@ -15,8 +15,8 @@ import torch
 
 from kernels.paged_attention import paged_attention_triton
 from kernels.cpu_paged_attention import paged_attention_cpu
-from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
+from kernels.rms_norm import rms_norm_cpu, rms_norm_triton
+from kernels.rotary import rotary_embedding_cpu, rotary_embedding_triton
 from kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_triton
 from kernels.triton_import import HAS_TRITON
 from kernels.write_kv import write_kv_cpu, write_kv_triton
@@ -38,8 +38,8 @@ class KernelOps:
 
 TORCH_OPS = KernelOps(
     name="torch",
-    rms_norm=rms_norm_ref,
-    rotary_embedding=rotary_embedding_ref,
+    rms_norm=rms_norm_cpu,
+    rotary_embedding=rotary_embedding_cpu,
     silu_and_mul=silu_and_mul_cpu,
     write_kv=write_kv_cpu,
     paged_attention=paged_attention_cpu,

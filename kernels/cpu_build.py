@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")
+# Per source: rotary must round every float32 product as PyTorch does (no fused multiply-add).
+EXTRA_CFLAGS = {"rotary": ("-ffp-contract=off",)}
 BUILD_TIMEOUT_S = 120
 
 
@@ -57,20 +59,31 @@ def _find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(source: Path, compiler: str, target: Path) -> None:
+def _build(source: Path, compiler: str, flags: tuple[str, ...], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target, then rename: concurrent builders never see half a file.
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *CFLAGS, "-o", tmp, str(source)],
+            [compiler, *flags, "-o", tmp, str(source)],
             check=True, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
         )  # fmt: skip
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def bind(name: str, symbol: str, argtypes: list, restype=None):
+    """Function `symbol` of library `name` with its ctypes signature set; None when the
+    library cannot be had."""
+    lib = load_library(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 @functools.cache
@@ -83,13 +96,15 @@ def load_library(name: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found: CPU kernel %s runs its PyTorch path", name)
         return None
     source = SOURCE_DIR / f"{name}.c"
+    flags = CFLAGS + EXTRA_CFLAGS.get(name, ())
+    headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), compiler.encode(), " ".join(CFLAGS).encode(), _cpu_model().encode()])
+        b"\0".join([source.read_bytes(), *headers, compiler.encode(), " ".join(flags).encode(), _cpu_model().encode()])
     ).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     try:
         if not target.exists():
-            _build(source, compiler, target)
+            _build(source, compiler, flags, target)
         return ctypes.CDLL(str(target))
     except subprocess.CalledProcessError as exc:
         logger.warning("building CPU kernel %s failed; its PyTorch path runs instead:\n%s", name, exc.stderr)

@@ -16,10 +16,11 @@ the kernel cannot be built (no C compiler; see `kernels.cpu_build`) go to
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
-from kernels.cpu_build import load_library
+from kernels.cpu_build import bind
 from kernels.paged_attention import paged_attention_ref
 
 _SYMBOLS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
@@ -32,17 +33,11 @@ _ARGTYPES = [
 ]
 
 
+@functools.cache
 def _kernel(dtype: torch.dtype):
     """The C decode kernel for `dtype`, or None (unsupported dtype, or no build)."""
     symbol = _SYMBOLS.get(dtype)
-    lib = load_library("paged_decode_attention") if symbol else None
-    if lib is None:
-        return None
-    fn = getattr(lib, symbol)
-    if fn.argtypes is None:
-        fn.argtypes = _ARGTYPES
-        fn.restype = ctypes.c_int
-    return fn
+    return bind("paged_decode_attention", symbol, _ARGTYPES, ctypes.c_int) if symbol else None
 
 
 def native_decode_available(dtype: torch.dtype) -> bool:

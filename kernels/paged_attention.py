@@ -6,7 +6,8 @@ context of seq_lens[i] tokens (its new tokens included); its token j sits at pos
 seq_lens[i] - q_len_i + j and attends causally to cache positions 0..that position, read
 through block_tables[i]. GQA: query head h reads kv head h // (num_heads // num_kv_heads).
 
-`paged_attention_ref` is the PyTorch reference and the CPU production path: decodes read
+`paged_attention_ref` is the PyTorch reference, and the CPU path wherever
+`kernels.cpu_paged_attention`'s C decode kernel does not apply: decodes read
 their blocks with one `index_select` and attend with batched matmuls straight on the
 cache's [token, kv head, dim] rows (no transposed copy of K/V: that copy, not the
 arithmetic, is what a padded SDPA call spends its time on at decode); what an all-decode

@@ -1,12 +1,18 @@
 """RMSNorm, optionally fused with the residual add before it.
 
 Used by every decoder layer twice (input and post-attention norms) and once at the end of
-the model. `rms_norm_ref` is the PyTorch reference (the CPU path); `rms_norm_triton` is the
+the model. `rms_norm_ref` is the PyTorch reference; `rms_norm_cpu` the CPU path (bfloat16
+rows through `kernels/cpu/rms_norm.c`, one call instead of eight small tensor ops; float32
+stays on the reference, which matches Hugging Face bit for bit); `rms_norm_triton` is the
 GPU kernel: one program per token row, the whole hidden size in one block.
 """
 
+import ctypes
+import functools
+
 import torch
 
+from kernels.cpu_build import bind
 from kernels.triton_import import tl, triton
 
 
@@ -30,6 +36,47 @@ def rms_norm_ref(
     # Same operation order as Hugging Face's LlamaRMSNorm, so fp32 results match bit for bit.
     normed = (weight.float() * (xf * torch.rsqrt(variance + eps))).to(x.dtype)
     out = normed if out is None else out.copy_(normed)
+    return out if residual is None else (out, residual)
+
+
+_C = ctypes.c_void_p, ctypes.c_int64
+_RMS_NORM_ARGS = [*_C, *_C, ctypes.c_void_p, *_C, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+
+
+@functools.cache
+def _rms_norm_kernel_cpu():
+    return bind("rms_norm", "rms_norm_bf16", _RMS_NORM_ARGS)
+
+
+def rms_norm_cpu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm_ref`'s result; for bfloat16 rows through the C kernel, which (like the
+    Triton kernel) writes the sum x + residual into `residual` in place."""
+    kernel = _rms_norm_kernel_cpu() if x.dtype == torch.bfloat16 else None
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if (
+        kernel is None
+        or x.dim() != 2
+        or x.shape[1] > 16384
+        or any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in tensors)
+        or (residual is not None and residual.shape != x.shape)
+        or (out is not None and (out.dtype != torch.bfloat16 or out.stride(-1) != 1))
+    ):
+        return rms_norm_ref(x, weight, eps, residual, out=out)
+    if out is None:
+        out = torch.empty_like(x)
+    rows, hidden = x.shape
+    kernel(
+        x.data_ptr(), x.stride(0),
+        None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+        weight.data_ptr(), out.data_ptr(), out.stride(0), rows, hidden, eps, torch.get_num_threads(),
+    )  # fmt: skip
     return out if residual is None else (out, residual)
 
 

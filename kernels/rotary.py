@@ -4,12 +4,18 @@ The cos/sin table is built once per model by `compute_cos_sin_cache` in vLLM's l
 row p holds [cos(p * inv_freq), sin(p * inv_freq)], each half head_dim wide. Each head is
 rotated as rotate_half does: x1 = first half, x2 = second half,
 out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin.
-`rotary_embedding_ref` is the PyTorch reference (the CPU path); `rotary_embedding_triton`
-is the GPU kernel: one program per token, all q and k heads of that token.
+`rotary_embedding_ref` is the PyTorch reference; `rotary_embedding_cpu` the CPU path
+(`kernels/cpu/rotary.c`: one call instead of a dozen small tensor ops, float32 results
+bit for bit the reference's); `rotary_embedding_triton` is the GPU kernel: one program
+per token, all q and k heads of that token.
 """
+
+import ctypes
+import functools
 
 import torch
 
+from kernels.cpu_build import bind
 from kernels.triton_import import tl, triton
 
 
@@ -52,6 +58,63 @@ def rotary_embedding_ref(
         xf = heads.float()
         x1, x2 = xf[..., :half], xf[..., half:]
         heads.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+
+
+_ROTARY_SYMBOLS = {torch.float32: "rotary_f32", torch.bfloat16: "rotary_bf16"}
+_ROTARY_ARGS = [
+    ctypes.c_void_p, ctypes.c_int,  # positions, rows
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # q, its row stride, its heads
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # k, its row stride, its heads
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # cos_sin, its row stride, its rows
+    ctypes.c_int, ctypes.c_int,  # head_dim, threads
+]
+
+
+@functools.cache
+def _rotary_kernel_cpu(dtype: torch.dtype):
+    symbol = _ROTARY_SYMBOLS.get(dtype)
+    return bind("rotary", symbol, _ROTARY_ARGS, ctypes.c_int) if symbol else None
+
+
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor | None:
+    """x as [T, heads, head_dim] when each row's heads are packed, else None."""
+    heads = x.unflatten(-1, (-1, head_dim)) if x.dim() == 2 else x
+    return heads if heads.stride(2) == 1 and heads.stride(1) == head_dim else None
+
+
+def rotary_embedding_cpu(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+) -> None:
+    """`rotary_embedding_ref` through the C kernel where it applies (float32 or bfloat16
+    q and k on CPU, each row's heads packed; the rows may be strided)."""
+    kernel = _rotary_kernel_cpu(q.dtype)
+    q3, k3 = _heads(q, head_dim), _heads(k, head_dim)
+    if (
+        kernel is None
+        or q3 is None
+        or k3 is None
+        or k.dtype != q.dtype
+        or q.device.type != "cpu"
+        or cos_sin_cache.dtype != torch.float32
+        or cos_sin_cache.stride(-1) != 1
+        or head_dim % 2
+    ):
+        rotary_embedding_ref(positions, q, k, cos_sin_cache, head_dim)
+        return
+    positions = positions.to(torch.int64).contiguous()
+    status = kernel(
+        positions.data_ptr(), positions.shape[0],
+        q3.data_ptr(), q3.stride(0), q3.shape[1],
+        k3.data_ptr(), k3.stride(0), k3.shape[1],
+        cos_sin_cache.data_ptr(), cos_sin_cache.stride(0), cos_sin_cache.shape[0],
+        head_dim, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise IndexError(f"rotary embedding: a position is outside the table's {cos_sin_cache.shape[0]} rows")
 
 
 @triton.jit

@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -29,21 +31,6 @@ typedef struct {
     void *out;
     int64_t out_row_stride; /* elements */
 } Args;
-
-ALWAYS_INLINE float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
 
 /* Row `index` (in elements) of a float32 or bfloat16 array, as float32. */
 ALWAYS_INLINE void load_row(const void *base, int64_t index, float *dst, const int n, const int bf16) {

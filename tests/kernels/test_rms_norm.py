@@ -1,9 +1,10 @@
-"""RMSNorm: the Triton kernel against the PyTorch reference, with and without residual."""
+"""RMSNorm: the Triton kernel and the CPU path against the PyTorch reference, with and
+without residual."""
 
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from kernels.rms_norm import _rms_norm_kernel_cpu, rms_norm_cpu, rms_norm_ref, rms_norm_triton
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -57,3 +58,38 @@ def test_reference_keeps_half_dtype():
     x = torch.randn(3, 32, device=DEVICE).to(torch.bfloat16)
     out = rms_norm_ref(x, torch.ones(32, device=DEVICE, dtype=torch.bfloat16), 1e-6)
     assert out.dtype == torch.bfloat16
+
+
+needs_c_kernel = pytest.mark.skipif(
+    _rms_norm_kernel_cpu() is None,
+    reason="no C compiler: the C kernel cannot be built here",
+)
+
+
+@needs_c_kernel
+@pytest.mark.parametrize("num_tokens,hidden_size", [(1, 576), (32, 576), (5, 1000), (300, 1024)])
+def test_cpu_path_matches_reference_in_bfloat16(num_tokens, hidden_size):
+    # 300 x 1024 rows are split among threads. The C kernel sums squares in another order,
+    # so an output may differ from the reference by one bf16 rounding step, rarely.
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden_size, generator=gen).bfloat16()
+    residual = torch.randn(num_tokens, hidden_size, generator=gen).bfloat16()
+    weight = torch.randn(hidden_size, generator=gen).bfloat16()
+    expected, expected_sum = rms_norm_ref(x, weight, 1e-6, residual.clone())
+    out, summed = rms_norm_cpu(x, weight, 1e-6, residual)
+    assert summed is residual  # the sum is written in place, as the Triton kernel does
+    torch.testing.assert_close(summed, expected_sum, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+    assert (out != expected).float().mean() < 0.01
+    plain = rms_norm_cpu(x, weight, 1e-6, out=torch.empty_like(x))
+    torch.testing.assert_close(plain, rms_norm_ref(x, weight, 1e-6), rtol=1e-2, atol=1e-2)
+
+
+def test_cpu_path_keeps_float32_on_the_reference():
+    # float32 must stay bit for bit Hugging Face's (greedy parity), so it never leaves the reference.
+    gen = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(4, 96, generator=gen), torch.randn(4, 96, generator=gen)
+    weight = torch.randn(96, generator=gen)
+    expected, expected_sum = rms_norm_ref(x, weight, 1e-6, residual)
+    out, summed = rms_norm_cpu(x, weight, 1e-6, residual)
+    assert torch.equal(out, expected) and torch.equal(summed, expected_sum)

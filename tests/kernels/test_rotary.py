@@ -4,7 +4,13 @@ writes it, and the Triton kernel against the reference (in place, strided q/k)."
 import pytest
 import torch
 
-from kernels.rotary import compute_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton
+from kernels.rotary import (
+    _rotary_kernel_cpu,
+    compute_cos_sin_cache,
+    rotary_embedding_cpu,
+    rotary_embedding_ref,
+    rotary_embedding_triton,
+)
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -92,3 +98,25 @@ def test_triton_takes_three_dim_heads():
     rotary_embedding_triton(positions, q3, k3, cache, 64)
     torch.testing.assert_close(q3, expected_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k3, expected_k, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(_rotary_kernel_cpu(torch.float32) is None, reason="no C compiler: the C kernel cannot be built here")
+@pytest.mark.parametrize("shape", [(1, 4, 2, 128), (7, 9, 3, 64), (300, 9, 3, 64), (5, 6, 2, 80)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_path_equals_reference_bit_for_bit(shape, dtype):
+    # Strided q and k (slices of a fused qkv), 300 tokens split among threads.
+    num_tokens, num_heads, num_kv_heads, head_dim = shape
+    positions, qkv, q, k = make_qkv(*shape, dtype, seed=num_tokens)
+    cache = compute_cos_sin_cache(head_dim, MAX_POSITION, 10000.0)
+    expected = qkv.clone()
+    exp_q, exp_k = expected[:, : q.shape[1]], expected[:, q.shape[1] : q.shape[1] + k.shape[1]]
+    rotary_embedding_ref(positions, exp_q, exp_k, cache, head_dim)
+    assert rotary_embedding_cpu(positions, q, k, cache, head_dim) is None
+    assert torch.equal(qkv, expected)  # v untouched, q and k rotated exactly alike
+
+
+def test_cpu_path_rejects_positions_outside_the_table():
+    positions, _, q, k = make_qkv(3, 4, 2, 64, torch.float32)
+    cache = compute_cos_sin_cache(64, 16, 10000.0)
+    with pytest.raises(IndexError):
+        rotary_embedding_cpu(positions + 16, q, k, cache, 64)
