@@ -3,8 +3,7 @@
  * One query token per request. Request i attends to its first seq_lens[i] cached tokens,
  * read in place through block_tables[i] from caches laid out
  * [num_blocks, block_size, num_kv_heads, head_dim]: no gathered copy of K/V. Work is split
- * over (request, KV head) pairs; a pair's query heads (the GQA group) share each K/V row
- * read. Arithmetic in float32 whatever the storage type (float32 or bfloat16). Threads
+ * over requests; each K/V row read serves all the request's query heads. Arithmetic in float32 whatever the storage type (float32 or bfloat16). Threads
  * come from the OpenMP runtime PyTorch itself loaded (same soname), so no second thread
  * pool appears. Head dims 64 and 128 get code compiled for that size.
  */
@@ -15,8 +14,7 @@
 
 #include "bf16.h"
 
-#define MAX_HEAD_DIM 256
-#define MAX_GROUP 16
+#define MAX_HEADS 256
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 typedef struct {
@@ -64,73 +62,187 @@ ALWAYS_INLINE float exp_nonpositive(float x) {
     return p * two_k;
 }
 
-/* Request i, KV head h: its group's output rows. `scores` holds group * seq_lens[i] floats. */
-ALWAYS_INLINE void attend(const Args *a, int i, int h, float *scores, const int hd, const int bf16) {
-    const int group = a->group, len = a->seq_lens[i], bs = a->block_size;
-    const int32_t *blocks = a->block_tables + (int64_t)i * a->block_table_stride;
-    const int64_t token_stride = (int64_t)a->num_kv_heads * hd;
-    float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];
-    for (int g = 0; g < group; g++) {
-        load_row(a->query, (int64_t)i * a->query_row_stride + (int64_t)(h * group + g) * hd, q[g], hd, bf16);
-        for (int d = 0; d < hd; d++) q[g][d] *= a->scale;
-        memset(acc[g], 0, sizeof(float) * (size_t)hd);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+#define MAX_DOT_GROUP 8
+
+/* Scores of up to 16 tokens (one block's rows) for the `group` query heads of one KV
+ * head, bfloat16 only: lane j holds token j. Each step gathers one pair of K values from
+ * the 16 rows (32 bits per row) and multiplies it into every head's accumulator with
+ * vdpbf16ps (products of bf16 pairs summed in float32), so no horizontal sums are needed.
+ * `k` points at row 0's values of this KV head; `q_pairs[g * (hd / 2) + p]` holds head g's
+ * values 2p, 2p + 1; scores[g * len + j] receives the (scaled) score of token j. */
+ALWAYS_INLINE void block_scores_bf16(const uint16_t *k, int64_t token_stride, int count, const uint32_t *q_pairs,
+                                     const int group, const int hd, float scale, float *scores, int len) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)(token_stride * 2)));
+    const __mmask16 live = (__mmask16)((1u << count) - 1u);
+    __m512 acc[MAX_DOT_GROUP];
+    for (int g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
+    for (int p = 0; p < hd / 2; p++) {
+        const __m512i pairs = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, k + 2 * p, 1);
+        for (int g = 0; g < group; g++) {
+            const __m512i qp = _mm512_set1_epi32((int)q_pairs[g * (hd / 2) + p]);
+            acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)pairs, (__m512bh)qp);
+        }
     }
+    for (int g = 0; g < group; g++)
+        _mm512_mask_storeu_ps(scores + (int64_t)g * len, live, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+}
+#else
+#define HAVE_BF16_DOT 0
+#define MAX_DOT_GROUP 1
+#endif
+
+ALWAYS_INLINE void prefetch_block(const void *base, int64_t first_element, int64_t elements, const int elem_size) {
+    const char *p = (const char *)base + first_element * elem_size;
+    for (int64_t offset = 0; offset < elements * elem_size; offset += 64) __builtin_prefetch(p + offset, 0, 1);
+}
+
+/* acc[g] += sum over a block's `count` tokens of probs[g * len + j] * V[j], for one KV
+ * head's `G` query heads (probs and V start at the block's first token). With G and hd
+ * known at compile time the accumulators stay in registers within the block. */
+ALWAYS_INLINE void weighted_values(const void *v_rows, int64_t token_stride, int count, const float *probs, int len,
+                                   float *acc_io, const int G, const int hd, const int bf16) {
+    float acc[G][hd];
+    memcpy(acc, acc_io, sizeof(float) * (size_t)(G * hd));
+    for (int j = 0; j < count; j++) {
+        float v[hd];
+        load_row(v_rows, j * token_stride, v, hd, bf16);
+        for (int g = 0; g < G; g++) {
+            const float p = probs[(int64_t)g * len + j];
+#pragma omp simd
+            for (int d = 0; d < hd; d++) acc[g][d] += p * v[d];
+        }
+    }
+    memcpy(acc_io, acc, sizeof(float) * (size_t)(G * hd));
+}
+
+/* Request i, all its heads. A block's rows hold every KV head side by side
+ * (block_size * num_kv_heads * head_dim contiguous values), so one request reads each of
+ * its blocks as one contiguous run, and the next block is prefetched while this one is
+ * used. `work` holds num_heads * (seq_lens[i] + 2 * head_dim) + num_kv_heads * head_dim floats. */
+ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const int bf16) {
+    const int group = a->group, kvh = a->num_kv_heads, nh = kvh * group;
+    const int len = a->seq_lens[i], bs = a->block_size;
+    const int32_t *blocks = a->block_tables + (int64_t)i * a->block_table_stride;
+    const int64_t token_stride = (int64_t)kvh * hd, block_elements = (int64_t)bs * token_stride;
+    const int elem = bf16 ? 2 : 4;
+    float *scores = work, *q = scores + (int64_t)nh * len, *acc = q + (int64_t)nh * hd, *row = acc + (int64_t)nh * hd;
+    load_row(a->query, (int64_t)i * a->query_row_stride, q, nh * hd, bf16);
+    for (int d = 0; d < nh * hd; d++) q[d] *= a->scale;
+    memset(acc, 0, sizeof(float) * (size_t)(nh * hd));
+    int kv_head_of[MAX_HEADS]; /* no integer division in the token loops */
+    for (int h = 0; h < nh; h++) kv_head_of[h] = h / group;
     /* Scores, token by token through the blocks. */
+#if HAVE_BF16_DOT
+    if (bf16 && hd % 2 == 0 && group <= MAX_DOT_GROUP) {
+        const uint32_t *q_pairs = (const uint32_t *)((const uint16_t *)a->query + (int64_t)i * a->query_row_stride);
+        for (int start = 0; start < len; start += 16) {
+            const int count = len - start < 16 ? len - start : 16;
+            /* 16 tokens at a time: a block of 16, or runs of 16 inside larger blocks. */
+            if (bs % 16 == 0) {
+                const int64_t first = (int64_t)blocks[start / bs] * bs + start % bs;
+                if (start % bs == 0 && start + bs < len)
+                    prefetch_block(a->key_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
+                for (int kv = 0; kv < kvh; kv++)
+                    block_scores_bf16((const uint16_t *)a->key_cache + first * token_stride + (int64_t)kv * hd, token_stride,
+                                      count, q_pairs + (int64_t)kv * group * (hd / 2), group, hd, a->scale,
+                                      scores + (int64_t)kv * group * len + start, len);
+            } else {
+                for (int j = 0; j < count; j++) {
+                    const int t = start + j;
+                    const int64_t slot = (int64_t)blocks[t / bs] * bs + t % bs;
+                    for (int kv = 0; kv < kvh; kv++)
+                        block_scores_bf16((const uint16_t *)a->key_cache + slot * token_stride + (int64_t)kv * hd, token_stride,
+                                          1, q_pairs + (int64_t)kv * group * (hd / 2), group, hd, a->scale,
+                                          scores + (int64_t)kv * group * len + t, len);
+                }
+            }
+        }
+    } else
+#endif
     for (int start = 0; start < len; start += bs) {
         const int64_t first = (int64_t)blocks[start / bs] * bs;
         const int count = len - start < bs ? len - start : bs;
+        if (start + bs < len) prefetch_block(a->key_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
         for (int j = 0; j < count; j++) {
-            load_row(a->key_cache, (first + j) * token_stride + (int64_t)h * hd, row, hd, bf16);
-            for (int g = 0; g < group; g++) {
+            load_row(a->key_cache, (first + j) * token_stride, row, kvh * hd, bf16);
+            for (int h = 0; h < nh; h++) {
+                const float *qh = q + (int64_t)h * hd, *kh = row + (int64_t)kv_head_of[h] * hd;
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int d = 0; d < hd; d++) s += q[g][d] * row[d];
-                scores[(int64_t)g * len + start + j] = s;
+                for (int d = 0; d < hd; d++) s += qh[d] * kh[d];
+                scores[(int64_t)h * len + start + j] = s;
             }
         }
     }
-    /* Softmax numerators and denominators. */
-    float inv_sum[MAX_GROUP];
-    for (int g = 0; g < group; g++) {
-        float *sg = scores + (int64_t)g * len, m = -INFINITY, total = 0.0f;
+    /* Softmax numerators; the denominators divide at the end. */
+    float inv_sum[MAX_HEADS];
+    for (int h = 0; h < nh; h++) {
+        float *sh = scores + (int64_t)h * len, m = -INFINITY, total = 0.0f;
 #pragma omp simd reduction(max : m)
-        for (int t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
+        for (int t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;
 #pragma omp simd reduction(+ : total)
         for (int t = 0; t < len; t++) {
-            sg[t] = exp_nonpositive(sg[t] - m);
-            total += sg[t];
+            sh[t] = exp_nonpositive(sh[t] - m);
+            total += sh[t];
         }
-        inv_sum[g] = len > 0 ? 1.0f / total : 0.0f;
+        inv_sum[h] = len > 0 ? 1.0f / total : 0.0f;
     }
     /* Weighted values. */
-    for (int start = 0; start < len; start += bs) {
-        const int64_t first = (int64_t)blocks[start / bs] * bs;
-        const int count = len - start < bs ? len - start : bs;
-        for (int j = 0; j < count; j++) {
-            load_row(a->value_cache, (first + j) * token_stride + (int64_t)h * hd, row, hd, bf16);
-            for (int g = 0; g < group; g++) {
-                const float p = scores[(int64_t)g * len + start + j];
+    if (len > 0) prefetch_block(a->value_cache, (int64_t)blocks[0] * block_elements, block_elements, elem);
+    if (hd == 64 && group <= 4) {
+        /* Block by block, each KV head in turn while the block is in cache. */
+        for (int start = 0; start < len; start += bs) {
+            const int64_t first = (int64_t)blocks[start / bs] * bs;
+            const int count = len - start < bs ? len - start : bs;
+            if (start + bs < len) prefetch_block(a->value_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
+            for (int kv = 0; kv < kvh; kv++) {
+                const void *v_rows = (const char *)a->value_cache + (first * token_stride + (int64_t)kv * hd) * elem;
+                const float *probs = scores + (int64_t)kv * group * len + start;
+                float *acc_kv = acc + (int64_t)kv * group * hd;
+                switch (group) {
+                    case 1: weighted_values(v_rows, token_stride, count, probs, len, acc_kv, 1, 64, bf16); break;
+                    case 2: weighted_values(v_rows, token_stride, count, probs, len, acc_kv, 2, 64, bf16); break;
+                    case 3: weighted_values(v_rows, token_stride, count, probs, len, acc_kv, 3, 64, bf16); break;
+                    default: weighted_values(v_rows, token_stride, count, probs, len, acc_kv, 4, 64, bf16); break;
+                }
+            }
+        }
+    } else {
+        for (int start = 0; start < len; start += bs) {
+            const int64_t first = (int64_t)blocks[start / bs] * bs;
+            const int count = len - start < bs ? len - start : bs;
+            if (start + bs < len) prefetch_block(a->value_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
+            for (int j = 0; j < count; j++) {
+                load_row(a->value_cache, (first + j) * token_stride, row, kvh * hd, bf16);
+                for (int h = 0; h < nh; h++) {
+                    const float p = scores[(int64_t)h * len + start + j], *vh = row + (int64_t)kv_head_of[h] * hd;
+                    float *ah = acc + (int64_t)h * hd;
 #pragma omp simd
-                for (int d = 0; d < hd; d++) acc[g][d] += p * row[d];
+                    for (int d = 0; d < hd; d++) ah[d] += p * vh[d];
+                }
             }
         }
     }
-    for (int g = 0; g < group; g++) {
-        const int64_t dst = (int64_t)i * a->out_row_stride + (int64_t)(h * group + g) * hd;
+    for (int h = 0; h < nh; h++) {
+        const int64_t dst = (int64_t)i * a->out_row_stride + (int64_t)h * hd;
         if (bf16) {
-            for (int d = 0; d < hd; d++) ((uint16_t *)a->out)[dst + d] = f32_to_bf16(acc[g][d] * inv_sum[g]);
+            for (int d = 0; d < hd; d++) ((uint16_t *)a->out)[dst + d] = f32_to_bf16(acc[(int64_t)h * hd + d] * inv_sum[h]);
         } else {
-            for (int d = 0; d < hd; d++) ((float *)a->out)[dst + d] = acc[g][d] * inv_sum[g];
+            for (int d = 0; d < hd; d++) ((float *)a->out)[dst + d] = acc[(int64_t)h * hd + d] * inv_sum[h];
         }
     }
 }
 
-static void attend_hd64_f32(const Args *a, int i, int h, float *s) { attend(a, i, h, s, 64, 0); }
-static void attend_hd64_bf16(const Args *a, int i, int h, float *s) { attend(a, i, h, s, 64, 1); }
-static void attend_hd128_f32(const Args *a, int i, int h, float *s) { attend(a, i, h, s, 128, 0); }
-static void attend_hd128_bf16(const Args *a, int i, int h, float *s) { attend(a, i, h, s, 128, 1); }
-static void attend_any_f32(const Args *a, int i, int h, float *s, int hd) { attend(a, i, h, s, hd, 0); }
-static void attend_any_bf16(const Args *a, int i, int h, float *s, int hd) { attend(a, i, h, s, hd, 1); }
+static void attend_hd64_f32(const Args *a, int i, float *w) { attend(a, i, w, 64, 0); }
+static void attend_hd64_bf16(const Args *a, int i, float *w) { attend(a, i, w, 64, 1); }
+static void attend_hd128_f32(const Args *a, int i, float *w) { attend(a, i, w, 128, 0); }
+static void attend_hd128_bf16(const Args *a, int i, float *w) { attend(a, i, w, 128, 1); }
+static void attend_any_f32(const Args *a, int i, float *w, int hd) { attend(a, i, w, hd, 0); }
+static void attend_any_bf16(const Args *a, int i, float *w, int hd) { attend(a, i, w, hd, 1); }
 
 /* Returns 0 on success, 1 for shapes the fixed buffers cannot take (nothing written),
  * 2 when a thread could not allocate its score buffer. */
@@ -139,31 +251,30 @@ static int decode_attention(const void *query, int64_t query_row_stride, const v
                             int64_t block_table_stride, const int32_t *seq_lens, int num_requests,
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
                             void *out, int64_t out_row_stride, int num_threads, int bf16) {
-    if (head_dim > MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads ||
-        num_heads / num_kv_heads > MAX_GROUP || block_size <= 0)
+    if (num_heads > MAX_HEADS || num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0 || head_dim <= 0)
         return 1;
     const Args a = {query, query_row_stride, key_cache, value_cache, block_tables, block_table_stride,
                     seq_lens, num_kv_heads, num_heads / num_kv_heads, block_size, scale, out, out_row_stride};
     int max_len = 1;
     for (int i = 0; i < num_requests; i++)
         if (seq_lens[i] > max_len) max_len = seq_lens[i];
+    const size_t work_floats = (size_t)num_heads * ((size_t)max_len + 2 * (size_t)head_dim) + (size_t)num_kv_heads * head_dim;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)a.group * (size_t)max_len);
-        if (!scores) {
+        float *work = malloc(sizeof(float) * work_floats);
+        if (!work) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < num_requests * num_kv_heads; item++) {
-            if (!scores) continue;
-            const int i = item / num_kv_heads, h = item % num_kv_heads;
-            if (head_dim == 64) bf16 ? attend_hd64_bf16(&a, i, h, scores) : attend_hd64_f32(&a, i, h, scores);
-            else if (head_dim == 128) bf16 ? attend_hd128_bf16(&a, i, h, scores) : attend_hd128_f32(&a, i, h, scores);
-            else bf16 ? attend_any_bf16(&a, i, h, scores, head_dim) : attend_any_f32(&a, i, h, scores, head_dim);
+        for (int i = 0; i < num_requests; i++) {
+            if (!work) continue;
+            if (head_dim == 64) bf16 ? attend_hd64_bf16(&a, i, work) : attend_hd64_f32(&a, i, work);
+            else if (head_dim == 128) bf16 ? attend_hd128_bf16(&a, i, work) : attend_hd128_f32(&a, i, work);
+            else bf16 ? attend_any_bf16(&a, i, work, head_dim) : attend_any_f32(&a, i, work, head_dim);
         }
-        free(scores);
+        free(work);
     }
     return failed ? 2 : 0;
 }

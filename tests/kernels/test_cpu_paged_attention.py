@@ -33,9 +33,12 @@ def test_float32_decodes_match_dense_attention(shape, block_size):
     torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_bfloat16_decodes_match_the_reference(shape):
-    batch = decode_batch([3, 31, 64, 100, 513], shape, torch.bfloat16, seed=2)
+@pytest.mark.parametrize("shape", [*SHAPES, (16, 1, 64)])
+@pytest.mark.parametrize("block_size", [16, 8, 32])
+def test_bfloat16_decodes_match_the_reference(shape, block_size):
+    # bf16 scores take a vectorised path (16 tokens at a time, by block or inside larger
+    # blocks; one token at a time for 8-token blocks); a GQA group of 16 takes the generic one.
+    batch = decode_batch([3, 31, 64, 100, 513], shape, torch.bfloat16, block_size, seed=2)
     out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
     assert out.dtype == torch.bfloat16
     # Both round the same float32 result to bf16; they differ only in summation order.
