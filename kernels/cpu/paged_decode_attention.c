@@ -3,9 +3,10 @@
  * One query token per request. Request i attends to its first seq_lens[i] cached tokens,
  * read in place through block_tables[i] from caches laid out
  * [num_blocks, block_size, num_kv_heads, head_dim]: no gathered copy of K/V. Work is split
- * over requests; each K/V row read serves all the request's query heads. Arithmetic in float32 whatever the storage type (float32 or bfloat16). Threads
- * come from the OpenMP runtime PyTorch itself loaded (same soname), so no second thread
- * pool appears. Head dims 64 and 128 get code compiled for that size.
+ * over requests; each K/V row read serves all the request's query heads. Arithmetic is in
+ * float32 whatever the storage type (float32 or bfloat16). Threads come from the OpenMP
+ * runtime PyTorch itself loaded (same soname), so no second thread pool appears. Head dims
+ * 64 and 128 get code compiled for that size.
  */
 #include <math.h>
 #include <stdint.h>
@@ -66,29 +67,68 @@ ALWAYS_INLINE float exp_nonpositive(float x) {
 #include <immintrin.h>
 #define HAVE_BF16_DOT 1
 #define MAX_DOT_GROUP 8
+#define MAX_DOT_HD 128
+#define MAX_VALUE_GROUP 4
 
-/* Scores of up to 16 tokens (one block's rows) for the `group` query heads of one KV
- * head, bfloat16 only: lane j holds token j. Each step gathers one pair of K values from
- * the 16 rows (32 bits per row) and multiplies it into every head's accumulator with
- * vdpbf16ps (products of bf16 pairs summed in float32), so no horizontal sums are needed.
- * `k` points at row 0's values of this KV head; `q_pairs[g * (hd / 2) + p]` holds head g's
- * values 2p, 2p + 1; scores[g * len + j] receives the (scaled) score of token j. */
-ALWAYS_INLINE void block_scores_bf16(const uint16_t *k, int64_t token_stride, int count, const uint32_t *q_pairs,
-                                     const int group, const int hd, float scale, float *scores, int len) {
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32((int)(token_stride * 2)));
+/* Lane j of the result: the sum of v[j]'s 16 lanes (a 16 x 16 transpose folded into adds). */
+ALWAYS_INLINE __m512 lane_sums16(const __m512 *v) {
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit quarter: [v0 0+2, v1 0+2, v0 1+3, v1 1+3] */
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per quarter: that quarter's sums of vectors 4i .. 4i + 3 */
+        const __m512d lo = _mm512_castps_pd(w[2 * i]), hi = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+    }
+    /* Add the quarters: 0x88 takes quarters 0, 2 of each source, 0xDD quarters 1, 3. */
+    const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+    const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
+/* Scores of `count` <= 16 consecutive cached tokens for the G query heads of one KV head,
+ * bfloat16 only, hd <= 128 a multiple of 32. Each K row is read whole and multiplied with a
+ * head's query by vdpbf16ps (products of bf16 pairs summed in float32), leaving 16
+ * partial sums per token; lane_sums16 reduces the 16 tokens' partial sums at once.
+ * `k` points at the first token's values of this KV head, `q` at the first of the G
+ * heads' query values; scores[g * len + j] receives the scaled score of token j. */
+ALWAYS_INLINE void block_scores_bf16(const uint16_t *k, int64_t token_stride, int count, const uint16_t *q, float scale,
+                                     float *scores, int len, const int G, const int hd) {
     const __mmask16 live = (__mmask16)((1u << count) - 1u);
-    __m512 acc[MAX_DOT_GROUP];
-    for (int g = 0; g < group; g++) acc[g] = _mm512_setzero_ps();
-    for (int p = 0; p < hd / 2; p++) {
-        const __m512i pairs = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, k + 2 * p, 1);
-        for (int g = 0; g < group; g++) {
-            const __m512i qp = _mm512_set1_epi32((int)q_pairs[g * (hd / 2) + p]);
-            acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)pairs, (__m512bh)qp);
+    for (int g = 0; g < G; g++) {
+        __m512i qv[MAX_DOT_HD / 32]; /* fixed sizes (not hd's): the compiler keeps them in registers */
+        for (int c = 0; c < hd / 32; c++) qv[c] = _mm512_loadu_si512(q + g * hd + 32 * c);
+        __m512 part[16];
+        for (int j = 0; j < 16; j++) {
+            __m512 s = _mm512_setzero_ps();
+            if (j < count)
+                for (int c = 0; c < hd / 32; c++)
+                    s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(k + j * token_stride + 32 * c), (__m512bh)qv[c]);
+            part[j] = s;
+        }
+        _mm512_mask_storeu_ps(scores + (int64_t)g * len, live, _mm512_mul_ps(lane_sums16(part), _mm512_set1_ps(scale)));
+    }
+}
+
+/* acc[g] += sum over `count` tokens of probs[g * len + j] * V[j] for one KV head's G <= 4
+ * query heads, bfloat16 V, hd <= 128 a multiple of 16, the accumulators held in registers. */
+ALWAYS_INLINE void block_values_bf16(const uint16_t *v, int64_t token_stride, int count, const float *probs, int len,
+                                     float *acc_io, const int G, const int hd) {
+    __m512 acc[MAX_VALUE_GROUP][MAX_DOT_HD / 16];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < hd / 16; c++) acc[g][c] = _mm512_loadu_ps(acc_io + g * hd + 16 * c);
+    for (int j = 0; j < count; j++) {
+        __m512 vf[MAX_DOT_HD / 16];
+        for (int c = 0; c < hd / 16; c++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(v + j * token_stride + 16 * c));
+            vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        }
+        for (int g = 0; g < G; g++) {
+            const __m512 p = _mm512_set1_ps(probs[(int64_t)g * len + j]);
+            for (int c = 0; c < hd / 16; c++) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
         }
     }
-    for (int g = 0; g < group; g++)
-        _mm512_mask_storeu_ps(scores + (int64_t)g * len, live, _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < hd / 16; c++) _mm512_storeu_ps(acc_io + g * hd + 16 * c, acc[g][c]);
 }
 #else
 #define HAVE_BF16_DOT 0
@@ -105,6 +145,12 @@ ALWAYS_INLINE void prefetch_block(const void *base, int64_t first_element, int64
  * known at compile time the accumulators stay in registers within the block. */
 ALWAYS_INLINE void weighted_values(const void *v_rows, int64_t token_stride, int count, const float *probs, int len,
                                    float *acc_io, const int G, const int hd, const int bf16) {
+#if HAVE_BF16_DOT
+    if (bf16 && hd % 16 == 0 && hd <= MAX_DOT_HD && G <= MAX_VALUE_GROUP) {
+        block_values_bf16(v_rows, token_stride, count, probs, len, acc_io, G, hd);
+        return;
+    }
+#endif
     float acc[G][hd];
     memcpy(acc, acc_io, sizeof(float) * (size_t)(G * hd));
     for (int j = 0; j < count; j++) {
@@ -137,29 +183,27 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     for (int h = 0; h < nh; h++) kv_head_of[h] = h / group;
     /* Scores, token by token through the blocks. */
 #if HAVE_BF16_DOT
-    if (bf16 && hd % 2 == 0 && group <= MAX_DOT_GROUP) {
-        const uint32_t *q_pairs = (const uint32_t *)((const uint16_t *)a->query + (int64_t)i * a->query_row_stride);
-        for (int start = 0; start < len; start += 16) {
-            const int count = len - start < 16 ? len - start : 16;
-            /* 16 tokens at a time: a block of 16, or runs of 16 inside larger blocks. */
-            if (bs % 16 == 0) {
-                const int64_t first = (int64_t)blocks[start / bs] * bs + start % bs;
-                if (start % bs == 0 && start + bs < len)
+    if (bf16 && hd % 32 == 0 && hd <= MAX_DOT_HD && group <= MAX_DOT_GROUP) {
+        const uint16_t *q_bf16 = (const uint16_t *)a->query + (int64_t)i * a->query_row_stride;
+        /* Runs of up to 16 tokens, never across a block's end. */
+        for (int start = 0; start < len;) {
+            const int in_block = start % bs;
+            int count = bs - in_block < 16 ? bs - in_block : 16;
+            if (count > len - start) count = len - start;
+            if (in_block == 0) { /* the next K block, and this block's V rows for the values pass */
+                if (start + bs < len)
                     prefetch_block(a->key_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
-                for (int kv = 0; kv < kvh; kv++)
-                    block_scores_bf16((const uint16_t *)a->key_cache + first * token_stride + (int64_t)kv * hd, token_stride,
-                                      count, q_pairs + (int64_t)kv * group * (hd / 2), group, hd, a->scale,
-                                      scores + (int64_t)kv * group * len + start, len);
-            } else {
-                for (int j = 0; j < count; j++) {
-                    const int t = start + j;
-                    const int64_t slot = (int64_t)blocks[t / bs] * bs + t % bs;
-                    for (int kv = 0; kv < kvh; kv++)
-                        block_scores_bf16((const uint16_t *)a->key_cache + slot * token_stride + (int64_t)kv * hd, token_stride,
-                                          1, q_pairs + (int64_t)kv * group * (hd / 2), group, hd, a->scale,
-                                          scores + (int64_t)kv * group * len + t, len);
-                }
+                prefetch_block(a->value_cache, (int64_t)blocks[start / bs] * block_elements, block_elements, elem);
             }
+            const uint16_t *k = (const uint16_t *)a->key_cache + ((int64_t)blocks[start / bs] * bs + in_block) * token_stride;
+            for (int kv = 0; kv < kvh; kv++) {
+                const uint16_t *k_kv = k + (int64_t)kv * hd, *q_kv = q_bf16 + (int64_t)kv * group * hd;
+                float *s_kv = scores + (int64_t)kv * group * len + start;
+#define SCORES(G) case G: block_scores_bf16(k_kv, token_stride, count, q_kv, a->scale, s_kv, len, G, hd); break;
+                switch (group) { SCORES(1) SCORES(2) SCORES(3) SCORES(4) SCORES(5) SCORES(6) SCORES(7) SCORES(8) }
+#undef SCORES
+            }
+            start += count;
         }
     } else
 #endif

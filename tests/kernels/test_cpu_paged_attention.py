@@ -36,8 +36,10 @@ def test_float32_decodes_match_dense_attention(shape, block_size):
 @pytest.mark.parametrize("shape", [*SHAPES, (16, 1, 64)])
 @pytest.mark.parametrize("block_size", [16, 8, 32])
 def test_bfloat16_decodes_match_the_reference(shape, block_size):
-    # bf16 scores take a vectorised path (16 tokens at a time, by block or inside larger
-    # blocks; one token at a time for 8-token blocks); a GQA group of 16 takes the generic one.
+    # bf16 takes the AVX512_BF16 paths where compiled in: scores over runs of up to 16
+    # tokens inside a block (whole 16-token blocks, halves of 32-token blocks, 8-token
+    # blocks), values in registers for head dim 64; head dim 80 and a GQA group of 16 take
+    # the generic code.
     batch = decode_batch([3, 31, 64, 100, 513], shape, torch.bfloat16, block_size, seed=2)
     out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
     assert out.dtype == torch.bfloat16
