@@ -2,20 +2,40 @@
 
 The MLP's fused gate_up projection yields x [T, 2*I] = [gate | up]; this returns
 [T, I]. `silu_and_mul_ref` is the PyTorch reference (fp32 math, rounded once);
-`silu_and_mul_cpu` is the CPU path: Hugging Face's LlamaMLP ops in the tensor's own dtype,
-which for bf16 skips the reference's three fp32 copies (10x faster on a 2k-token prefill
-chunk) at the cost of a second rounding, exactly as HF's bf16 model rounds;
+`silu_and_mul_cpu` is the CPU path: bf16 rows through `kernels/cpu/silu_and_mul.c` (float32
+math rounded once, like the reference, in one pass); float32, and bf16 where no C kernel
+can be built, as Hugging Face's LlamaMLP ops in the tensor's own dtype (for fp32 the
+reference's result bit for bit; for bf16 one rounding more, as HF's bf16 model rounds);
 `silu_and_mul_triton` is the GPU kernel: a 2-D grid over (token, column block), in fp32.
 """
+
+import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_build import bind
 from kernels.triton_import import tl, triton
+
+_SILU_AND_MUL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+
+
+@functools.cache
+def _silu_and_mul_kernel_cpu():
+    return bind("silu_and_mul", "silu_and_mul_bf16", _SILU_AND_MUL_ARGS)
 
 
 def silu_and_mul_cpu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, 2*I] -> silu(x[:, :I]) * x[:, I:] in x's dtype (the reference's result for fp32)."""
+    kernel = _silu_and_mul_kernel_cpu() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
+    if kernel is not None and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0:
+        rows, inter = x.shape[0], x.shape[1] // 2
+        if out is None:
+            out = torch.empty((rows, inter), dtype=x.dtype)
+        if out.dtype == x.dtype and out.shape == (rows, inter) and out.stride(1) == 1 and out.device.type == "cpu":
+            kernel(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), rows, inter, torch.get_num_threads())
+            return out
     gate, up = x.chunk(2, dim=-1)
     return torch.mul(F.silu(gate), up, out=out)
 

@@ -3,13 +3,18 @@
 The worker calls this once per layer before attention: token t's K/V go to
 cache[slot // block_size, slot % block_size], slot = slot_mapping[t]; a negative slot
 (a padding token) is skipped. Caches are [num_blocks, block_size, num_kv_heads, head_dim].
-`write_kv_ref` is the PyTorch reference; `write_kv_cpu` the CPU path (one `index_copy_`
-per cache when no slot is negative, a quarter of the reference's time on a decode step);
+`write_kv_ref` is the PyTorch reference; `write_kv_cpu` the CPU path (`kernels/cpu/write_kv.c`:
+one call for K and V, padding slots skipped in C; without a C compiler, one `index_copy_`
+per cache when no slot is negative);
 `write_kv_triton` is the GPU kernel: one program per token, all its kv heads.
 """
 
+import ctypes
+import functools
+
 import torch
 
+from kernels.cpu_build import bind
 from kernels.triton_import import tl, triton
 
 
@@ -28,6 +33,49 @@ def write_kv_ref(
     value_cache.view(-1, *value_cache.shape[2:])[slots] = value[valid]
 
 
+_WRITE_KV_ARGS = [
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,  # key, value and their row strides (bytes)
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # key cache, value cache, slots
+    ctypes.c_int, ctypes.c_int64, ctypes.c_int64,  # tokens, slots in the cache, bytes per row
+]
+
+
+@functools.cache
+def _write_kv_kernel_cpu():
+    return bind("write_kv", "write_kv", _WRITE_KV_ARGS, ctypes.c_int)
+
+
+def _packed_rows(t: torch.Tensor) -> bool:
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def _write_kv_native(key, value, key_cache, value_cache, slot_mapping) -> bool:
+    """Write through the C kernel and return True, or return False having done nothing."""
+    kernel = _write_kv_kernel_cpu()
+    if (
+        kernel is None
+        or key.device.type != "cpu"
+        or not (key.dtype == value.dtype == key_cache.dtype == value_cache.dtype)
+        or not (key.shape == value.shape and key_cache.shape == value_cache.shape)
+        or key.shape[1:] != key_cache.shape[2:]
+        or not (_packed_rows(key) and _packed_rows(value))
+        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+        or slot_mapping.dtype != torch.int64
+        or slot_mapping.shape != key.shape[:1]
+    ):
+        return False
+    slots = slot_mapping.contiguous()
+    elem = key.element_size()
+    status = kernel(
+        key.data_ptr(), key.stride(0) * elem, value.data_ptr(), value.stride(0) * elem,
+        key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
+        key.shape[0], key_cache.shape[0] * key_cache.shape[1], key.shape[1] * key.shape[2] * elem,
+    )  # fmt: skip
+    if status != 0:
+        raise IndexError(f"write_kv: a slot is outside the cache's {key_cache.shape[0] * key_cache.shape[1]} slots")
+    return True
+
+
 def write_kv_cpu(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -35,7 +83,11 @@ def write_kv_cpu(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """`write_kv_ref`'s result; without padding slots, no boolean masks are built."""
+    """`write_kv_ref`'s result: through the C kernel where it applies (CPU tensors of one
+    dtype, each token's heads packed, contiguous caches, int64 slots); otherwise without
+    boolean masks when no slot is negative."""
+    if _write_kv_native(key, value, key_cache, value_cache, slot_mapping):
+        return
     if slot_mapping.dtype != torch.int64 or bool((slot_mapping < 0).any()):
         write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
         return

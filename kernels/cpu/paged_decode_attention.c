@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fast_exp.h"
 
 #define MAX_HEADS 256
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -40,27 +41,6 @@ ALWAYS_INLINE void load_row(const void *base, int64_t index, float *dst, const i
     } else {
         memcpy(dst, (const float *)base + index, sizeof(float) * (size_t)n);
     }
-}
-
-/* exp(x) for x <= 0 (scores minus their max), in a form the compiler vectorizes:
- * x = k ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor polynomial to degree 7
- * (relative error < 2e-8, below float's own rounding), 2^k through the exponent bits. */
-ALWAYS_INLINE float exp_nonpositive(float x) {
-    if (x < -87.0f) x = -87.0f; /* exp(-87) ~ 1.6e-38: still a normal float */
-    float k = nearbyintf(x * 1.44269504088896341f);
-    float r = x - k * 0.693145751953125f - k * 1.42860682030941723e-6f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t e = ((int32_t)k + 127) << 23;
-    float two_k;
-    memcpy(&two_k, &e, sizeof two_k);
-    return p * two_k;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -230,7 +210,7 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
         for (int t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;
 #pragma omp simd reduction(+ : total)
         for (int t = 0; t < len; t++) {
-            sh[t] = exp_nonpositive(sh[t] - m);
+            sh[t] = fast_expf(sh[t] - m);
             total += sh[t];
         }
         inv_sum[h] = len > 0 ? 1.0f / total : 0.0f;

@@ -1,4 +1,5 @@
-"""SiLU-and-mul: the Triton kernel against the PyTorch reference."""
+"""SiLU-and-mul: the Triton kernel and the CPU path (C kernel for bf16) against the PyTorch
+reference."""
 
 import pytest
 import torch
@@ -41,3 +42,33 @@ def test_cpu_path_matches_reference(dtype):
         torch.testing.assert_close(got, silu_and_mul_ref(x), rtol=0, atol=0)
     else:  # one more rounding than the reference: within two units in the last place
         torch.testing.assert_close(got, silu_and_mul_ref(x), rtol=2 * torch.finfo(dtype).eps, atol=1e-3)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the CPU path")
+def test_cpu_bf16_kernel_rounds_once_like_the_reference():
+    from kernels.silu_and_mul import _silu_and_mul_kernel_cpu
+
+    if _silu_and_mul_kernel_cpu() is None:
+        pytest.skip("no C compiler: the C kernel cannot be built here")
+    # Rows of a wider buffer (strided input and output), gates from -100 to 100.
+    wide = (20 * torch.randn(33, 2 * 1536 + 7)).to(torch.bfloat16)
+    wide[0, :1536] = torch.linspace(-100, 100, 1536).to(torch.bfloat16)
+    x = wide[:, : 2 * 1536]
+    out_buffer = torch.full((33, 1600), float("nan"), dtype=torch.bfloat16)
+    got = silu_and_mul_cpu(x, out=out_buffer[:, :1536])
+    expected = silu_and_mul_ref(x)
+    # The same float32 value rounded once; only the exp approximation may move a result
+    # across a rounding boundary, by one unit in the last place.
+    diff = (got.float() - expected.float()).abs()
+    assert bool((diff <= torch.finfo(torch.bfloat16).eps * expected.float().abs()).all())
+    assert (diff > 0).float().mean().item() < 0.01
+    assert torch.isnan(out_buffer[:, 1536:]).all()
+
+
+def test_cpu_path_without_the_c_kernel_matches_hugging_face_ops(monkeypatch):
+    import kernels.silu_and_mul as module
+
+    monkeypatch.setattr(module, "_silu_and_mul_kernel_cpu", lambda: None)
+    x = (3 * torch.randn(7, 2 * 300)).to(torch.bfloat16)
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(silu_and_mul_cpu(x), F.silu(gate) * up)

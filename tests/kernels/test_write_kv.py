@@ -75,3 +75,27 @@ def test_cpu_path_matches_reference(shape, dtype, padding):
     write_kv_cpu(key, value, key_cache, value_cache, slots)
     torch.testing.assert_close(key_cache, expected_k, rtol=0, atol=0)
     torch.testing.assert_close(value_cache, expected_v, rtol=0, atol=0)
+
+
+def test_cpu_path_without_the_c_kernel_matches_reference(monkeypatch):
+    import kernels.write_kv as write_kv_module
+
+    monkeypatch.setattr(write_kv_module, "_write_kv_kernel_cpu", lambda: None)
+    for padding in (False, True):
+        key, value, key_cache, value_cache, slots = make_inputs(11, 6, 4, 3, 64, torch.bfloat16, seed=4)
+        if not padding:
+            slots = torch.randperm(24)[:11]
+        expected_k, expected_v = key_cache.clone(), value_cache.clone()
+        write_kv_ref(key, value, expected_k, expected_v, slots)
+        write_kv_cpu(key, value, key_cache, value_cache, slots)
+        assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the CPU path")
+def test_cpu_path_rejects_a_slot_past_the_cache_and_writes_nothing():
+    key, value, key_cache, value_cache, slots = make_inputs(5, 4, 4, 2, 64, torch.float32)
+    slots = torch.tensor([0, 3, -1, 16, 2])  # 16 = 4 blocks x 4 slots: one past the end
+    before_k, before_v = key_cache.clone(), value_cache.clone()
+    with pytest.raises(IndexError):
+        write_kv_cpu(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, before_k) and torch.equal(value_cache, before_v)
