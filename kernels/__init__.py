@@ -1,11 +1,11 @@
 """The kernels layer: one set of operations the model calls, from Triton or from PyTorch.
 
 `get_kernel_ops(backend)` is chosen once when a worker builds its model: "triton" runs the
-Triton kernels (CUDA), "torch" the CPU path (the PyTorch references, or faster CPU variants
-of them: RMSNorm, rotary embedding and decode attention in C kernels where one can be
-built, see `kernels.cpu_build`; SiLU-and-mul and the KV write in fewer tensor ops), "auto"
-picks Triton when CUDA (and Triton) is available. Both backends take and return the same tensors; see
-each kernel's module for shapes and layouts.
+Triton kernels (CUDA), "torch" the CPU path (C kernels for decode attention, the KV write,
+RMSNorm, the rotary embedding and SiLU-and-mul where one can be built, see
+`kernels.cpu_build`; otherwise the PyTorch references or leaner PyTorch variants of them),
+"auto" picks Triton when CUDA (and Triton) is available. Both backends take and return the
+same tensors; see each kernel's module for shapes and layouts.
 """
 
 from collections.abc import Callable
