@@ -47,6 +47,9 @@ class SchedulerConfig:
     # A prefill chunk of one request never exceeds this many tokens (0: no limit).
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
+    # The scheduler service sends step N+1 before step N's result is back (see
+    # services/scheduler/scheduler.py); off: one step at a time.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -28,6 +28,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--enable-prefix-caching", "ENABLE_PREFIX_CACHING", True, bool, help="prefix caching")
     add_flag(parser, "--max-num-batched-tokens", "MAX_NUM_BATCHED_TOKENS", 2048, int, help="token budget per step")
     add_flag(parser, "--max-num-seqs", "MAX_NUM_SEQS", 128, int, help="max requests per step")
+    add_flag(parser, "--async-scheduling", "ASYNC_SCHEDULING", True, bool, help="schedule and send step N+1 while step N runs")
     add_flag(parser, "--long-prefill-token-threshold", "LONG_PREFILL_TOKEN_THRESHOLD", 0, int, help="max prompt chunk per request and step (0 = no cap)")
     add_flag(parser, "--dtype", "DTYPE", "auto", help="auto|float32|bfloat16|float16")
     add_flag(parser, "--device", "DEVICE", "auto", help="auto|cpu|cuda|cuda:N")
@@ -55,6 +56,7 @@ def scheduler_config(args) -> SchedulerConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -37,6 +37,10 @@ class PhaseClock:
         self.durations[name] = self.durations.get(name, 0.0) + now - self._last
         self._last = now
 
+    def starts_no_earlier_than(self, t: float) -> None:
+        """The running phase began at ``t`` if that is later: time before belongs to none."""
+        self._last = max(self._last, t)
+
 
 class NullClock:
     """Stands in for PhaseClock when profiling is off: reads no clock."""
@@ -45,6 +49,9 @@ class NullClock:
     durations: dict[str, float] = {}
 
     def lap(self, name: str) -> None:
+        pass
+
+    def starts_no_earlier_than(self, t: float) -> None:
         pass
 
 

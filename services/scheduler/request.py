@@ -41,6 +41,9 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens that steps already sent to the workers will sample, not yet reported
+        # (at most one per step in flight; see Scheduler.schedule).
+        self.num_output_placeholders = 0
         # Tokens found in the prefix cache when the request was first scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0

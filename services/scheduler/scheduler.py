@@ -7,6 +7,14 @@ chunks and decodes share one batch. It produces the step as a diff for the worke
 outputs, finishing requests on EOS, stop token ids, max_tokens or max_model_len.
 
 Pure and synchronous: no bus, no model. The scheduler service wraps it.
+
+Steps may be scheduled ahead (async scheduling): ``schedule()`` may run again before the
+previous step's output is back. Each request then counts the tokens its steps in flight
+will sample (``num_output_placeholders``) and is scheduled past them; the workers feed
+their own sampled tokens into the next step. A request that turns out to have finished
+(EOS, a stop token) had one token computed in vain, which ``update_from_output`` drops;
+one that certainly finishes (max_tokens, max_model_len) is not scheduled ahead. While a
+step is in flight nothing is preempted: its blocks are still being written.
 """
 
 from __future__ import annotations
@@ -100,7 +108,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, allow_preemption: bool = True) -> SchedulerOutput:
+        """The next step. ``allow_preemption=False`` while an earlier step is in flight:
+        requests that need blocks the pool lacks then wait for a later step."""
         # Invariant: every running request holds blocks for its num_computed_tokens,
         # and every request appears at most once in running + waiting.
         budget = self.config.max_num_batched_tokens
@@ -109,17 +119,21 @@ class Scheduler:
         new_blocks_of: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
+        out_of_blocks = False
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            if num_new <= 0 or (request.num_output_placeholders and self._surely_finishes(request)):
+                index += 1
+                continue
             if threshold:
                 num_new = min(num_new, threshold)
             num_new = min(num_new, budget)
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
-                if new_blocks is not None:
+                if new_blocks is not None or not allow_preemption:
                     break
                 victim = self.running.pop()  # lowest priority: the last admitted
                 self._preempt(victim)
@@ -127,6 +141,7 @@ class Scheduler:
                 if victim is request:
                     break
             if new_blocks is None:
+                out_of_blocks = True
                 break
             scheduled_running.append(request)
             num_scheduled[request.request_id] = num_new
@@ -139,6 +154,7 @@ class Scheduler:
         # After a preemption the pool is full: admitting waiting requests would thrash.
         while (
             not preempted
+            and not out_of_blocks
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
@@ -172,8 +188,20 @@ class Scheduler:
             scheduled_new, scheduled_resumed, scheduled_running, num_scheduled, new_blocks_of
         )
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # the step reaches its end: it samples
         return output
+
+    def _surely_finishes(self, request: Request) -> bool:
+        """Whether the tokens in flight end the request by length, so scheduling it
+        ahead would compute past its end."""
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return (
+            num_outputs >= request.sampling_params.max_tokens
+            or request.num_tokens + request.num_output_placeholders >= self.max_model_len
+        )
 
     def _make_output(
         self, scheduled_new, scheduled_resumed, scheduled_running, num_scheduled, new_blocks_of
@@ -220,6 +248,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # nothing is in flight when preempting
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -238,9 +267,10 @@ class Scheduler:
         ):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING or not token_ids:
-                continue  # aborted meanwhile, or a prompt chunk that samples nothing
+                continue  # finished or aborted meanwhile, or a prompt chunk that samples nothing
             new_token_ids = []
             for token_id in token_ids:
+                request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
                 reason = self._check_stop(request)

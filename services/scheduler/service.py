@@ -3,8 +3,10 @@
 It takes tokenized requests (queue group: scheduler replicas share intake) and
 aborts (every replica hears them), runs the step loop — schedule, publish the
 step diff to every worker rank, await rank 0's sampled tokens, update — and
-publishes each step's new tokens to the detokenizers. While a step runs, the
-event loop keeps taking requests and aborts; they join the next step.
+publishes each step's new tokens to the detokenizers. With async scheduling (the
+default) step N+1 is scheduled and published before step N's result is awaited.
+While steps run, the event loop keeps taking requests and aborts; they join the next
+step scheduled.
 
 The engine accepts requests only once every worker rank has announced itself;
 the KV cache size is the smallest any rank reported. A step that gets no answer
@@ -18,6 +20,8 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
@@ -43,6 +47,7 @@ from shared.protocol import (
     EngineStats,
     ErrorInfo,
     FinishReason,
+    SchedulerOutput,
     engine_hello_subject,
     engine_profile_subject,
     engine_ready_subject,
@@ -50,7 +55,7 @@ from shared.protocol import (
     engine_step_subject,
 )
 
-from shared.step_profile import NULL_CLOCK, SCHEDULER_PHASES, WORKER_PHASES, PhaseClock, StepProfile
+from shared.step_profile import NULL_CLOCK, SCHEDULER_PHASES, WORKER_PHASES, NullClock, PhaseClock, StepProfile
 
 from .request import Request
 from .scheduler import RequestRejected, Scheduler
@@ -59,6 +64,18 @@ logger = logging.getLogger(__name__)
 
 # Seconds an abort for a request not (yet) seen is remembered.
 EARLY_ABORT_TTL = 30.0
+
+
+@dataclass
+class _SentStep:
+    """A step published to the workers, waiting for rank 0's result."""
+
+    step: SchedulerOutput
+    future: asyncio.Future
+    clock: PhaseClock | NullClock
+    queued: bool  # sent while another step was in flight
+    previous_result_at: float = 0.0  # when the step ahead's result arrived
+    result_at: float = 0.0
 
 
 class SchedulerService(Service):
@@ -90,7 +107,8 @@ class SchedulerService(Service):
         self._retired: set[str] = set()
         self._early_aborts: dict[str, float] = {}
         self._work = asyncio.Event()
-        self._pending_step: tuple[int, asyncio.Future] | None = None
+        # Steps sent and not answered yet, by step id (two at most with async scheduling).
+        self._pending_steps: dict[int, asyncio.Future] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.profile = StepProfile() if profile else None
@@ -153,8 +171,10 @@ class SchedulerService(Service):
             self._retired.update(w.instance_id for w in self.workers.values())
         self.workers.clear()
         self._last_seen.clear()
-        if self._pending_step is not None and not self._pending_step[1].done():
-            self._pending_step[1].cancel()
+        for future in self._pending_steps.values():
+            if not future.done():
+                future.cancel()
+        self._pending_steps.clear()
         if scheduler is None:
             return
         logger.error("engine %s: %s; failing %d request(s)", self.engine_id, reason,
@@ -218,62 +238,93 @@ class SchedulerService(Service):
         start = time.perf_counter()
         output = MODEL_RUNNER_OUTPUT.decode(msg.data)
         self._last_result_decode = time.perf_counter() - start
-        if self._pending_step is not None and self._pending_step[0] == output.step_id:
-            future = self._pending_step[1]
-            if not future.done():
-                future.set_result(output)
+        future = self._pending_steps.get(output.step_id)
+        if future is not None and not future.done():
+            future.set_result((output, start))
 
     # ------------------------------------------------------------------ step loop
 
     async def _engine_loop(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Send steps to the workers and turn their results into outputs. With async
+        scheduling the next step is scheduled and sent before the oldest step's result
+        is awaited (two steps in flight at most), so the workers find it queued when they
+        finish one and the scheduling, the bus and the result handling overlap the
+        forward pass."""
+        in_flight: deque[_SentStep] = deque()
         while True:
-            await self._work.wait()
+            if not in_flight:
+                await self._work.wait()
             scheduler = self.scheduler
             if scheduler is None:
+                in_flight.clear()
                 self._work.clear()
                 continue
-            clock = PhaseClock() if self.profile is not None else NULL_CLOCK
-            if self._idle_since is not None:
-                clock.durations["idle"] = time.perf_counter() - self._idle_since
-            step = scheduler.schedule()
-            clock.lap("schedule")
-            if step.total_num_scheduled_tokens == 0 and not step.finished_req_ids:
+            depth = 2 if self.scheduler_config.async_scheduling else 1
+            while len(in_flight) < depth:
+                sent = await self._send_step(scheduler, behind=in_flight[-1] if in_flight else None)
+                if sent is None:
+                    break
+                in_flight.append(sent)
+            if not in_flight:
                 self._work.clear()
                 continue
-            future = loop.create_future()
-            self._pending_step = (step.step_id, future)
-            data = SCHEDULER_OUTPUT.encode(step)
-            clock.lap("encode")
-            await self.nc.publish(engine_step_subject(self.engine_id), data)
-            try:
-                result = await wait_for(future, self.step_timeout)
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
-                    raise
-                continue  # the engine failed while the step ran
-            except asyncio.TimeoutError:
-                self._fail_engine(f"no answer to step {step.step_id} within {self.step_timeout}s")
-                continue
-            finally:
-                self._pending_step = None
+            done = in_flight.popleft()
+            await self._finish_step(scheduler, done)
             if scheduler is not self.scheduler:
-                continue  # the engine failed while the step ran
-            if result.error:
-                self._fail_engine(f"worker error: {result.error}")
-                continue
-            clock.lap("bus_round_trip")
-            outputs = scheduler.update_from_output(step, result)
-            clock.lap("update")
-            if outputs:
-                self.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
-                await self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs)))
-            clock.lap("publish_outputs")
-            if self.profile is not None:
-                self._record_profile(step, result, clock.durations)
-            if not scheduler.has_unfinished_requests():
-                self._work.clear()
-                self._idle_since = None
+                in_flight.clear()  # the engine failed: its steps' futures are cancelled
+            elif in_flight:
+                in_flight[0].previous_result_at = done.result_at
+
+    async def _send_step(self, scheduler: Scheduler, behind: "_SentStep | None") -> "_SentStep | None":
+        """Schedule a step and publish it, or return None when there is nothing to send.
+        ``behind``: the step still in flight ahead of it (no preemption meanwhile)."""
+        clock = PhaseClock() if self.profile is not None else NULL_CLOCK
+        if behind is None and self._idle_since is not None:
+            clock.durations["idle"] = time.perf_counter() - self._idle_since
+        step = scheduler.schedule(allow_preemption=behind is None)
+        clock.lap("schedule")
+        if step.total_num_scheduled_tokens == 0 and not step.finished_req_ids:
+            return None
+        future = asyncio.get_running_loop().create_future()
+        self._pending_steps[step.step_id] = future
+        data = SCHEDULER_OUTPUT.encode(step)
+        clock.lap("encode")
+        await self.nc.publish(engine_step_subject(self.engine_id), data)
+        return _SentStep(step, future, clock, queued=behind is not None)
+
+    async def _finish_step(self, scheduler: Scheduler, sent: "_SentStep") -> None:
+        step, clock = sent.step, sent.clock
+        try:
+            result, sent.result_at = await wait_for(sent.future, self.step_timeout)
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise
+            return  # the engine failed while the step ran
+        except asyncio.TimeoutError:
+            self._fail_engine(f"no answer to step {step.step_id} within {self.step_timeout}s")
+            return
+        finally:
+            self._pending_steps.pop(step.step_id, None)
+        if scheduler is not self.scheduler:
+            return  # the engine failed while the step ran
+        if result.error:
+            self._fail_engine(f"worker error: {result.error}")
+            return
+        if sent.queued:
+            # It waited at the workers behind the step before: count from that one's result.
+            clock.starts_no_earlier_than(sent.previous_result_at)
+        clock.lap("bus_round_trip")
+        outputs = scheduler.update_from_output(step, result)
+        clock.lap("update")
+        if outputs:
+            self.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
+            await self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs)))
+        clock.lap("publish_outputs")
+        if self.profile is not None:
+            self._record_profile(step, result, clock.durations)
+        if not scheduler.has_unfinished_requests():
+            self._work.clear()
+            self._idle_since = None
 
     def _record_profile(self, step, result, durations: dict[str, float]) -> None:
         # The round trip as measured here includes the worker's own work and the

@@ -218,3 +218,133 @@ def test_engine_output_carries_a_window_for_the_detokenizer():
     assert last.new_token_ids == [111]
     assert last.window_offset == 3 and last.window_token_ids == list(range(103, 112))
     assert last.num_prompt_tokens == 3
+
+
+# ---------------------------------------------------------------- async scheduling
+
+
+class PipelinedWorker:
+    """Executes steps like a worker: it keeps each request's tokens, feeds the token it
+    sampled itself into the next step, and samples when a step reaches the end of what it
+    knows. The token at position p of request r is token_at(r, p)."""
+
+    def __init__(self, token_at):
+        self.token_at = token_at
+        self.tokens: dict[str, int] = {}  # tokens known to the worker
+        self.computed: dict[str, int] = {}
+        self.num_sampled = 0
+
+    def execute(self, out):
+        for new in out.scheduled_new_reqs:
+            self.tokens[new.req_id] = len(new.prompt_token_ids)
+            self.computed[new.req_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+            assert num_computed == self.computed[req_id], "scheduler and worker disagree on progress"
+        sampled = []
+        for req_id, n in zip(out.scheduled_req_ids, out.num_scheduled_tokens):
+            self.computed[req_id] += n
+            assert self.computed[req_id] <= self.tokens[req_id], "a step computes a token the worker lacks"
+            if self.computed[req_id] == self.tokens[req_id]:
+                sampled.append([self.token_at(req_id, self.tokens[req_id])])
+                self.tokens[req_id] += 1
+                self.num_sampled += 1
+            else:
+                sampled.append([])
+        for req_id in out.finished_req_ids:
+            self.tokens.pop(req_id, None)
+            self.computed.pop(req_id, None)
+        return ModelRunnerOutput(out.step_id, list(out.scheduled_req_ids), sampled)
+
+
+def run_to_end(sched, worker, ahead: bool):
+    """All requests to the end, one step at a time or with one step scheduled ahead."""
+    results, in_flight = [], []
+    while sched.has_unfinished_requests() or in_flight:
+        while len(in_flight) < (2 if ahead else 1):
+            out = sched.schedule(allow_preemption=not in_flight)
+            if out.total_num_scheduled_tokens == 0:
+                break
+            in_flight.append((out, worker.execute(out)))
+        out, result = in_flight.pop(0)
+        results += sched.update_from_output(out, result)
+    return results
+
+
+def outputs_by_request(results):
+    tokens, reasons = {}, {}
+    for r in results:
+        tokens.setdefault(r.request_id, []).extend(r.new_token_ids)
+        if r.finish_reason != FinishReason.NONE:
+            reasons[r.request_id] = r.finish_reason
+    return tokens, reasons
+
+
+def test_scheduling_ahead_gives_the_same_outputs_as_one_step_at_a_time():
+    def token_at(req_id, position):
+        if req_id == "eos" and position == 9:
+            return EOS  # finishes while its next step is already in flight
+        return 100 + position
+
+    runs = []
+    for ahead in (False, True):
+        sched = make_scheduler(max_model_len=16, max_num_batched_tokens=8)
+        sched.add_request(make_request("eos", 5))  # stops on EOS after 5 outputs
+        sched.add_request(make_request("short", 3, max_tokens=4))
+        sched.add_request(make_request("long", 12))  # chunked, then cut by max_model_len
+        sched.add_request(make_request("stop", 4, stop_token_ids=[107]))
+        worker = PipelinedWorker(token_at)
+        results = run_to_end(sched, worker, ahead)
+        assert sched.kv_cache_manager.num_free_blocks == 64 and not sched.requests
+        runs.append((outputs_by_request(results), worker.num_sampled))
+    (sync_outputs, sync_sampled), (async_outputs, async_sampled) = runs
+    assert async_outputs == sync_outputs
+    # Ahead, the two requests that stop on a token had one more computed in vain; those
+    # that stop by length had none.
+    assert (sync_sampled, async_sampled) == (17, 19)
+    tokens, reasons = sync_outputs
+    assert tokens["eos"] == [105, 106, 107, 108, EOS] and reasons["eos"] == FinishReason.STOP
+    assert tokens["short"] == [103, 104, 105, 106] and reasons["short"] == FinishReason.LENGTH
+    assert tokens["long"] == [112, 113, 114, 115] and reasons["long"] == FinishReason.LENGTH
+    assert tokens["stop"] == [104, 105, 106, 107] and reasons["stop"] == FinishReason.STOP
+
+
+def test_a_step_scheduled_ahead_runs_decodes_past_the_tokens_in_flight():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 5))
+    first = sched.schedule()
+    assert scheduled(first) == {"a": 5}
+    ahead = sched.schedule(allow_preemption=False)  # before the first result is back
+    assert scheduled(ahead) == {"a": 1}
+    assert ahead.scheduled_cached_reqs.num_computed_tokens == [5]
+    assert sched.requests["a"].num_output_placeholders == 2
+    sched.update_from_output(first, ModelRunnerOutput(first.step_id, ["a"], [[7]]))
+    results = sched.update_from_output(ahead, ModelRunnerOutput(ahead.step_id, ["a"], [[8]]))
+    assert results[0].new_token_ids == [8]
+    assert sched.requests["a"].output_token_ids == [7, 8]
+    assert sched.requests["a"].num_output_placeholders == 0
+
+
+def test_a_request_that_surely_finishes_is_not_scheduled_ahead():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 5, max_tokens=1))
+    sched.add_request(make_request("b", 5, max_tokens=2))
+    assert scheduled(sched.schedule()) == {"a": 5, "b": 5}
+    ahead = sched.schedule(allow_preemption=False)
+    assert scheduled(ahead) == {"b": 1}  # a's one token is already in flight
+
+
+def test_nothing_is_preempted_while_a_step_is_in_flight():
+    # 5 blocks of 4 tokens: a and b hold 2 each; both need a third block to go on.
+    sched = make_scheduler(num_blocks=5, max_model_len=20)
+    sched.add_request(make_request("a", 8))
+    sched.add_request(make_request("b", 8))
+    first = sched.schedule()
+    ahead = sched.schedule(allow_preemption=False)
+    assert scheduled(ahead) == {"a": 1}  # b waits for a block instead of being preempted
+    assert sched.num_preemptions == 0 and sched.requests["b"].status == RequestStatus.RUNNING
+    sched.update_from_output(first, ModelRunnerOutput(first.step_id, ["a", "b"], [[7], [7]]))
+    sched.update_from_output(ahead, ModelRunnerOutput(ahead.step_id, ["a"], [[7]]))
+    out = sched.schedule()  # nothing in flight: now b is preempted
+    assert scheduled(out) == {"a": 1}
+    assert sched.num_preemptions == 1 and sched.requests["b"].status == RequestStatus.PREEMPTED

@@ -3,7 +3,8 @@
 The fake worker announces itself like a real one and answers every step with
 token 7 for each request whose prompt is complete; the test checks intake before
 and after the engine is ready, rejection, the step loop's outputs, early aborts,
-and that a silent worker fails the engine's requests and closes intake.
+that a silent worker fails the engine's requests and closes intake, and that with
+async scheduling the next step reaches the worker before it answers the current one.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ ENGINE = "t0"
 
 
 class FakeWorker:
-    def __init__(self, nc, instance_id="w1"):
+    def __init__(self, nc, instance_id="w1", step_seconds=0.0):
         self.nc = nc
+        self.step_seconds = step_seconds  # how long each step "runs"
+        self.answered_at: dict[int, float] = {}
         self.ready = WorkerReady(ENGINE, 0, 1, instance_id, num_blocks=32, max_model_len=256, block_size=16)
         self.steps = []
         self.computed: dict[str, int] = {}
@@ -77,6 +80,9 @@ class FakeWorker:
                 self.lengths[req_id] += 1
             tokens.append([7] if done else [])
         out = ModelRunnerOutput(step.step_id, list(step.scheduled_req_ids), tokens)
+        if self.step_seconds:
+            await asyncio.sleep(self.step_seconds)
+        self.answered_at[step.step_id] = time.monotonic()
         await self.nc.publish(engine_result_subject(ENGINE), MODEL_RUNNER_OUTPUT.encode(out))
 
 
@@ -171,3 +177,49 @@ async def test_a_silent_worker_fails_requests_and_closes_intake(bus):
     await wait_for(lambda: service.ready)
     assert await submit(nc, "again") is None
     worker.task.cancel()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+async def test_async_scheduling_sends_the_next_step_before_the_current_one_is_answered(async_scheduling):
+    with NatsServer() as server:
+        config = SchedulerConfig(max_num_batched_tokens=64, async_scheduling=async_scheduling)
+        service = SchedulerService(ENGINE, config, CacheConfig(), nats_url=server.url)
+        await service.start()
+        nc = await nats.connect(server.url)
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        async def on_outputs(msg):
+            for out in ENGINE_OUTPUT_BATCH.decode(msg.data).outputs:
+                outputs.put_nowait(out)
+
+        arrived_at: dict[int, float] = {}
+
+        async def on_step_arrival(msg):  # a second subscriber: sees steps as they are sent
+            arrived_at[SCHEDULER_OUTPUT.decode(msg.data).step_id] = time.monotonic()
+
+        await nc.subscribe(DETOKENIZE, cb=on_outputs)
+        await nc.subscribe(engine_step_subject(ENGINE), cb=on_step_arrival)
+        worker = FakeWorker(nc, step_seconds=0.05)
+        await worker.start()
+        try:
+            await wait_for(lambda: service.ready)
+            assert await submit(nc, "a", max_tokens=6) is None
+            got = []
+            while not got or got[-1].finish_reason == FinishReason.NONE:
+                got.append(await asyncio.wait_for(outputs.get(), 5))
+            # The same tokens either way: the worker feeds its own samples forward.
+            assert [t for o in got for t in o.new_token_ids] == [7] * 6
+            assert got[-1].finish_reason == FinishReason.LENGTH
+            steps = sorted(worker.answered_at)
+            ahead = [n for n in steps[:-1] if n + 1 in arrived_at and arrived_at[n + 1] < worker.answered_at[n]]
+            if async_scheduling:
+                # Every step after the first was at the worker before the one ahead of
+                # it was answered.
+                assert ahead == steps[:-1]
+                assert len(worker.steps) == 6  # nothing scheduled past max_tokens
+            else:
+                assert ahead == []
+        finally:
+            worker.task.cancel()
+            await nc.close()
+            await service.close()
