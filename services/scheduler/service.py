@@ -113,7 +113,6 @@ class SchedulerService(Service):
         self.generation_tokens_total = 0
         self.profile = StepProfile() if profile else None
         self._idle_since: float | None = None
-        self._last_result_decode = 0.0
 
     @property
     def ready(self) -> bool:
@@ -237,10 +236,10 @@ class SchedulerService(Service):
     async def _on_result(self, msg: Msg) -> None:
         start = time.perf_counter()
         output = MODEL_RUNNER_OUTPUT.decode(msg.data)
-        self._last_result_decode = time.perf_counter() - start
+        decode_seconds = time.perf_counter() - start
         future = self._pending_steps.get(output.step_id)
         if future is not None and not future.done():
-            future.set_result((output, start))
+            future.set_result((output, start, decode_seconds))
 
     # ------------------------------------------------------------------ step loop
 
@@ -275,7 +274,7 @@ class SchedulerService(Service):
             elif in_flight:
                 in_flight[0].previous_result_at = done.result_at
 
-    async def _send_step(self, scheduler: Scheduler, behind: "_SentStep | None") -> "_SentStep | None":
+    async def _send_step(self, scheduler: Scheduler, behind: _SentStep | None) -> _SentStep | None:
         """Schedule a step and publish it, or return None when there is nothing to send.
         ``behind``: the step still in flight ahead of it (no preemption meanwhile)."""
         clock = PhaseClock() if self.profile is not None else NULL_CLOCK
@@ -292,10 +291,10 @@ class SchedulerService(Service):
         await self.nc.publish(engine_step_subject(self.engine_id), data)
         return _SentStep(step, future, clock, queued=behind is not None)
 
-    async def _finish_step(self, scheduler: Scheduler, sent: "_SentStep") -> None:
+    async def _finish_step(self, scheduler: Scheduler, sent: _SentStep) -> None:
         step, clock = sent.step, sent.clock
         try:
-            result, sent.result_at = await wait_for(sent.future, self.step_timeout)
+            result, sent.result_at, result_decode = await wait_for(sent.future, self.step_timeout)
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
                 raise
@@ -321,17 +320,17 @@ class SchedulerService(Service):
             await self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs)))
         clock.lap("publish_outputs")
         if self.profile is not None:
-            self._record_profile(step, result, clock.durations)
+            self._record_profile(step, result, result_decode, clock.durations)
         if not scheduler.has_unfinished_requests():
             self._work.clear()
             self._idle_since = None
 
-    def _record_profile(self, step, result, durations: dict[str, float]) -> None:
+    def _record_profile(self, step, result, result_decode: float, durations: dict[str, float]) -> None:
         # The round trip as measured here includes the worker's own work and the
         # result's decoding; what remains is the bus.
         worker = dict(zip(WORKER_PHASES, result.timings))
-        durations["result_decode"] = self._last_result_decode
-        durations["bus_round_trip"] -= sum(worker.values()) + self._last_result_decode
+        durations["result_decode"] = result_decode
+        durations["bus_round_trip"] -= sum(worker.values()) + result_decode
         durations.update({f"worker_{k}" if k in SCHEDULER_PHASES else k: v for k, v in worker.items()})
         self.profile.add(len(step.scheduled_req_ids), durations)
         self._idle_since = time.perf_counter()

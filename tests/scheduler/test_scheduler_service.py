@@ -10,6 +10,7 @@ async scheduling the next step reaches the worker before it answers the current 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import nats
@@ -86,11 +87,11 @@ class FakeWorker:
         await self.nc.publish(engine_result_subject(ENGINE), MODEL_RUNNER_OUTPUT.encode(out))
 
 
-@pytest.fixture
-async def bus():
+@contextlib.asynccontextmanager
+async def scheduler_on_bus(config: SchedulerConfig, **service_kwargs):
+    """A scheduler service on a fresh NATS server: (service, client, queue of its outputs)."""
     with NatsServer() as server:
-        service = SchedulerService(ENGINE, SchedulerConfig(max_num_batched_tokens=64), CacheConfig(),
-                                   worker_timeout=1.0, stats_interval=0.2, nats_url=server.url)
+        service = SchedulerService(ENGINE, config, CacheConfig(), nats_url=server.url, **service_kwargs)
         await service.start()
         nc = await nats.connect(server.url)
         outputs: asyncio.Queue = asyncio.Queue()
@@ -100,9 +101,18 @@ async def bus():
                 outputs.put_nowait(out)
 
         await nc.subscribe(DETOKENIZE, cb=on_outputs)
-        yield service, nc, outputs
-        await nc.close()
-        await service.close()
+        try:
+            yield service, nc, outputs
+        finally:
+            await nc.close()
+            await service.close()
+
+
+@pytest.fixture
+async def bus():
+    config = SchedulerConfig(max_num_batched_tokens=64)
+    async with scheduler_on_bus(config, worker_timeout=1.0, stats_interval=0.2) as stack:
+        yield stack
 
 
 async def submit(nc, req_id, n_prompt=20, max_tokens=3):
@@ -181,23 +191,13 @@ async def test_a_silent_worker_fails_requests_and_closes_intake(bus):
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 async def test_async_scheduling_sends_the_next_step_before_the_current_one_is_answered(async_scheduling):
-    with NatsServer() as server:
-        config = SchedulerConfig(max_num_batched_tokens=64, async_scheduling=async_scheduling)
-        service = SchedulerService(ENGINE, config, CacheConfig(), nats_url=server.url)
-        await service.start()
-        nc = await nats.connect(server.url)
-        outputs: asyncio.Queue = asyncio.Queue()
-
-        async def on_outputs(msg):
-            for out in ENGINE_OUTPUT_BATCH.decode(msg.data).outputs:
-                outputs.put_nowait(out)
-
+    config = SchedulerConfig(max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    async with scheduler_on_bus(config) as (service, nc, outputs):
         arrived_at: dict[int, float] = {}
 
         async def on_step_arrival(msg):  # a second subscriber: sees steps as they are sent
             arrived_at[SCHEDULER_OUTPUT.decode(msg.data).step_id] = time.monotonic()
 
-        await nc.subscribe(DETOKENIZE, cb=on_outputs)
         await nc.subscribe(engine_step_subject(ENGINE), cb=on_step_arrival)
         worker = FakeWorker(nc, step_seconds=0.05)
         await worker.start()
@@ -221,5 +221,3 @@ async def test_async_scheduling_sends_the_next_step_before_the_current_one_is_an
                 assert ahead == []
         finally:
             worker.task.cancel()
-            await nc.close()
-            await service.close()
