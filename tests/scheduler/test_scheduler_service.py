@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 
 import nats
@@ -36,10 +37,12 @@ from shared.protocol import (
     ModelRunnerOutput,
     SamplingParams,
     WorkerReady,
+    engine_profile_subject,
     engine_ready_subject,
     engine_result_subject,
     engine_step_subject,
 )
+from shared.step_profile import WORKER_PHASES
 
 ENGINE = "t0"
 
@@ -82,7 +85,10 @@ class FakeWorker:
             tokens.append([7] if done else [])
         out = ModelRunnerOutput(step.step_id, list(step.scheduled_req_ids), tokens)
         if self.step_seconds:
+            start = time.perf_counter()
             await asyncio.sleep(self.step_seconds)
+            # Reported as the forward pass, the way a profiling worker reports its phases.
+            out.timings = [time.perf_counter() - start if p == "forward" else 0.0 for p in WORKER_PHASES]
         self.answered_at[step.step_id] = time.monotonic()
         await self.nc.publish(engine_result_subject(ENGINE), MODEL_RUNNER_OUTPUT.encode(out))
 
@@ -219,5 +225,31 @@ async def test_async_scheduling_sends_the_next_step_before_the_current_one_is_an
                 assert len(worker.steps) == 6  # nothing scheduled past max_tokens
             else:
                 assert ahead == []
+        finally:
+            worker.task.cancel()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+async def test_step_profile_times_a_queued_step_from_the_result_before_it(async_scheduling):
+    # The fake worker reports its 50 ms per step as the forward pass, which the bus round
+    # trip excludes. A step sent ahead waited at the worker behind the one before it:
+    # timed from its publication, its round trip would include that wait (~50 ms).
+    config = SchedulerConfig(max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    async with scheduler_on_bus(config, profile=True) as (service, nc, outputs):
+        worker = FakeWorker(nc, step_seconds=0.05)
+        await worker.start()
+        try:
+            await wait_for(lambda: service.ready)
+            assert await submit(nc, "a", max_tokens=8) is None
+            got = []
+            while not got or got[-1].finish_reason == FinishReason.NONE:
+                got.append(await asyncio.wait_for(outputs.get(), 5))
+            reply = await nc.request(engine_profile_subject(ENGINE), json.dumps({"num_reqs": 1}).encode(), timeout=5)
+            summary = json.loads(reply.data)
+            assert summary["num_steps"] == 8
+            phases = summary["median_ms"]
+            assert {"schedule", "encode", "bus_round_trip", "update", "publish_outputs"} <= set(phases)
+            assert phases["forward"] >= 50
+            assert 0 < phases["bus_round_trip"] < 20
         finally:
             worker.task.cancel()
