@@ -127,6 +127,14 @@ async def submit(nc, req_id, n_prompt=20, max_tokens=3):
     return ENGINE_REQUEST_REPLY.decode(reply.data).error
 
 
+async def outputs_until_finished(outputs: asyncio.Queue) -> list:
+    """One request's outputs, up to the one that finishes it."""
+    got = []
+    while not got or got[-1].finish_reason == FinishReason.NONE:
+        got.append(await asyncio.wait_for(outputs.get(), 5))
+    return got
+
+
 async def wait_for(predicate, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -210,9 +218,7 @@ async def test_async_scheduling_sends_the_next_step_before_the_current_one_is_an
         try:
             await wait_for(lambda: service.ready)
             assert await submit(nc, "a", max_tokens=6) is None
-            got = []
-            while not got or got[-1].finish_reason == FinishReason.NONE:
-                got.append(await asyncio.wait_for(outputs.get(), 5))
+            got = await outputs_until_finished(outputs)
             # The same tokens either way: the worker feeds its own samples forward.
             assert [t for o in got for t in o.new_token_ids] == [7] * 6
             assert got[-1].finish_reason == FinishReason.LENGTH
@@ -241,9 +247,7 @@ async def test_step_profile_times_a_queued_step_from_the_result_before_it(async_
         try:
             await wait_for(lambda: service.ready)
             assert await submit(nc, "a", max_tokens=8) is None
-            got = []
-            while not got or got[-1].finish_reason == FinishReason.NONE:
-                got.append(await asyncio.wait_for(outputs.get(), 5))
+            await outputs_until_finished(outputs)
             reply = await nc.request(engine_profile_subject(ENGINE), json.dumps({"num_reqs": 1}).encode(), timeout=5)
             summary = json.loads(reply.data)
             assert summary["num_steps"] == 8
