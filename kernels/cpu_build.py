@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch  # noqa: F401  (loads PyTorch's OpenMP runtime before any kernel library)
+import torch  # imported before any kernel library: it loads the OpenMP runtime they use
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,12 @@ def _build(source: Path, compiler: str, flags: tuple[str, ...], target: Path) ->
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def heads_packed(t: torch.Tensor) -> bool:
+    """Whether `t` is [rows, heads, head_dim] with each row's heads side by side, the
+    layout the C kernels take (rows may have any stride)."""
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
 def bind(name: str, symbol: str, argtypes: list, restype=None):

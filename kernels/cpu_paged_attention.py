@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from kernels.cpu_build import bind
+from kernels.cpu_build import bind, heads_packed
 from kernels.paged_attention import paged_attention_ref
 
 _SYMBOLS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
@@ -44,11 +44,6 @@ def native_decode_available(dtype: torch.dtype) -> bool:
     return _kernel(dtype) is not None
 
 
-def _rows_ok(t: torch.Tensor) -> bool:
-    """[rows, heads, head_dim] with each row's heads packed (the row stride may be anything)."""
-    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
-
-
 def decode_attention_native(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -67,7 +62,7 @@ def decode_attention_native(
         or query.device.type != "cpu"
         or not (key_cache.dtype == value_cache.dtype == out.dtype == query.dtype)
         or not (key_cache.is_contiguous() and value_cache.is_contiguous())
-        or not (_rows_ok(query) and _rows_ok(out))
+        or not (heads_packed(query) and heads_packed(out))
     ):
         return False
     n = seq_lens.shape[0]

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from kernels.cpu_build import bind
+from kernels.cpu_build import bind, heads_packed
 from kernels.triton_import import tl, triton
 
 
@@ -79,7 +79,7 @@ def _rotary_kernel_cpu(dtype: torch.dtype):
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor | None:
     """x as [T, heads, head_dim] when each row's heads are packed, else None."""
     heads = x.unflatten(-1, (-1, head_dim)) if x.dim() == 2 else x
-    return heads if heads.stride(2) == 1 and heads.stride(1) == head_dim else None
+    return heads if heads_packed(heads) else None
 
 
 def rotary_embedding_cpu(

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from kernels.cpu_build import bind
+from kernels.cpu_build import bind, heads_packed
 from kernels.triton_import import tl, triton
 
 
@@ -45,10 +45,6 @@ def _write_kv_kernel_cpu():
     return bind("write_kv", "write_kv", _WRITE_KV_ARGS, ctypes.c_int)
 
 
-def _packed_rows(t: torch.Tensor) -> bool:
-    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
-
-
 def _write_kv_native(key, value, key_cache, value_cache, slot_mapping) -> bool:
     """Write through the C kernel and return True, or return False having done nothing."""
     kernel = _write_kv_kernel_cpu()
@@ -58,7 +54,7 @@ def _write_kv_native(key, value, key_cache, value_cache, slot_mapping) -> bool:
         or not (key.dtype == value.dtype == key_cache.dtype == value_cache.dtype)
         or not (key.shape == value.shape and key_cache.shape == value_cache.shape)
         or key.shape[1:] != key_cache.shape[2:]
-        or not (_packed_rows(key) and _packed_rows(value))
+        or not (heads_packed(key) and heads_packed(value))
         or not (key_cache.is_contiguous() and value_cache.is_contiguous())
         or slot_mapping.dtype != torch.int64
         or slot_mapping.shape != key.shape[:1]

@@ -156,8 +156,6 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     const int64_t token_stride = (int64_t)kvh * hd, block_elements = (int64_t)bs * token_stride;
     const int elem = bf16 ? 2 : 4;
     float *scores = work, *q = scores + (int64_t)nh * len, *acc = q + (int64_t)nh * hd, *row = acc + (int64_t)nh * hd;
-    load_row(a->query, (int64_t)i * a->query_row_stride, q, nh * hd, bf16);
-    for (int d = 0; d < nh * hd; d++) q[d] *= a->scale;
     memset(acc, 0, sizeof(float) * (size_t)(nh * hd));
     int kv_head_of[MAX_HEADS]; /* no integer division in the token loops */
     for (int h = 0; h < nh; h++) kv_head_of[h] = h / group;
@@ -187,18 +185,23 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
         }
     } else
 #endif
-    for (int start = 0; start < len; start += bs) {
-        const int64_t first = (int64_t)blocks[start / bs] * bs;
-        const int count = len - start < bs ? len - start : bs;
-        if (start + bs < len) prefetch_block(a->key_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
-        for (int j = 0; j < count; j++) {
-            load_row(a->key_cache, (first + j) * token_stride, row, kvh * hd, bf16);
-            for (int h = 0; h < nh; h++) {
-                const float *qh = q + (int64_t)h * hd, *kh = row + (int64_t)kv_head_of[h] * hd;
-                float s = 0.0f;
+    {
+        /* The query in float32, scaled once, for the generic dot products. */
+        load_row(a->query, (int64_t)i * a->query_row_stride, q, nh * hd, bf16);
+        for (int d = 0; d < nh * hd; d++) q[d] *= a->scale;
+        for (int start = 0; start < len; start += bs) {
+            const int64_t first = (int64_t)blocks[start / bs] * bs;
+            const int count = len - start < bs ? len - start : bs;
+            if (start + bs < len) prefetch_block(a->key_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
+            for (int j = 0; j < count; j++) {
+                load_row(a->key_cache, (first + j) * token_stride, row, kvh * hd, bf16);
+                for (int h = 0; h < nh; h++) {
+                    const float *qh = q + (int64_t)h * hd, *kh = row + (int64_t)kv_head_of[h] * hd;
+                    float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int d = 0; d < hd; d++) s += qh[d] * kh[d];
-                scores[(int64_t)h * len + start + j] = s;
+                    for (int d = 0; d < hd; d++) s += qh[d] * kh[d];
+                    scores[(int64_t)h * len + start + j] = s;
+                }
             }
         }
     }

@@ -73,8 +73,8 @@ class _SentStep:
     step: SchedulerOutput
     future: asyncio.Future
     clock: PhaseClock | NullClock
-    queued: bool  # sent while another step was in flight
-    previous_result_at: float = 0.0  # when the step ahead's result arrived
+    # When the result of the step ahead of it arrived (0: nothing was ahead when sent).
+    previous_result_at: float = 0.0
     result_at: float = 0.0
 
 
@@ -289,7 +289,7 @@ class SchedulerService(Service):
         data = SCHEDULER_OUTPUT.encode(step)
         clock.lap("encode")
         await self.nc.publish(engine_step_subject(self.engine_id), data)
-        return _SentStep(step, future, clock, queued=behind is not None)
+        return _SentStep(step, future, clock)
 
     async def _finish_step(self, scheduler: Scheduler, sent: _SentStep) -> None:
         step, clock = sent.step, sent.clock
@@ -309,9 +309,9 @@ class SchedulerService(Service):
         if result.error:
             self._fail_engine(f"worker error: {result.error}")
             return
-        if sent.queued:
-            # It waited at the workers behind the step before: count from that one's result.
-            clock.starts_no_earlier_than(sent.previous_result_at)
+        # A step sent ahead waited at the workers behind the one before: count from that
+        # one's result.
+        clock.starts_no_earlier_than(sent.previous_result_at)
         clock.lap("bus_round_trip")
         outputs = scheduler.update_from_output(step, result)
         clock.lap("update")
