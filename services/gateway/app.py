@@ -4,7 +4,8 @@
     POST /v1/completions        completions, streamed (SSE) or not
     GET  /v1/models             the served model name(s)
     GET  /v1/models/{model}
-    GET  /health                200 when a tokenizer answers a ping, else 503
+    GET  /health                200 when a tokenizer answers a ping and an engine is ready, else 503
+    GET  /ping                  the same (vLLM's alias; POST too)
     GET  /metrics               Prometheus text
 
 With an API key set, every ``/v1`` route needs ``Authorization: Bearer <key>``.
@@ -74,12 +75,15 @@ class InfoRoutes:
         return json_response(self._model_card(name))
 
     async def health(self, request: Request) -> Response:
+        """200 only when a request would be served: a tokenizer answers and an engine is ready."""
         tokenizer = await self.gateway.tokenizer_alive()
-        ok = tokenizer and not self.gateway.closing
+        ready = self.gateway.engine_stats.ready_engines(self.gateway.config.engine_ready_ttl)
+        ok = tokenizer and bool(ready) and not self.gateway.closing
         body = {
             "status": "ok" if ok else "unavailable",
             "tokenizer": tokenizer,
             "engines": len(self.gateway.engine_stats.current()),
+            "engines_ready": len(ready),
             "gateway_id": self.gateway.gateway_id,
         }
         return json_response(body, 200 if ok else 503)
@@ -107,6 +111,8 @@ def build_app(gateway: GatewayService) -> Starlette:
         Route("/v1/models", info.models, methods=["GET"]),
         Route("/v1/models/{model:path}", info.model, methods=["GET"]),
         Route("/health", info.health, methods=["GET"]),
+        # vLLM's alias (SageMaker's probe path), GET and POST
+        Route("/ping", info.health, methods=["GET", "POST"]),
         Route("/metrics", info.metrics, methods=["GET"]),
     ]
     api_key = gateway.config.api_key

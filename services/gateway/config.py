@@ -30,13 +30,21 @@ class GatewayConfig:
     health_timeout: float = 0.5  # seconds a tokenizer has to answer /health's ping
     shutdown_timeout: float = 5.0  # seconds open connections get to close on shutdown
     access_log: bool = True
+    # Bodies over this many bytes get 413: a prompt must also fit in one bus message.
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    # /health counts an engine as ready only if its last EngineStats (sent every
+    # second) said so within this many seconds.
+    engine_ready_ttl: float = 3.0
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
             raise ConfigError(f"served_model_names must be non-empty names, got {self.served_model_names!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("request_timeout", "tokenize_timeout", "health_timeout", "shutdown_timeout"):
+        if self.max_request_body_bytes < 1024:
+            raise ConfigError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
+        for name in ("request_timeout", "tokenize_timeout", "health_timeout", "shutdown_timeout",
+                     "engine_ready_ttl"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 

@@ -40,6 +40,11 @@ class EngineStatsStore:
     def update(self, stats: EngineStats) -> None:
         self._latest[stats.engine_id] = (time.monotonic(), stats)
 
+    def ready_engines(self, max_age: float) -> list[str]:
+        """Ids of the engines whose stats, at most ``max_age`` seconds old, say ready."""
+        cutoff = time.monotonic() - max_age
+        return [e for e, (seen, stats) in self._latest.items() if seen >= cutoff and stats.ready]
+
     def current(self) -> list[EngineStats]:
         cutoff = time.monotonic() - self.ttl
         for engine_id in [e for e, (seen, _) in self._latest.items() if seen < cutoff]:

@@ -17,13 +17,14 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from shared.protocol import ErrorInfo
 
-from .errors import ApiError, error_body, invalid, json_response
+from .errors import ApiError, error_body, json_response
 from .generation import Generation
+from .json_body import ClientGone, read_json
 from .openai_requests import GenerationRequest, parse_chat, parse_completion
 from .openai_responses import ChoiceResult, ResponseFormat, response_format
 from .service import GatewayService
@@ -36,23 +37,8 @@ DONE = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499
 
 
-class ClientGone(Exception):
-    """The HTTP client disconnected before the answer was ready."""
-
-
 def sse(obj) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
-
-
-async def read_json(request: Request):
-    try:
-        body = await request.body()
-    except ClientDisconnect:
-        raise ClientGone() from None
-    try:
-        return msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
-        raise invalid(f"the request body is not valid JSON: {e}") from None
 
 
 async def until_disconnected(request: Request, work: Awaitable):
@@ -114,7 +100,7 @@ class GenerationEndpoint:
             return Response(status_code=CLIENT_CLOSED)
 
     async def handle(self, request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_json(request, self.gateway.config.max_request_body_bytes)
         parsed = self.parse(body, self.gateway.config.served_model_names)
         generation = Generation(self.gateway, parsed, f"{self.id_prefix}-{uuid.uuid4().hex}")
         fmt = response_format(self.kind, generation.request_id, generation.created, parsed)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import httpx
 import openai
 import pytest
@@ -35,9 +38,18 @@ async def fake(nats_server):
     await engine.close()
 
 
+async def until_engine_ready(server: GatewayServer, timeout: float = 5.0) -> None:
+    """Until the gateway has heard the fake engine say ready (it says so every 0.5 s)."""
+    deadline = time.monotonic() + timeout
+    while not server.gateway.engine_stats.ready_engines(server.gateway.config.engine_ready_ttl):
+        assert time.monotonic() < deadline, "no ready engine announced"
+        await asyncio.sleep(0.02)
+
+
 @pytest.fixture(scope="module")
 async def gateway(nats_server, fake):
     async with GatewayServer(gateway_config(), nats_url=nats_server.url) as server:
+        await until_engine_ready(server)
         yield server
 
 

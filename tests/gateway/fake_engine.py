@@ -12,7 +12,9 @@ Control words in the prompt: ``REJECT`` (a 400 from the "tokenizer"),
 ``UNAVAILABLE`` (its 503), ``REJECTSECOND`` (refuse only sample 1), ``HANG``
 (two tokens, then nothing), ``FAIL`` (two tokens, then an engine error),
 ``SILENT`` (no tokenize reply at all).
-It records every request and every abort it sees.
+It records every request and every abort it sees, and says it is a ready engine
+(``EngineStats`` with ``ready=True``, engine id ``FAKE_ENGINE_ID``) every
+``STATS_INTERVAL`` seconds, as a scheduler does, so the gateway's /health is 200.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from shared.bus import Service
 from shared.protocol import (
     ABORT_REQUEST,
     ENGINE_ABORT,
+    ENGINE_STATS,
+    ENGINE_STATS_MSG,
     STREAM_DELTA_BATCH,
     TOKENIZE,
     TOKENIZE_REPLY,
     TOKENIZE_REQUEST,
+    EngineStats,
     ErrorInfo,
     FinishReason,
     StreamDelta,
@@ -41,6 +46,8 @@ from shared.protocol import (
     gateway_stream_subject,
 )
 
+FAKE_ENGINE_ID = "fake"
+STATS_INTERVAL = 0.5
 WORDS = "The quick brown fox jumps over the lazy dog .".split()
 REJECTION = ErrorInfo(
     "This model's maximum context length is 64 tokens. However, you requested 100 tokens.",
@@ -92,6 +99,13 @@ class FakeEngine(Service):
         await self.subscribe(TOKENIZE, self._on_tokenize, queue="tokenizer")
         await self.subscribe(ENGINE_ABORT, self._on_abort)
         await self.nc.flush()
+        self.spawn(self._announce_ready())
+
+    async def _announce_ready(self) -> None:
+        stats = ENGINE_STATS_MSG.encode(EngineStats(FAKE_ENGINE_ID, ready=True))
+        while True:
+            await self.nc.publish(ENGINE_STATS, stats)
+            await asyncio.sleep(STATS_INTERVAL)
 
     async def _notify(self) -> None:
         async with self._changed:

@@ -21,7 +21,7 @@ from services.gateway.server import GatewayServer
 from shared.nats_server import NatsServer, free_port
 from shared.protocol import ENGINE_STATS, ENGINE_STATS_MSG, EngineStats
 
-from .conftest import MODEL, gateway_config
+from .conftest import MODEL, gateway_config, until_engine_ready
 from .fake_engine import expected_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,6 +103,7 @@ async def test_no_tokenizer_is_503_at_once():
 
 async def test_api_key(nats_server, fake):
     async with GatewayServer(gateway_config(api_key="sekret"), nats_url=nats_server.url) as server:
+        await until_engine_ready(server)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
                 r = await http.get("/v1/models", headers=headers)
@@ -160,7 +161,7 @@ async def test_metrics(nats_server, gateway, client, http):
         assert values["natsllm:prefix_cache_queries_total"] == 110
         assert values["natsllm:prefix_cache_hits_total"] == 40
         assert values["natsllm:num_preemptions_total"] == 3
-        assert values["natsllm:num_engines"] == 2
+        assert values["natsllm:num_engines"] == 3  # and the fake engine
         # The gauges follow the latest message: closing streams frees the blocks.
         await publish("e0", kv_cache_usage_perc=0.0, prefix_cache_queries=100)
         await publish("e1", kv_cache_usage_perc=0.0, prefix_cache_queries=10)
