@@ -17,3 +17,6 @@ COPY services ./services
 COPY shared ./shared
 COPY kernels ./kernels
 RUN pip install --no-cache-dir --no-deps .
+# Services run as an unprivileged user; the C kernels are cached in its home.
+RUN useradd --create-home --uid 10001 natsllm
+USER natsllm

