@@ -2,7 +2,8 @@
 
 A service subclasses ``Service``, registers one async handler per subject in
 ``setup()`` (with a queue group where replicas share the work), and runs with
-``run_service``. The base connects to ``NATS_URL``, wraps every handler in one
+``run_service``. The base connects to ``NATS_URL`` (with the role's credentials
+from the environment, see ``shared/bus_auth.py``), wraps every handler in one
 error boundary (an exception is logged with the subject and counted, never
 kills the subscription), answers health pings on ``llm.ping.<service>``, and on
 SIGTERM/SIGINT drains the connection and exits.
@@ -20,6 +21,7 @@ import uuid
 import nats
 from nats.aio.msg import Msg
 
+from shared.bus_auth import connect_credentials
 from shared.protocol import PONG, Pong, ping_subject
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,7 @@ class Service:
             error_cb=on_error,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
+            **connect_credentials(),
         )
         await self.subscribe(ping_subject(self.name), self._on_ping, queue=self.name)
         await self.setup()

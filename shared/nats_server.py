@@ -16,6 +16,8 @@ import sysconfig
 import tempfile
 import time
 
+from shared.bus_auth import authorization_config, new_passwords, role_env
+
 MAX_PAYLOAD = 8 * 1024 * 1024
 
 
@@ -40,19 +42,31 @@ def free_port(host: str = "127.0.0.1") -> int:
 class NatsServer:
     """A nats-server child process; ``url`` is where clients connect."""
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", log_file: str | None = None) -> None:
+    def __init__(
+        self, port: int = 0, host: str = "127.0.0.1", log_file: str | None = None, authenticated: bool = False
+    ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.url = f"nats://{host}:{self.port}"
+        # With authentication, one user per service role (shared/bus_auth.py), fresh
+        # passwords per server; ``env_for(role)`` is what a process of that role needs.
+        self.passwords = new_passwords() if authenticated else {}
         self._dir = tempfile.mkdtemp(prefix="nats-")
         config = os.path.join(self._dir, "nats.conf")
-        with open(config, "w") as f:
+        # The config holds the passwords: readable by this user only.
+        with open(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(f"host: {host}\nport: {self.port}\nmax_payload: {MAX_PAYLOAD}\n")
+            if self.passwords:
+                f.write(authorization_config(self.passwords))
         log = open(log_file, "ab") if log_file else subprocess.DEVNULL
         self.process = subprocess.Popen(
             [find_nats_server(), "-c", config], stdout=log, stderr=log, start_new_session=True
         )
         self._wait_ready()
+
+    def env_for(self, role: str) -> dict[str, str]:
+        """Environment variables a process of ``role`` connects with ({} without authentication)."""
+        return role_env(role, self.passwords) if self.passwords else {}
 
     def _wait_ready(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
