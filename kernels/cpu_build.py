@@ -59,8 +59,15 @@ def _find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+def _trusted(path: Path) -> bool:
+    """A cached library is loaded only if this user owns it and nobody else can write it:
+    loading a planted .so would run its code in the worker."""
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _build(source: Path, compiler: str, flags: tuple[str, ...], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Build beside the target, then rename: concurrent builders never see half a file.
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
@@ -109,7 +116,7 @@ def load_library(name: str) -> ctypes.CDLL | None:
     ).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     try:
-        if not target.exists():
+        if not (target.exists() and _trusted(target)):
             _build(source, compiler, flags, target)
         return ctypes.CDLL(str(target))
     except subprocess.CalledProcessError as exc:

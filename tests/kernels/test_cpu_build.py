@@ -3,6 +3,7 @@ cache folder; without a compiler, or with the kernels turned off, no library (th
 callers then run their PyTorch paths)."""
 
 import logging
+import os
 
 import pytest
 
@@ -54,3 +55,24 @@ def test_a_failing_build_means_no_library(fresh, monkeypatch, caplog):
         assert cpu_build.load_library("paged_decode_attention") is None
     assert "failed" in caplog.text
     assert not list(fresh.iterdir()) or not list(fresh.glob("*.so"))
+
+
+def test_cache_folder_is_private_and_a_foreign_library_is_rebuilt(fresh, monkeypatch):
+    if cpu_build._find_compiler() is None:
+        pytest.skip("no C compiler here")
+    cache = fresh / "kernels"
+    monkeypatch.setenv("NATSLLM_KERNEL_CACHE", str(cache))
+    assert cpu_build.load_library("rms_norm") is not None
+    assert cache.stat().st_mode & 0o777 == 0o700
+    [built] = cache.glob("rms_norm-*.so")
+    planted = b"not a library"
+    tampers = [lambda p: p.chmod(0o666)]
+    if os.getuid() == 0:  # only root can hand a file to another user
+        tampers.append(lambda p: os.chown(p, 12345, -1))
+    for tamper in tampers:
+        built.write_bytes(planted)
+        tamper(built)
+        cpu_build.load_library.cache_clear()
+        lib = cpu_build.load_library("rms_norm")
+        assert lib is not None, "an untrusted cached library must be rebuilt, not loaded or given up"
+        assert built.read_bytes() != planted and built.stat().st_uid == os.getuid()
