@@ -248,6 +248,10 @@ class TokenizeReply(msgspec.Struct, omit_defaults=True):
     request_id: str
     num_prompt_tokens: int = 0
     error: ErrorInfo | None = None
+    # The engine that queued the request, as in its EngineRequestReply: the gateway
+    # fails the request at once when that engine restarts or goes silent.
+    engine_id: str = ""
+    incarnation: str = ""
 
 
 class EngineRequestReply(msgspec.Struct, omit_defaults=True):
@@ -255,6 +259,9 @@ class EngineRequestReply(msgspec.Struct, omit_defaults=True):
 
     request_id: str
     error: ErrorInfo | None = None
+    engine_id: str = ""
+    # Random per scheduler process: a restarted scheduler has a new one (EngineStats too).
+    incarnation: str = ""
 
 
 class EngineOutputBatch(msgspec.Struct, array_like=True, gc=False):
@@ -310,6 +317,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     generation_tokens_total: int = 0
     ready: bool = False
     timestamp: float = 0.0
+    incarnation: str = ""
 
 
 class WorkerReady(msgspec.Struct, omit_defaults=True):

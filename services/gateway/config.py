@@ -35,8 +35,15 @@ class GatewayConfig:
     # /health counts an engine as ready only if its last EngineStats (sent every
     # second) said so within this many seconds.
     engine_ready_ttl: float = 3.0
+    # An engine silent for this long (schedulers send stats every second) has died:
+    # its open requests fail with 503 instead of waiting for request_timeout.
+    engine_heartbeat_timeout: float = 5.0
+    # A stream with no output for this long ends with 504 (0: only request_timeout).
+    stream_idle_timeout: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.stream_idle_timeout < 0:
+            raise ConfigError(f"stream_idle_timeout must be >= 0 seconds, got {self.stream_idle_timeout}")
         if not self.served_model_names or not all(self.served_model_names):
             raise ConfigError(f"served_model_names must be non-empty names, got {self.served_model_names!r}")
         if not 0 <= self.port < 65536:
@@ -44,7 +51,7 @@ class GatewayConfig:
         if self.max_request_body_bytes < 1024:
             raise ConfigError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
         for name in ("request_timeout", "tokenize_timeout", "health_timeout", "shutdown_timeout",
-                     "engine_ready_ttl"):
+                     "engine_ready_ttl", "engine_heartbeat_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 

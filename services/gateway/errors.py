@@ -85,5 +85,14 @@ def request_timeout(seconds: float) -> ApiError:
     return ApiError(f"the request did not finish within {seconds:g}s", status=504, type="timeout")
 
 
+def engine_lost(engine_id: str, why: str) -> ApiError:
+    return ApiError(f"engine {engine_id} {why}; the request was lost, send it again", status=503,
+                    type="service_unavailable", code="engine_lost")
+
+
+def stream_idle(seconds: float) -> ApiError:
+    return ApiError(f"no output for {seconds:g}s; the request was ended", status=504, type="timeout")
+
+
 def shutting_down() -> ApiError:
     return ApiError("the gateway is shutting down", status=503, type="service_unavailable")

@@ -5,7 +5,8 @@ A request with ``P`` prompts and ``n`` samples becomes ``P * n`` engine requests
 ``seed + i``). ``start()`` tokenizes them all at once; if any is refused, the
 request fails with the first refusal (by choice index) and ``close()`` aborts the
 ones accepted. ``events()`` yields every choice's in-order deltas as they come,
-until all choices end or the request's deadline passes, and records the
+until all choices end, the request's deadline passes or, once tokens flow, none
+comes for ``stream_idle_timeout`` seconds, and records the
 gateway-side metrics. ``close()`` (always called) aborts in the engine whatever
 the engine has not ended itself: client gone, timeout, error, shutdown.
 """
@@ -19,7 +20,7 @@ from collections.abc import AsyncIterator
 from shared.aio import wait_for
 from shared.protocol import ErrorInfo, FinishReason, StreamDelta, TokenizeRequest
 
-from .errors import ApiError, request_timeout
+from .errors import ApiError, request_timeout, stream_idle
 from .openai_requests import GenerationRequest
 from .service import GatewayService
 from .streams import RequestStream
@@ -86,20 +87,30 @@ class Generation:
     async def events(self) -> AsyncIterator[Event]:
         """Each choice's deltas in token order, the choices interleaved as they arrive; a
         choice's last event has a finish reason or is an ``ErrorInfo``."""
+        config = self.gateway.config
         remaining = len(self.streams)
         timed_out = False
+        last_output: float | None = None  # the idle timeout is armed by the first token
         while remaining:
-            # After the deadline every unfinished stream holds its error event: no wait.
-            timeout = None if timed_out else max(0.0, self.deadline - time.monotonic())
+            # After a timeout every unfinished stream holds its error event: no wait.
+            deadline = self.deadline
+            if config.stream_idle_timeout and last_output is not None:
+                deadline = min(deadline, last_output + config.stream_idle_timeout)
+            timeout = None if timed_out else max(0.0, deadline - time.monotonic())
             try:
                 stream, item = await wait_for(self._events.get(), timeout)
             except asyncio.TimeoutError:
                 timed_out = True
-                error = request_timeout(self.gateway.config.request_timeout).info
+                if time.monotonic() >= self.deadline:
+                    error = request_timeout(config.request_timeout).info
+                else:
+                    error = stream_idle(config.stream_idle_timeout).info
                 for s in self.streams:
                     s.fail(error)
                 continue
             now = time.monotonic()
+            if not isinstance(item, ErrorInfo) and item.num_tokens:
+                last_output = now
             if isinstance(item, ErrorInfo):
                 remaining -= 1
                 self.gateway.metrics.finished("error", now - self.arrival)

@@ -45,6 +45,11 @@ class EngineStatsStore:
         cutoff = time.monotonic() - max_age
         return [e for e, (seen, stats) in self._latest.items() if seen >= cutoff and stats.ready]
 
+    def last_seen(self, engine_id: str) -> float:
+        """When ``engine_id``'s last stats arrived (monotonic; 0 if never)."""
+        seen = self._latest.get(engine_id)
+        return seen[0] if seen else 0.0
+
     def current(self) -> list[EngineStats]:
         cutoff = time.monotonic() - self.ttl
         for engine_id in [e for e, (seen, _) in self._latest.items() if seen < cutoff]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 from nats.aio.msg import Msg
@@ -38,7 +39,7 @@ from shared.protocol import (
 )
 
 from .config import GatewayConfig
-from .errors import ApiError, bus_unavailable, no_tokenizer, shutting_down, tokenizer_timeout
+from .errors import ApiError, bus_unavailable, engine_lost, no_tokenizer, shutting_down, tokenizer_timeout
 from .metrics import EngineStatsStore, GatewayMetrics
 from .streams import RequestStream
 
@@ -67,6 +68,7 @@ class GatewayService(Service):
     async def setup(self) -> None:
         await self.subscribe(gateway_stream_subject(self.gateway_id), self._on_deltas)
         await self.subscribe(ENGINE_STATS, self._on_stats)
+        self.spawn(self._watch_engines())
         # The server has our stream subscription before any tokenize request leaves.
         await self.nc.flush()
 
@@ -91,6 +93,35 @@ class GatewayService(Service):
             logger.warning("malformed engine stats message: %s", e)
             return
         self.engine_stats.update(stats)
+        if stats.incarnation:
+            self._fail_requests_of(stats.engine_id, "restarted", lambda s: s.incarnation != stats.incarnation)
+
+    # ------------------------------------------------------------------ lost engines
+
+    def _fail_requests_of(self, engine_id: str, why: str, which) -> None:
+        """End (503) and abort every open request that ``engine_id`` holds and ``which`` picks."""
+        lost = [s for s in self.streams.values() if s.engine_id == engine_id and s.incarnation and which(s)]
+        if not lost:
+            return
+        logger.warning("engine %s %s: failing its %d open request(s)", engine_id, why, len(lost))
+        error = engine_lost(engine_id, why).info
+        for stream in lost:
+            stream.fail(error)
+
+    async def _watch_engines(self) -> None:
+        """A scheduler sends EngineStats every second: one silent for longer than
+        ``engine_heartbeat_timeout`` has died, and its requests would never end."""
+        timeout = self.config.engine_heartbeat_timeout
+        while True:
+            await asyncio.sleep(min(0.5, timeout / 4))
+            now = time.monotonic()
+            for engine_id in {s.engine_id for s in self.streams.values() if s.incarnation}:
+                last = self.engine_stats.last_seen(engine_id)
+
+                def silent(s, last=last):
+                    return now - max(last, s.accepted_at) > timeout
+
+                self._fail_requests_of(engine_id, f"sent no heartbeat for {timeout:g}s", silent)
 
     # ------------------------------------------------------------------ outbound
 
@@ -125,6 +156,8 @@ class GatewayService(Service):
         reply = TOKENIZE_REPLY.decode(msg.data)
         if reply.error is not None:
             raise ApiError.from_info(reply.error)
+        stream.engine_id, stream.incarnation = reply.engine_id, reply.incarnation
+        stream.accepted_at = time.monotonic()
         return reply
 
     def release(self, stream: RequestStream) -> None:

@@ -25,7 +25,7 @@ class RequestStream:
 
     __slots__ = (
         "request_id", "index", "prompt_index", "next_offset", "finished", "engine_done", "finish_reason",
-        "num_prompt_tokens", "num_cached_tokens", "_pending", "_sink",
+        "num_prompt_tokens", "num_cached_tokens", "engine_id", "incarnation", "accepted_at", "_pending", "_sink",
     )
 
     def __init__(self, request_id: str, index: int, prompt_index: int, sink: asyncio.Queue) -> None:
@@ -38,6 +38,10 @@ class RequestStream:
         self.finish_reason = FinishReason.NONE
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        # The engine holding the request (from the tokenize reply), watched by the gateway.
+        self.engine_id = ""
+        self.incarnation = ""
+        self.accepted_at = 0.0
         self._pending: dict[int, list[StreamDelta]] = {}
         self._sink = sink
 

@@ -11,7 +11,9 @@ a repeated delta and a delta for an unknown request mixed in.
 Control words in the prompt: ``REJECT`` (a 400 from the "tokenizer"),
 ``UNAVAILABLE`` (its 503), ``REJECTSECOND`` (refuse only sample 1), ``HANG``
 (two tokens, then nothing), ``FAIL`` (two tokens, then an engine error),
-``SILENT`` (no tokenize reply at all).
+``SILENT`` (no tokenize reply at all), ``GHOST`` (queued by engine "ghost", which
+never sends stats). Other requests are queued by engine ``FAKE_ENGINE_ID`` under
+the fake's current ``incarnation`` (a test changes it to play a restarted scheduler).
 It records every request and every abort it sees, and says it is a ready engine
 (``EngineStats`` with ``ready=True``, engine id ``FAKE_ENGINE_ID``) every
 ``STATS_INTERVAL`` seconds, as a scheduler does, so the gateway's /health is 200.
@@ -94,6 +96,7 @@ class FakeEngine(Service):
         self.requests: list[TokenizeRequest] = []
         self.aborted: list[str] = []
         self._changed = asyncio.Condition()
+        self.incarnation = "fake-1"
 
     async def setup(self) -> None:
         await self.subscribe(TOKENIZE, self._on_tokenize, queue="tokenizer")
@@ -101,10 +104,13 @@ class FakeEngine(Service):
         await self.nc.flush()
         self.spawn(self._announce_ready())
 
+    async def announce(self) -> None:
+        stats = EngineStats(FAKE_ENGINE_ID, ready=True, incarnation=self.incarnation)
+        await self.nc.publish(ENGINE_STATS, ENGINE_STATS_MSG.encode(stats))
+
     async def _announce_ready(self) -> None:
-        stats = ENGINE_STATS_MSG.encode(EngineStats(FAKE_ENGINE_ID, ready=True))
         while True:
-            await self.nc.publish(ENGINE_STATS, stats)
+            await self.announce()
             await asyncio.sleep(STATS_INTERVAL)
 
     async def _notify(self) -> None:
@@ -154,7 +160,9 @@ class FakeEngine(Service):
         bogus = StreamDelta("no-such-request", 0, 1, "junk")
         # Half the output before the tokenize reply: the engine can be faster than the reply.
         await self.publish(subject, shuffled[:half] + [bogus])
-        await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, num_prompt_tokens)))
+        engine, incarnation = ("ghost", "ghost-1") if "GHOST" in words else (FAKE_ENGINE_ID, self.incarnation)
+        reply = TokenizeReply(request.request_id, num_prompt_tokens, engine_id=engine, incarnation=incarnation)
+        await msg.respond(TOKENIZE_REPLY.encode(reply))
         rest = shuffled[half:]
         for i in range(0, len(rest), 2):
             await self.publish(subject, rest[i : i + 2])
@@ -171,7 +179,7 @@ class FakeEngine(Service):
         texts = list(tokens)
         finish = FinishReason.STOP
         error = ""
-        if "HANG" in words or "FAIL" in words:
+        if "HANG" in words or "FAIL" in words or "GHOST" in words:
             tokens, texts = tokens[:2], texts[:2]
             finish = FinishReason.NONE
             error = "the engine failed: FAIL" if "FAIL" in words else ""

@@ -1,0 +1,75 @@
+"""Requests never wait out the request timeout for an engine that is gone: a restarted
+scheduler (new incarnation) or a silent one fails its open requests at once with 503,
+and a stream whose tokens stop flowing ends after ``stream_idle_timeout``."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+from services.gateway.server import GatewayServer
+
+from .conftest import MODEL, gateway_config, until_engine_ready
+
+
+async def stream_events(http: httpx.AsyncClient, prompt: str) -> tuple[list[dict], float]:
+    """Every data event of a streamed completion, and the seconds from its first token to its end."""
+    events, first = [], None
+    body = {"model": MODEL, "prompt": prompt, "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[len("data: "):]))
+                if first is None:
+                    first = time.monotonic()
+    return events, time.monotonic() - first
+
+
+async def test_restarted_scheduler_fails_its_requests_at_once(gateway, fake, http):
+    async def restart_soon():
+        await fake.wait_for(lambda: fake.requests_with("restart"))
+        fake.incarnation = "fake-2"
+        await fake.announce()
+
+    task = gateway.gateway.spawn(restart_soon())
+    events, _ = await stream_events(http, "HANG restart")
+    await task
+    assert events[0]["choices"][0]["text"].startswith("[HANG]")
+    error = events[-1]["error"]
+    assert error["code"] == "engine_lost" and "restarted" in error["message"]
+    [request] = fake.requests_with("restart")
+    await fake.wait_for(lambda: request.request_id in fake.aborted)
+    # The new incarnation serves new requests.
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "after", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "[after] The quick"
+
+
+async def test_silent_engine_fails_its_requests(nats_server, fake):
+    config = gateway_config(engine_heartbeat_timeout=1.0)
+    async with GatewayServer(config, nats_url=nats_server.url) as server:
+        await until_engine_ready(server)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
+            start = time.monotonic()
+            events, _ = await stream_events(http, "GHOST silent")
+            assert time.monotonic() - start < 5
+            error = events[-1]["error"]
+            assert error["code"] == "engine_lost" and "no heartbeat" in error["message"]
+            # The fake engine, which does send stats, keeps its requests.
+            r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "alive", "max_tokens": 2})
+            assert r.status_code == 200
+        assert server.gateway.streams == {}
+
+
+async def test_stream_idle_timeout(nats_server, fake):
+    config = gateway_config(stream_idle_timeout=0.5)
+    async with GatewayServer(config, nats_url=nats_server.url) as server:
+        await until_engine_ready(server)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
+            events, idle = await stream_events(http, "HANG idle")
+            assert events[-1]["error"]["type"] == "timeout" and "no output for 0.5s" in events[-1]["error"]["message"]
+            assert 0.4 < idle < 5
+            r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "HANG idle2"})
+            assert r.status_code == 504 and "no output" in r.json()["error"]["message"]
