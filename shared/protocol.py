@@ -125,6 +125,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_computed_tokens: int
     # Masked while fewer than min_tokens were generated.
     eos_token_id: int | None = None
+    # Tokens already generated, for a request resumed on restarted workers: they are
+    # recomputed with the prompt and count as output (penalties, min_tokens).
+    output_token_ids: list[int] = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -157,6 +160,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     finished_req_ids: list[str] = []
     # The first step of a (re)started scheduler: workers drop every cached request.
     reset_state: bool = False
+    # Random per scheduler process (EngineStats.incarnation): step ids restart at 1
+    # with each one, so a result is matched by (incarnation, step_id).
+    incarnation: str = ""
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
@@ -178,6 +184,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     error: str = ""
     # Seconds per worker phase (shared/step_profile.WORKER_PHASES), when profiling.
     timings: list[float] = []
+    # The incarnation of the step this answers (SchedulerOutput.incarnation).
+    incarnation: str = ""
 
 
 # --------------------------------------------------------------------------- outputs

@@ -85,6 +85,24 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def resume_requests(self, requests: list[Request]) -> list[Request]:
+        """Take over the unfinished requests of an engine whose workers died: each is
+        recomputed from its prompt and the tokens it already generated (as after a
+        preemption, but sent to the new workers as new requests with those tokens), so
+        its output continues where the client's stream stopped. Returns the requests
+        this engine cannot hold (longer than its max_model_len)."""
+        refused = []
+        for request in requests:
+            if request.num_tokens >= self.max_model_len or request.request_id in self.requests:
+                refused.append(request)
+                continue
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
+            self.requests[request.request_id] = request
+            self.waiting.append(request)
+        return refused
+
     def abort_requests(self, request_ids) -> list[Request]:
         """Finish the named requests now, freeing their blocks. Unknown ids are ignored."""
         aborted = []
@@ -217,6 +235,7 @@ class Scheduler:
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
                     eos_token_id=request.eos_token_id,
+                    output_token_ids=request.output_token_ids,
                 )
             )
             self._sent_to_workers.add(request.request_id)
