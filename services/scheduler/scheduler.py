@@ -51,6 +51,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        first_step_id: int = 1,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -66,7 +67,10 @@ class Scheduler:
         # Requests the workers hold state for; they are told when it can go.
         self._sent_to_workers: set[str] = set()
         self._finished_req_ids: set[str] = set()
-        self._step_id = 0
+        # Step ids keep rising across the schedulers one service process makes (one per
+        # set of workers), so a late result of a dead set never matches a new step.
+        self._step_id = first_step_id - 1
+        self._first_step_id = first_step_id
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ intake
@@ -84,6 +88,10 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    @property
+    def last_step_id(self) -> int:
+        return self._step_id
 
     def resume_requests(self, requests: list[Request]) -> list[Request]:
         """Take over the unfinished requests of an engine whose workers died: each is
@@ -260,7 +268,7 @@ class Scheduler:
             num_scheduled_tokens=[num_scheduled[r] for r in order],
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
-            reset_state=self._step_id == 1,
+            reset_state=self._step_id == self._first_step_id,
         )
 
     def _preempt(self, request: Request) -> None:

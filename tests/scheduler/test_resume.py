@@ -18,11 +18,11 @@ def test_unfinished_requests_resume_where_their_output_stopped():
     before = {r.request_id: list(r.output_token_ids) for r in old.requests.values()}
     assert all(len(tokens) == 3 for tokens in before.values())
 
-    new = make_scheduler(num_blocks=32, max_num_batched_tokens=64)
+    new = make_scheduler(num_blocks=32, max_num_batched_tokens=64, first_step_id=old.last_step_id + 1)
     survivors = list(old.running) + list(old.waiting)
     assert new.resume_requests(survivors) == []
     out, results = run_step(new, token_of=lambda req_id: 7)
-    assert out.reset_state and out.step_id == 1
+    assert out.reset_state and out.step_id == 5  # step ids go on: old results never match
     # Sent as new requests, with the tokens they generated, recomputed whole.
     sent = {r.req_id: r for r in out.scheduled_new_reqs}
     assert {k: v.output_token_ids for k, v in sent.items()} == before
@@ -35,7 +35,8 @@ def test_unfinished_requests_resume_where_their_output_stopped():
         assert output.window_offset + len(output.window_token_ids) == 4
     b = new.requests["b"]
     assert b.num_output_tokens == 4 and b.status == RequestStatus.RUNNING
-    run_step(new)
+    out, _ = run_step(new)
+    assert not out.reset_state and out.step_id == 6
     assert "b" not in new.requests  # max_tokens=5 counts the tokens from before the restart
     assert new.kv_cache_manager.usage() > 0
     new.abort_requests(list(new.requests))

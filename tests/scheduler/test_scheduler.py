@@ -11,8 +11,8 @@ BS = 4
 EOS = 2
 
 
-def make_scheduler(num_blocks=64, max_model_len=256, **kw):
-    return Scheduler(SchedulerConfig(**kw), CacheConfig(block_size=BS), num_blocks, max_model_len)
+def make_scheduler(num_blocks=64, max_model_len=256, first_step_id=1, **kw):
+    return Scheduler(SchedulerConfig(**kw), CacheConfig(block_size=BS), num_blocks, max_model_len, first_step_id)
 
 
 def make_request(req_id, n_prompt, **params):
