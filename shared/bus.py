@@ -27,6 +27,7 @@ from shared.protocol import PONG, Pong, ping_subject
 logger = logging.getLogger(__name__)
 
 TASK_STOP_TIMEOUT = 5.0  # seconds close() waits for the service's cancelled tasks
+DRAIN_TIMEOUT = 2.0  # seconds close() gives the NATS connection to drain
 
 
 def default_nats_url() -> str:
@@ -124,8 +125,12 @@ class Service:
                 logger.warning("%s %s: task %r did not stop when cancelled", self.name, self.instance_id, task)
         await self.cleanup()
         if self.nc is not None and not self.nc.is_closed:
-            with contextlib.suppress(Exception):
-                await self.nc.drain()
+            # With the server gone, drain would wait for a reconnect that never comes.
+            try:
+                await asyncio.wait_for(self.nc.drain(), DRAIN_TIMEOUT)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    await self.nc.close()
         logger.info("%s %s: stopped", self.name, self.instance_id)
 
     async def run(self) -> None:

@@ -1,0 +1,154 @@
+"""Keeps a set of child processes alive: restarts one that dies, stops all on request.
+
+The launcher (``services/launch/stack.py``) starts every service through a
+``Supervisor``. A child that exits is started again with the same command after a
+backoff (0.5 s, doubling up to 10 s while it keeps dying young; a child that ran for
+``stable_after`` seconds starts over at 0.5 s), with a log line and a count per
+service. ``stop()`` ends everything within its timeout: SIGTERM to each child's
+process group, SIGKILL to what is left at the deadline.
+
+Children die with the launcher even when it is SIGKILLed: each is started with the
+parent-death signal set to SIGKILL (Linux ``prctl(PR_SET_PDEATHSIG)``). That signal
+fires when the *thread* that started the child ends, so children are started only from
+the thread that runs the supervisor for its whole life.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+BACKOFF_INITIAL = 0.5
+BACKOFF_MAX = 10.0
+
+
+def _die_with_parent(parent_pid: int):
+    """A ``preexec_fn``: SIGKILL this child when its parent goes (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    log_path: str | None = None
+    process: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff: float = BACKOFF_INITIAL
+    restart_at: float | None = None  # when a dead child is due to start again
+    exit_codes: list[int] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+class Supervisor:
+    def __init__(self, stable_after: float = 30.0, backoff_max: float = BACKOFF_MAX) -> None:
+        self.children: dict[str, Child] = {}
+        self.stable_after = stable_after
+        self.backoff_max = backoff_max
+        self.stopping = False
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], cwd: str,
+              log_path: str | None = None) -> subprocess.Popen:
+        child = self.children.get(name) or Child(name, argv, env, cwd, log_path)
+        self.children[name] = child
+        self._spawn(child)
+        return child.process
+
+    def _spawn(self, child: Child) -> None:
+        # Without a log file the child logs to this terminal.
+        out = open(child.log_path, "ab") if child.log_path else None
+        try:
+            child.process = subprocess.Popen(
+                child.argv, cwd=child.cwd, env=child.env, stdout=out,
+                stderr=subprocess.STDOUT if out is not None else None,
+                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
+            )
+        finally:
+            if out is not None:
+                out.close()
+        child.started_at = time.monotonic()
+        child.restart_at = None
+
+    def dead(self) -> dict[str, int]:
+        """Children that exited and are not (yet) running again, with their exit codes."""
+        return {c.name: c.process.returncode for c in self.children.values()
+                if c.process is not None and c.process.poll() is not None}
+
+    def restart_counts(self) -> dict[str, int]:
+        return {name: c.restarts for name, c in self.children.items()}
+
+    def poll(self) -> list[str]:
+        """Schedule and perform due restarts; returns the names started again now."""
+        if self.stopping:
+            return []
+        now = time.monotonic()
+        restarted = []
+        for child in self.children.values():
+            if child.process is None or child.process.poll() is None:
+                continue
+            if child.restart_at is None:
+                code = child.process.returncode
+                child.exit_codes.append(code)
+                if now - child.started_at >= self.stable_after:
+                    child.backoff = BACKOFF_INITIAL
+                child.restart_at = now + child.backoff
+                logger.warning("service %s exited with %s after %.1fs; restarting in %.1fs",
+                               child.name, code, now - child.started_at, child.backoff)
+                child.backoff = min(child.backoff * 2, self.backoff_max)
+            if now >= child.restart_at:
+                child.restarts += 1
+                self._spawn(child)
+                logger.warning("service %s restarted (%d restart(s) so far)", child.name, child.restarts)
+                restarted.append(child.name)
+        return restarted
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to one child's process group (fault-injection tests)."""
+        child = self.children[name]
+        if child.alive:
+            os.killpg(child.process.pid, sig)
+
+    def stop(self, timeout: float = 8.0) -> None:
+        """SIGTERM every child, SIGKILL what is left after ``timeout`` seconds."""
+        self.stopping = True
+        running = [c.process for c in self.children.values() if c.alive]
+        for process in running:
+            _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for process in running:
+            try:
+                process.wait(max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass

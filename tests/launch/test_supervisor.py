@@ -1,0 +1,89 @@
+"""The launcher's supervisor with real child processes: restart with backoff, stop within
+its timeout, and children that die with a SIGKILLed launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from services.launch.supervisor import Supervisor
+
+ROOT = Path(__file__).resolve().parents[2]
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def until(predicate, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+    return value
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not reaped by its dead parent's reaper yet) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_dead_child_is_restarted_with_backoff_and_counted():
+    sup = Supervisor()
+    try:
+        first = sup.start("sleeper", SLEEPER, dict(os.environ), str(ROOT))
+        sup.kill("sleeper")
+        first.wait()
+        assert sup.dead() == {"sleeper": -signal.SIGKILL}
+        assert sup.poll() == []  # not before the backoff
+        restarted = until(lambda: sup.poll(), timeout=5)
+        assert restarted == ["sleeper"] and sup.restart_counts() == {"sleeper": 1}
+        second = sup.children["sleeper"].process
+        assert second.pid != first.pid and second.poll() is None and sup.dead() == {}
+        # Dying young again doubles the wait.
+        assert sup.children["sleeper"].backoff == 1.0
+    finally:
+        sup.stop()
+
+
+def test_stop_ends_everything_within_its_timeout_even_a_child_ignoring_sigterm():
+    stubborn = [sys.executable, "-c",
+                "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"]
+    sup = Supervisor()
+    sup.start("polite", SLEEPER, dict(os.environ), str(ROOT))
+    process = sup.start("stubborn", stubborn, dict(os.environ), str(ROOT))
+    time.sleep(0.5)  # let the stubborn child install its handler
+    start = time.monotonic()
+    sup.stop(timeout=1.0)
+    assert time.monotonic() - start < 3.0
+    assert process.returncode == -signal.SIGKILL
+    assert sup.children["polite"].process.returncode == -signal.SIGTERM
+    assert sup.poll() == []  # nothing restarts once stopping
+
+
+def test_children_die_with_a_sigkilled_launcher(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from services.launch.supervisor import Supervisor
+        sup = Supervisor()
+        for name in ("a", "b"):
+            p = sup.start(name, {SLEEPER!r}, dict(os.environ), {str(ROOT)!r})
+            print(p.pid, flush=True)
+        time.sleep(120)
+    """)
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(launcher.stdout.readline()) for _ in range(2)]
+    assert all(pid_alive(pid) for pid in pids)
+    launcher.kill()
+    launcher.wait()
+    until(lambda: not any(pid_alive(pid) for pid in pids), timeout=5)
