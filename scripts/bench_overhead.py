@@ -44,10 +44,11 @@ from shared.protocol import (  # noqa: E402
     SchedulerOutput,
     engine_profile_subject,
 )
+from shared.step_profile import WORKER_PHASES  # noqa: E402
 
+# In the order a step goes through them.
 ENGINE_PHASES = [
-    "idle", "schedule", "encode", "bus_round_trip", "decode", "update_states", "prepare_inputs",
-    "forward", "sampling", "output", "result_decode", "update", "publish_outputs",
+    "idle", "schedule", "encode", "bus_round_trip", *WORKER_PHASES, "result_decode", "update", "publish_outputs",
 ]
 
 

@@ -8,16 +8,15 @@ default) step N+1 is scheduled and published before step N's result is awaited.
 While steps run, the event loop keeps taking requests and aborts; they join the next
 step scheduled.
 
-The engine accepts requests only once every worker rank has announced itself;
-the KV cache size is the smallest any rank reported. A step that gets no answer
-within ``step_timeout`` fails the in-flight requests with a clear error and puts
-the engine back to waiting for its workers.
+The engine accepts requests only once every worker rank has announced itself
+(membership and heartbeats: ``workers.py``). A step that gets no answer within
+``step_timeout``, a silent rank or a restarted one fails the in-flight requests with
+a clear error and puts the engine back to waiting for its workers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import deque
@@ -55,10 +54,11 @@ from shared.protocol import (
     engine_step_subject,
 )
 
-from shared.step_profile import NULL_CLOCK, SCHEDULER_PHASES, WORKER_PHASES, NullClock, PhaseClock, StepProfile
+from shared.step_profile import NULL_CLOCK, NullClock, PhaseClock, StepProfile
 
 from .request import Request
 from .scheduler import RequestRejected, Scheduler
+from .workers import Arrival, WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +102,7 @@ class SchedulerService(Service):
         self.stats_interval = stats_interval
         self.worker_timeout = worker_timeout
         self.scheduler: Scheduler | None = None
-        self.workers: dict[int, object] = {}
-        self._last_seen: dict[int, float] = {}
-        self._retired: set[str] = set()
+        self.workers = WorkerGroup(self.world_size, self.cache_config.block_size, self.worker_timeout)
         self._early_aborts: dict[str, float] = {}
         self._work = asyncio.Event()
         # Steps sent and not answered yet, by step id (two at most with async scheduling).
@@ -112,7 +110,6 @@ class SchedulerService(Service):
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.profile = StepProfile() if profile else None
-        self._idle_since: float | None = None
 
     @property
     def ready(self) -> bool:
@@ -136,40 +133,32 @@ class SchedulerService(Service):
 
     async def _on_worker_ready(self, msg: Msg) -> None:
         ready = WORKER_READY.decode(msg.data)
-        if ready.world_size != self.world_size or ready.block_size != self.cache_config.block_size:
+        if not self.workers.fits(ready):
             logger.error(
                 "engine %s: worker rank %d reports world_size=%d block_size=%d, expected %d and %d",
                 self.engine_id, ready.rank, ready.world_size, ready.block_size,
-                self.world_size, self.cache_config.block_size,
+                self.workers.world_size, self.workers.block_size,
             )
             return
-        self._last_seen[ready.rank] = time.monotonic()
-        if ready.instance_id in self._retired:
-            return  # a survivor of a failed TP group: it exits and comes back anew
-        known = self.workers.get(ready.rank)
-        if known is not None and known.instance_id == ready.instance_id:
+        arrival = self.workers.announce(ready)
+        if arrival is Arrival.HEARTBEAT:
             return
-        if known is not None and self.ready:
-            # A rank restarted: its cached request state is gone.
+        if arrival is Arrival.RESTARTED and self.ready:
+            # Its cached request state is gone.
             self._fail_engine(f"worker rank {ready.rank} restarted")
-        self.workers[ready.rank] = ready
-        if len(self.workers) == self.world_size and not self.ready:
-            num_blocks = min(w.num_blocks for w in self.workers.values())
-            max_model_len = min(w.max_model_len for w in self.workers.values())
+        self.workers.join(ready)
+        if self.workers.complete and not self.ready:
+            num_blocks, max_model_len = self.workers.num_blocks, self.workers.max_model_len
             self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks, max_model_len)
             logger.info(
                 "engine %s ready: %d rank(s), %d KV blocks, max_model_len %d",
-                self.engine_id, self.world_size, num_blocks, self.scheduler.max_model_len,
+                self.engine_id, self.workers.world_size, num_blocks, self.scheduler.max_model_len,
             )
 
     def _fail_engine(self, reason: str) -> None:
         """Fail every request and wait for the workers to announce themselves again."""
         scheduler, self.scheduler = self.scheduler, None
-        if self.world_size > 1:
-            # The ranks' process group is broken: only a whole new set of ranks will do.
-            self._retired.update(w.instance_id for w in self.workers.values())
-        self.workers.clear()
-        self._last_seen.clear()
+        self.workers.retire()
         for future in self._pending_steps.values():
             if not future.done():
                 future.cancel()
@@ -277,9 +266,7 @@ class SchedulerService(Service):
     async def _send_step(self, scheduler: Scheduler, behind: _SentStep | None) -> _SentStep | None:
         """Schedule a step and publish it, or return None when there is nothing to send.
         ``behind``: the step still in flight ahead of it (no preemption meanwhile)."""
-        clock = PhaseClock() if self.profile is not None else NULL_CLOCK
-        if behind is None and self._idle_since is not None:
-            clock.durations["idle"] = time.perf_counter() - self._idle_since
+        clock = NULL_CLOCK if self.profile is None else self.profile.start_step(nothing_in_flight=behind is None)
         step = scheduler.schedule(allow_preemption=behind is None)
         clock.lap("schedule")
         if step.total_num_scheduled_tokens == 0 and not step.finished_req_ids:
@@ -319,46 +306,31 @@ class SchedulerService(Service):
             self.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
             await self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs)))
         clock.lap("publish_outputs")
+        more_work = scheduler.has_unfinished_requests()
         if self.profile is not None:
-            self._record_profile(step, result, result_decode, clock.durations)
-        if not scheduler.has_unfinished_requests():
+            num_reqs = len(step.scheduled_req_ids)
+            self.profile.end_step(num_reqs, clock.durations, result.timings, result_decode, more_work)
+        if not more_work:
             self._work.clear()
-            self._idle_since = None
-
-    def _record_profile(self, step, result, result_decode: float, durations: dict[str, float]) -> None:
-        # The round trip as measured here includes the worker's own work and the
-        # result's decoding; what remains is the bus.
-        worker = dict(zip(WORKER_PHASES, result.timings))
-        durations["result_decode"] = result_decode
-        durations["bus_round_trip"] -= sum(worker.values()) + result_decode
-        durations.update({f"worker_{k}" if k in SCHEDULER_PHASES else k: v for k, v in worker.items()})
-        self.profile.add(len(step.scheduled_req_ids), durations)
-        self._idle_since = time.perf_counter()
 
     async def _on_profile(self, msg: Msg) -> None:
-        """Answer with the profile summary; a request body {"reset": true} clears it first,
-        {"num_reqs": n} restricts the summary to steps of n requests."""
-        query = json.loads(msg.data or b"{}")
-        if query.get("reset"):
-            self.profile.clear()
-        await msg.respond(json.dumps(self.profile.summary(query.get("num_reqs"))).encode())
+        await msg.respond(self.profile.answer(msg.data))
 
     def _check_workers(self) -> None:
-        """Workers heartbeat with their ready message; a silent rank fails the engine."""
-        now = time.monotonic()
-        for rank in list(self.workers):
-            if now - self._last_seen.get(rank, now) > self.worker_timeout:
-                self._fail_engine(f"worker rank {rank} silent for more than {self.worker_timeout}s")
-                return
+        rank = self.workers.silent_rank()
+        if rank is not None:
+            self._fail_engine(f"worker rank {rank} silent for more than {self.workers.timeout}s")
 
     async def _stats_loop(self) -> None:
         while True:
             self._check_workers()
-            stats = EngineStats(engine_id=self.engine_id, ready=self.ready, timestamp=time.time(),
-                                prompt_tokens_total=self.prompt_tokens_total,
-                                generation_tokens_total=self.generation_tokens_total)
-            if self.scheduler is not None:
-                for key, value in self.scheduler.stats().items():
-                    setattr(stats, key, value)
+            stats = EngineStats(
+                engine_id=self.engine_id,
+                ready=self.ready,
+                timestamp=time.time(),
+                prompt_tokens_total=self.prompt_tokens_total,
+                generation_tokens_total=self.generation_tokens_total,
+                **(self.scheduler.stats() if self.scheduler is not None else {}),
+            )
             await self.nc.publish(ENGINE_STATS, ENGINE_STATS_MSG.encode(stats))
             await asyncio.sleep(min(self.stats_interval, self.worker_timeout / 3))

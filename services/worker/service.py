@@ -125,7 +125,7 @@ class WorkerService(Service):
     async def _on_step(self, msg: Msg) -> None:
         clock = PhaseClock(self._sync) if self.profile else NULL_CLOCK
         scheduler_output = SCHEDULER_OUTPUT.decode(msg.data)
-        clock.lap("decode")
+        clock.lap("unpack")
         loop = asyncio.get_running_loop()
         try:
             output = await loop.run_in_executor(

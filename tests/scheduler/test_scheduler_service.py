@@ -3,8 +3,9 @@
 The fake worker announces itself like a real one and answers every step with
 token 7 for each request whose prompt is complete; the test checks intake before
 and after the engine is ready, rejection, the step loop's outputs, early aborts,
-that a silent worker fails the engine's requests and closes intake, and that with
-async scheduling the next step reaches the worker before it answers the current one.
+that a silent or restarted worker fails the engine's requests, the engine's stats,
+and that with async scheduling the next step reaches the worker before it answers
+the current one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from shared.protocol import (
     ENGINE_REQUEST,
     ENGINE_REQUEST_REPLY,
     ENGINE_REQUESTS,
+    ENGINE_STATS,
+    ENGINE_STATS_MSG,
     MODEL_RUNNER_OUTPUT,
     SCHEDULER_OUTPUT,
     WORKER_READY,
@@ -135,6 +138,14 @@ async def outputs_until_finished(outputs: asyncio.Queue) -> list:
     return got
 
 
+async def first_error(outputs: asyncio.Queue):
+    """The first output that fails its request."""
+    while True:
+        out = await asyncio.wait_for(outputs.get(), 10)
+        if out.finish_reason == FinishReason.ERROR:
+            return out
+
+
 async def wait_for(predicate, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -186,13 +197,8 @@ async def test_a_silent_worker_fails_requests_and_closes_intake(bus):
     assert await submit(nc, "long", max_tokens=10_000) is None
     await wait_for(lambda: len(worker.steps) > 3)
     worker.beating = worker.answering = False  # it died
-    failed = None
-    deadline = time.monotonic() + 10
-    while failed is None and time.monotonic() < deadline:
-        out = await asyncio.wait_for(outputs.get(), 10)
-        if out.finish_reason == FinishReason.ERROR:
-            failed = out
-    assert failed is not None and "silent" in failed.error
+    failed = await first_error(outputs)
+    assert "silent" in failed.error
     error = await submit(nc, "after")
     assert error.status == 503
     # Whole again: the worker comes back (as a new instance after a restart).
@@ -200,6 +206,46 @@ async def test_a_silent_worker_fails_requests_and_closes_intake(bus):
     worker.beating = worker.answering = True
     await wait_for(lambda: service.ready)
     assert await submit(nc, "again") is None
+    worker.task.cancel()
+
+
+async def test_a_restarted_worker_fails_requests_and_rejoins(bus):
+    service, nc, outputs = bus
+    worker = FakeWorker(nc)
+    await worker.start()
+    await wait_for(lambda: service.ready)
+    worker.answering = False  # the request's step is still running when the worker restarts
+    assert await submit(nc, "long") is None
+    worker.ready.instance_id = "w2"
+    failed = await first_error(outputs)
+    assert failed.request_id == "long" and "restarted" in failed.error
+    # A single rank is the whole group: the new instance makes the engine ready again.
+    await wait_for(lambda: service.ready)
+    assert service.workers.members[0].instance_id == "w2"
+    assert await submit(nc, "again") is None
+    worker.task.cancel()
+
+
+async def test_stats_carry_the_schedulers_counts(bus):
+    service, nc, _ = bus
+    stats: asyncio.Queue = asyncio.Queue()
+
+    async def on_stats(msg):
+        stats.put_nowait(ENGINE_STATS_MSG.decode(msg.data))
+
+    await nc.subscribe(ENGINE_STATS, cb=on_stats)
+    worker = FakeWorker(nc)
+    worker.answering = False  # the request stays running
+    await worker.start()
+    await wait_for(lambda: service.ready)
+    assert await submit(nc, "a") is None
+    while True:
+        got = await asyncio.wait_for(stats.get(), 10)
+        if got.ready and got.prompt_tokens_total:
+            break
+    assert got.engine_id == ENGINE
+    assert (got.num_requests_running, got.num_requests_waiting, got.prompt_tokens_total) == (1, 0, 20)
+    assert got.kv_cache_usage_perc > 0
     worker.task.cancel()
 
 
