@@ -32,6 +32,7 @@ from shared.protocol import (
     engine_profile_subject,
     engine_ready_subject,
     engine_result_subject,
+    engine_retire_subject,
     engine_step_subject,
     gateway_stream_subject,
     ping_subject,
@@ -61,7 +62,10 @@ ROLES: dict[str, Permissions] = {
         subscribe=(DETOKENIZE, ping_subject("detokenizer")),
     ),
     "scheduler": Permissions(
-        publish=(engine_step_subject(ANY_ENGINE), engine_hello_subject(ANY_ENGINE), DETOKENIZE, ENGINE_STATS),
+        publish=(
+            engine_step_subject(ANY_ENGINE), engine_hello_subject(ANY_ENGINE), engine_retire_subject(ANY_ENGINE),
+            DETOKENIZE, ENGINE_STATS,
+        ),
         subscribe=(
             engine_ready_subject(ANY_ENGINE), engine_result_subject(ANY_ENGINE), ENGINE_REQUESTS,
             ENGINE_ABORT, engine_profile_subject(ANY_ENGINE), ping_subject("scheduler"),
@@ -70,7 +74,7 @@ ROLES: dict[str, Permissions] = {
     "worker": Permissions(
         publish=(engine_ready_subject(ANY_ENGINE), engine_result_subject(ANY_ENGINE)),
         subscribe=(
-            engine_step_subject(ANY_ENGINE), engine_hello_subject(ANY_ENGINE),
+            engine_step_subject(ANY_ENGINE), engine_hello_subject(ANY_ENGINE), engine_retire_subject(ANY_ENGINE),
             engine_ready_subject(ANY_ENGINE), ping_subject("worker"),
         ),
     ),

@@ -59,6 +59,11 @@ def engine_hello_subject(engine_id: str) -> str:
     return f"{SUBJECT_PREFIX}.engine.{engine_id}.hello"
 
 
+def engine_retire_subject(engine_id: str) -> str:
+    """The scheduler tells the ranks of a failed TP group to exit (and be restarted)."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.retire"
+
+
 def gateway_stream_subject(gateway_id: str) -> str:
     """Text deltas for the requests one gateway replica owns."""
     return f"{SUBJECT_PREFIX}.stream.{gateway_id}"
@@ -340,6 +345,13 @@ class WorkerReady(msgspec.Struct, omit_defaults=True):
     block_size: int
 
 
+class WorkerRetire(msgspec.Struct, omit_defaults=True):
+    """scheduler -> workers: these instances belong to a failed TP group and must exit."""
+
+    engine_id: str
+    instance_ids: list[str]
+
+
 class Ping(msgspec.Struct, omit_defaults=True):
     pass
 
@@ -382,4 +394,5 @@ ENGINE_OUTPUT_BATCH = Codec(EngineOutputBatch)
 STREAM_DELTA_BATCH = Codec(StreamDeltaBatch)
 ENGINE_STATS_MSG = Codec(EngineStats)
 WORKER_READY = Codec(WorkerReady)
+WORKER_RETIRE = Codec(WorkerRetire)
 PONG = Codec(Pong)

@@ -70,7 +70,9 @@ class Scheduler:
         # Step ids keep rising across the schedulers one service process makes (one per
         # set of workers), so a late result of a dead set never matches a new step.
         self._step_id = first_step_id - 1
-        self._first_step_id = first_step_id
+        # The first step sent resets the workers' state; an empty step is never sent, so
+        # it takes neither a step id nor the reset.
+        self._reset_pending = True
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ intake
@@ -257,9 +259,12 @@ class Scheduler:
             )
             cached.num_computed_tokens.append(request.num_computed_tokens)
         order = [r.request_id for r in scheduled_new] + cached.req_ids
-        self._step_id += 1
         finished = sorted(self._finished_req_ids)
         self._finished_req_ids.clear()
+        reset_state = False
+        if order or finished:
+            self._step_id += 1
+            reset_state, self._reset_pending = self._reset_pending, False
         return SchedulerOutput(
             step_id=self._step_id,
             scheduled_new_reqs=new_reqs,
@@ -268,7 +273,7 @@ class Scheduler:
             num_scheduled_tokens=[num_scheduled[r] for r in order],
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
-            reset_state=self._step_id == self._first_step_id,
+            reset_state=reset_state,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -10,8 +10,18 @@ step scheduled.
 
 The engine accepts requests only once every worker rank has announced itself
 (membership and heartbeats: ``workers.py``). A step that gets no answer within
-``step_timeout``, a silent rank or a restarted one fails the in-flight requests with
-a clear error and puts the engine back to waiting for its workers.
+``step_timeout``, a silent rank or a restarted one puts the engine back to waiting
+for its workers; its unfinished requests wait too (up to ``RESUME_TIMEOUT``) and
+resume on the new workers, recomputed from prompt + generated tokens, so their
+streams go on where they stopped. A worker's error answer, or an exception in the
+step loop, fails the in-flight requests with a clear error instead (resuming a
+request that breaks a step would break it again) and the loop goes on with a fresh
+scheduler whose first step resets the workers' state.
+
+Every step, result, stats message and request reply carries this process's
+``incarnation`` (its instance id): a result of an earlier incarnation is dropped,
+and gateways notice a restarted scheduler. Step ids keep rising across the
+schedulers of one process.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from shared.protocol import (
     MODEL_RUNNER_OUTPUT,
     SCHEDULER_OUTPUT,
     WORKER_READY,
+    WORKER_RETIRE,
     EngineOutput,
     EngineOutputBatch,
     EngineRequestReply,
@@ -47,10 +58,12 @@ from shared.protocol import (
     ErrorInfo,
     FinishReason,
     SchedulerOutput,
+    WorkerRetire,
     engine_hello_subject,
     engine_profile_subject,
     engine_ready_subject,
     engine_result_subject,
+    engine_retire_subject,
     engine_step_subject,
 )
 
@@ -64,6 +77,8 @@ logger = logging.getLogger(__name__)
 
 # Seconds an abort for a request not (yet) seen is remembered.
 EARLY_ABORT_TTL = 30.0
+# Seconds the requests of a failed engine wait for its workers to come back.
+RESUME_TIMEOUT = 120.0
 
 
 @dataclass
@@ -110,10 +125,21 @@ class SchedulerService(Service):
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.profile = StepProfile() if profile else None
+        # Requests of a failed engine that resume when its workers are back.
+        self._resumable: list[Request] = []
+        self._resume_deadline = 0.0
+        self._last_step_id = 0
+        self._loop_task: asyncio.Task | None = None
+
+    @property
+    def incarnation(self) -> str:
+        return self.instance_id
 
     @property
     def ready(self) -> bool:
-        return self.scheduler is not None
+        """Requests would be served: workers are up and the step loop runs."""
+        loop_alive = self._loop_task is not None and not self._loop_task.done()
+        return self.scheduler is not None and loop_alive
 
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "ready": self.ready}
@@ -126,7 +152,7 @@ class SchedulerService(Service):
         if self.profile is not None:
             await self.subscribe(engine_profile_subject(self.engine_id), self._on_profile)
         await self.nc.publish(engine_hello_subject(self.engine_id), b"")
-        self.spawn(self._engine_loop())
+        self._loop_task = self.spawn(self._engine_loop())
         self.spawn(self._stats_loop())
 
     # ------------------------------------------------------------------ workers
@@ -143,47 +169,88 @@ class SchedulerService(Service):
         arrival = self.workers.announce(ready)
         if arrival is Arrival.HEARTBEAT:
             return
-        if arrival is Arrival.RESTARTED and self.ready:
+        if arrival is Arrival.RESTARTED and self.scheduler is not None:
             # Its cached request state is gone.
-            self._fail_engine(f"worker rank {ready.rank} restarted")
+            self._fail_engine(f"worker rank {ready.rank} restarted", resume=True)
         self.workers.join(ready)
-        if self.workers.complete and not self.ready:
-            num_blocks, max_model_len = self.workers.num_blocks, self.workers.max_model_len
-            self.scheduler = Scheduler(self.scheduler_config, self.cache_config, num_blocks, max_model_len)
+        if self.workers.complete and self.scheduler is None:
+            self._new_scheduler()
             logger.info(
                 "engine %s ready: %d rank(s), %d KV blocks, max_model_len %d",
-                self.engine_id, self.workers.world_size, num_blocks, self.scheduler.max_model_len,
+                self.engine_id, self.workers.world_size, self.scheduler.num_blocks, self.scheduler.max_model_len,
             )
 
-    def _fail_engine(self, reason: str) -> None:
-        """Fail every request and wait for the workers to announce themselves again."""
+    def _new_scheduler(self) -> None:
+        """A scheduler for the workers now in the group; its first step resets their state,
+        and it takes over the requests waiting to resume."""
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.cache_config, self.workers.num_blocks, self.workers.max_model_len,
+            first_step_id=self._last_step_id + 1,
+        )
+        resumable, self._resumable = self._resumable, []
+        if resumable:
+            refused = self.scheduler.resume_requests(resumable)
+            logger.warning("engine %s: resuming %d request(s) on its new workers", self.engine_id,
+                           len(resumable) - len(refused))
+            self._fail_requests(refused, "the engine's new workers cannot hold the request")
+            self._work.set()
+
+    def _drop_scheduler(self) -> list[Request]:
+        """Stop the current scheduler: cancel its steps in flight; its unfinished requests."""
         scheduler, self.scheduler = self.scheduler, None
-        self.workers.retire()
         for future in self._pending_steps.values():
             if not future.done():
                 future.cancel()
         self._pending_steps.clear()
         if scheduler is None:
-            return
-        logger.error("engine %s: %s; failing %d request(s)", self.engine_id, reason,
-                     scheduler.get_num_unfinished_requests())
-        outputs = []
-        for request in list(scheduler.requests.values()):
-            outputs.append(
-                EngineOutput(
-                    request_id=request.request_id,
-                    gateway_id=request.gateway_id,
-                    new_token_ids=[],
-                    window_token_ids=[],
-                    window_offset=request.num_output_tokens,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    finish_reason=FinishReason.ERROR,
-                    error=f"engine {self.engine_id} failed: {reason}",
-                )
+            return []
+        self._last_step_id = max(self._last_step_id, scheduler.last_step_id)
+        return list(scheduler.running) + list(scheduler.waiting)
+
+    def _fail_engine(self, reason: str, resume: bool) -> None:
+        """The workers failed: wait for them to announce themselves again. With ``resume``
+        the unfinished requests wait too and resume on the new workers; else they fail."""
+        requests = self._drop_scheduler()
+        retired = self.workers.retire()
+        if retired:
+            # Healthy ranks of a broken TP group must exit too, so the group restarts whole.
+            message = WORKER_RETIRE.encode(WorkerRetire(self.engine_id, retired))
+            self.spawn(self.nc.publish(engine_retire_subject(self.engine_id), message))
+        if resume and requests:
+            logger.error("engine %s: %s; %d request(s) wait for its workers to resume", self.engine_id, reason,
+                         len(requests))
+            self._resumable.extend(requests)
+            self._resume_deadline = time.monotonic() + RESUME_TIMEOUT
+        else:
+            logger.error("engine %s: %s; failing %d request(s)", self.engine_id, reason, len(requests))
+            self._fail_requests(requests, f"engine {self.engine_id} failed: {reason}")
+        self.spawn(self.nc.publish(engine_hello_subject(self.engine_id), b""))
+
+    def _restart_scheduler(self, reason: str) -> None:
+        """The step loop broke (not the workers): fail its requests, go on with a fresh
+        scheduler whose first step resets the workers' state."""
+        requests = self._drop_scheduler()
+        logger.error("engine %s: %s; failing %d request(s)", self.engine_id, reason, len(requests))
+        self._fail_requests(requests, f"engine {self.engine_id} failed: {reason}")
+        if self.workers.complete:
+            self._new_scheduler()
+
+    def _fail_requests(self, requests: list[Request], error: str) -> None:
+        outputs = [
+            EngineOutput(
+                request_id=request.request_id,
+                gateway_id=request.gateway_id,
+                new_token_ids=[],
+                window_token_ids=[],
+                window_offset=request.num_output_tokens,
+                num_prompt_tokens=request.num_prompt_tokens,
+                finish_reason=FinishReason.ERROR,
+                error=error,
             )
+            for request in requests
+        ]
         if outputs:
             self.spawn(self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs))))
-        self.spawn(self.nc.publish(engine_hello_subject(self.engine_id), b""))
 
     # ------------------------------------------------------------------ intake
 
@@ -204,10 +271,14 @@ class SchedulerService(Service):
                 self._work.set()
             except RequestRejected as e:
                 error = ErrorInfo(str(e), param="messages")
-        await msg.respond(ENGINE_REQUEST_REPLY.encode(EngineRequestReply(request.request_id, error)))
+        reply = EngineRequestReply(request.request_id, error, engine_id=self.engine_id, incarnation=self.incarnation)
+        await msg.respond(ENGINE_REQUEST_REPLY.encode(reply))
 
     async def _on_abort(self, msg: Msg) -> None:
         request_ids = ABORT_REQUEST.decode(msg.data).request_ids
+        if self._resumable:
+            gone = set(request_ids)
+            self._resumable = [r for r in self._resumable if r.request_id not in gone]
         if self.scheduler is None:
             return
         aborted = self.scheduler.abort_requests(request_ids)
@@ -226,6 +297,10 @@ class SchedulerService(Service):
         start = time.perf_counter()
         output = MODEL_RUNNER_OUTPUT.decode(msg.data)
         decode_seconds = time.perf_counter() - start
+        if output.incarnation != self.incarnation:
+            logger.debug("engine %s: result of step %d from incarnation %r dropped", self.engine_id,
+                         output.step_id, output.incarnation)
+            return
         future = self._pending_steps.get(output.step_id)
         if future is not None and not future.done():
             future.set_result((output, start, decode_seconds))
@@ -240,34 +315,44 @@ class SchedulerService(Service):
         forward pass."""
         in_flight: deque[_SentStep] = deque()
         while True:
-            if not in_flight:
-                await self._work.wait()
-            scheduler = self.scheduler
-            if scheduler is None:
+            try:
+                await self._engine_loop_turn(in_flight)
+            except Exception as e:
+                logger.exception("engine %s: the step loop failed", self.engine_id)
                 in_flight.clear()
-                self._work.clear()
-                continue
-            depth = 2 if self.scheduler_config.async_scheduling else 1
-            while len(in_flight) < depth:
-                sent = await self._send_step(scheduler, behind=in_flight[-1] if in_flight else None)
-                if sent is None:
-                    break
-                in_flight.append(sent)
-            if not in_flight:
-                self._work.clear()
-                continue
-            done = in_flight.popleft()
-            await self._finish_step(scheduler, done)
-            if scheduler is not self.scheduler:
-                in_flight.clear()  # the engine failed: its steps' futures are cancelled
-            elif in_flight:
-                in_flight[0].previous_result_at = done.result_at
+                self._restart_scheduler(f"the step loop failed: {type(e).__name__}: {e}")
+
+    async def _engine_loop_turn(self, in_flight: deque[_SentStep]) -> None:
+        """One turn of the step loop: send what can be sent, finish the oldest step."""
+        if not in_flight:
+            await self._work.wait()
+        scheduler = self.scheduler
+        if scheduler is None:
+            in_flight.clear()
+            self._work.clear()
+            return
+        depth = 2 if self.scheduler_config.async_scheduling else 1
+        while len(in_flight) < depth:
+            sent = await self._send_step(scheduler, behind=in_flight[-1] if in_flight else None)
+            if sent is None:
+                break
+            in_flight.append(sent)
+        if not in_flight:
+            self._work.clear()
+            return
+        done = in_flight.popleft()
+        await self._finish_step(scheduler, done)
+        if scheduler is not self.scheduler:
+            in_flight.clear()  # the engine failed: its steps' futures are cancelled
+        elif in_flight:
+            in_flight[0].previous_result_at = done.result_at
 
     async def _send_step(self, scheduler: Scheduler, behind: _SentStep | None) -> _SentStep | None:
         """Schedule a step and publish it, or return None when there is nothing to send.
         ``behind``: the step still in flight ahead of it (no preemption meanwhile)."""
         clock = NULL_CLOCK if self.profile is None else self.profile.start_step(nothing_in_flight=behind is None)
         step = scheduler.schedule(allow_preemption=behind is None)
+        step.incarnation = self.incarnation
         clock.lap("schedule")
         if step.total_num_scheduled_tokens == 0 and not step.finished_req_ids:
             return None
@@ -287,14 +372,14 @@ class SchedulerService(Service):
                 raise
             return  # the engine failed while the step ran
         except asyncio.TimeoutError:
-            self._fail_engine(f"no answer to step {step.step_id} within {self.step_timeout}s")
+            self._fail_engine(f"no answer to step {step.step_id} within {self.step_timeout}s", resume=True)
             return
         finally:
             self._pending_steps.pop(step.step_id, None)
         if scheduler is not self.scheduler:
             return  # the engine failed while the step ran
         if result.error:
-            self._fail_engine(f"worker error: {result.error}")
+            self._fail_engine(f"worker error: {result.error}", resume=False)
             return
         # A step sent ahead waited at the workers behind the one before: count from that
         # one's result.
@@ -319,7 +404,11 @@ class SchedulerService(Service):
     def _check_workers(self) -> None:
         rank = self.workers.silent_rank()
         if rank is not None:
-            self._fail_engine(f"worker rank {rank} silent for more than {self.workers.timeout}s")
+            self._fail_engine(f"worker rank {rank} silent for more than {self.workers.timeout}s", resume=True)
+        if self._resumable and time.monotonic() > self._resume_deadline:
+            requests, self._resumable = self._resumable, []
+            self._fail_requests(requests, f"engine {self.engine_id}'s workers did not come back within "
+                                          f"{RESUME_TIMEOUT:g}s")
 
     async def _stats_loop(self) -> None:
         while True:
@@ -328,6 +417,7 @@ class SchedulerService(Service):
                 engine_id=self.engine_id,
                 ready=self.ready,
                 timestamp=time.time(),
+                incarnation=self.incarnation,
                 prompt_tokens_total=self.prompt_tokens_total,
                 generation_tokens_total=self.generation_tokens_total,
                 **(self.scheduler.stats() if self.scheduler is not None else {}),

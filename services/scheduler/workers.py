@@ -105,9 +105,12 @@ class WorkerGroup:
                 return rank
         return None
 
-    def retire(self) -> None:
+    def retire(self) -> list[str]:
         """Forget every member (the engine failed); under tensor parallelism their
-        instances may not join again."""
+        instances may not join again: returns those, to be told to exit."""
+        retired = []
         if self.world_size > 1:
-            self._retired.update(w.instance_id for w in self.members.values())
+            retired = [w.instance_id for w in self.members.values()]
+            self._retired.update(retired)
         self.members.clear()
+        return retired

@@ -26,11 +26,13 @@ from shared.protocol import (
     MODEL_RUNNER_OUTPUT,
     SCHEDULER_OUTPUT,
     WORKER_READY,
+    WORKER_RETIRE,
     ModelRunnerOutput,
     WorkerReady,
     engine_hello_subject,
     engine_ready_subject,
     engine_result_subject,
+    engine_retire_subject,
     engine_step_subject,
 )
 
@@ -86,6 +88,7 @@ class WorkerService(Service):
         self.runner = self._executor.submit(build_runner).result()
         self._sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else None
         self._result_subject = engine_result_subject(engine_id)
+        self._incarnation = ""  # of the scheduler whose steps this worker follows
 
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "rank": self.rank}
@@ -104,6 +107,7 @@ class WorkerService(Service):
     async def setup(self) -> None:
         await self.subscribe(engine_step_subject(self.engine_id), self._on_step)
         await self.subscribe(engine_hello_subject(self.engine_id), self._on_hello)
+        await self.subscribe(engine_retire_subject(self.engine_id), self._on_retire)
         await self._announce()
         self.spawn(self._heartbeat())
         if self.world_size > 1:
@@ -122,10 +126,24 @@ class WorkerService(Service):
     async def _on_hello(self, msg: Msg) -> None:
         await self._announce()
 
+    async def _on_retire(self, msg: Msg) -> None:
+        retire = WORKER_RETIRE.decode(msg.data)
+        if self.instance_id in retire.instance_ids:
+            self.fail("retired by the scheduler: its tensor-parallel group failed")
+
     async def _on_step(self, msg: Msg) -> None:
         clock = PhaseClock(self._sync) if self.profile else NULL_CLOCK
         scheduler_output = SCHEDULER_OUTPUT.decode(msg.data)
         clock.lap("unpack")
+        # A step of an earlier scheduler incarnation (delivered late, or from a scheduler
+        # that has since restarted) must not touch the state the current one built; a
+        # reset step starts the new incarnation.
+        if scheduler_output.reset_state:
+            self._incarnation = scheduler_output.incarnation
+        elif scheduler_output.incarnation != self._incarnation:
+            logger.warning("engine %s rank %d: step %d of incarnation %r dropped (current %r)", self.engine_id,
+                           self.rank, scheduler_output.step_id, scheduler_output.incarnation, self._incarnation)
+            return
         loop = asyncio.get_running_loop()
         try:
             output = await loop.run_in_executor(
@@ -136,6 +154,7 @@ class WorkerService(Service):
         except Exception as e:
             logger.exception("engine %s rank %d: step %d failed", self.engine_id, self.rank, scheduler_output.step_id)
             output = ModelRunnerOutput(step_id=scheduler_output.step_id, error=f"{type(e).__name__}: {e}")
+        output.incarnation = scheduler_output.incarnation
         if self.rank == 0:
             await self.nc.publish(self._result_subject, MODEL_RUNNER_OUTPUT.encode(output))
         if output.error and self.world_size > 1:

@@ -3,7 +3,9 @@
 The fake worker announces itself like a real one and answers every step with
 token 7 for each request whose prompt is complete; the test checks intake before
 and after the engine is ready, rejection, the step loop's outputs, early aborts,
-that a silent or restarted worker fails the engine's requests, the engine's stats,
+that the requests of a silent or restarted worker resume on its replacement, that a
+worker error or a step-loop exception fails them and the engine goes on, that stale
+results are dropped, the engine's stats,
 and that with async scheduling the next step reaches the worker before it answers
 the current one.
 """
@@ -77,8 +79,11 @@ class FakeWorker:
             return
         step = SCHEDULER_OUTPUT.decode(msg.data)
         self.steps.append(step)
+        if step.reset_state:
+            self.computed.clear()
+            self.lengths.clear()
         for new in step.scheduled_new_reqs:
-            self.lengths[new.req_id] = len(new.prompt_token_ids)
+            self.lengths[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
         tokens = []
         for req_id, n in zip(step.scheduled_req_ids, step.num_scheduled_tokens):
             self.computed[req_id] = self.computed.get(req_id, 0) + n
@@ -86,7 +91,7 @@ class FakeWorker:
             if done:
                 self.lengths[req_id] += 1
             tokens.append([7] if done else [])
-        out = ModelRunnerOutput(step.step_id, list(step.scheduled_req_ids), tokens)
+        out = ModelRunnerOutput(step.step_id, list(step.scheduled_req_ids), tokens, incarnation=step.incarnation)
         if self.step_seconds:
             start = time.perf_counter()
             await asyncio.sleep(self.step_seconds)
@@ -187,7 +192,18 @@ async def test_an_abort_that_overtakes_its_request_is_remembered(bus):
     worker.task.cancel()
 
 
-async def test_a_silent_worker_fails_requests_and_closes_intake(bus):
+async def resumed_outputs(outputs: asyncio.Queue, req_id: str, count: int) -> list:
+    """The next ``count`` outputs of ``req_id`` (none of them an error)."""
+    got = []
+    while len(got) < count:
+        out = await asyncio.wait_for(outputs.get(), 10)
+        assert out.finish_reason != FinishReason.ERROR, out.error
+        if out.request_id == req_id:
+            got.append(out)
+    return got
+
+
+async def test_a_silent_worker_keeps_requests_until_it_is_back_then_resumes_them(bus):
     service, nc, outputs = bus
     worker = FakeWorker(nc)
     await worker.start()
@@ -197,32 +213,110 @@ async def test_a_silent_worker_fails_requests_and_closes_intake(bus):
     assert await submit(nc, "long", max_tokens=10_000) is None
     await wait_for(lambda: len(worker.steps) > 3)
     worker.beating = worker.answering = False  # it died
-    failed = await first_error(outputs)
-    assert "silent" in failed.error
+    await wait_for(lambda: not service.ready)
+    assert [r.request_id for r in service._resumable] == ["long"]
     error = await submit(nc, "after")
     assert error.status == 503
-    # Whole again: the worker comes back (as a new instance after a restart).
+    while not outputs.empty():  # what was reported before it died
+        reached = outputs.get_nowait().window_offset
+    # Whole again: the worker comes back (as a new instance after a restart) and the
+    # request resumes where its output stopped.
+    worker.steps.clear()
     worker.ready.instance_id = "w2"
     worker.beating = worker.answering = True
     await wait_for(lambda: service.ready)
+    [first, second] = await resumed_outputs(outputs, "long", 2)
+    assert first.window_offset + len(first.window_token_ids) - 1 == second.window_offset + len(second.window_token_ids) - 2
+    assert first.window_offset + len(first.window_token_ids) > reached + 1
+    resume = worker.steps[0]
+    assert resume.reset_state and resume.step_id > 1
+    [sent] = resume.scheduled_new_reqs
+    assert sent.req_id == "long" and len(sent.output_token_ids) >= 3 and sent.num_computed_tokens == 0
     assert await submit(nc, "again") is None
     worker.task.cancel()
 
 
-async def test_a_restarted_worker_fails_requests_and_rejoins(bus):
+async def test_a_restarted_worker_resumes_the_running_request(bus):
     service, nc, outputs = bus
     worker = FakeWorker(nc)
     await worker.start()
     await wait_for(lambda: service.ready)
     worker.answering = False  # the request's step is still running when the worker restarts
     assert await submit(nc, "long") is None
+    worker.steps.clear()
     worker.ready.instance_id = "w2"
-    failed = await first_error(outputs)
-    assert failed.request_id == "long" and "restarted" in failed.error
-    # A single rank is the whole group: the new instance makes the engine ready again.
-    await wait_for(lambda: service.ready)
+    worker.answering = True
+    got = await outputs_until_finished(outputs)
+    assert [o.new_token_ids for o in got] == [[7], [7], [7]]
+    assert [o.window_offset + len(o.window_token_ids) for o in got] == [1, 2, 3]
+    # A single rank is the whole group: the new instance made the engine ready again.
     assert service.workers.members[0].instance_id == "w2"
+    assert worker.steps[0].reset_state
     assert await submit(nc, "again") is None
+    worker.task.cancel()
+
+
+async def test_a_worker_error_fails_the_requests_and_the_engine_goes_on(bus):
+    service, nc, outputs = bus
+    worker = FakeWorker(nc)
+    await worker.start()
+    await wait_for(lambda: service.ready)
+
+    async def error_answer(msg):
+        step = SCHEDULER_OUTPUT.decode(msg.data)
+        out = ModelRunnerOutput(step.step_id, error="RuntimeError: boom", incarnation=step.incarnation)
+        await nc.publish(engine_result_subject(ENGINE), MODEL_RUNNER_OUTPUT.encode(out))
+
+    worker.answering = False
+    sub = await nc.subscribe(engine_step_subject(ENGINE), cb=error_answer)
+    assert await submit(nc, "poison") is None
+    failed = await first_error(outputs)
+    assert failed.request_id == "poison" and "boom" in failed.error
+    assert service._resumable == []
+    await sub.unsubscribe()
+    worker.answering = True
+    await wait_for(lambda: service.ready)
+    assert await submit(nc, "fine") is None
+    assert [o.request_id for o in await outputs_until_finished(outputs)] == ["fine"] * 3
+    worker.task.cancel()
+
+
+async def test_an_exception_in_the_step_loop_fails_the_requests_and_the_loop_goes_on(bus):
+    service, nc, outputs = bus
+    worker = FakeWorker(nc)
+    await worker.start()
+    await wait_for(lambda: service.ready)
+    broken = service.scheduler
+
+    def schedule(**kwargs):
+        raise RuntimeError("a bug")
+
+    broken.schedule = schedule
+    assert await submit(nc, "unlucky") is None
+    failed = await first_error(outputs)
+    assert failed.request_id == "unlucky" and "step loop failed: RuntimeError: a bug" in failed.error
+    await wait_for(lambda: service.ready and service.scheduler is not broken)
+    worker.steps.clear()
+    assert await submit(nc, "lucky") is None
+    assert len(await outputs_until_finished(outputs)) == 3
+    assert worker.steps[0].reset_state
+    worker.task.cancel()
+
+
+async def test_a_result_of_another_incarnation_is_dropped(bus):
+    service, nc, outputs = bus
+    worker = FakeWorker(nc)
+    worker.answering = False
+    await worker.start()
+    await wait_for(lambda: service.ready)
+    assert await submit(nc, "a") is None
+    await wait_for(lambda: service._pending_steps)
+    step_id = min(service._pending_steps)  # two steps in flight with async scheduling
+    stale = ModelRunnerOutput(step_id, ["a"], [[9]], incarnation="an-earlier-scheduler")
+    await nc.publish(engine_result_subject(ENGINE), MODEL_RUNNER_OUTPUT.encode(stale))
+    await nc.flush()
+    await asyncio.sleep(0.3)
+    assert outputs.empty() and not service._pending_steps[step_id].done()
     worker.task.cancel()
 
 
