@@ -45,6 +45,8 @@ from .streams import RequestStream
 
 logger = logging.getLogger(__name__)
 
+TOKENIZE_ATTEMPTS = 2
+
 
 class GatewayService(Service):
     name = "gateway"
@@ -135,9 +137,7 @@ class GatewayService(Service):
             raise shutting_down()
         self.streams[stream.request_id] = stream
         try:
-            msg = await self.nc.request(
-                TOKENIZE, TOKENIZE_REQUEST.encode(request), timeout=self.config.tokenize_timeout
-            )
+            msg = await self._ask_tokenizer(request)
         except NoRespondersError:
             logger.warning("%s: no tokenizer is subscribed to %s", request.request_id, TOKENIZE)
             raise no_tokenizer() from None
@@ -159,6 +159,20 @@ class GatewayService(Service):
         stream.engine_id, stream.incarnation = reply.engine_id, reply.incarnation
         stream.accepted_at = time.monotonic()
         return reply
+
+    async def _ask_tokenizer(self, request: TokenizeRequest) -> Msg:
+        """One retry after a timeout: the replica that took the request may have died (its
+        queue-group place is gone, so the retry reaches another). A retry of a request
+        that did reach a scheduler is harmless: the scheduler takes a known id as queued."""
+        data = TOKENIZE_REQUEST.encode(request)
+        for attempt in range(TOKENIZE_ATTEMPTS):
+            try:
+                return await self.nc.request(TOKENIZE, data, timeout=self.config.tokenize_timeout)
+            except (NatsTimeoutError, asyncio.TimeoutError):
+                if attempt + 1 == TOKENIZE_ATTEMPTS or self.closing:
+                    raise
+                logger.warning("%s: no tokenizer answer within %.1fs; trying again", request.request_id,
+                               self.config.tokenize_timeout)
 
     def release(self, stream: RequestStream) -> None:
         if self.streams.get(stream.request_id) is stream:

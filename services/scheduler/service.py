@@ -262,6 +262,9 @@ class SchedulerService(Service):
                 f"engine {self.engine_id} is not ready (waiting for its workers)",
                 type="service_unavailable", status=503,
             )
+        elif request.request_id in self.scheduler.requests:
+            # A retry of a request whose tokenizer died before it could answer: queued already.
+            logger.info("engine %s: %s is already queued (a retry)", self.engine_id, request.request_id)
         elif self._early_aborts.pop(request.request_id, None) is not None:
             error = ErrorInfo("the request was aborted before it arrived", type="request_aborted", status=499)
         else:

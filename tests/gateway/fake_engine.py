@@ -11,7 +11,8 @@ a repeated delta and a delta for an unknown request mixed in.
 Control words in the prompt: ``REJECT`` (a 400 from the "tokenizer"),
 ``UNAVAILABLE`` (its 503), ``REJECTSECOND`` (refuse only sample 1), ``HANG``
 (two tokens, then nothing), ``FAIL`` (two tokens, then an engine error),
-``SILENT`` (no tokenize reply at all), ``GHOST`` (queued by engine "ghost", which
+``SILENT`` (no tokenize reply at all), ``SILENTONCE`` (no reply to the first
+attempt: a tokenizer that died), ``GHOST`` (queued by engine "ghost", which
 never sends stats). Other requests are queued by engine ``FAKE_ENGINE_ID`` under
 the fake's current ``incarnation`` (a test changes it to play a restarted scheduler).
 It records every request and every abort it sees, and says it is a ready engine
@@ -140,6 +141,8 @@ class FakeEngine(Service):
         words = prompt_words(request)
         num_prompt_tokens = len(words) + 3
         if "SILENT" in words:
+            return
+        if "SILENTONCE" in words and sum(r.request_id == request.request_id for r in self.requests) == 1:
             return
         if "REJECT" in words or ("REJECTSECOND" in words and request.request_id.endswith("-1")):
             await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, error=REJECTION)))

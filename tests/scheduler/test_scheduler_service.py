@@ -397,3 +397,17 @@ async def test_step_profile_times_a_queued_step_from_the_result_before_it(async_
             assert 0 < phases["bus_round_trip"] < 20
         finally:
             worker.task.cancel()
+
+
+async def test_a_retried_request_is_queued_once(bus):
+    """A gateway retries a tokenize request whose tokenizer died; if the first attempt did
+    reach the scheduler, the second is taken as queued, not run twice."""
+    service, nc, outputs = bus
+    worker = FakeWorker(nc)
+    worker.answering = False
+    await worker.start()
+    await wait_for(lambda: service.ready)
+    assert await submit(nc, "twice") is None
+    assert await submit(nc, "twice") is None
+    assert service.scheduler.get_num_unfinished_requests() == 1
+    worker.task.cancel()
