@@ -21,6 +21,11 @@ from .errors import ApiError, invalid
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 MAX_N = 128
+# Stop strings travel with every step's outputs and are matched against every delta:
+# bounded, so that no request can make a step message or a detokenizer's work explode.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 MAX_SUB_REQUESTS = 256
 # vLLM's CompletionRequest (and OpenAI's legacy completions API) default to 16 tokens;
 # chat completions default to "as many as fit".
@@ -145,6 +150,24 @@ def check_model(f: Fields, served_model_names: tuple[str, ...]) -> str:
     return served_model_names[0]
 
 
+def _stop_strings(f: Fields) -> list[str]:
+    stop = list(dict.fromkeys(f.str_list("stop")))  # a set, in the order given
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+        raise invalid(f"each stop string may be at most {MAX_STOP_STRING_CHARS} characters long", param="stop")
+    return stop
+
+
+def _stop_token_ids(f: Fields) -> list[int]:
+    """A set, in the order given: a repeated id means nothing more."""
+    ids = list(dict.fromkeys(f.int_list("stop_token_ids")))
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                      param="stop_token_ids")
+    return ids
+
+
 def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> SamplingParams:
     seed = f.int("seed", None)
     return SamplingParams(
@@ -158,8 +181,8 @@ def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> Sampli
         repetition_penalty=f.float("repetition_penalty", 1.0),
         max_tokens=max_tokens,
         min_tokens=f.int("min_tokens", 0, minimum=0),
-        stop_token_ids=f.int_list("stop_token_ids"),
-        stop=f.str_list("stop"),
+        stop_token_ids=_stop_token_ids(f),
+        stop=_stop_strings(f),
         ignore_eos=f.bool("ignore_eos", False),
         logprobs=logprobs,
     )

@@ -59,8 +59,18 @@ def test_content_parts_joined_and_null_content_allowed():
     ({"messages": USER, "stream": True, "stream_options": []}, "stream_options"),
     ({"messages": USER, "stop_token_ids": [True]}, "stop_token_ids"),
     ({"messages": USER, "min_tokens": -1}, "min_tokens"),
+    ({"messages": USER, "stop": [str(i) for i in range(65)]}, "stop"),
+    ({"messages": USER, "stop": "x" * 1025}, "stop"),
+    ({"messages": USER, "stop_token_ids": list(range(1025))}, "stop_token_ids"),
 ])
 def test_bad_values_name_their_param(body, param):
     with pytest.raises(ApiError) as info:
         parse_chat(body, NAMES)
     assert info.value.info.param == param and info.value.status == 400
+
+
+def test_stop_strings_and_ids_are_sets_in_the_order_given():
+    r = parse_chat({"messages": USER, "stop": ["b", "a", "b"], "stop_token_ids": [5, 3, 5, 5]}, NAMES)
+    assert r.sampling_params.stop == ["b", "a"] and r.sampling_params.stop_token_ids == [5, 3]
+    many = parse_chat({"messages": USER, "stop": ["s"] * 500}, NAMES)  # repeats count once
+    assert many.sampling_params.stop == ["s"]
