@@ -1,11 +1,15 @@
-"""The gateway's settings: one frozen dataclass, filled from flags (``__main__``)."""
+"""The gateway's settings: one frozen dataclass, filled from flags (``__main__``).
+
+Fields made with ``setting`` are flags; ``served_model_names`` comes from the
+``--served-model-name`` and ``--model`` flags (``__main__``).
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-from shared.config import ConfigError
+from shared.config import ConfigError, setting
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -21,15 +25,15 @@ def default_served_model_name(model: str) -> str:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: any free port (tests)
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in docker)")
+    port: int = setting(8000, "HTTP port")  # 0: any free port (tests)
     served_model_names: tuple[str, ...] = (DEFAULT_MODEL_NAME,)
-    api_key: str = ""  # "": no authentication
-    request_timeout: float = 600.0  # seconds for a whole request
-    tokenize_timeout: float = 10.0  # seconds to wait for the tokenizer's reply
+    api_key: str = setting("", "when set, /v1 routes need 'Authorization: Bearer <key>'")
+    request_timeout: float = setting(600.0, "seconds for a whole request")
+    tokenize_timeout: float = setting(10.0, "seconds to wait for the tokenizer service's answer")
     health_timeout: float = 0.5  # seconds a tokenizer has to answer /health's ping
     shutdown_timeout: float = 5.0  # seconds open connections get to close on shutdown
-    access_log: bool = True
+    access_log: bool = setting(True, "log one line per HTTP request")
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):

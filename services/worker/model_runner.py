@@ -24,7 +24,7 @@ import torch
 
 from kernels import get_kernel_ops
 from shared.config import CacheConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
-from shared.model_config import ModelConfig
+from shared.model_config import ModelConfig, resolve_max_model_len
 from shared.model_files import default_model_path, load_model_config, open_weights
 from shared.protocol import ModelRunnerOutput, SchedulerOutput
 from shared.step_profile import NULL_CLOCK
@@ -67,10 +67,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(run_config.dtype, self.device)
         self.model_path = run_config.model or default_model_path()
         self.model_config: ModelConfig = load_model_config(self.model_path)
-        self.max_model_len = min(
-            run_config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-        )
+        self.max_model_len = resolve_max_model_len(self.model_config, run_config.max_model_len)
         self.block_size = cache_config.block_size
         self.ops = get_kernel_ops(run_config.kernel_backend)
         # This rank's heads / columns / vocabulary rows (checked before joining the group).
