@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nats  # noqa: E402
 
-from shared.launcher import Stack, StackConfig  # noqa: E402
-from shared.nats_server import NatsServer  # noqa: E402
+from services.launch.nats_server import NatsServer  # noqa: E402
+from services.launch.stack import Stack, StackConfig  # noqa: E402
 from shared.protocol import (  # noqa: E402
     ABORT_REQUEST,
     ENGINE_ABORT,
@@ -57,9 +57,8 @@ class EngineOnly(Stack):
 
     def start(self) -> None:
         self.nats = NatsServer(log_file=f"{self.config.log_dir}/nats.log")
-        args = ["--profile-steps", *self.config.engine_args]
-        self.start_service("worker-0", "services.worker", args)
-        self.start_service("scheduler", "services.scheduler", args)
+        self.start_service("worker-0", "services.worker", ["--profile-steps", *self.service_args["worker"]])
+        self.start_service("scheduler", "services.scheduler", ["--profile-steps", *self.service_args["scheduler"]])
 
 
 async def profile_batch(nc, batch: int, steps: int, prompt_len: int) -> dict:
@@ -174,7 +173,7 @@ def main() -> int:
     # Defaults first: flags given on the command line come later and win.
     engine_args = ["--max-num-seqs", str(max(args.batches)), "--num-gpu-blocks", "4096", *engine_args]
     with tempfile.TemporaryDirectory() as logs:
-        stack = EngineOnly(StackConfig(engine_args=engine_args, log_dir=logs))
+        stack = EngineOnly(StackConfig(args=engine_args, log_dir=logs))
         stack.start()
         try:
             deadline = time.monotonic() + 300

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from shared.launcher import Stack, StackConfig  # noqa: E402
+from services.launch.nats_server import free_port  # noqa: E402
+from services.launch.stack import Stack, StackConfig  # noqa: E402
 from shared.model_config import default_model_path  # noqa: E402
-from shared.nats_server import free_port  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
 
 SENTENCES = [

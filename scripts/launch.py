@@ -1,4 +1,8 @@
-"""Runs the whole stack in the foreground until Ctrl-C or SIGTERM (see scripts/serve)."""
+"""Runs the whole stack in the foreground until Ctrl-C or SIGTERM (see scripts/serve).
+
+Flags other than its own go to the services that take them, e.g. ``--max-num-seqs``
+to the scheduler and workers, ``--served-model-name`` or ``--api-key`` to the gateway.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.launcher import Stack, StackConfig  # noqa: E402
+from services.launch.stack import Stack, StackConfig  # noqa: E402
+from shared.config import ConfigError  # noqa: E402
 
 
 def main() -> int:
@@ -21,20 +26,21 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel worker processes")
     parser.add_argument("--tokenizers", type=int, default=1)
     parser.add_argument("--detokenizers", type=int, default=1)
-    parser.add_argument("--api-key", default="")
-    args, engine_args = parser.parse_known_args()
-    stack = Stack(
-        StackConfig(
-            port=args.port,
-            host=args.host,
-            model=args.model,
-            tensor_parallel_size=args.tp,
-            num_tokenizers=args.tokenizers,
-            num_detokenizers=args.detokenizers,
-            engine_args=engine_args,
-            gateway_args=["--api-key", args.api_key] if args.api_key else [],
+    args, service_args = parser.parse_known_args()
+    try:
+        stack = Stack(
+            StackConfig(
+                port=args.port,
+                host=args.host,
+                model=args.model,
+                tensor_parallel_size=args.tp,
+                num_tokenizers=args.tokenizers,
+                num_detokenizers=args.detokenizers,
+                args=service_args,
+            )
         )
-    )
+    except ConfigError as e:
+        parser.error(str(e))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,29 +1,57 @@
 """Engine configuration: one frozen dataclass per concern, validated on creation.
 
-Services fill these from CLI flags whose defaults come from environment variables
-(see ``shared/engine_args.py``); nothing deep in the engine reads the environment.
+A field made with ``setting(default, help)`` is a command-line flag: ``--field-name``,
+defaulting to the environment variable ``FIELD_NAME``, else to the field's default
+(``shared/cli.py`` builds the flags and the config back from them). Fields made
+otherwise have no flag. Nothing deep in the engine reads the environment.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class ConfigError(ValueError):
     """A setting has a value the engine cannot run with; the message names it."""
 
 
+def setting(default, help: str):
+    """A dataclass field that is also a flag (``--name``, env ``NAME``) described by ``help``."""
+    return field(default=default, metadata={"help": help})
+
+
+def model_setting():
+    return setting("", "GGUF file or Hugging Face folder ('' = the default SmolLM2 model)")
+
+
+def max_model_len_setting():
+    return setting(None, "context length cap (default: the model's)")
+
+
+def check_max_model_len(value: int | None) -> None:
+    if value is not None and value < 2:
+        raise ConfigError(f"max_model_len must be >= 2, got {value}")
+
+
+@dataclass(frozen=True)
+class EngineServiceConfig:
+    """What an engine's scheduler and workers share besides the engine configs."""
+
+    engine_id: str = setting("0", "engine (model replica) id shared by its scheduler and workers")
+    profile_steps: bool = setting(False, "time each step's phases (scripts/bench_overhead.py)")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: block size, pool size and prefix caching."""
 
-    block_size: int = 16
+    block_size: int = setting(16, "tokens per KV cache block")
     # Either an explicit block count, or a fraction of the device's memory.
-    num_gpu_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks: int | None = setting(None, "explicit KV cache size in blocks")
+    gpu_memory_utilization: float = setting(0.9, "fraction of GPU memory to use")
     # On CPU the pool is sized from this many GiB unless num_gpu_blocks is set.
-    cpu_kv_cache_gib: float = 1.0
-    enable_prefix_caching: bool = True
+    cpu_kv_cache_gib: float = setting(1.0, "KV cache size on CPU in GiB")
+    enable_prefix_caching: bool = setting(True, "prefix caching")
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -42,14 +70,15 @@ class CacheConfig:
 class SchedulerConfig:
     """Token budget and batch limits of one engine step (V1: no prefill/decode phases)."""
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    # A prefill chunk of one request never exceeds this many tokens (0: no limit).
-    long_prefill_token_threshold: int = 0
-    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int = setting(2048, "token budget per step")
+    max_num_seqs: int = setting(128, "max requests per step")
+    long_prefill_token_threshold: int = setting(0, "max prompt chunk per request and step (0 = no cap)")
+    enable_chunked_prefill: bool = setting(
+        True, "split a prompt over steps; off: a prompt is scheduled whole or waits"
+    )
     # The scheduler service sends step N+1 before step N's result is back (see
     # services/scheduler/scheduler.py); off: one step at a time.
-    async_scheduling: bool = True
+    async_scheduling: bool = setting(True, "schedule and send step N+1 while step N runs")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -69,13 +98,14 @@ class SchedulerConfig:
 class ModelRunConfig:
     """How a worker runs the model: which weights, dtype, device, kernels."""
 
-    model: str = ""  # GGUF file or Hugging Face folder; "" = the default model
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"
-    kernel_backend: str = "auto"  # auto | torch | triton
-    cpu_prepack: bool = True  # CPU: reorder weight matrices once for oneDNN (services/worker/linear.py)
-    max_model_len: int | None = None  # None: the model's own context length
-    seed: int = 0
+    model: str = model_setting()
+    dtype: str = setting("auto", "auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    device: str = setting("auto", "auto|cpu|cuda|cuda:N")
+    kernel_backend: str = setting("auto", "auto|torch|triton")
+    # CPU: reorder weight matrices once for oneDNN (services/worker/linear.py).
+    cpu_prepack: bool = setting(True, "CPU: oneDNN-prepacked weight matrices")
+    max_model_len: int | None = max_model_len_setting()
+    seed: int = setting(0, "seed of the worker's shared sampling generator")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -84,17 +114,16 @@ class ModelRunConfig:
             raise ConfigError(
                 f"kernel_backend must be auto|torch|triton, got {self.kernel_backend!r}"
             )
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        check_max_model_len(self.max_model_len)
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism: this process's rank among the engine's workers."""
 
-    tensor_parallel_size: int = 1
-    rank: int = 0
-    dist_init_method: str = ""  # e.g. tcp://127.0.0.1:29500
+    tensor_parallel_size: int = setting(1, "ranks per engine")
+    rank: int = setting(0, "this worker's tensor-parallel rank")
+    dist_init_method: str = setting("", "torch.distributed rendezvous, e.g. tcp://host:29500")
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

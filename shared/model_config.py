@@ -212,6 +212,13 @@ def default_model_path() -> str:
     return str(ggufs[0])
 
 
+def resolve_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:
+    """The context length the services work with: the model's, capped by ``--max-model-len``."""
+    if max_model_len is None:
+        return config.max_position_embeddings
+    return min(max_model_len, config.max_position_embeddings)
+
+
 def load_model_config(path: str | os.PathLike) -> ModelConfig:
     """``ModelConfig`` of a ``.gguf`` file or a Hugging Face folder (config.json)."""
     kind, p = resolve_model_path(path)

@@ -31,6 +31,18 @@ def test_every_service_command_names_a_real_module():
             "services.gateway"} <= set(modules)
 
 
+def test_every_environment_variable_is_a_setting_of_its_service():
+    from services.launch.service_flags import service_flags
+
+    for name, service in compose()["services"].items():
+        command = service.get("command")
+        if not command or command[:2] != ["python", "-m"]:
+            continue
+        flags = service_flags(command[2].removeprefix("services."))
+        for key in service.get("environment", {}):
+            assert "--" + key.lower().replace("_", "-") in flags, f"{name}: {key} is no setting of {command[2]}"
+
+
 def test_scaled_services_have_no_fixed_names_or_host_ports():
     services = compose()["services"]
     for name in SCALED:

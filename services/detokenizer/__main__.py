@@ -1,28 +1,30 @@
 """``python -m services.detokenizer``: a detokenizer replica on the bus (queue group "detokenizer")."""
 
 from shared.bus import run_service, setup_logging
-from shared.cli import add_flag, base_parser
+from shared.cli import add_config_flags, base_parser, config_from_args
 
-from .service import DetokenizerService
+from .config import DetokenizerConfig
 
 
-def build_service(args) -> DetokenizerService:
+def build_parser():
+    parser = base_parser("Detokenizer: turns each step's new tokens into text deltas for the gateways")
+    add_config_flags(parser, DetokenizerConfig)
+    return parser
+
+
+def build_service(config: DetokenizerConfig, nats_url: str):
+    from shared.model_config import default_model_path
     from shared.tokenizer import load_tokenizer
 
-    model = args.model
-    if not model:
-        from shared.model_config import default_model_path
+    from .service import DetokenizerService
 
-        model = default_model_path()
-    return DetokenizerService(load_tokenizer(model), nats_url=args.nats_url)
+    return DetokenizerService(load_tokenizer(config.model or default_model_path()), nats_url=nats_url)
 
 
 def main() -> None:
-    parser = base_parser("Detokenizer: turns each step's new tokens into text deltas for the gateways")
-    add_flag(parser, "--model", "MODEL", "", help="GGUF file or Hugging Face folder ('' = the default SmolLM2 model)")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     setup_logging(args.log_level)
-    run_service(build_service(args))
+    run_service(build_service(config_from_args(DetokenizerConfig, args), args.nats_url))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
-"""The gateway's settings: one frozen dataclass, filled from flags (``__main__``)."""
+"""The gateway's settings: one frozen dataclass, filled from flags (``__main__``).
+
+Fields made with ``setting`` are flags; ``served_model_names`` comes from the
+``--served-model-name`` and ``--model`` flags (``__main__``).
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-from shared.config import ConfigError
+from shared.config import ConfigError, setting
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -21,25 +25,23 @@ def default_served_model_name(model: str) -> str:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: any free port (tests)
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in docker)")
+    port: int = setting(8000, "HTTP port")  # 0: any free port (tests)
     served_model_names: tuple[str, ...] = (DEFAULT_MODEL_NAME,)
-    api_key: str = ""  # "": no authentication
-    request_timeout: float = 600.0  # seconds for a whole request
-    tokenize_timeout: float = 10.0  # seconds to wait for the tokenizer's reply
+    api_key: str = setting("", "when set, /v1 routes need 'Authorization: Bearer <key>'")
+    request_timeout: float = setting(600.0, "seconds for a whole request")
+    tokenize_timeout: float = setting(10.0, "seconds to wait for the tokenizer service's answer")
     health_timeout: float = 0.5  # seconds a tokenizer has to answer /health's ping
     shutdown_timeout: float = 5.0  # seconds open connections get to close on shutdown
-    access_log: bool = True
-    # Bodies over this many bytes get 413: a prompt must also fit in one bus message.
-    max_request_body_bytes: int = 8 * 1024 * 1024
-    # /health counts an engine as ready only if its last EngineStats (sent every
-    # second) said so within this many seconds.
-    engine_ready_ttl: float = 3.0
-    # An engine silent for this long (schedulers send stats every second) has died:
-    # its open requests fail with 503 instead of waiting for request_timeout.
-    engine_heartbeat_timeout: float = 5.0
-    # A stream with no output for this long ends with 504 (0: only request_timeout).
-    stream_idle_timeout: float = 0.0
+    access_log: bool = setting(True, "log one line per HTTP request")
+    max_request_body_bytes: int = setting(
+        8 * 1024 * 1024, "bodies over this many bytes get 413 (a prompt must also fit in one bus message)")
+    engine_ready_ttl: float = setting(
+        3.0, "/health counts an engine as ready if its stats (sent every second) said so within this many seconds")
+    engine_heartbeat_timeout: float = setting(
+        5.0, "seconds of engine silence after which its open requests fail with 503 (engine_lost)")
+    stream_idle_timeout: float = setting(
+        0.0, "a stream that got no token for this many seconds ends with 504 (0: only --request-timeout)")
 
     def __post_init__(self) -> None:
         if self.stream_idle_timeout < 0:

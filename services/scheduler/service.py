@@ -69,6 +69,7 @@ from shared.protocol import (
 
 from shared.step_profile import NULL_CLOCK, NullClock, PhaseClock, StepProfile
 
+from .config import SchedulerServiceConfig
 from .request import Request
 from .scheduler import RequestRejected, Scheduler
 from .workers import Arrival, WorkerGroup
@@ -102,9 +103,7 @@ class SchedulerService(Service):
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         world_size: int = 1,
-        step_timeout: float = 60.0,
-        stats_interval: float = 1.0,
-        worker_timeout: float = 5.0,
+        service_config: SchedulerServiceConfig = SchedulerServiceConfig(),
         profile: bool = False,
         nats_url: str | None = None,
     ) -> None:
@@ -113,9 +112,9 @@ class SchedulerService(Service):
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.world_size = world_size
-        self.step_timeout = step_timeout
-        self.stats_interval = stats_interval
-        self.worker_timeout = worker_timeout
+        self.step_timeout = service_config.step_timeout
+        self.stats_interval = service_config.stats_interval
+        self.worker_timeout = service_config.worker_timeout
         self.scheduler: Scheduler | None = None
         self.workers = WorkerGroup(self.world_size, self.cache_config.block_size, self.worker_timeout)
         self._early_aborts: dict[str, float] = {}

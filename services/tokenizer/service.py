@@ -35,6 +35,7 @@ from shared.protocol import (
     TokenizeRequest,
 )
 
+from .config import TokenizerConfig
 from .validation import (
     InvalidRequest,
     chat_messages,
@@ -57,7 +58,7 @@ class TokenizerService(Service):
         max_model_len: int,
         vocab_size: int,
         extra_eos_token_ids: list[int] | None = None,
-        scheduler_timeout: float = 5.0,
+        config: TokenizerConfig = TokenizerConfig(),
         nats_url: str | None = None,
     ) -> None:
         super().__init__(nats_url)
@@ -69,7 +70,7 @@ class TokenizerService(Service):
         self.extra_eos_token_ids = [
             i for i in (extra_eos_token_ids or []) if i != tokenizer.eos_token_id
         ]
-        self.scheduler_timeout = scheduler_timeout
+        self.scheduler_timeout = config.scheduler_timeout
         self.num_requests = 0
         self.num_rejected = 0
 

@@ -2,26 +2,32 @@
 
 import os
 
-from shared import engine_args
 from shared.bus import run_service, setup_logging
-from shared.cli import base_parser
+from shared.cli import base_parser, config_from_args
+from shared.config import CacheConfig, EngineServiceConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
+from shared.engine_args import add_engine_args
 
-from .service import WorkerService
+
+def build_parser():
+    parser = base_parser("Model worker: runs engine steps on one device")
+    add_engine_args(parser)
+    return parser
 
 
 def main() -> None:
-    parser = base_parser("Model worker: runs engine steps on one device")
-    engine_args.add_engine_args(parser)
-    args = parser.parse_args()
+    from .service import WorkerService
+
+    args = build_parser().parse_args()
     setup_logging(args.log_level)
+    engine = config_from_args(EngineServiceConfig, args)
     service = WorkerService(
-        args.engine_id,
-        engine_args.run_config(args),
-        engine_args.cache_config(args),
-        engine_args.scheduler_config(args),
-        engine_args.parallel_config(args),
+        engine.engine_id,
+        config_from_args(ModelRunConfig, args),
+        config_from_args(CacheConfig, args),
+        config_from_args(SchedulerConfig, args),
+        config_from_args(ParallelConfig, args),
         nats_url=args.nats_url,
-        profile=args.profile_steps,
+        profile=engine.profile_steps,
     )
     code = run_service(service)
     if code:

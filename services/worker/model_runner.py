@@ -24,7 +24,7 @@ import torch
 
 from kernels import get_kernel_ops
 from shared.config import CacheConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
-from shared.model_config import ModelConfig
+from shared.model_config import ModelConfig, resolve_max_model_len
 from shared.model_files import default_model_path, load_model_config, open_weights
 from shared.protocol import ModelRunnerOutput, SchedulerOutput
 from shared.step_profile import NULL_CLOCK
@@ -34,7 +34,6 @@ from .linear import can_prepack
 from .models.llama import AttentionMetadata, LlamaForCausalLM
 from .parallel import ShardLayout, init_distributed, tp_device
 from .sampler import Sampler
-from .sampling_batch import make_sampling_batch
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +66,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(run_config.dtype, self.device)
         self.model_path = run_config.model or default_model_path()
         self.model_config: ModelConfig = load_model_config(self.model_path)
-        self.max_model_len = min(
-            run_config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-        )
+        self.max_model_len = resolve_max_model_len(self.model_config, run_config.max_model_len)
         self.block_size = cache_config.block_size
         self.ops = get_kernel_ops(run_config.kernel_backend)
         # This rank's heads / columns / vocabulary rows (checked before joining the group).
@@ -100,7 +96,9 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
-        self.input_batch = InputBatch(scheduler_config.max_num_seqs, self.max_model_len, max_blocks_per_req)
+        self.input_batch = InputBatch(
+            scheduler_config.max_num_seqs, self.max_model_len, max_blocks_per_req, self.device
+        )
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded alike on every rank: unseeded random requests draw the same noise everywhere.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
@@ -234,8 +232,7 @@ class ModelRunner:
             logits_indices = inputs["logits_indices"][torch.from_numpy(sample_rows).to(self.device)]
             logits = self.model.compute_logits(hidden[logits_indices])
             clock.lap("forward")
-            sample_states = [states[i] for i in sample_rows]
-            sampling = make_sampling_batch(sample_states, self.device)
+            sampling = batch.make_sampling_metadata(sample_rows)
             if not self.is_driver:
                 sampling.num_logprobs = None  # only rank 0 replies; logprobs draw no randomness
             sampled, logprobs = self.sampler(logits, sampling)

@@ -10,44 +10,18 @@ model distribution (before any processing), like vLLM's default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from shared.protocol import Logprobs
 
-
-@dataclass
-class SamplingBatch:
-    """Per-row sampling settings of one step, as tensors (rows = requests)."""
-
-    temperature: torch.Tensor  # [B] float32; 0 = greedy
-    top_p: torch.Tensor  # [B]
-    top_k: torch.Tensor  # [B] int64; <= 0 or >= vocab = off
-    min_p: torch.Tensor  # [B]
-    presence_penalty: torch.Tensor  # [B]
-    frequency_penalty: torch.Tensor  # [B]
-    repetition_penalty: torch.Tensor  # [B]
-    generators: list[torch.Generator | None]  # per row; None: the batch generator
-    all_greedy: bool
-    any_penalties: bool
-    any_top_k: bool
-    any_top_p: bool
-    any_min_p: bool
-    # Only when any_penalties: padded token ids (-1 = pad) per row.
-    prompt_token_ids: torch.Tensor | None = None
-    output_token_ids: torch.Tensor | None = None
-    # Token ids banned this step (EOS / stop ids under min_tokens): (rows, token ids).
-    banned: tuple[list[int], list[int]] | None = None
-    # Number of top logprobs per row (-1: none); max over rows when any.
-    num_logprobs: list[int] | None = None
+from .sampling_metadata import SamplingMetadata
 
 
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch):
+    def __call__(self, logits: torch.Tensor, batch: SamplingMetadata):
         """Returns (token ids [B] int64 on CPU, list of Logprobs-or-None per row)."""
         logits = logits.float()
         raw_logits = logits if batch.num_logprobs is not None else None
@@ -68,7 +42,7 @@ class Sampler:
             logprobs = compute_logprobs(raw_logits, sampled, batch.num_logprobs)
         return sampled, logprobs
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:
         greedy_rows = batch.temperature < 1e-5
         temperature = torch.where(greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
         logits = logits / temperature.unsqueeze(1)
@@ -78,20 +52,19 @@ class Sampler:
             logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
-        shared_rows = [i for i, g in enumerate(batch.generators) if g is None]
+        shared_rows = [i for i in range(probs.shape[0]) if i not in batch.generators]
         if shared_rows:
             noise[shared_rows] = torch.empty(
                 len(shared_rows), probs.shape[1], device=probs.device
             ).exponential_(generator=self.generator)
-        for i, generator in enumerate(batch.generators):
-            if generator is not None:
-                noise[i].exponential_(generator=generator)
+        for i, generator in batch.generators.items():
+            noise[i].exponential_(generator=generator)
         random_tokens = (probs / noise).argmax(dim=-1)
         greedy_tokens = logits.argmax(dim=-1)
         return torch.where(greedy_rows.to(logits.device), greedy_tokens, random_tokens)
 
 
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:
     """Repetition (prompt and output), frequency and presence (output) penalties."""
     num_rows, vocab = logits.shape
     output_ids = batch.output_token_ids

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from shared.launcher import Stack, StackConfig
+from services.launch.stack import Stack, StackConfig
 
 
 @contextlib.contextmanager

@@ -7,8 +7,8 @@ import time
 import httpx
 import pytest
 
-from shared.launcher import Stack, StackConfig
-from shared.nats_server import free_port
+from services.launch.nats_server import free_port
+from services.launch.stack import Stack, StackConfig
 
 BODY = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

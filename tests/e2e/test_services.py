@@ -16,8 +16,8 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 
-from shared.launcher import StackConfig
-from shared.nats_server import free_port
+from services.launch.nats_server import free_port
+from services.launch.stack import StackConfig
 from tests.e2e.stacks import running_stack
 from tests.hf_reference import hf_greedy
 
@@ -40,7 +40,7 @@ def stack(tmp_path_factory):
         port=free_port(),
         num_tokenizers=2,
         num_detokenizers=2,
-        engine_args=["--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--num-gpu-blocks", "512"],
+        args=["--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--num-gpu-blocks", "512"],
         log_dir=str(tmp_path_factory.mktemp("stack-logs")),
     )
     with running_stack(config) as stack:

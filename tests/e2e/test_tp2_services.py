@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from shared.launcher import StackConfig
-from shared.nats_server import free_port
+from services.launch.nats_server import free_port
+from services.launch.stack import StackConfig
 from tests.e2e.stacks import running_stack
 from tests.hf_reference import make_tiny_random_llama
 
@@ -25,7 +25,7 @@ from tests.hf_reference import make_tiny_random_llama
 def tp_stack(tmp_path_factory):
     model = make_tiny_random_llama(tmp_path_factory.mktemp("tiny-tp"), seed=1, num_heads=4, num_kv_heads=2)
     config = StackConfig(port=free_port(), model=str(model), tensor_parallel_size=2,
-                         engine_args=["--num-gpu-blocks", "256"], log_dir=str(tmp_path_factory.mktemp("tp-logs")))
+                         args=["--num-gpu-blocks", "256"], log_dir=str(tmp_path_factory.mktemp("tp-logs")))
     with running_stack(config) as stack:
         yield stack, os.path.basename(str(model)), str(model)
 

@@ -18,9 +18,9 @@ import pytest
 from openai import AsyncOpenAI
 
 from services.engine import Engine
+from services.launch.nats_server import free_port
+from services.launch.stack import StackConfig
 from shared.config import CacheConfig, SchedulerConfig
-from shared.launcher import StackConfig
-from shared.nats_server import free_port
 from shared.protocol import WORKER_READY, SamplingParams, engine_ready_subject
 from tests.e2e.stacks import running_stack
 from tests.hf_reference import hf_greedy
@@ -47,7 +47,7 @@ def tp_stack(tmp_path_factory):
     config = StackConfig(
         port=free_port(),
         tensor_parallel_size=TP,
-        engine_args=["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--cpu-kv-cache-gib", str(KV_GIB)],
+        args=["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--cpu-kv-cache-gib", str(KV_GIB)],
         log_dir=str(tmp_path_factory.mktemp("tp-stack-logs")),
     )
     with running_stack(config) as stack:

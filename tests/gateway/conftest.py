@@ -11,7 +11,7 @@ import pytest
 
 from services.gateway.config import GatewayConfig
 from services.gateway.server import GatewayServer
-from shared.nats_server import NatsServer
+from services.launch.nats_server import NatsServer
 
 from .fake_engine import FakeEngine
 

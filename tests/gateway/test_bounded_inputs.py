@@ -8,7 +8,7 @@ import time
 import httpx
 import nats
 
-from shared.nats_server import NatsServer
+from services.launch.nats_server import NatsServer
 from services.gateway.json_body import MAX_JSON_DEPTH
 from services.gateway.server import GatewayServer
 from shared.protocol import ENGINE_STATS, ENGINE_STATS_MSG, EngineStats, ping_subject

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.server import GatewayServer
-from shared.nats_server import NatsServer, free_port
+from services.launch.nats_server import NatsServer, free_port
 from shared.protocol import ENGINE_STATS, ENGINE_STATS_MSG, EngineStats
 
 from .conftest import MODEL, gateway_config, until_engine_ready

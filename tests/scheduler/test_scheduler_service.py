@@ -20,9 +20,10 @@ import time
 import nats
 import pytest
 
+from services.launch.nats_server import NatsServer
+from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.service import SchedulerService
 from shared.config import CacheConfig, SchedulerConfig
-from shared.nats_server import NatsServer
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
@@ -125,7 +126,9 @@ async def scheduler_on_bus(config: SchedulerConfig, **service_kwargs):
 @pytest.fixture
 async def bus():
     config = SchedulerConfig(max_num_batched_tokens=64)
-    async with scheduler_on_bus(config, worker_timeout=1.0, stats_interval=0.2) as stack:
+    async with scheduler_on_bus(
+        config, service_config=SchedulerServiceConfig(worker_timeout=1.0, stats_interval=0.2)
+    ) as stack:
         yield stack
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.nats_server import NatsServer
+from services.launch.nats_server import NatsServer
 
 
 @pytest.fixture(scope="module")

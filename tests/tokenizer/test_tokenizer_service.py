@@ -13,6 +13,7 @@ import msgspec
 import nats
 import pytest
 
+from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.service import NO_SCHEDULER, TokenizerService
 from shared.protocol import (
     ENGINE_REQUEST,
@@ -71,7 +72,8 @@ class FakeScheduler:
 @pytest.fixture(scope="module")
 async def tokenizer_service(nats_server, smollm_tokenizer):
     service = TokenizerService(smollm_tokenizer, max_model_len=MAX_MODEL_LEN, vocab_size=smollm_tokenizer.vocab_size,
-                               extra_eos_token_ids=[smollm_tokenizer.eos_token_id], scheduler_timeout=1.0,
+                               extra_eos_token_ids=[smollm_tokenizer.eos_token_id],
+                               config=TokenizerConfig(scheduler_timeout=1.0),
                                nats_url=nats_server.url)
     await service.start()
     yield service

@@ -1,31 +1,44 @@
 """Sampler: filters, penalties, min_tokens masking, seeded draws and logprobs."""
 
+import itertools
 import math
 
+import numpy as np
 import torch
 
-from services.worker.input_batch import CachedRequestState
-from services.worker.sampler import Sampler, apply_min_p, apply_top_k_top_p
-from services.worker.sampling_batch import make_sampling_batch
+from services.worker.input_batch import CachedRequestState, InputBatch
+from services.worker.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p
 from shared.protocol import SamplingParams
 
 V = 10
+_req_ids = itertools.count()
 
 
-def state(params, prompt=(1, 2), output=(), seed_gen=True, eos=None):
-    gen = torch.Generator().manual_seed(params.seed) if (params.seed is not None and seed_gen) else None
-    return CachedRequestState("r", list(prompt) + list(output), len(prompt), params, [], 0, eos,
+def state(params, prompt=(1, 2), output=(), eos=None):
+    gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    return CachedRequestState(f"r{next(_req_ids)}", list(prompt) + list(output), len(prompt), params, [], 0, eos,
                               generator=gen, output_token_ids=list(output))
+
+
+def states_of(params, n):
+    return [state(params) for _ in range(n)]
+
+
+def sampling_metadata(states):
+    batch = InputBatch(max_num_reqs=len(states), max_model_len=16, max_blocks_per_req=1)
+    for s in states:
+        batch.add_request(s)
+    return batch.make_sampling_metadata(np.arange(len(states)))
 
 
 def sample(logits, states, seed=0):
     sampler = Sampler(torch.Generator().manual_seed(seed))
-    return sampler(logits, make_sampling_batch(states, "cpu"))
+    return sampler(logits, sampling_metadata(states))
 
 
 def test_greedy_is_argmax():
     logits = torch.randn(3, V)
-    tokens, lps = sample(logits, [state(SamplingParams(temperature=0))] * 3)
+    tokens, lps = sample(logits, states_of(SamplingParams(temperature=0), 3))
     assert tokens.tolist() == logits.argmax(-1).tolist() and lps is None
 
 
@@ -50,7 +63,7 @@ def test_min_p_drops_tokens_below_fraction_of_top():
 def test_sampling_only_draws_allowed_tokens_and_matches_distribution():
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1, 1e-9, 1e-9]])).repeat(4000, 1)
     params = SamplingParams(temperature=1.0, top_k=3)
-    tokens, _ = sample(logits, [state(params)] * 4000)
+    tokens, _ = sample(logits, states_of(params, 4000))
     counts = torch.bincount(tokens, minlength=5).float() / 4000
     assert counts[3:].sum() == 0
     assert torch.allclose(counts[:3], torch.tensor([0.6, 0.3, 0.1]), atol=0.04)
@@ -61,10 +74,7 @@ def test_penalties_match_a_naive_implementation():
     logits = torch.randn(2, V)
     params = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
     states = [state(params, prompt=(1, 2), output=(3, 3, 4)), state(params, prompt=(5,), output=())]
-    batch = make_sampling_batch(states, "cpu")
-    from services.worker.sampler import apply_penalties
-
-    got = apply_penalties(logits.clone(), batch)
+    got = apply_penalties(logits.clone(), sampling_metadata(states))
     want = logits.clone()
     for row, (prompt, output) in enumerate([((1, 2), (3, 3, 4)), ((5,), ())]):
         for t in set(prompt) | set(output):

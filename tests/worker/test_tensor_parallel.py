@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.launch.nats_server import free_port
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.parallel import ShardLayout, TensorParallel, destroy_distributed
 from shared.config import CacheConfig, ConfigError, ModelRunConfig, ParallelConfig, SchedulerConfig
 from shared.model_config import load_model_config
 from shared.model_files import open_weights
-from shared.nats_server import free_port
 from shared.protocol import SCHEDULER_OUTPUT, FinishReason, SamplingParams
 from tests.greedy_compare import assert_greedy_matches
 from tests.hf_reference import hf_greedy, load_hf_model_from_folder, make_tiny_random_llama

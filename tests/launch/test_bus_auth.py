@@ -9,7 +9,7 @@ import pytest
 from nats.errors import NoServersError
 
 from shared.bus_auth import ROLES, connect_credentials
-from shared.nats_server import NatsServer
+from services.launch.nats_server import NatsServer
 from shared.protocol import (
     ENGINE_REQUESTS,
     TOKENIZE,

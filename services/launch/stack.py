@@ -2,7 +2,8 @@
 
 ``scripts/serve`` runs it in the foreground; the end-to-end tests start the same
 stack. Every service is its own OS process (``python -m services.<name>``) in its
-own process group, so stopping the stack leaves nothing running.
+own process group, so stopping the stack leaves nothing running. Extra flags go to
+the services that take them (``service_flags``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.nats_server import NatsServer, free_port
+from services.launch.nats_server import NatsServer, free_port
+from services.launch.service_flags import split_service_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -29,9 +31,8 @@ class StackConfig:
     num_tokenizers: int = 1
     num_detokenizers: int = 1
     nats_port: int = 0
-    # Extra flags for the engine services (scheduler and workers), e.g. --num-gpu-blocks 64.
-    engine_args: list[str] = field(default_factory=list)
-    gateway_args: list[str] = field(default_factory=list)
+    # Extra flags, e.g. --num-gpu-blocks 64: each goes to every service that takes it.
+    args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     # Services not to start (e.g. {"scheduler"}), for tests of a stack missing a part.
     without: frozenset[str] = frozenset()
@@ -41,6 +42,8 @@ class StackConfig:
 class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
+        # Raises ConfigError, before anything starts, for a flag no service takes.
+        self.service_args = split_service_args(config.args)
         self.nats: NatsServer | None = None
         self.processes: dict[str, subprocess.Popen] = {}
         self.commands: dict[str, tuple[str, list[str]]] = {}
@@ -91,27 +94,23 @@ class Stack:
         self.nats = NatsServer(port=cfg.nats_port, log_file=log)
         model = ["--model", cfg.model] if cfg.model else []
         tp = ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
-        # TP ranks meet in a torch.distributed rendezvous hosted by rank 0 (engine_args may override).
+        # TP ranks meet in a torch.distributed rendezvous hosted by rank 0 (args may override).
         dist = []
         if cfg.tensor_parallel_size > 1:
             dist = ["--dist-init-method", f"tcp://127.0.0.1:{free_port()}"]
+        extra = self.service_args
         for rank in range(cfg.tensor_parallel_size):
             self.start_service(
-                f"worker-{rank}", "services.worker", [*model, *tp, "--rank", str(rank), *dist, *cfg.engine_args]
+                f"worker-{rank}", "services.worker", [*model, *tp, "--rank", str(rank), *dist, *extra["worker"]]
             )
-        self.start_service("scheduler", "services.scheduler", [*model, *tp, *cfg.engine_args])
-        # The tokenizer validates prompt lengths: it must know a --max-model-len cap.
-        max_len = []
-        if "--max-model-len" in cfg.engine_args:
-            i = cfg.engine_args.index("--max-model-len")
-            max_len = cfg.engine_args[i : i + 2]
+        self.start_service("scheduler", "services.scheduler", [*model, *tp, *extra["scheduler"]])
         for i in range(cfg.num_tokenizers):
-            self.start_service(f"tokenizer-{i}", "services.tokenizer", [*model, *max_len])
+            self.start_service(f"tokenizer-{i}", "services.tokenizer", [*model, *extra["tokenizer"]])
         for i in range(cfg.num_detokenizers):
-            self.start_service(f"detokenizer-{i}", "services.detokenizer", [*model])
+            self.start_service(f"detokenizer-{i}", "services.detokenizer", [*model, *extra["detokenizer"]])
         self.start_service(
             "gateway", "services.gateway",
-            [*model, "--host", cfg.host, "--port", str(cfg.port), *cfg.gateway_args],
+            [*model, "--host", cfg.host, "--port", str(cfg.port), *extra["gateway"]],
         )
 
     def wait_ready(self, timeout: float = 300.0) -> None:
