@@ -2,7 +2,8 @@
 
 For scripts, tests and offline batch use. The parts still talk only through the
 protocol messages, and every step message makes a msgpack round trip, exactly as
-it would on the bus, so nothing unserializable can slip in.
+it would on the bus, so nothing unserializable can slip in. Requests are checked
+and prepared as the tokenizer service prepares them (``shared.request_preparation``).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class Engine:
         self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None
     ) -> str:
         """Queue a prompt; raises ``InvalidRequest`` where the tokenizer service would refuse it."""
-        request = self._prepare(list(prompt_token_ids), sampling_params, request_id)
+        request = self._prepare(prompt_token_ids, sampling_params, request_id)
         self._schedule(request)
         return request.request_id
 
@@ -82,7 +83,7 @@ class Engine:
         self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str | None = None
     ) -> EngineRequest:
         """The request as the tokenizer service would hand it to a scheduler."""
-        prompt_field = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        prompt_field = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
         request = TokenizeRequest(
             request_id=request_id or f"{self._id_prefix}-{next(self._ids)}",
             gateway_id="",
@@ -121,7 +122,7 @@ class Engine:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         # Every prompt is checked before any is queued: a refusal leaves nothing running.
-        requests = [self._prepare(p if isinstance(p, str) else list(p), sp) for p, sp in zip(prompts, sampling_params)]
+        requests = [self._prepare(p, sp) for p, sp in zip(prompts, sampling_params)]
         results: dict[str, GenerationResult] = {}
         order = []
         for request in requests:
