@@ -12,7 +12,8 @@ Control words in the prompt: ``REJECT`` (a 400 from the "tokenizer"),
 ``UNAVAILABLE`` (its 503), ``REJECTSECOND`` (refuse only sample 1), ``HANG``
 (two tokens, then nothing), ``FAIL`` (two tokens, then an engine error),
 ``SILENT`` (no tokenize reply at all).
-It records every request and every abort it sees.
+Chat messages are checked and normalised as the real tokenizer does; a refused one
+is not recorded. It records every other request and every abort it sees.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import msgspec
 from nats.aio.msg import Msg
 
 from shared.bus import Service
@@ -40,6 +42,7 @@ from shared.protocol import (
     TopLogprob,
     gateway_stream_subject,
 )
+from shared.request_validation import InvalidRequest, chat_messages
 
 WORDS = "The quick brown fox jumps over the lazy dog .".split()
 REJECTION = ErrorInfo(
@@ -112,6 +115,12 @@ class FakeEngine(Service):
 
     async def _on_tokenize(self, msg: Msg) -> None:
         request = TOKENIZE_REQUEST.decode(msg.data)
+        if request.messages is not None:
+            try:
+                request = msgspec.structs.replace(request, messages=chat_messages(request.messages))
+            except InvalidRequest as e:
+                await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, error=e.error)))
+                return
         self.requests.append(request)
         await self._notify()
         self.spawn(self._serve(msg, request))

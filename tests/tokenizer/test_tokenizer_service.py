@@ -120,9 +120,10 @@ def test_the_models_other_eos_ids_become_stop_token_ids(smollm_tokenizer):
     service = TokenizerService(smollm_tokenizer, MAX_MODEL_LEN, smollm_tokenizer.vocab_size, extra_eos_token_ids=[eos, 7])
     request = TokenizeRequest(request_id="e", gateway_id="g", prompt="hi",
                               sampling_params=SamplingParams(stop_token_ids=[9]))
-    assert service.prepare(request).sampling_params.stop_token_ids == [9, 7]
+    prepared = service.preparer.prepare(request, smollm_tokenizer)
+    assert prepared.eos_token_id == eos and prepared.sampling_params.stop_token_ids == [9, 7]
     ignoring = msgspec.structs.replace(request, sampling_params=SamplingParams(ignore_eos=True))
-    assert service.prepare(ignoring).sampling_params.stop_token_ids == []
+    assert service.preparer.prepare(ignoring, smollm_tokenizer).sampling_params.stop_token_ids == []
 
 
 async def test_prompt_and_token_id_requests(tokenizer_service, nc, scheduler, smollm_tokenizer):
