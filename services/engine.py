@@ -2,13 +2,13 @@
 
 For scripts, tests and offline batch use. The parts still talk only through the
 protocol messages, and every step message makes a msgpack round trip, exactly as
-it would on the bus, so nothing unserializable can slip in.
+it would on the bus, so nothing unserializable can slip in. Requests are checked
+and prepared as the tokenizer service prepares them (``shared.request_preparation``).
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -20,10 +20,13 @@ from shared.protocol import (
     MODEL_RUNNER_OUTPUT,
     SCHEDULER_OUTPUT,
     EngineOutput,
+    EngineRequest,
     FinishReason,
     Logprobs,
     SamplingParams,
+    TokenizeRequest,
 )
+from shared.request_preparation import RequestPreparer
 
 
 @dataclass
@@ -53,6 +56,9 @@ class Engine:
         )
         self.cache_config = cache_config
         self.model_config = self.worker.model_config
+        self.preparer = RequestPreparer(
+            self.worker.max_model_len, self.model_config.vocab_size, tuple(self.model_config.eos_token_ids)
+        )
         self._tokenizer = None
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
@@ -68,19 +74,26 @@ class Engine:
     def add_request(
         self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None
     ) -> str:
-        request_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
-        eos = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
-        self.scheduler.add_request(
-            Request(
-                request_id,
-                prompt_token_ids,
-                sampling_params,
-                eos_token_id=eos,
-                arrival_time=time.time(),
-                block_size=self.cache_config.block_size,
-            )
+        """Queue a prompt; raises ``InvalidRequest`` where the tokenizer service would refuse it."""
+        request = self._prepare(prompt_token_ids, sampling_params, request_id)
+        self._schedule(request)
+        return request.request_id
+
+    def _prepare(
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str | None = None
+    ) -> EngineRequest:
+        """The request as the tokenizer service would hand it to a scheduler."""
+        prompt_field = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+        request = TokenizeRequest(
+            request_id=request_id or f"{self._id_prefix}-{next(self._ids)}",
+            gateway_id="",
+            sampling_params=sampling_params,
+            **prompt_field,
         )
-        return request_id
+        return self.preparer.prepare(request, self.tokenizer if isinstance(prompt, str) else None)
+
+    def _schedule(self, request: EngineRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_request(request, self.cache_config.block_size))
 
     def abort(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -108,13 +121,14 @@ class Engine:
         """Run prompts (text or token ids) to completion, results in prompt order."""
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        # Every prompt is checked before any is queued: a refusal leaves nothing running.
+        requests = [self._prepare(p, sp) for p, sp in zip(prompts, sampling_params)]
         results: dict[str, GenerationResult] = {}
         order = []
-        for prompt, params in zip(prompts, sampling_params):
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            request_id = self.add_request(token_ids, params)
-            results[request_id] = GenerationResult(request_id, token_ids)
-            order.append(request_id)
+        for request in requests:
+            self._schedule(request)
+            results[request.request_id] = GenerationResult(request.request_id, request.prompt_token_ids)
+            order.append(request.request_id)
         pending = set(order)
         while pending:
             for out in self.step():

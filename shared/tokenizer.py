@@ -178,7 +178,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character map (the byte-level BPE alphabet)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     printable += list(range(ord("®"), ord("ÿ") + 1))
@@ -208,7 +208,7 @@ def _tokenizer_from_gguf(path: Path) -> Tokenizer:
     tokens: list[str] = gguf_value(reader, "tokenizer.ggml.tokens")
     types: list[int] = gguf_value(reader, "tokenizer.ggml.token_type", None) or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges")]
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     alphabet_chars = set(alphabet.values())
 
     def spelled(token: str) -> str:

@@ -4,7 +4,7 @@ Between the scheduler and the gateways on the request's way. The scheduler
 publishes every step's ``EngineOutputBatch`` on ``llm.detokenize`` (queue group:
 any replica takes any step, since each output carries its own token window); the
 service turns each ``EngineOutput`` into a ``StreamDelta`` with
-``shared.incremental_detokenizer``, groups them by gateway and publishes one
+``incremental.IncrementalDetokenizer``, groups them by gateway and publishes one
 ``StreamDeltaBatch`` per gateway on ``llm.stream.<gateway_id>``. A stop string that
 ends a request also goes to every scheduler as an ``AbortRequest``, so its blocks
 are freed at once.
@@ -19,7 +19,6 @@ from collections import defaultdict
 from nats.aio.msg import Msg
 
 from shared.bus import Service
-from shared.incremental_detokenizer import IncrementalDetokenizer
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
@@ -33,6 +32,8 @@ from shared.protocol import (
     StreamDeltaBatch,
     gateway_stream_subject,
 )
+
+from .incremental import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,13 @@
 """Parsing OpenAI chat / completions request bodies into one ``GenerationRequest``.
 
 The gateway checks shapes and types at the edge (a wrong type names its parameter
-in a 400); value ranges (temperature in [0, 2], ...) are the tokenizer service's
-to check, and its error passes through. Absent settings take OpenAI's / vLLM's
-defaults. ``SamplingParams.max_tokens == 0`` tells the tokenizer "not given: as
-many as fit in the context" (max_model_len - prompt_len): chat without
-max_tokens / max_completion_tokens, and completions with ``max_tokens: null``;
-completions without the field get 16, as in OpenAI's API and vLLM.
+in a 400); value ranges (temperature in [0, 2], ...) and the messages' roles and
+content are the tokenizer service's to check, and its error passes through.
+Absent settings take OpenAI's / vLLM's defaults. ``SamplingParams.max_tokens == 0``
+tells the tokenizer "not given: as many as fit in the context" (max_model_len -
+prompt_len): chat without max_tokens / max_completion_tokens, and completions with
+``max_tokens: null``; completions without the field get 16, as in OpenAI's API and
+vLLM.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from shared.protocol import SamplingParams
 
 from .errors import ApiError, invalid
 
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 MAX_N = 128
 # Stop strings travel with every step's outputs and are matched against every delta:
 # bounded, so that no request can make a step message or a detokenizer's work explode.
@@ -246,44 +246,27 @@ def parse_chat(body, served_model_names: tuple[str, ...]) -> GenerationRequest:
 
 
 def chat_messages(messages) -> list[dict]:
-    """The messages with string content (text parts joined by newlines, as vLLM does)."""
+    """The messages as JSON gave them, a list of objects; roles and content are the
+    tokenizer's to check and normalise (``shared.request_validation.chat_messages``)."""
     if messages is _MISSING or messages is None:
         raise invalid("messages is required", param="messages")
     if not isinstance(messages, list):
         raise invalid("messages must be a list of message objects", param="messages")
-    if not messages:
-        raise invalid("messages must not be empty", param="messages")
-    result = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise invalid(f"messages[{i}] must be an object", param="messages")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise invalid(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param="messages")
-        clean = {"role": role, "content": _message_content(message.get("content"), i)}
-        for key in ("name", "tool_call_id"):
-            if isinstance(message.get(key), str):
-                clean[key] = message[key]
-        result.append(clean)
-    return result
+        if not _fits_bus(message):
+            raise invalid(f"messages[{i}] has an integer outside the signed 64-bit range", param="messages")
+    return messages
 
 
-def _message_content(content, i: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(f"messages[{i}].content must be a string or a list of content parts", param="messages")
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise invalid(f"messages[{i}].content: only text parts are supported, got {kind!r}", param="messages")
-        if not isinstance(part.get("text"), str):
-            raise invalid(f"messages[{i}].content: a text part needs a string 'text'", param="messages")
-        texts.append(part["text"])
-    return "\n".join(texts)
+def _fits_bus(value) -> bool:
+    """Whether a JSON value can be passed on as it is (the bus's integers are 64-bit)."""
+    if isinstance(value, dict):
+        return all(_fits_bus(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_fits_bus(v) for v in value)
+    return _is_int(value) or not isinstance(value, int)
 
 
 # --------------------------------------------------------------------------- completions

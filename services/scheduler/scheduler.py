@@ -31,8 +31,7 @@ from shared.protocol import (
     NewRequestData,
     SchedulerOutput,
 )
-
-from shared.incremental_detokenizer import window_tokens
+from shared.token_window import window_tokens
 
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus

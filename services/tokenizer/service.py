@@ -1,20 +1,19 @@
 """The tokenizer service: validate, render the chat template, tokenize, hand to a scheduler.
 
 Second stop on the request's way (gateway -> tokenizer -> scheduler). The gateway
-asks on ``llm.tokenize`` (queue group: replicas share the work); the service checks
-the sampling settings and the prompt, turns messages into the model's prompt text
-with its chat template, tokenizes it off the event loop, checks the context length,
-and forwards an ``EngineRequest`` to a scheduler (request/reply on
-``llm.engine.requests``). The gateway gets a ``TokenizeReply``: the prompt length,
-or an error in OpenAI's shape (400 for bad input, 503 when no scheduler answers,
-or the scheduler's own error).
+asks on ``llm.tokenize`` (queue group: replicas share the work); the service
+prepares the request off the event loop (``shared.request_preparation``: checks the
+sampling settings and the prompt, renders messages with the model's chat template,
+tokenizes, checks the context length) and forwards the ``EngineRequest`` to a
+scheduler (request/reply on ``llm.engine.requests``). The gateway gets a
+``TokenizeReply``: the prompt length, or an error in OpenAI's shape (400 for bad
+input, 503 when no scheduler answers, or the scheduler's own error).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import msgspec
 from nats.aio.msg import Msg
@@ -30,23 +29,23 @@ from shared.protocol import (
     TOKENIZE_REPLY,
     TOKENIZE_REQUEST,
     EngineRequest,
+    EngineRequestReply,
     ErrorInfo,
     TokenizeReply,
-    TokenizeRequest,
 )
+from shared.request_preparation import RequestPreparer
+from shared.request_validation import InvalidRequest
 
 from .config import TokenizerConfig
-from .validation import (
-    InvalidRequest,
-    chat_messages,
-    resolve_max_tokens,
-    validate_request_shape,
-    validate_sampling_params,
-)
 
 logger = logging.getLogger(__name__)
 
 NO_SCHEDULER = "no scheduler is available"
+
+
+def no_scheduler(engine_request: EngineRequest) -> EngineRequestReply:
+    return EngineRequestReply(engine_request.request_id,
+                              ErrorInfo(NO_SCHEDULER, type="service_unavailable", status=503))
 
 
 class TokenizerService(Service):
@@ -63,20 +62,17 @@ class TokenizerService(Service):
     ) -> None:
         super().__init__(nats_url)
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        # The model's end-of-sequence ids besides the tokenizer's: they stop generation
-        # too (as vLLM does with generation_config's eos_token_id list).
-        self.extra_eos_token_ids = [
-            i for i in (extra_eos_token_ids or []) if i != tokenizer.eos_token_id
-        ]
+        # The tokenizer's EOS id first (the request's eos_token_id), then the model's others.
+        eos_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        eos_token_ids += [i for i in extra_eos_token_ids or [] if i not in eos_token_ids]
+        self.preparer = RequestPreparer(max_model_len, vocab_size, tuple(eos_token_ids))
         self.scheduler_timeout = config.scheduler_timeout
         self.num_requests = 0
         self.num_rejected = 0
 
     def info(self) -> dict:
         return {
-            "max_model_len": self.max_model_len,
+            "max_model_len": self.preparer.max_model_len,
             "num_requests": self.num_requests,
             "num_rejected": self.num_rejected,
         }
@@ -106,7 +102,7 @@ class TokenizerService(Service):
             logger.warning("malformed tokenize request: %s", e)
             return TokenizeReply("", error=ErrorInfo(f"malformed request: {e}"))
         try:
-            engine_request = await asyncio.to_thread(self.prepare, request)
+            engine_request = await asyncio.to_thread(self.preparer.prepare, request, self.tokenizer)
         except InvalidRequest as e:
             logger.info("%s: rejected: %s", request.request_id, e)
             return TokenizeReply(request.request_id, error=e.error)
@@ -116,58 +112,23 @@ class TokenizerService(Service):
                 request.request_id,
                 error=ErrorInfo(f"tokenizing failed: {e}", type="internal_error", status=500),
             )
-        error = await self.submit(engine_request)
-        return TokenizeReply(request.request_id, len(engine_request.prompt_token_ids), error)
+        answer = await self.submit(engine_request)
+        return TokenizeReply(request.request_id, len(engine_request.prompt_token_ids), answer.error,
+                             engine_id=answer.engine_id, incarnation=answer.incarnation)
 
-    def prepare(self, request: TokenizeRequest) -> EngineRequest:
-        """Validate and tokenize (CPU work: runs in a thread). Raises ``InvalidRequest``."""
-        params = validate_sampling_params(request.sampling_params, self.vocab_size)
-        validate_request_shape(request, self.vocab_size)
-        if request.messages is not None:
-            prompt_param = "messages"
-            prompt_token_ids = self.tokenize_chat(request.messages, request.add_generation_prompt)
-        elif request.prompt is not None:
-            prompt_param = "prompt"
-            prompt_token_ids = self.tokenizer.encode(request.prompt, add_special_tokens=True)
-        else:
-            prompt_param = "prompt_token_ids"
-            prompt_token_ids = list(request.prompt_token_ids)
-        params = resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len, prompt_param)
-        if self.extra_eos_token_ids and not params.ignore_eos:
-            stop_ids = params.stop_token_ids + [i for i in self.extra_eos_token_ids if i not in params.stop_token_ids]
-            params = msgspec.structs.replace(params, stop_token_ids=stop_ids)
-        return EngineRequest(
-            request_id=request.request_id,
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=params,
-            arrival_time=time.time(),
-            eos_token_id=self.tokenizer.eos_token_id,
-            gateway_id=request.gateway_id,
-            cache_salt=request.cache_salt,
-        )
-
-    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The chat prompt's ids, as transformers' ``apply_chat_template(tokenize=True)``:
-        the rendered text already holds the special tokens, so none are added."""
-        messages = chat_messages(messages)
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # the template's raise_exception, or a template that needs fields we lack
-            raise InvalidRequest(f"the chat template cannot render these messages: {e}", param="messages") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    async def submit(self, engine_request: EngineRequest) -> ErrorInfo | None:
-        """Hand the request to a scheduler; its refusal, or a 503 when none answers."""
+    async def submit(self, engine_request: EngineRequest) -> EngineRequestReply:
+        """Hand the request to a scheduler: its answer (the engine that queued the request,
+        or its refusal), or a 503 when none answers."""
         try:
             msg = await self.nc.request(
                 ENGINE_REQUESTS, ENGINE_REQUEST.encode(engine_request), timeout=self.scheduler_timeout
             )
         except NoRespondersError:
             logger.warning("%s: %s (no responders)", engine_request.request_id, NO_SCHEDULER)
-            return ErrorInfo(NO_SCHEDULER, type="service_unavailable", status=503)
+            return no_scheduler(engine_request)
         except (NatsTimeoutError, asyncio.TimeoutError):
             logger.warning(
                 "%s: %s (no answer within %.1fs)", engine_request.request_id, NO_SCHEDULER, self.scheduler_timeout
             )
-            return ErrorInfo(NO_SCHEDULER, type="service_unavailable", status=503)
-        return ENGINE_REQUEST_REPLY.decode(msg.data).error
+            return no_scheduler(engine_request)
+        return ENGINE_REQUEST_REPLY.decode(msg.data)

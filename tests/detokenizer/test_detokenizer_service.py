@@ -13,7 +13,6 @@ import nats
 import pytest
 
 from services.detokenizer.service import THREAD_MIN_TOKENS, DetokenizerService
-from shared.incremental_detokenizer import window_tokens
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
@@ -28,6 +27,7 @@ from shared.protocol import (
     gateway_stream_subject,
     ping_subject,
 )
+from shared.token_window import window_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,12 +8,15 @@ Llama with GQA. Also: prefix caching and seeded sampling through the engine.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from services.engine import Engine
 from shared.config import CacheConfig, SchedulerConfig
 from shared.protocol import FinishReason, SamplingParams
+from shared.request_validation import InvalidRequest
 from tests.greedy_compare import assert_greedy_matches
 from tests.hf_reference import hf_greedy
 
@@ -65,6 +68,21 @@ def smollm_prompts(smollm_worker, smollm_tokenizer):
 @pytest.fixture(scope="module")
 def smollm_refs(hf_smollm, smollm_prompts):
     return hf_greedy(hf_smollm, smollm_prompts, NUM_TOKENS, stop_at_eos=False)
+
+
+def test_requests_are_prepared_as_the_tokenizer_service_does():
+    """Every EOS id of the model stops a request (the first is its eos_token_id), and a
+    refused prompt leaves nothing queued. No model needed: a stand-in worker."""
+    model_config = SimpleNamespace(vocab_size=100, eos_token_ids=[2, 7])
+    engine = Engine(worker=SimpleNamespace(num_blocks=8, max_model_len=64, model_config=model_config))
+    request = engine.scheduler.requests[engine.add_request([1, 2, 3], SamplingParams(stop_token_ids=[5]))]
+    assert request.eos_token_id == 2 and request.sampling_params.stop_token_ids == [5, 7]
+    ignoring = engine.scheduler.requests[engine.add_request([1], SamplingParams(ignore_eos=True, max_tokens=0))]
+    assert ignoring.sampling_params.stop_token_ids == [] and ignoring.sampling_params.max_tokens == 63
+    fresh = Engine(worker=engine.worker)
+    with pytest.raises(InvalidRequest, match="temperature"):
+        fresh.generate([[1, 2], [3, 4]], [SamplingParams(), SamplingParams(temperature=9.0)])
+    assert not fresh.has_unfinished_requests()
 
 
 def test_smollm_greedy_equals_hf_with_chunking_and_preemption(smollm_worker, smollm_prompts, smollm_refs):

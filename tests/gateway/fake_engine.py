@@ -15,8 +15,9 @@ Control words in the prompt: ``REJECT`` (a 400 from the "tokenizer"),
 attempt: a tokenizer that died), ``GHOST`` (queued by engine "ghost", which
 never sends stats). Other requests are queued by engine ``FAKE_ENGINE_ID`` under
 the fake's current ``incarnation`` (a test changes it to play a restarted scheduler).
-It records every request and every abort it sees, and says it is a ready engine
-(``EngineStats`` with ``ready=True``, engine id ``FAKE_ENGINE_ID``) every
+Chat messages are checked and normalised as the real tokenizer does; a refused one
+is not recorded. It records every other request and every abort it sees, and says
+it is a ready engine (``EngineStats`` with ``ready=True``, engine id ``FAKE_ENGINE_ID``) every
 ``STATS_INTERVAL`` seconds, as a scheduler does, so the gateway's /health is 200.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import msgspec
 from nats.aio.msg import Msg
 
 from shared.bus import Service
@@ -48,6 +50,7 @@ from shared.protocol import (
     TopLogprob,
     gateway_stream_subject,
 )
+from shared.request_validation import InvalidRequest, chat_messages
 
 FAKE_ENGINE_ID = "fake"
 STATS_INTERVAL = 0.5
@@ -133,6 +136,12 @@ class FakeEngine(Service):
 
     async def _on_tokenize(self, msg: Msg) -> None:
         request = TOKENIZE_REQUEST.decode(msg.data)
+        if request.messages is not None:
+            try:
+                request = msgspec.structs.replace(request, messages=chat_messages(request.messages))
+            except InvalidRequest as e:
+                await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, error=e.error)))
+                return
         self.requests.append(request)
         await self._notify()
         self.spawn(self._serve(msg, request))

@@ -56,7 +56,8 @@ class FakeScheduler:
                 self.held.append(msg)
                 return
             error = KV_FULL if request.request_id.startswith("reject") else None
-            await msg.respond(ENGINE_REQUEST_REPLY.encode(EngineRequestReply(request.request_id, error)))
+            reply = EngineRequestReply(request.request_id, error, engine_id="e0", incarnation="inc-1")
+            await msg.respond(ENGINE_REQUEST_REPLY.encode(reply))
 
         self.sub = await nc.subscribe(ENGINE_REQUESTS, queue="scheduler", cb=on_request)
         await nc.flush()
@@ -106,6 +107,8 @@ async def test_chat_request_reaches_the_scheduler_tokenized(tokenizer_service, n
                            sampling_params=SamplingParams(temperature=0.5, top_k=-1, max_tokens=0, stop=["\n"]))
     expected = smollm_tokenizer.encode(smollm_tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
     assert reply.error is None and reply.request_id == "chat-1" and reply.num_prompt_tokens == len(expected)
+    # The gateway learns which engine (and scheduler incarnation) holds the request.
+    assert (reply.engine_id, reply.incarnation) == ("e0", "inc-1")
     request = scheduler.requests["chat-1"]
     assert request.prompt_token_ids == expected
     assert request.eos_token_id == smollm_tokenizer.eos_token_id
@@ -120,9 +123,10 @@ def test_the_models_other_eos_ids_become_stop_token_ids(smollm_tokenizer):
     service = TokenizerService(smollm_tokenizer, MAX_MODEL_LEN, smollm_tokenizer.vocab_size, extra_eos_token_ids=[eos, 7])
     request = TokenizeRequest(request_id="e", gateway_id="g", prompt="hi",
                               sampling_params=SamplingParams(stop_token_ids=[9]))
-    assert service.prepare(request).sampling_params.stop_token_ids == [9, 7]
+    prepared = service.preparer.prepare(request, smollm_tokenizer)
+    assert prepared.eos_token_id == eos and prepared.sampling_params.stop_token_ids == [9, 7]
     ignoring = msgspec.structs.replace(request, sampling_params=SamplingParams(ignore_eos=True))
-    assert service.prepare(ignoring).sampling_params.stop_token_ids == []
+    assert service.preparer.prepare(ignoring, smollm_tokenizer).sampling_params.stop_token_ids == []
 
 
 async def test_prompt_and_token_id_requests(tokenizer_service, nc, scheduler, smollm_tokenizer):

@@ -6,14 +6,14 @@ import math
 
 import pytest
 
-from services.tokenizer.validation import (
+from shared.protocol import SamplingParams, TokenizeRequest
+from shared.request_validation import (
     InvalidRequest,
     chat_messages,
     resolve_max_tokens,
     validate_request_shape,
     validate_sampling_params,
 )
-from shared.protocol import SamplingParams, TokenizeRequest
 
 VOCAB = 1000
 
@@ -63,7 +63,8 @@ def test_edge_values_are_accepted_and_top_k_minus_one_normalised():
     [{"role": "robot", "content": "hi"}],
     [{"content": "hi"}],
     [{"role": "user", "content": 3}],
-    [{"role": "user", "content": None}],
+    [{"role": "user", "content": {"text": "hi"}}],
+    [{"role": "user", "content": [{"type": "text", "text": 3}]}],
     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
 ])
 def test_bad_messages(messages):
@@ -76,6 +77,17 @@ def test_text_parts_are_joined_and_roles_accepted():
     messages = [{"role": role, "content": "x"} for role in ("system", "developer", "user", "assistant", "tool")]
     messages.append({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]})
     assert chat_messages(messages)[-1] == {"role": "user", "content": "a\nb"}
+
+
+def test_null_content_is_empty_and_only_template_fields_are_kept():
+    messages = [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "calc", "extra": 1},
+    ]
+    assert chat_messages(messages) == [
+        {"role": "assistant", "content": ""},
+        {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "calc"},
+    ]
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -20,7 +20,7 @@ computed inside the window: its text and the global text agree after the window'
 first whole character, so differences of positions measured from there are the
 same. The window start may cut a character (its leading bytes then decode to
 U+FFFD "garbage", counted and skipped) and must leave at least H characters of
-text before the new tokens (see ``window_tokens``)::
+text before the new tokens (``shared.token_window``)::
 
     window_token_ids:  [ prev tokens (k) ........................ | new tokens (m) ]
     window text:       [ garbage g | prev text ... [held back H] | new text ...... ]
@@ -35,33 +35,13 @@ import re
 import msgspec
 
 from shared.protocol import EngineOutput, FinishReason, Logprobs, TokenLogprob, TopLogprob
+from shared.token_window import holdback_chars
+from shared.tokenizer import byte_alphabet
 
 logger = logging.getLogger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
-# Previous tokens the window needs without stop strings: an unfinished character at
-# the window start (up to 3 tokens of continuation bytes), one at the end (up to 3),
-# and at least one whole character between them.
-BASE_WINDOW = 8
-# UTF-8 bytes per character, at most; every non-special token carries >= 1 byte.
-_MAX_BYTES_PER_CHAR = 4
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def window_tokens(stop: list[str]) -> int:
-    """Output tokens the scheduler must send before the new ones for these stop strings.
-
-    The detokenizer holds back and re-reads up to ``H = longest stop - 1`` characters of
-    text before the new tokens; each character is at most 4 UTF-8 bytes and each
-    (non-special) token at least one byte, so ``4 * H`` tokens cover them, on top of
-    ``BASE_WINDOW`` for the unfinished characters at both ends.
-    """
-    return BASE_WINDOW + _MAX_BYTES_PER_CHAR * holdback_chars(stop)
-
-
-def holdback_chars(stop: list[str]) -> int:
-    """Characters held back from a running stream: a stop string's longest proper prefix."""
-    return max((len(s) for s in stop), default=1) - 1
 
 
 class DetokenizedOutput(msgspec.Struct, gc=False):
@@ -84,15 +64,12 @@ class IncrementalDetokenizer:
     """Turns ``EngineOutput``s into text deltas with one tokenizer; no per-request state."""
 
     def __init__(self, tokenizer) -> None:
-        # Imported here so the scheduler can use ``window_tokens`` without the tokenizer stack.
-        from shared.tokenizer import _byte_alphabet
-
         self.tokenizer = tokenizer
         backend = tokenizer.backend
         decoder = backend.decoder
         self._byte_level = type(decoder).__name__ == "ByteLevel"
         self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
-        self._unicode_to_byte = {c: b for b, c in _byte_alphabet().items()}
+        self._unicode_to_byte = {c: b for b, c in byte_alphabet().items()}
         # Per-id token text and raw bytes for logprobs, filled lazily.
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}

@@ -12,11 +12,12 @@ import random
 
 import pytest
 
+from services.detokenizer.incremental import IncrementalDetokenizer
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from shared.config import CacheConfig, SchedulerConfig
-from shared.incremental_detokenizer import BASE_WINDOW, IncrementalDetokenizer, holdback_chars, window_tokens
 from shared.protocol import EngineOutput, FinishReason, Logprobs, SamplingParams
+from shared.token_window import BASE_WINDOW, window_tokens
 
 TEXTS = [
     "héllo wörld, 你好世界！ 😀👍🏽 👨‍👩‍👧 family\n\nnext: Ελληνικά ✓ done. ",
@@ -171,12 +172,6 @@ def test_short_window_is_reported(detok, smollm_tokenizer):
     assert result.window_too_short
 
 
-def test_window_tokens_cover_the_holdback():
-    assert holdback_chars([]) == 0 and window_tokens([]) == BASE_WINDOW
-    assert holdback_chars(["ab", "wxyz"]) == 3
-    assert window_tokens(["ab", "wxyz"]) == BASE_WINDOW + 4 * 3
-
-
 def test_with_the_schedulers_own_windows(detok, smollm_tokenizer, real_sequences):
     """The scheduler's ``_engine_output`` builds windows the detokenizer can use."""
     sched = Scheduler(SchedulerConfig(), CacheConfig(block_size=16, num_gpu_blocks=64), 64, 4096)
@@ -188,7 +183,7 @@ def test_with_the_schedulers_own_windows(detok, smollm_tokenizer, real_sequences
         window = len(sched._engine_output(probe, [9], []).window_token_ids) - 1
         assert window >= window_tokens(stop), (
             f"the scheduler sends {window} tokens before the new ones with stop={stop}; "
-            f"the detokenizer needs shared.incremental_detokenizer.window_tokens(stop) = {window_tokens(stop)}"
+            f"the detokenizer needs shared.token_window.window_tokens(stop) = {window_tokens(stop)}"
         )
         for out in real_sequences:
             request = Request("r", [5, 6, 7], SamplingParams(stop=stop, max_tokens=1000), gateway_id="g")

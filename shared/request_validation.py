@@ -1,8 +1,9 @@
-"""Request validation at the tokenizer: OpenAI / vLLM ranges, OpenAI's error shape.
+"""Request checks: OpenAI / vLLM ranges, chat messages, the context length; OpenAI's error shape.
 
-Pure functions, no bus. Each check raises ``InvalidRequest`` carrying the
-``ErrorInfo`` (status 400, the offending parameter named) that the gateway hands
-to the client as is.
+Pure functions, no bus, used by ``request_preparation`` (the tokenizer service's
+and the in-process engine's one way to prepare a request). Each check raises
+``InvalidRequest`` carrying the ``ErrorInfo`` (status 400, the offending parameter
+named) that the gateway hands to the client as is.
 """
 
 from __future__ import annotations
@@ -76,10 +77,12 @@ def validate_sampling_params(params: SamplingParams, vocab_size: int) -> Samplin
 
 
 def chat_messages(messages: list[dict]) -> list[dict]:
-    """The messages as the chat template takes them: role and string content checked.
+    """The messages as the chat template takes them: a known role, string content, and
+    the optional ``name`` and ``tool_call_id``.
 
-    Content given as OpenAI text parts (``[{"type": "text", "text": ...}]``) is joined
-    into one string, as vLLM does.
+    Null content is empty (an assistant turn that only called tools); content given as
+    OpenAI text parts (``[{"type": "text", "text": ...}]``) is joined by newlines, as
+    vLLM does.
     """
     if not messages:
         raise InvalidRequest("messages must not be empty", param="messages")
@@ -90,21 +93,30 @@ def chat_messages(messages: list[dict]) -> list[dict]:
             raise InvalidRequest(
                 f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param="messages"
             )
-        content = message.get("content")
-        if isinstance(content, list):
-            content = _join_text_parts(content, i)
-            message = {**message, "content": content}
-        if not isinstance(content, str):
-            raise InvalidRequest(f"messages[{i}].content must be a string", param="messages")
-        result.append(message)
+        clean = {"role": role, "content": _message_content(message.get("content"), i)}
+        for key in ("name", "tool_call_id"):
+            if isinstance(message.get(key), str):
+                clean[key] = message[key]
+        result.append(clean)
     return result
 
 
-def _join_text_parts(parts: list, index: int) -> str:
+def _message_content(content, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"messages[{i}].content must be a string or a list of content parts", param="messages")
     texts = []
-    for part in parts:
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            raise InvalidRequest(f"messages[{index}].content parts must be text parts", param="messages")
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequest(
+                f"messages[{i}].content: only text parts are supported, got {kind!r}", param="messages"
+            )
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"messages[{i}].content: a text part needs a string 'text'", param="messages")
         texts.append(part["text"])
     return "\n".join(texts)
 

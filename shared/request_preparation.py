@@ -1,0 +1,82 @@
+"""Request preparation: a ``TokenizeRequest`` checked and tokenized into an ``EngineRequest``.
+
+The one way in to a scheduler, for the tokenizer service (requests from the bus)
+and the in-process ``Engine`` alike: sampling settings and prompt checked
+(``request_validation``), chat messages rendered with the model's template, the
+prompt tokenized, ``max_tokens`` resolved against the context, and every
+end-of-sequence id of the model made to stop the request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from shared.protocol import EngineRequest, SamplingParams, TokenizeRequest
+from shared.request_validation import (
+    InvalidRequest,
+    chat_messages,
+    resolve_max_tokens,
+    validate_request_shape,
+    validate_sampling_params,
+)
+
+
+@dataclass(frozen=True)
+class RequestPreparer:
+    """What preparing a request needs to know of the model.
+
+    ``eos_token_ids``: the model's end-of-sequence ids; the first becomes the
+    request's ``eos_token_id``, the others (generation_config's list, as vLLM does)
+    join its ``stop_token_ids`` unless it ignores EOS.
+    """
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+
+    def prepare(self, request: TokenizeRequest, tokenizer=None) -> EngineRequest:
+        """Check and tokenize ``request``; raises ``InvalidRequest``. CPU work: the
+        tokenizer service runs it in a thread. ``tokenizer`` may be None for a request
+        with ``prompt_token_ids``."""
+        params = validate_sampling_params(request.sampling_params, self.vocab_size)
+        validate_request_shape(request, self.vocab_size)
+        if request.messages is not None:
+            prompt_param = "messages"
+            prompt_token_ids = tokenize_chat(tokenizer, request.messages, request.add_generation_prompt)
+        elif request.prompt is not None:
+            prompt_param = "prompt"
+            prompt_token_ids = tokenizer.encode(request.prompt, add_special_tokens=True)
+        else:
+            prompt_param = "prompt_token_ids"
+            prompt_token_ids = list(request.prompt_token_ids)
+        params = resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len, prompt_param)
+        return EngineRequest(
+            request_id=request.request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=self.stop_at_every_eos(params),
+            arrival_time=time.time(),
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            gateway_id=request.gateway_id,
+            cache_salt=request.cache_salt,
+        )
+
+    def stop_at_every_eos(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the EOS ids after the first added to its stop token ids."""
+        extra = [i for i in self.eos_token_ids[1:] if i not in params.stop_token_ids]
+        if not extra or params.ignore_eos:
+            return params
+        return msgspec.structs.replace(params, stop_token_ids=params.stop_token_ids + extra)
+
+
+def tokenize_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """The chat prompt's ids, as transformers' ``apply_chat_template(tokenize=True)``:
+    the rendered text already holds the special tokens, so none are added."""
+    messages = chat_messages(messages)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # the template's raise_exception, or a template that needs fields we lack
+        raise InvalidRequest(f"the chat template cannot render these messages: {e}", param="messages") from e
+    return tokenizer.encode(text, add_special_tokens=False)

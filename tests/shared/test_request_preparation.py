@@ -1,0 +1,61 @@
+"""One request preparation for the tokenizer service and the in-process engine."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shared.protocol import SamplingParams, TokenizeRequest
+from shared.request_preparation import RequestPreparer
+from shared.request_validation import InvalidRequest
+
+PREPARER = RequestPreparer(max_model_len=100, vocab_size=50, eos_token_ids=(2, 7, 9))
+
+
+def ids_request(params=SamplingParams(), prompt_token_ids=(5, 6, 7)) -> TokenizeRequest:
+    return TokenizeRequest(request_id="r", gateway_id="g", prompt_token_ids=list(prompt_token_ids),
+                           sampling_params=params, cache_salt="s")
+
+
+def test_token_ids_need_no_tokenizer_and_every_eos_id_stops():
+    before = time.time()
+    request = PREPARER.prepare(ids_request(SamplingParams(stop_token_ids=[9, 4], top_k=-1, max_tokens=0)))
+    assert request.prompt_token_ids == [5, 6, 7] and request.eos_token_id == 2
+    assert request.sampling_params == SamplingParams(stop_token_ids=[9, 4, 7], max_tokens=97)
+    assert (request.request_id, request.gateway_id, request.cache_salt) == ("r", "g", "s")
+    assert before <= request.arrival_time <= time.time()
+
+
+def test_ignore_eos_ignores_every_eos_id():
+    request = PREPARER.prepare(ids_request(SamplingParams(ignore_eos=True)))
+    assert request.eos_token_id == 2 and request.sampling_params.stop_token_ids == []
+
+
+def test_without_eos_ids():
+    request = RequestPreparer(100, 50).prepare(ids_request())
+    assert request.eos_token_id is None and request.sampling_params.stop_token_ids == []
+
+
+@pytest.mark.parametrize("request_, param", [
+    (ids_request(SamplingParams(temperature=5.0)), "temperature"),
+    (ids_request(prompt_token_ids=[50]), "prompt_token_ids"),
+    (ids_request(prompt_token_ids=range(100)), "prompt_token_ids"),
+    (ids_request(SamplingParams(max_tokens=98)), "max_tokens"),
+])
+def test_refusals_name_the_param(request_, param):
+    with pytest.raises(InvalidRequest) as e:
+        PREPARER.prepare(request_)
+    assert e.value.error.param == param
+
+
+def test_text_and_chat_prompts(smollm_tokenizer):
+    preparer = RequestPreparer(4096, smollm_tokenizer.vocab_size, (smollm_tokenizer.eos_token_id,))
+    text = TokenizeRequest(request_id="t", gateway_id="g", prompt="Once upon a time")
+    assert preparer.prepare(text, smollm_tokenizer).prompt_token_ids == smollm_tokenizer.encode("Once upon a time")
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}], "extra": 1}]
+    chat = TokenizeRequest(request_id="c", gateway_id="g", messages=messages)
+    rendered = smollm_tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert preparer.prepare(chat, smollm_tokenizer).prompt_token_ids == smollm_tokenizer.encode(
+        rendered, add_special_tokens=False
+    )
