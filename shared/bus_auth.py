@@ -27,6 +27,7 @@ from shared.protocol import (
     ENGINE_REQUESTS,
     ENGINE_STATS,
     PING,
+    SERVICE_RESTARTS,
     TOKENIZE,
     engine_hello_subject,
     engine_profile_subject,
@@ -51,7 +52,7 @@ class Permissions:
 ROLES: dict[str, Permissions] = {
     "gateway": Permissions(
         publish=(TOKENIZE, ENGINE_ABORT, f"{PING}.>"),
-        subscribe=(gateway_stream_subject("*"), ENGINE_STATS, INBOX, ping_subject("gateway")),
+        subscribe=(gateway_stream_subject("*"), ENGINE_STATS, SERVICE_RESTARTS, INBOX, ping_subject("gateway")),
     ),
     "tokenizer": Permissions(
         publish=(ENGINE_REQUESTS,),

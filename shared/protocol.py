@@ -27,6 +27,8 @@ ENGINE_REQUESTS = f"{SUBJECT_PREFIX}.engine.requests"
 ENGINE_ABORT = f"{SUBJECT_PREFIX}.engine.abort"
 ENGINE_STATS = f"{SUBJECT_PREFIX}.engine.stats"
 PING = f"{SUBJECT_PREFIX}.ping"
+# The launcher publishes how often it restarted each service (gateways show it in /metrics).
+SERVICE_RESTARTS = f"{SUBJECT_PREFIX}.launcher.restarts"
 
 
 def ping_subject(service: str) -> str:
@@ -352,6 +354,12 @@ class WorkerRetire(msgspec.Struct, omit_defaults=True):
     instance_ids: list[str]
 
 
+class ServiceRestarts(msgspec.Struct, omit_defaults=True):
+    """launcher -> gateways: restarts so far, by service process name (e.g. "worker-0")."""
+
+    counts: dict[str, int]
+
+
 class Ping(msgspec.Struct, omit_defaults=True):
     pass
 
@@ -395,4 +403,5 @@ STREAM_DELTA_BATCH = Codec(StreamDeltaBatch)
 ENGINE_STATS_MSG = Codec(EngineStats)
 WORKER_READY = Codec(WorkerReady)
 WORKER_RETIRE = Codec(WorkerRetire)
+SERVICE_RESTARTS_MSG = Codec(ServiceRestarts)
 PONG = Codec(Pong)

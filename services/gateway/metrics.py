@@ -91,6 +91,20 @@ class _EngineCollector:
         yield engines_gauge
 
 
+class _RestartsCollector:
+    """The launcher's restart count per service process, as last published to the bus."""
+
+    def __init__(self, metrics: "GatewayMetrics") -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        counter = CounterMetricFamily("natsllm:service_restarts", "Restarts of each service process by the launcher.",
+                                      labels=["service"])
+        for service, count in sorted(self.metrics.service_restarts.items()):
+            counter.add_metric([service], float(count))
+        yield counter
+
+
 class GatewayMetrics:
     """The gateway's own registry; ``render()`` is the body of ``GET /metrics``."""
 
@@ -115,6 +129,8 @@ class GatewayMetrics:
                                              "Histogram of e2e request latency in seconds.",
                                              labels, buckets=E2E_BUCKETS, registry=r).labels(model_name)
         r.register(_EngineCollector(engine_stats, model_name))
+        self.service_restarts: dict[str, int] = {}
+        r.register(_RestartsCollector(self))
 
     def finished(self, reason: str | None, e2e_seconds: float) -> None:
         if reason in self.request_success:

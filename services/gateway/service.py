@@ -27,6 +27,8 @@ from shared.protocol import (
     ENGINE_ABORT,
     ENGINE_STATS,
     ENGINE_STATS_MSG,
+    SERVICE_RESTARTS,
+    SERVICE_RESTARTS_MSG,
     STREAM_DELTA_BATCH,
     TOKENIZE,
     TOKENIZE_REPLY,
@@ -70,6 +72,7 @@ class GatewayService(Service):
     async def setup(self) -> None:
         await self.subscribe(gateway_stream_subject(self.gateway_id), self._on_deltas)
         await self.subscribe(ENGINE_STATS, self._on_stats)
+        await self.subscribe(SERVICE_RESTARTS, self._on_restarts)
         self.spawn(self._watch_engines())
         # The server has our stream subscription before any tokenize request leaves.
         await self.nc.flush()
@@ -97,6 +100,9 @@ class GatewayService(Service):
         self.engine_stats.update(stats)
         if stats.incarnation:
             self._fail_requests_of(stats.engine_id, "restarted", lambda s: s.incarnation != stats.incarnation)
+
+    async def _on_restarts(self, msg: Msg) -> None:
+        self.metrics.service_restarts = dict(SERVICE_RESTARTS_MSG.decode(msg.data).counts)
 
     # ------------------------------------------------------------------ lost engines
 

@@ -16,6 +16,7 @@ import sysconfig
 import tempfile
 import time
 
+from services.launch.supervisor import die_with_parent
 from shared.bus_auth import authorization_config, new_passwords, role_env
 
 MAX_PAYLOAD = 8 * 1024 * 1024
@@ -60,9 +61,14 @@ class NatsServer:
                 f.write(authorization_config(self.passwords))
         log = open(log_file, "ab") if log_file else subprocess.DEVNULL
         self.process = subprocess.Popen(
-            [find_nats_server(), "-c", config], stdout=log, stderr=log, start_new_session=True
+            [find_nats_server(), "-c", config], stdout=log, stderr=log, start_new_session=True,
+            preexec_fn=die_with_parent(os.getpid()),
         )
         self._wait_ready()
+
+    def credentials(self, role: str) -> dict[str, str]:
+        """``nats.connect`` keyword arguments for a client of ``role`` ({} without authentication)."""
+        return {"user": role, "password": self.passwords[role]} if self.passwords else {}
 
     def env_for(self, role: str) -> dict[str, str]:
         """Environment variables a process of ``role`` connects with ({} without authentication)."""
@@ -85,7 +91,7 @@ class NatsServer:
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(5)
+                self.process.wait(2)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()

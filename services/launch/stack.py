@@ -2,24 +2,35 @@
 
 ``scripts/serve`` runs it in the foreground; the end-to-end tests start the same
 stack. Every service is its own OS process (``python -m services.<name>``) in its
-own process group, so stopping the stack leaves nothing running. Extra flags go to
-the services that take them (``service_flags``).
+own process group, started through a ``Supervisor``: once the stack is ready, a
+service that dies is started again (and the counts reach the gateways' /metrics);
+stopping the stack, or killing the launcher, leaves nothing running. nats-server runs
+with one user per service role (fresh passwords per run), each service gets its
+role's credentials in its environment. Extra flags go to the services that take them
+(``service_flags``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.launch.nats_server import NatsServer, free_port
+from services.launch.supervisor import Supervisor
+from shared.protocol import SERVICE_RESTARTS, SERVICE_RESTARTS_MSG, ServiceRestarts
 from services.launch.service_flags import split_service_args
 
 ROOT = Path(__file__).resolve().parents[2]
+SUPERVISE_INTERVAL = 0.5  # seconds between looks for dead services
+RESTARTS_REPUBLISH_INTERVAL = 10.0
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +48,8 @@ class StackConfig:
     # Services not to start (e.g. {"scheduler"}), for tests of a stack missing a part.
     without: frozenset[str] = frozenset()
     log_dir: str | None = None
+    # nats-server with one user per service role and fresh passwords (shared/bus_auth.py).
+    authenticated_bus: bool = True
 
 
 class Stack:
@@ -45,53 +58,45 @@ class Stack:
         # Raises ConfigError, before anything starts, for a flag no service takes.
         self.service_args = split_service_args(config.args)
         self.nats: NatsServer | None = None
-        self.processes: dict[str, subprocess.Popen] = {}
-        self.commands: dict[str, tuple[str, list[str]]] = {}
+        self.supervisor = Supervisor()
+        self._supervising: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     @property
     def base_url(self) -> str:
         return f"http://{self.config.host}:{self.config.port}"
 
-    def _env(self) -> dict[str, str]:
+    @property
+    def processes(self) -> dict[str, subprocess.Popen]:
+        return {name: child.process for name, child in self.supervisor.children.items()}
+
+    def _env(self, role: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.config.env)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env["NATS_URL"] = self.nats.url
+        env.update(self.nats.env_for(role))
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env
 
     def start_service(self, name: str, module: str, args: list[str]) -> subprocess.Popen | None:
-        if module.removeprefix("services.") in self.config.without:
+        role = module.removeprefix("services.")
+        if role in self.config.without:
             return None
-        # Without a log folder the services log to this terminal.
-        out = None
-        if self.config.log_dir is not None:
-            out = open(os.path.join(self.config.log_dir, f"{name}.log"), "ab")
-        process = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            cwd=ROOT,
-            env=self._env(),
-            stdout=out,
-            stderr=subprocess.STDOUT if out is not None else None,
-            start_new_session=True,
-        )
-        self.processes[name] = process
-        self.commands[name] = (module, args)
-        return process
+        log = os.path.join(self.config.log_dir, f"{name}.log") if self.config.log_dir is not None else None
+        return self.supervisor.start(name, [sys.executable, "-m", module, *args], self._env(role), str(ROOT), log)
 
     def restart_service(self, name: str) -> subprocess.Popen:
-        """Start a service again with the arguments it was first started with."""
-        process = self.processes.get(name)
-        if process is not None and process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        module, args = self.commands[name]
-        return self.start_service(name, module, args)
+        """Kill a service (if running) and start it again with its first arguments."""
+        self.supervisor.kill(name)
+        child = self.supervisor.children[name]
+        child.process.wait()
+        return self.supervisor.start(name, child.argv, child.env, child.cwd, child.log_path)
 
     def start(self) -> None:
         cfg = self.config
         log = os.path.join(cfg.log_dir, "nats.log") if cfg.log_dir else None
-        self.nats = NatsServer(port=cfg.nats_port, log_file=log)
+        self.nats = NatsServer(port=cfg.nats_port, log_file=log, authenticated=cfg.authenticated_bus)
         model = ["--model", cfg.model] if cfg.model else []
         tp = ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
         # TP ranks meet in a torch.distributed rendezvous hosted by rank 0 (args may override).
@@ -114,7 +119,9 @@ class Stack:
         )
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        """Until /health says the gateway reaches a tokenizer and the engine is ready."""
+        """Until /health says the gateway reaches a tokenizer and the engine is ready; a
+        service that exits meanwhile is a start-up error. Then services that die are
+        restarted (``supervise``)."""
         import urllib.request
 
         deadline = time.monotonic() + timeout
@@ -125,6 +132,7 @@ class Stack:
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=1) as r:
                     if r.status == 200 and self.engine_ready():
+                        self.start_supervising()
                         return
             except OSError:
                 pass
@@ -140,7 +148,7 @@ class Stack:
         from shared.protocol import PONG, ping_subject
 
         async def ask() -> bool:
-            nc = await nats.connect(self.nats.url)
+            nc = await nats.connect(self.nats.url, **self.nats.credentials("admin"))
             try:
                 reply = await nc.request(ping_subject("scheduler"), b"", timeout=0.5)
                 return bool(PONG.decode(reply.data).info.get("ready"))
@@ -152,19 +160,51 @@ class Stack:
         return asyncio.run(ask())
 
     def dead_services(self) -> dict[str, int]:
-        return {n: p.returncode for n, p in self.processes.items() if p.poll() is not None}
+        """Services that exited and are not running again (yet)."""
+        return self.supervisor.dead()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for process in self.processes.values():
+    def start_supervising(self) -> None:
+        """Restart services that die, from a thread that lives as long as the stack (the
+        children's parent-death signal is tied to the thread that starts them)."""
+        if self._supervising is None:
+            self._supervising = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+            self._supervising.start()
+
+    def _supervise(self) -> None:
+        published = 0.0
+        while not self._stopping.wait(SUPERVISE_INTERVAL):
+            restarted = self.supervisor.poll()
+            counts = self.supervisor.restart_counts()
+            now = time.monotonic()
+            # Gateways show the counts in /metrics; one started later learns them within a while.
+            if restarted or (any(counts.values()) and now - published > RESTARTS_REPUBLISH_INTERVAL):
+                self._publish_restarts(counts)
+                published = now
+
+    def _publish_restarts(self, counts: dict[str, int]) -> None:
+        import asyncio
+
+        import nats
+
+        async def publish() -> None:
+            nc = await nats.connect(self.nats.url, **self.nats.credentials("admin"))
             try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+                await nc.publish(SERVICE_RESTARTS, SERVICE_RESTARTS_MSG.encode(ServiceRestarts(counts)))
+                await nc.flush()
+            finally:
+                await nc.close()
+
+        try:
+            asyncio.run(publish())
+        except Exception as e:  # the bus may be down; the next round tries again
+            logger.warning("restart counts not published: %r", e)
+
+    def stop(self, timeout: float = 8.0) -> None:
+        """Every service and nats-server, within ``timeout`` seconds plus nats-server's stop."""
+        self._stopping.set()
+        if self._supervising is not None:
+            self._supervising.join()
+        self.supervisor.stop(timeout)
         if self.nats is not None:
             self.nats.stop()
 

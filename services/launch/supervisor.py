@@ -31,7 +31,7 @@ BACKOFF_INITIAL = 0.5
 BACKOFF_MAX = 10.0
 
 
-def _die_with_parent(parent_pid: int):
+def die_with_parent(parent_pid: int):
     """A ``preexec_fn``: SIGKILL this child when its parent goes (Linux only)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -85,7 +85,7 @@ class Supervisor:
             child.process = subprocess.Popen(
                 child.argv, cwd=child.cwd, env=child.env, stdout=out,
                 stderr=subprocess.STDOUT if out is not None else None,
-                start_new_session=True, preexec_fn=_die_with_parent(os.getpid()),
+                start_new_session=True, preexec_fn=die_with_parent(os.getpid()),
             )
         finally:
             if out is not None:

@@ -1,5 +1,6 @@
 """``python -m services.worker``: one model runner rank on the bus."""
 
+import logging
 import os
 
 from shared.bus import run_service, setup_logging
@@ -30,9 +31,10 @@ def main() -> None:
         profile=engine.profile_steps,
     )
     code = run_service(service)
-    if code:
-        # A forward thread may be stuck in a collective with a dead peer: don't wait for it.
-        os._exit(code)
+    # A forward thread may be stuck in a collective with a dead peer (or the bus may be
+    # gone): never wait for it, whatever ended the service.
+    logging.shutdown()
+    os._exit(code)
 
 
 if __name__ == "__main__":

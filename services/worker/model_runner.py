@@ -148,7 +148,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ state
 
+    def _check_step(self, out: SchedulerOutput) -> None:
+        """Refuse a step whose block ids fall outside this worker's pool before any state
+        changes or any kernel reads them (the C kernels do not bounds-check)."""
+        block_lists = [new.block_ids for new in out.scheduled_new_reqs]
+        block_lists += out.scheduled_cached_reqs.new_block_ids
+        for block_ids in block_lists:
+            if block_ids and not (0 <= min(block_ids) and max(block_ids) < self.num_blocks):
+                raise ValueError(f"step {out.step_id} names KV blocks outside this worker's "
+                                 f"{self.num_blocks} blocks")
+
     def _update_states(self, out: SchedulerOutput) -> None:
+        self._check_step(out)
         batch = self.input_batch
         if out.reset_state:
             for req_id in list(self.requests):
@@ -163,15 +174,17 @@ class ModelRunner:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            # A request resumed after a worker restart brings the tokens it generated.
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids),
+                token_ids=[*new.prompt_token_ids, *new.output_token_ids],
                 num_prompt_tokens=len(new.prompt_token_ids),
                 sampling_params=params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_id=new.eos_token_id,
                 generator=generator,
+                output_token_ids=list(new.output_token_ids),
             )
 
         cached = out.scheduled_cached_reqs

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from services.engine import Engine
+from services.scheduler.scheduler import Scheduler
 from shared.config import CacheConfig, SchedulerConfig
 from shared.protocol import FinishReason, SamplingParams
 from shared.request_validation import InvalidRequest
@@ -198,4 +199,33 @@ def test_tiny_llama_greedy_equals_hf_on_the_triton_path(tiny_llama):
     refs = hf_greedy(hf_model, prompts, 6, stop_at_eos=False)
     results = engine.generate(prompts, params)
     assert_greedy_matches([r.token_ids for r in results], refs, 6)
+    assert_no_leaks(engine)
+
+
+def test_requests_resumed_after_the_worker_lost_its_state_continue_the_same_greedy_text(
+    smollm_worker, smollm_prompts, smollm_refs
+):
+    """As the scheduler service does when its worker dies: a new scheduler takes over the
+    unfinished requests, its first step resets the worker's state and resends each
+    request with the tokens it generated; the text goes on exactly as undisturbed."""
+    engine = engine_for(smollm_worker)
+    ids = [engine.add_request(p, GREEDY) for p in smollm_prompts]
+    tokens = {i: [] for i in ids}
+
+    def collect(outputs):
+        for out in outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+
+    while sum(map(len, tokens.values())) < 40:
+        collect(engine.step())
+    old = engine.scheduler
+    engine.scheduler = Scheduler(old.config, engine.cache_config, smollm_worker.num_blocks,
+                                 smollm_worker.max_model_len, first_step_id=old.last_step_id + 1)
+    assert engine.scheduler.resume_requests(list(old.running) + list(old.waiting)) == []
+    resumed = [r for r in engine.scheduler.requests.values() if r.num_output_tokens]
+    assert resumed, "some request had generated tokens before the restart"
+    while engine.has_unfinished_requests():
+        collect(engine.step())
+    engine.flush()
+    assert_greedy_matches([tokens[i] for i in ids], smollm_refs, NUM_TOKENS)
     assert_no_leaks(engine)

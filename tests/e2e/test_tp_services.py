@@ -108,7 +108,7 @@ async def test_tp3_seeded_sampling_equals_tp1_engine(client, smollm_worker, smol
 
 
 async def test_each_rank_reports_its_own_kv_share(tp_stack, smollm_worker):
-    nc = await nats.connect(tp_stack.nats.url)
+    nc = await nats.connect(tp_stack.nats.url, **tp_stack.nats.credentials("admin"))
     seen = {}
     done = asyncio.Event()
 

@@ -19,7 +19,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.server import GatewayServer
 from services.launch.nats_server import NatsServer, free_port
-from shared.protocol import ENGINE_STATS, ENGINE_STATS_MSG, EngineStats
+from shared.protocol import (
+    ENGINE_STATS,
+    ENGINE_STATS_MSG,
+    SERVICE_RESTARTS,
+    SERVICE_RESTARTS_MSG,
+    EngineStats,
+    ServiceRestarts,
+)
 
 from .conftest import MODEL, gateway_config, until_engine_ready
 from .fake_engine import expected_text
@@ -226,3 +233,16 @@ async def test_process_runs_and_sigterm_aborts_open_streams(nats_server, fake):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+async def test_service_restarts_reach_metrics(nats_server, gateway, http):
+    nc = await nats.connect(nats_server.url)
+    try:
+        restarts = ServiceRestarts({"detokenizer-0": 2, "worker-0": 1})
+        await nc.publish(SERVICE_RESTARTS, SERVICE_RESTARTS_MSG.encode(restarts))
+        await nc.flush()
+    finally:
+        await nc.close()
+    values = await poll_metrics(http, lambda v: "natsllm:service_restarts_total{service=worker-0}" in v)
+    assert values["natsllm:service_restarts_total{service=detokenizer-0}"] == 2
+    assert values["natsllm:service_restarts_total{service=worker-0}"] == 1
