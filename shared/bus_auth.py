@@ -25,6 +25,7 @@ from shared.protocol import (
     DETOKENIZE,
     ENGINE_ABORT,
     ENGINE_REQUESTS,
+    ENGINE_RESEND,
     ENGINE_STATS,
     PING,
     SERVICE_RESTARTS,
@@ -51,7 +52,7 @@ class Permissions:
 
 ROLES: dict[str, Permissions] = {
     "gateway": Permissions(
-        publish=(TOKENIZE, ENGINE_ABORT, f"{PING}.>"),
+        publish=(TOKENIZE, ENGINE_ABORT, ENGINE_RESEND, f"{PING}.>"),
         subscribe=(gateway_stream_subject("*"), ENGINE_STATS, SERVICE_RESTARTS, INBOX, ping_subject("gateway")),
     ),
     "tokenizer": Permissions(
@@ -69,7 +70,7 @@ ROLES: dict[str, Permissions] = {
         ),
         subscribe=(
             engine_ready_subject(ANY_ENGINE), engine_result_subject(ANY_ENGINE), ENGINE_REQUESTS,
-            ENGINE_ABORT, engine_profile_subject(ANY_ENGINE), ping_subject("scheduler"),
+            ENGINE_ABORT, ENGINE_RESEND, engine_profile_subject(ANY_ENGINE), ping_subject("scheduler"),
         ),
     ),
     "worker": Permissions(

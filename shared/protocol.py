@@ -26,6 +26,8 @@ DETOKENIZE = f"{SUBJECT_PREFIX}.detokenize"
 ENGINE_REQUESTS = f"{SUBJECT_PREFIX}.engine.requests"
 ENGINE_ABORT = f"{SUBJECT_PREFIX}.engine.abort"
 ENGINE_STATS = f"{SUBJECT_PREFIX}.engine.stats"
+# Gateways ask for the outputs of a stream's gap again (a detokenizer died with them).
+ENGINE_RESEND = f"{SUBJECT_PREFIX}.engine.resend"
 PING = f"{SUBJECT_PREFIX}.ping"
 # The launcher publishes how often it restarted each service (gateways show it in /metrics).
 SERVICE_RESTARTS = f"{SUBJECT_PREFIX}.launcher.restarts"
@@ -117,6 +119,14 @@ class EngineRequest(msgspec.Struct, omit_defaults=True):
 
 class AbortRequest(msgspec.Struct, omit_defaults=True):
     request_ids: list[str]
+
+
+class ResendOutputs(msgspec.Struct, omit_defaults=True):
+    """gateway -> schedulers: publish request ``request_id``'s output tokens from
+    ``token_offset`` on to the detokenizers again (the ones there were lost)."""
+
+    request_id: str
+    token_offset: int
 
 
 # --------------------------------------------------------------------------- the step diff
@@ -395,6 +405,7 @@ MODEL_RUNNER_OUTPUT = Codec(ModelRunnerOutput)
 ENGINE_REQUEST = Codec(EngineRequest)
 ENGINE_OUTPUT = Codec(EngineOutput)
 ABORT_REQUEST = Codec(AbortRequest)
+RESEND_OUTPUTS = Codec(ResendOutputs)
 TOKENIZE_REQUEST = Codec(TokenizeRequest)
 TOKENIZE_REPLY = Codec(TokenizeReply)
 ENGINE_REQUEST_REPLY = Codec(EngineRequestReply)

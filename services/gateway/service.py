@@ -25,15 +25,18 @@ from shared.bus import Service
 from shared.protocol import (
     ABORT_REQUEST,
     ENGINE_ABORT,
+    ENGINE_RESEND,
     ENGINE_STATS,
     ENGINE_STATS_MSG,
     SERVICE_RESTARTS,
     SERVICE_RESTARTS_MSG,
+    RESEND_OUTPUTS,
     STREAM_DELTA_BATCH,
     TOKENIZE,
     TOKENIZE_REPLY,
     TOKENIZE_REQUEST,
     AbortRequest,
+    ResendOutputs,
     TokenizeReply,
     TokenizeRequest,
     gateway_stream_subject,
@@ -48,6 +51,8 @@ from .streams import RequestStream
 logger = logging.getLogger(__name__)
 
 TOKENIZE_ATTEMPTS = 2
+# Seconds deltas may wait behind a missing one before the engine is asked to resend it.
+GAP_TIMEOUT = 1.0
 
 
 class GatewayService(Service):
@@ -61,6 +66,7 @@ class GatewayService(Service):
         self.metrics = GatewayMetrics(config.model_name, self.engine_stats)
         self.closing = False
         self.num_dropped_deltas = 0
+        self.num_resends = 0
 
     @property
     def gateway_id(self) -> str:
@@ -118,11 +124,16 @@ class GatewayService(Service):
 
     async def _watch_engines(self) -> None:
         """A scheduler sends EngineStats every second: one silent for longer than
-        ``engine_heartbeat_timeout`` has died, and its requests would never end."""
+        ``engine_heartbeat_timeout`` has died, and its requests would never end. A stream
+        whose deltas wait behind a gap for ``GAP_TIMEOUT`` asks its engine to resend."""
         timeout = self.config.engine_heartbeat_timeout
         while True:
             await asyncio.sleep(min(0.5, timeout / 4))
             now = time.monotonic()
+            for stream in list(self.streams.values()):
+                if stream.gap_since is not None and now - stream.gap_since > GAP_TIMEOUT:
+                    stream.gap_since = now  # once per GAP_TIMEOUT
+                    await self._ask_resend(stream)
             for engine_id in {s.engine_id for s in self.streams.values() if s.incarnation}:
                 last = self.engine_stats.last_seen(engine_id)
 
@@ -179,6 +190,16 @@ class GatewayService(Service):
                     raise
                 logger.warning("%s: no tokenizer answer within %.1fs; trying again", request.request_id,
                                self.config.tokenize_timeout)
+
+    async def _ask_resend(self, stream: RequestStream) -> None:
+        logger.warning("%s: output from token %d missing; asking the engine to send it again",
+                       stream.request_id, stream.next_offset)
+        self.num_resends += 1
+        try:
+            await self.nc.publish(ENGINE_RESEND, RESEND_OUTPUTS.encode(ResendOutputs(stream.request_id,
+                                                                                   stream.next_offset)))
+        except NatsError as e:
+            logger.warning("%s: resend request not sent: %r", stream.request_id, e)
 
     def release(self, stream: RequestStream) -> None:
         if self.streams.get(stream.request_id) is stream:

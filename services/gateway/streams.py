@@ -5,7 +5,9 @@ so they can arrive out of order, twice, or (for a zero-token end message) after
 the tokens they follow. A ``RequestStream`` keeps the next expected token offset,
 buffers deltas from the future, drops repeats, and hands in-order deltas to its
 sink (the HTTP request's queue) as ``(stream, delta)``; the stream ends with the
-delta that carries a finish reason, or with ``(stream, ErrorInfo)``.
+delta that carries a finish reason, or with ``(stream, ErrorInfo)``. Deltas that wait
+behind a missing one for long (``gap_since``) mean a detokenizer died with it: the
+gateway then asks the engine to send those outputs again.
 
     offsets:   0    1    2    3    4    5
     arrived:  [0,2) .......... [3,5)+end
@@ -16,6 +18,7 @@ delta that carries a finish reason, or with ``(stream, ErrorInfo)``.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from shared.protocol import ErrorInfo, FinishReason, StreamDelta
 
@@ -25,7 +28,8 @@ class RequestStream:
 
     __slots__ = (
         "request_id", "index", "prompt_index", "next_offset", "finished", "engine_done", "finish_reason",
-        "num_prompt_tokens", "num_cached_tokens", "engine_id", "incarnation", "accepted_at", "_pending", "_sink",
+        "num_prompt_tokens", "num_cached_tokens", "engine_id", "incarnation", "accepted_at", "gap_since",
+        "_pending", "_sink",
     )
 
     def __init__(self, request_id: str, index: int, prompt_index: int, sink: asyncio.Queue) -> None:
@@ -42,6 +46,8 @@ class RequestStream:
         self.engine_id = ""
         self.incarnation = ""
         self.accepted_at = 0.0
+        # Since when deltas wait behind a missing one (its detokenizer may have died).
+        self.gap_since: float | None = None
         self._pending: dict[int, list[StreamDelta]] = {}
         self._sink = sink
 
@@ -63,12 +69,23 @@ class RequestStream:
         if delta.token_offset > self.next_offset:
             if delta.num_tokens or delta.finish_reason != FinishReason.NONE:
                 self._pending.setdefault(delta.token_offset, []).append(delta)
+                self._note_gap()
             return
         self._accept(delta)
         while not self.finished and self.next_offset in self._pending:
             # Token-bearing deltas first: a zero-token end at the same offset comes after them.
             for waiting in sorted(self._pending.pop(self.next_offset), key=lambda d: -d.num_tokens):
                 self._accept(waiting)
+        # A resent range may cover deltas that were waiting: they are repeats now.
+        for offset in [o for o in self._pending if o < self.next_offset]:
+            del self._pending[offset]
+        self._note_gap()
+
+    def _note_gap(self) -> None:
+        if not self._pending:
+            self.gap_since = None
+        elif self.gap_since is None:
+            self.gap_since = time.monotonic()
 
     def _accept(self, delta: StreamDelta) -> None:
         """``delta`` starts at or before ``next_offset``."""

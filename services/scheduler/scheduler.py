@@ -335,6 +335,16 @@ class Scheduler:
             self._sent_to_workers.discard(request.request_id)
             self._finished_req_ids.add(request.request_id)
 
+    def resend_output(self, request_id: str, token_offset: int) -> EngineOutput | None:
+        """The output tokens of an unfinished request from ``token_offset`` on, as one
+        output (without logprobs), for a gateway whose stream lost them; None if the
+        request is unknown here (another engine's, or finished) or the offset is not
+        behind its output."""
+        request = self.requests.get(request_id)
+        if request is None or not 0 <= token_offset < request.num_output_tokens:
+            return None
+        return self._engine_output(request, request.output_token_ids[token_offset:], [])
+
     def _engine_output(self, request: Request, new_token_ids, logprobs) -> EngineOutput:
         # The tokens before the new ones that a stateless detokenizer needs to finish
         # UTF-8 characters and stop strings that span tokens.

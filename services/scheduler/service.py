@@ -45,9 +45,11 @@ from shared.protocol import (
     ENGINE_REQUEST,
     ENGINE_REQUEST_REPLY,
     ENGINE_REQUESTS,
+    ENGINE_RESEND,
     ENGINE_STATS,
     ENGINE_STATS_MSG,
     MODEL_RUNNER_OUTPUT,
+    RESEND_OUTPUTS,
     SCHEDULER_OUTPUT,
     WORKER_READY,
     WORKER_RETIRE,
@@ -148,6 +150,7 @@ class SchedulerService(Service):
         await self.subscribe(engine_result_subject(self.engine_id), self._on_result)
         await self.subscribe(ENGINE_REQUESTS, self._on_request, queue="scheduler")
         await self.subscribe(ENGINE_ABORT, self._on_abort)
+        await self.subscribe(ENGINE_RESEND, self._on_resend)
         if self.profile is not None:
             await self.subscribe(engine_profile_subject(self.engine_id), self._on_profile)
         await self.nc.publish(engine_hello_subject(self.engine_id), b"")
@@ -294,6 +297,15 @@ class SchedulerService(Service):
             if req_id not in known:
                 self._early_aborts[req_id] = now
         self._early_aborts = {k: t for k, t in self._early_aborts.items() if now - t < EARLY_ABORT_TTL}
+
+    async def _on_resend(self, msg: Msg) -> None:
+        resend = RESEND_OUTPUTS.decode(msg.data)
+        output = None if self.scheduler is None else self.scheduler.resend_output(resend.request_id,
+                                                                                    resend.token_offset)
+        if output is not None:
+            logger.info("engine %s: %s: outputs from token %d sent again", self.engine_id, resend.request_id,
+                        resend.token_offset)
+            await self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch([output])))
 
     async def _on_result(self, msg: Msg) -> None:
         start = time.perf_counter()

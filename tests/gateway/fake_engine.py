@@ -11,7 +11,8 @@ a repeated delta and a delta for an unknown request mixed in.
 Control words in the prompt: ``REJECT`` (a 400 from the "tokenizer"),
 ``UNAVAILABLE`` (its 503), ``REJECTSECOND`` (refuse only sample 1), ``HANG``
 (two tokens, then nothing), ``FAIL`` (two tokens, then an engine error),
-``SILENT`` (no tokenize reply at all), ``SILENTONCE`` (no reply to the first
+``SILENT`` (no tokenize reply at all), ``GAP`` (the second delta is lost until
+the gateway asks for a resend), ``SILENTONCE`` (no reply to the first
 attempt: a tokenizer that died), ``GHOST`` (queued by engine "ghost", which
 never sends stats). Other requests are queued by engine ``FAKE_ENGINE_ID`` under
 the fake's current ``incarnation`` (a test changes it to play a restarted scheduler).
@@ -33,8 +34,10 @@ from shared.bus import Service
 from shared.protocol import (
     ABORT_REQUEST,
     ENGINE_ABORT,
+    ENGINE_RESEND,
     ENGINE_STATS,
     ENGINE_STATS_MSG,
+    RESEND_OUTPUTS,
     STREAM_DELTA_BATCH,
     TOKENIZE,
     TOKENIZE_REPLY,
@@ -42,6 +45,7 @@ from shared.protocol import (
     EngineStats,
     ErrorInfo,
     FinishReason,
+    ResendOutputs,
     StreamDelta,
     StreamDeltaBatch,
     TokenizeReply,
@@ -101,10 +105,13 @@ class FakeEngine(Service):
         self.aborted: list[str] = []
         self._changed = asyncio.Condition()
         self.incarnation = "fake-1"
+        self.resends: list[ResendOutputs] = []
+        self._outputs: dict[str, tuple[TokenizeRequest, list[StreamDelta]]] = {}
 
     async def setup(self) -> None:
         await self.subscribe(TOKENIZE, self._on_tokenize, queue="tokenizer")
         await self.subscribe(ENGINE_ABORT, self._on_abort)
+        await self.subscribe(ENGINE_RESEND, self._on_resend)
         await self.nc.flush()
         self.spawn(self._announce_ready())
 
@@ -129,6 +136,15 @@ class FakeEngine(Service):
 
     def requests_with(self, word: str) -> list[TokenizeRequest]:
         return [r for r in self.requests if word in prompt_words(r)]
+
+    async def _on_resend(self, msg: Msg) -> None:
+        resend = RESEND_OUTPUTS.decode(msg.data)
+        self.resends.append(resend)
+        request, deltas = self._outputs.get(resend.request_id, (None, []))
+        if request is not None:
+            await self.publish(gateway_stream_subject(request.gateway_id),
+                               [d for d in deltas if d.token_offset >= resend.token_offset])
+        await self._notify()
 
     async def _on_abort(self, msg: Msg) -> None:
         self.aborted.extend(ABORT_REQUEST.decode(msg.data).request_ids)
@@ -161,6 +177,9 @@ class FakeEngine(Service):
             await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, error=error)))
             return
         deltas = self.deltas(request, words, num_prompt_tokens)
+        self._outputs[request.request_id] = (request, deltas)
+        if "GAP" in words:  # the detokenizer handling the second delta died
+            deltas = deltas[:1] + deltas[2:]
         rng = random.Random(request.request_id)
         order = list(range(len(deltas)))
         rng.shuffle(order)

@@ -12,6 +12,7 @@ import httpx
 from services.gateway.server import GatewayServer
 
 from .conftest import MODEL, gateway_config, until_engine_ready
+from .fake_engine import expected_text
 
 
 async def stream_events(http: httpx.AsyncClient, prompt: str) -> tuple[list[dict], float]:
@@ -73,3 +74,15 @@ async def test_stream_idle_timeout(nats_server, fake):
             assert 0.4 < idle < 5
             r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "HANG idle2"})
             assert r.status_code == 504 and "no output" in r.json()["error"]["message"]
+
+
+async def test_a_lost_delta_is_sent_again_and_the_text_is_whole(gateway, fake, http):
+    """A detokenizer that dies loses the deltas it was handling: the later ones wait
+    behind the gap, the gateway asks the engine to resend from the gap, the text is whole."""
+    start = time.monotonic()
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "GAP lost"})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == expected_text("GAP")
+    [resend] = [x for x in fake.resends if x.request_id.startswith(r.json()["id"])]
+    assert resend.token_offset > 0
+    assert time.monotonic() - start < 5

@@ -52,3 +52,17 @@ def test_requests_too_long_for_the_new_engine_are_returned():
     assert [r.request_id for r in refused] == ["long"]
     assert list(new.requests) == ["short"]
     assert BS * 4 == new.max_model_len
+
+
+def test_outputs_are_sent_again_from_an_offset():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 6, stop=["x"]))
+    step = iter(range(100, 200))
+    for _ in range(4):
+        run_step(sched, token_of=lambda req_id: next(step))
+    again = sched.resend_output("a", 1)
+    assert again.new_token_ids == [101, 102, 103]
+    assert again.window_offset + len(again.window_token_ids) == 4 and again.window_token_ids[-3:] == [101, 102, 103]
+    assert again.stop == ["x"] and again.logprobs == []
+    assert sched.resend_output("a", 4) is None  # nothing behind
+    assert sched.resend_output("unknown", 0) is None
