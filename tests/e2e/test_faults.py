@@ -1,0 +1,192 @@
+"""Fault injection on a real stack: kill -9 one service at a time under concurrent streams.
+
+One stack for the module (nats-server with authentication, a worker, a scheduler, 2
+tokenizers, 2 detokenizers, a gateway), supervised by the launcher as under
+``scripts/serve``. Under ``STREAMS`` concurrent greedy streams we kill a tokenizer
+replica, a detokenizer replica, the worker and the scheduler in turn: the first three
+cost nothing (every stream ends with the text an undisturbed run gives, no token
+twice), the scheduler's death ends its streams with a clear error within 10 s; after
+each the stack serves again without a human, and the engine ends idle with no KV
+block held. Then the launcher itself: SIGKILL leaves no service behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.launch.nats_server import free_port
+from services.launch.stack import StackConfig
+from tests.e2e.stacks import running_stack
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "SmolLM2-135M-Instruct"
+STREAMS = 16
+MAX_TOKENS = 24
+QUESTIONS = [f"Tell me fact number {i} about the sea." for i in range(STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    config = StackConfig(
+        port=free_port(),
+        num_tokenizers=2,
+        num_detokenizers=2,
+        args=["--max-num-seqs", "32", "--num-gpu-blocks", "512", "--worker-timeout", "3"],
+        log_dir=str(tmp_path_factory.mktemp("fault-logs")),
+    )
+    with running_stack(config) as stack:
+        yield stack
+
+
+async def stream_text(http: httpx.AsyncClient, question: str, started: asyncio.Event | None = None):
+    """The streamed text, or the error event that ended it."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": question}], "stream": True,
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    text = []
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                return event["error"]
+            text.append(event["choices"][0]["delta"].get("content") or "")
+            if started is not None and text[-1]:
+                started.set()
+    return "".join(text)
+
+
+async def run_streams(stack, fault=None, at_once: bool = False) -> tuple[list, float]:
+    """``STREAMS`` concurrent streams; ``fault()`` runs once the first token is out (with
+    ``at_once``, as the requests leave: while tokenizers hold them). Returns the outcomes
+    and the seconds from the fault to the last stream's end."""
+    started = asyncio.Event()
+    if at_once:
+        started.set()
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as http:
+        tasks = [asyncio.ensure_future(stream_text(http, q, started)) for q in QUESTIONS]
+        faulted_at = time.monotonic()
+        if fault is not None:
+            await asyncio.sleep(0.05 if at_once else 0)
+            await asyncio.wait_for(started.wait(), 60)
+            faulted_at = time.monotonic()
+            fault()
+        outcomes = await asyncio.gather(*tasks)
+    return outcomes, time.monotonic() - faulted_at
+
+
+def metric(stack, name: str) -> float:
+    text = httpx.get(stack.base_url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.25)
+
+
+def assert_idle_and_serving(stack):
+    """Nothing leaks: the engine ends with no request and no KV block; it serves again."""
+    wait_until(lambda: httpx.get(stack.base_url + "/health", timeout=5).status_code == 200, 120, "not healthy again")
+    wait_until(lambda: metric(stack, "natsllm:num_requests_running") == 0
+               and metric(stack, "natsllm:num_requests_waiting") == 0
+               and metric(stack, "natsllm:kv_cache_usage_perc") == 0.0, 30, "requests or KV blocks left over")
+
+
+@pytest.fixture(scope="module")
+def undisturbed(stack):
+    outcomes, _ = asyncio.run(run_streams(stack))
+    assert all(isinstance(o, str) and o for o in outcomes), outcomes
+    return outcomes
+
+
+@pytest.mark.parametrize("victim", ["tokenizer-0", "detokenizer-0", "worker-0"])
+def test_killing_a_stateless_replica_or_the_worker_costs_no_text(stack, undisturbed, victim):
+    restarts = stack.supervisor.restart_counts()[victim]
+    fault = lambda: stack.supervisor.kill(victim)  # noqa: E731
+    outcomes, _ = asyncio.run(run_streams(stack, fault, at_once=victim.startswith("tokenizer")))
+    assert outcomes == undisturbed
+    wait_until(lambda: stack.supervisor.restart_counts()[victim] == restarts + 1, 30, f"{victim} not restarted")
+    assert_idle_and_serving(stack)
+    assert metric(stack, f'natsllm:service_restarts_total{{service="{victim}"}}') >= 1
+
+
+def test_killing_the_scheduler_ends_its_streams_with_a_clear_error_within_seconds(stack, undisturbed):
+    outcomes, ended_after = asyncio.run(run_streams(stack, fault=lambda: stack.supervisor.kill("scheduler")))
+    errors = [o for o in outcomes if isinstance(o, dict)]
+    assert errors, "some stream was still running when the scheduler died"
+    assert all(e["code"] == "engine_lost" for e in errors), errors
+    assert ended_after < 10
+    assert_idle_and_serving(stack)
+    outcomes, _ = asyncio.run(run_streams(stack))
+    assert outcomes == undisturbed
+
+
+def launcher_children(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def start_launcher(tmp_path, *flags) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    log = open(tmp_path / "launcher.log", "wb")
+    launcher = subprocess.Popen([sys.executable, "scripts/launch.py", "--port", str(port), *flags], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LOG_LEVEL": "WARNING"})
+    wait_until(lambda: launcher.poll() is None and _healthy(port), 240, "the launcher's stack did not come up")
+    return launcher, port
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_sigkilled_launcher_leaves_no_service(tmp_path):
+    launcher, _ = start_launcher(tmp_path)
+    children = launcher_children(launcher.pid)
+    assert len(children) >= 6  # nats-server, worker, scheduler, tokenizer, detokenizer, gateway
+    launcher.kill()
+    launcher.wait()
+    wait_until(lambda: not any(alive(pid) for pid in children), 10, "services outlived the launcher")
+
+
+def test_sigterm_stops_a_tp3_stack_within_10s(tmp_path):
+    launcher, _ = start_launcher(tmp_path, "--tp", "3", "--cpu-kv-cache-gib", "0.05")
+    children = launcher_children(launcher.pid)
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    launcher.wait(timeout=15)
+    assert time.monotonic() - start < 10
+    assert not any(alive(pid) for pid in children)
