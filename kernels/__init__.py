@@ -5,7 +5,8 @@ Triton kernels (CUDA), "torch" the CPU path (C kernels for decode attention, the
 RMSNorm, the rotary embedding and SiLU-and-mul where one can be built, see
 `kernels.cpu_build`; otherwise the PyTorch references or leaner PyTorch variants of them),
 "auto" picks Triton when CUDA (and Triton) is available. Both backends take and return the
-same tensors; see each kernel's module for shapes and layouts.
+same tensors; see each kernel's module for shapes and layouts. Attention reads the step's
+`AttentionMetadata`, which the model runner builds once per step.
 """
 
 from collections.abc import Callable
@@ -13,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention_metadata import AttentionMetadata
 from kernels.paged_attention import paged_attention_triton
-from kernels.cpu_paged_attention import paged_attention_cpu
+from kernels.paged_attention_torch import paged_attention_cpu
 from kernels.rms_norm import rms_norm_cpu, rms_norm_triton
-from kernels.rotary import rotary_embedding_cpu, rotary_embedding_triton
+from kernels.rotary import compute_cos_sin_cache, rotary_embedding_cpu, rotary_embedding_triton
 from kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_triton
 from kernels.triton_import import HAS_TRITON
 from kernels.write_kv import write_kv_cpu, write_kv_triton
@@ -30,6 +32,7 @@ class KernelOps:
 
     name: str
     rms_norm: Callable
+    compute_cos_sin_cache: Callable  # the rotary embedding's table, built once per model
     rotary_embedding: Callable
     silu_and_mul: Callable
     write_kv: Callable
@@ -39,6 +42,7 @@ class KernelOps:
 TORCH_OPS = KernelOps(
     name="torch",
     rms_norm=rms_norm_cpu,
+    compute_cos_sin_cache=compute_cos_sin_cache,
     rotary_embedding=rotary_embedding_cpu,
     silu_and_mul=silu_and_mul_cpu,
     write_kv=write_kv_cpu,
@@ -48,6 +52,7 @@ TORCH_OPS = KernelOps(
 TRITON_OPS = KernelOps(
     name="triton",
     rms_norm=rms_norm_triton,
+    compute_cos_sin_cache=compute_cos_sin_cache,
     rotary_embedding=rotary_embedding_triton,
     silu_and_mul=silu_and_mul_triton,
     write_kv=write_kv_triton,
@@ -66,4 +71,4 @@ def get_kernel_ops(backend: str = "auto") -> KernelOps:
     return TRITON_OPS if backend == "triton" else TORCH_OPS
 
 
-__all__ = ["BACKENDS", "KernelOps", "get_kernel_ops"]
+__all__ = ["BACKENDS", "AttentionMetadata", "KernelOps", "get_kernel_ops"]

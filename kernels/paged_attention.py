@@ -1,256 +1,20 @@
-"""Paged attention over block tables for a mixed batch of prefill chunks and decodes.
+"""Paged attention over block tables for a mixed batch of prefill chunks and decodes, in Triton.
 
-The worker calls this once per layer after `write_kv` has put the step's new K/V into the
-paged cache. Request i owns query tokens query_start_loc[i]:query_start_loc[i+1] and a
-context of seq_lens[i] tokens (its new tokens included); its token j sits at position
-seq_lens[i] - q_len_i + j and attends causally to cache positions 0..that position, read
-through block_tables[i]. GQA: query head h reads kv head h // (num_heads // num_kv_heads).
-
-`paged_attention_ref` is the PyTorch reference, and the CPU path wherever
-`kernels.cpu_paged_attention`'s C decode kernel does not apply: decodes read
-their blocks with one `index_select` and attend with batched matmuls straight on the
-cache's [token, kv head, dim] rows (no transposed copy of K/V: that copy, not the
-arithmetic, is what a padded SDPA call spends its time on at decode); what an all-decode
-step's layers share (block list, key mask, query rows) is built once for the step; prefill
-chunks go through one padded SDPA call per query-length bucket. `paged_attention_triton` is the GPU kernel (one launch,
-online softmax, grid over request x query block x kv head), which for decode batches too
-small to fill the GPU also splits each sequence's keys among programs (flash-decoding) and
-merges the partial softmaxes in a second small launch.
+The "triton" backend's attention, with the contract of the PyTorch reference
+`paged_attention_ref` in `kernels.paged_attention_torch` (see that module for the batch
+layout and the causal and GQA rules; `tests/kernels/test_paged_attention.py` compares
+the two). `paged_attention_triton` is the GPU kernel: one launch, online softmax, grid
+over request x query block x kv head; for decode batches too small to fill the GPU it
+also splits each sequence's keys among programs (flash-decoding) and merges the partial
+softmaxes in a second small launch.
 """
 
 import functools
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_import import tl, triton
-
-
-def _gather_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int
-) -> torch.Tensor:
-    """Cache [num_blocks, bs, kvh, hd] -> [N, kvh, max_len, hd] through each request's blocks."""
-    block_size = cache.shape[1]
-    num_blocks = -(-max_len // block_size)
-    blocks = block_tables[:, :num_blocks].long()
-    # Table entries past a request's last block may be garbage (even out of range): use block 0.
-    needed = (seq_lens.long() + block_size - 1) // block_size
-    in_use = torch.arange(num_blocks, device=blocks.device) < needed[:, None]
-    blocks = torch.where(in_use, blocks, 0)
-    kv = cache[blocks].flatten(1, 2)[:, :max_len]
-    return kv.transpose(1, 2)
-
-
-@dataclass
-class _DecodePlan:
-    """What every layer's decode attention shares within one step, built once per step."""
-
-    blocks: torch.Tensor  # [n * num_blocks] int64: each request's blocks, in order
-    span: int  # num_blocks * block_size: keys read per request
-    bias: torch.Tensor  # [n, 1, span] float32: 0 for visible keys, -inf past seq_len
-    query_rows: torch.Tensor | None  # [n] int64 rows of `query`; None: row i is request i
-
-
-def _decode_plan(
-    block_tables: torch.Tensor, query_starts: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, block_size: int
-) -> _DecodePlan:
-    n = seq_lens.shape[0]
-    seq_lens = seq_lens.long()
-    num_blocks = -(-max_seq_len // block_size)
-    blocks = block_tables[:, :num_blocks].long()
-    needed = (seq_lens + block_size - 1) // block_size
-    # Table entries past a request's last block may be garbage (even out of range): use block 0.
-    blocks = torch.where(torch.arange(num_blocks, device=blocks.device) < needed[:, None], blocks, 0).flatten()
-    span = num_blocks * block_size
-    hidden = torch.arange(span, device=seq_lens.device)[None, :] >= seq_lens[:, None]
-    bias = torch.zeros(n, 1, span, device=seq_lens.device).masked_fill_(hidden[:, None, :], float("-inf"))
-    identity = query_starts.shape[0] == n and bool(
-        (query_starts == torch.arange(n, device=query_starts.device)).all()
-    )
-    return _DecodePlan(blocks, span, bias, None if identity else query_starts.long())
-
-
-class _PlanMemo:
-    """The plan of the last all-decode step, reused while the same metadata tensors (the
-    same objects, not modified in place since) come back, as they do from each layer of
-    a model; None when that step's batch is not all decodes.
-
-    In-place changes are seen through tensors' version counters, which inference-mode
-    tensors lack: there, new metadata must come as new tensors (the model runner builds
-    them anew each step)."""
-
-    def __init__(self) -> None:
-        # (metadata tensors, key, plan), replaced whole; the strong references keep any
-        # other tensor from taking these objects' identities.
-        self._entry: tuple | None = None
-
-    def get(
-        self, block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-        max_seq_len: int, block_size: int,
-    ) -> _DecodePlan | None:  # fmt: skip
-        sources = (block_tables, query_start_loc, seq_lens)
-        key = (max_seq_len, block_size, *(0 if t.is_inference() else t._version for t in sources))
-        entry = self._entry
-        if entry is not None and entry[1] == key and all(a is b for a, b in zip(entry[0], sources)):
-            return entry[2]
-        query_starts = query_start_loc[:-1].long()
-        all_decodes = bool((query_start_loc[1:].long() - query_starts == 1).all())
-        plan = _decode_plan(block_tables, query_starts, seq_lens, max_seq_len, block_size) if all_decodes else None
-        self._entry = (sources, key, plan)
-        return plan
-
-
-_DECODE_PLANS = _PlanMemo()
-
-
-@functools.lru_cache(maxsize=16)
-def _head_selector(num_kv_heads: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[1, kvh, 1, kvh, 1]: 1 where a query head's KV head meets its own columns."""
-    eye = torch.eye(num_kv_heads, dtype=dtype, device=device)
-    return eye.view(1, num_kv_heads, 1, num_kv_heads, 1)
-
-
-def _attend_decodes(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    plan: _DecodePlan,
-    scale: float,
-    out: torch.Tensor,
-) -> None:
-    """Requests with one query token each; writes their rows of `out`."""
-    n = plan.bias.shape[0]
-    _, block_size, num_kv_heads, head_dim = key_cache.shape
-    num_heads = query.shape[1]
-    group = num_heads // num_kv_heads
-    span = plan.span
-    k = key_cache.index_select(0, plan.blocks).view(n, span, num_kv_heads * head_dim)
-    v = value_cache.index_select(0, plan.blocks).view(n, span, num_kv_heads * head_dim)
-    rows = query[:n] if plan.query_rows is None else query.index_select(0, plan.query_rows)
-    q = rows.view(n, num_kv_heads, group, head_dim)
-    if query.dtype == torch.float32:
-        # One product per KV head on a strided view of K/V (fp32 GEMMs take the strides).
-        k, v = k.view(n, span, num_kv_heads, head_dim), v.view(n, span, num_kv_heads, head_dim)
-        scores = torch.empty(n, num_kv_heads, group, span, dtype=query.dtype, device=query.device)
-        for h in range(num_kv_heads):
-            scores[:, h] = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2))
-        scores = scores.view(n, num_heads, span).mul_(scale)
-    else:
-        # bf16/fp16 GEMMs copy a strided operand, so K/V are read whole: each query head
-        # is placed in its KV head's columns of a zero row (block-diagonal queries), one
-        # product gives every head's scores, and the output keeps each head's own block.
-        # The zeros triple tiny products but save the copies.
-        selector = _head_selector(num_kv_heads, query.dtype, query.device)
-        q_rows = (q.unsqueeze(3) * selector).view(n, num_heads, num_kv_heads * head_dim)
-        scores = torch.bmm(q_rows, k.transpose(1, 2)).float().mul_(scale)
-    # Adding 0 / -inf is exactly a masked fill of the hidden keys.
-    probs = torch.softmax(scores.add_(plan.bias), dim=-1).to(query.dtype)  # [n, num_heads, span]
-    if query.dtype == torch.float32:
-        probs = probs.view(n, num_kv_heads, group, span)
-        o = torch.empty(n, num_kv_heads, group, head_dim, dtype=query.dtype, device=query.device)
-        for h in range(num_kv_heads):
-            o[:, h] = torch.bmm(probs[:, h], v[:, :, h])
-    else:
-        # [n, kvh, group, kvh, hd] -> each query head's own KV head block [n, kvh, group, hd]
-        o = torch.diagonal(torch.bmm(probs, v).view(n, num_kv_heads, group, num_kv_heads, head_dim), 0, 1, 3)
-        o = o.permute(0, 3, 1, 2)
-    if plan.query_rows is None:
-        out[:n].view(n, num_kv_heads, group, head_dim).copy_(o)
-    else:
-        out[plan.query_rows] = o.reshape(n, num_heads, head_dim)
-
-
-def _attend_group(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_starts: torch.Tensor,
-    query_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    max_seq_len: int,
-    out: torch.Tensor,
-) -> None:
-    """One padded SDPA call for a group of requests; writes their rows of `out`."""
-    device = query.device
-    q_offsets = torch.arange(max_query_len, device=device)
-    k_offsets = torch.arange(max_seq_len, device=device)
-    is_real = q_offsets[None, :] < query_lens[:, None]  # [N, Lq]
-    tokens = torch.where(is_real, query_starts[:, None] + q_offsets, 0)
-    q = query[tokens].transpose(1, 2)  # [N, nh, Lq, hd]
-    k = _gather_kv(key_cache, block_tables, seq_lens, max_seq_len)
-    v = _gather_kv(value_cache, block_tables, seq_lens, max_seq_len)
-    # Causal over absolute positions; padded query rows see at least key 0, so no row is all
-    # masked (which would give NaN). Keys past seq_len are never visible to a real row.
-    q_positions = (seq_lens - query_lens)[:, None] + q_offsets  # [N, Lq]
-    mask = k_offsets[None, None, :] <= q_positions[:, :, None]  # [N, Lq, S]
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
-    out[tokens[is_real]] = o.transpose(1, 2)[is_real]
-
-
-def paged_attention_ref(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    max_seq_len: int,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """query [T, nh, hd] -> out [T, nh, hd]; see the module docstring for the layout.
-
-    `out`, if given, is a preallocated [T, nh, hd] tensor the result is written into.
-
-    The caches must hold finite values everywhere (zeros or old K/V, never torch.empty
-    garbage): masked padding keys still enter the padded SDPA, and 0 * NaN is NaN.
-    """
-    if out is None:
-        out = torch.empty_like(query)
-    if query.shape[0] == 0:
-        return out
-    block_size = key_cache.shape[1]
-    if max_query_len == 1:
-        plan = _DECODE_PLANS.get(block_tables, query_start_loc, seq_lens, max_seq_len, block_size)
-        if plan is not None:
-            _attend_decodes(query, key_cache, value_cache, plan, scale, out)
-            return out
-    seq_lens = seq_lens.long()
-    query_start_loc = query_start_loc.long()
-    query_starts = query_start_loc[:-1]
-    query_lens = query_start_loc[1:] - query_starts
-    # Padding every request to the batch's longest query would cost O(B * max_query_len),
-    # e.g. 128 decodes next to one 2k-token chunk; bucketing requests by the power of two
-    # of their query length bounds the padding to 2x per bucket, in a few SDPA calls.
-    # Requests with no query token this step (bucket -1) have nothing to attend.
-    buckets = torch.ceil(torch.log2(query_lens.clamp(min=1).double())).long()
-    buckets = torch.where(query_lens > 0, buckets, -1)
-    for bucket in torch.unique(buckets).tolist():
-        if bucket < 0:
-            continue
-        reqs = torch.nonzero(buckets == bucket).squeeze(1)
-        group_query_lens = query_lens[reqs]
-        group_seq_lens = seq_lens[reqs]
-        if bucket == 0:  # one query token each
-            plan = _decode_plan(
-                block_tables[reqs], query_starts[reqs], group_seq_lens, int(group_seq_lens.max()), block_size
-            )
-            _attend_decodes(query, key_cache, value_cache, plan, scale, out)
-            continue
-        _attend_group(
-            query, key_cache, value_cache, block_tables[reqs], query_starts[reqs],
-            group_query_lens, group_seq_lens, scale, int(group_query_lens.max()),
-            int(group_seq_lens.max()), out,
-        )  # fmt: skip
-    return out
 
 
 @triton.jit
@@ -437,12 +201,8 @@ def paged_attention_triton(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
+    attn: AttentionMetadata,
     scale: float,
-    max_query_len: int,
-    max_seq_len: int,
     *,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
@@ -460,7 +220,8 @@ def paged_attention_triton(
     if out is None:
         out = torch.empty_like(query)
     assert out.shape == query.shape and out.stride(-1) == 1
-    num_reqs = seq_lens.shape[0]
+    max_query_len, max_seq_len = attn.max_query_len, attn.max_seq_len
+    num_reqs = attn.seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
     group = num_heads // num_kv_heads
@@ -492,9 +253,9 @@ def paged_attention_triton(
         query,
         key_cache,
         value_cache,
-        block_tables,
-        query_start_loc,
-        seq_lens,
+        attn.block_tables,
+        attn.query_start_loc,
+        attn.seq_lens,
         scale * 1.4426950408889634,
         query.stride(0),
         query.stride(1),
@@ -503,7 +264,7 @@ def paged_attention_triton(
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
-        block_tables.stride(0),
+        attn.block_tables.stride(0),
         key_cache.shape[1],
         num_heads,
         head_dim,

@@ -104,8 +104,6 @@ PAIR_HEADER = ["triton ms", "triton BW", "torch ms", "torch BW"]
 
 
 def bench_elementwise(ops_triton, ops_torch, sizes: Sizes, dtype, device, timer) -> None:
-    from kernels.rotary import compute_cos_sin_cache
-
     es = torch.tensor([], dtype=dtype).element_size()
     rms_rows, silu_rows, rope_rows, kv_rows = [], [], [], []
     for cfg in (SMOLLM2, LLAMA_8B):
@@ -130,7 +128,7 @@ def bench_elementwise(ops_triton, ops_torch, sizes: Sizes, dtype, device, timer)
             ))  # fmt: skip
 
             hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-            cache = compute_cos_sin_cache(hd, 8192, 500000.0).to(device)
+            cache = ops_torch.compute_cos_sin_cache(hd, 8192, 500000.0).to(device)
             positions = torch.randint(0, 8192, (t,), device=device)
             q = torch.randn(t, nh * hd, device=device, dtype=dtype)
             k = torch.randn(t, nkv * hd, device=device, dtype=dtype)
@@ -162,6 +160,8 @@ def bench_elementwise(ops_triton, ops_torch, sizes: Sizes, dtype, device, timer)
 
 def make_paged(cfg: HeadConfig, query_lens, seq_lens, block_size, dtype, device) -> dict:
     """A paged batch with shuffled blocks, and the same K/V dense for the SDPA baseline."""
+    from kernels import AttentionMetadata
+
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq)
     cache_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -171,16 +171,20 @@ def make_paged(cfg: HeadConfig, query_lens, seq_lens, block_size, dtype, device)
         block_tables[i, :n] = order[used : used + n]
         used += n
     starts = torch.tensor([0] + list(query_lens)).cumsum(0)
+    attn = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),  # attention does not read it
+        block_tables=block_tables.to(device),
+        query_start_loc=starts.to(device, torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
     return dict(
         query=torch.randn(sum(query_lens), cfg.num_heads, cfg.head_dim, device=device, dtype=dtype),
         key_cache=torch.randn(cache_shape, device=device, dtype=dtype),
         value_cache=torch.randn(cache_shape, device=device, dtype=dtype),
-        block_tables=block_tables.to(device),
-        query_start_loc=starts.to(device, torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        attn=attn,
         scale=cfg.head_dim**-0.5,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
     )
 
 

@@ -1,4 +1,4 @@
-/* Decode attention over a paged KV cache, for the CPU (see kernels/cpu_paged_attention.py).
+/* Decode attention over a paged KV cache, for the CPU (see kernels/paged_attention_torch.py).
  *
  * One query token per request. Request i attends to its first seq_lens[i] cached tokens,
  * read in place through block_tables[i] from caches laid out

@@ -2,9 +2,10 @@
 
 ``execute_model`` applies the step diff to the cached request state and the
 persistent batch, builds the flat model inputs with vectorised gathers (token
-ids, positions, slot mapping, block tables, query start offsets, sequence
-lengths), runs the model over the paged KV cache and samples the last position
-of every request whose prompt is complete.
+ids, positions, and the step's ``AttentionMetadata``: slot mapping, block tables,
+query start offsets, sequence lengths, built once and read by every layer), runs
+the model over the paged KV cache and samples the last position of every request
+whose prompt is complete.
 
 Under tensor parallelism (``ParallelConfig``) every rank builds the same runner over
 its shard of the model and of the KV cache (its KV heads only), receives the same
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kernels import get_kernel_ops
+from kernels import AttentionMetadata, get_kernel_ops
 from shared.config import CacheConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
 from shared.model_config import ModelConfig, resolve_max_model_len
 from shared.model_files import default_model_path, load_model_config, open_weights
@@ -31,7 +33,7 @@ from shared.step_profile import NULL_CLOCK
 
 from .input_batch import CachedRequestState, InputBatch
 from .linear import can_prepack
-from .models.llama import AttentionMetadata, LlamaForCausalLM
+from .models.llama import LlamaForCausalLM
 from .parallel import ShardLayout, init_distributed, tp_device
 from .sampler import Sampler
 
@@ -49,6 +51,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+@dataclass
+class ModelInputs:
+    """One step's flat model inputs, built by ``ModelRunner._prepare_inputs``."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [B]: each request's last token
+    seq_lens_np: np.ndarray  # [B]: the attention's seq_lens, on the host
 
 
 class ModelRunner:
@@ -233,16 +246,16 @@ class ModelRunner:
             num_scheduled[batch.req_id_to_index[req_id]] = n
         inputs = self._prepare_inputs(num_scheduled)
         clock.lap("prepare_inputs")
-        hidden = self.model(inputs["input_ids"], inputs["positions"], inputs["attn"], self.kv_caches)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
 
         # Only requests whose every known token is now computed get a sample; a
         # prompt chunk gets none (and draws no randomness from a seeded generator).
-        seq_lens = inputs["seq_lens_np"]
+        seq_lens = inputs.seq_lens_np
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
         states = batch.states[:num_reqs]
         sampled_by_row: dict[int, tuple[int, object]] = {}
         if len(sample_rows):
-            logits_indices = inputs["logits_indices"][torch.from_numpy(sample_rows).to(self.device)]
+            logits_indices = inputs.logits_indices[torch.from_numpy(sample_rows).to(self.device)]
             logits = self.model.compute_logits(hidden[logits_indices])
             clock.lap("forward")
             sampling = batch.make_sampling_metadata(sample_rows)
@@ -274,7 +287,7 @@ class ModelRunner:
             logprobs=out_logprobs if any(lp is not None for lp in out_logprobs) else [],
         )
 
-    def _prepare_inputs(self, num_scheduled: np.ndarray) -> dict:
+    def _prepare_inputs(self, num_scheduled: np.ndarray) -> ModelInputs:
         batch = self.input_batch
         num_reqs = len(num_scheduled)
         cu = np.cumsum(num_scheduled)
@@ -298,10 +311,10 @@ class ModelRunner:
             max_query_len=int(num_scheduled.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        return {
-            "input_ids": torch.from_numpy(input_ids).to(dev),
-            "positions": torch.from_numpy(positions).to(dev),
-            "attn": attn,
-            "logits_indices": torch.from_numpy(cu - 1).to(dev),
-            "seq_lens_np": seq_lens,
-        }
+        return ModelInputs(
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            attn=attn,
+            logits_indices=torch.from_numpy(cu - 1).to(dev),
+            seq_lens_np=seq_lens,
+        )

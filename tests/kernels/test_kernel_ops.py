@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import get_kernel_ops
-from kernels.cpu_paged_attention import paged_attention_cpu
+from kernels.paged_attention_torch import paged_attention_cpu
 from kernels.paged_attention import paged_attention_triton
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import get_kernel_ops
 from services.launch.nats_server import free_port
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.parallel import ShardLayout, TensorParallel, destroy_distributed
@@ -188,13 +189,13 @@ def test_rank_shards_reassemble_the_checkpoint(tmp_path, num_heads, num_kv_heads
         full = {n: src.load(n) for n in src.names()}
     shards = []
     for rank in range(tp):
-        model = LlamaForCausalLM(cfg, ops=None, tp=TensorParallel(rank, tp))
+        model = LlamaForCausalLM(cfg, ops=get_kernel_ops("torch"), tp=TensorParallel(rank, tp))
         with open_weights(folder) as src:
             model.load_weights_from(src)
         shards.append(model)
     kv_per_rank = nkv // tp if nkv >= tp else 1
     vocab_rows = math.ceil(VOCAB / tp)
-    single = LlamaForCausalLM(cfg, ops=None)
+    single = LlamaForCausalLM(cfg, ops=get_kernel_ops("torch"))
     for m in shards:
         attn, mlp = m.layers[0].self_attn, m.layers[0].mlp
         assert attn.qkv_weight.shape == ((nh // tp + 2 * kv_per_rank) * hd, cfg.hidden_size)

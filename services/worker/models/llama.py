@@ -25,23 +25,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.rotary import compute_cos_sin_cache
+from kernels import AttentionMetadata, KernelOps
 from shared.model_config import ModelConfig
 
 from ..linear import Linear, plain_linear, prepacked_linear
 from ..parallel import ShardLayout, TensorParallel
-
-
-@dataclass
-class AttentionMetadata:
-    """Where each token's K/V goes and which cached context each request attends to."""
-
-    slot_mapping: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    query_start_loc: torch.Tensor  # [B+1] int32
-    seq_lens: torch.Tensor  # [B] int32
-    max_query_len: int
-    max_seq_len: int
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -64,8 +52,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-
-
 def row_parallel(tp: TensorParallel, linear: Linear) -> Linear:
     """A row-parallel product: this rank's partial sum, then an all-reduce (with one rank,
     ``linear`` itself)."""
@@ -76,7 +62,7 @@ def row_parallel(tp: TensorParallel, linear: Linear) -> Linear:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ops, shard: ShardLayout, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, shard: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
         self.head_dim = config.head_dim
@@ -117,21 +103,13 @@ class LlamaAttention(nn.Module):
             attn.slot_mapping,
         )
         out = self.ops.paged_attention(
-            q.view(num_tokens, self.num_heads, self.head_dim),
-            k_cache,
-            v_cache,
-            attn.block_tables,
-            attn.query_start_loc,
-            attn.seq_lens,
-            self.scale,
-            attn.max_query_len,
-            attn.max_seq_len,
+            q.view(num_tokens, self.num_heads, self.head_dim), k_cache, v_cache, attn, self.scale
         )
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops, shard: ShardLayout, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, shard: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
         inter = shard.intermediate_size  # on this rank
@@ -150,7 +128,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops, shard: ShardLayout, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, shard: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
         self.eps = config.rms_norm_eps
@@ -183,7 +161,7 @@ class _WeightSlot:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, ops, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, tp: TensorParallel | None = None) -> None:
         super().__init__()
         tp = tp or TensorParallel.single()
         self.config = config
@@ -204,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.register_buffer(
             "cos_sin_cache",
-            compute_cos_sin_cache(
+            ops.compute_cos_sin_cache(
                 config.head_dim, config.max_position_embeddings, config.rope_theta, rope_inv_freq(config)
             ),
             persistent=False,

@@ -1,0 +1,34 @@
+"""What a step's attention reads besides the query and the KV cache, built once per step.
+
+The model runner builds one `AttentionMetadata` for each step from the persistent batch
+and every layer's `write_kv` and `paged_attention` call reads it. Request i owns query
+tokens query_start_loc[i]:query_start_loc[i+1] and a context of seq_lens[i] tokens (its
+new tokens included), read through block_tables[i]; token t's new K/V goes to cache slot
+slot_mapping[t] (block * block_size + offset).
+
+What a backend derives from these once per step and shares between layers lives here
+too, so it lives and dies with the step: the CPU attention's decode plan is built by
+the first layer that needs it (see `kernels.paged_attention_torch`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kernels.paged_attention_torch import DecodePlan
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    max_query_len: int
+    max_seq_len: int
+    # An all-decode step's plan for the PyTorch decode attention; None until built.
+    decode_plan: DecodePlan | None = None

@@ -1,0 +1,171 @@
+"""Paged attention on the CPU: the PyTorch reference against dense attention on unpaged
+K/V, with its decode plan built once per step; decode batches through the C kernel
+against dense attention and the reference; what the kernel cannot take goes to the
+reference."""
+
+import pytest
+import torch
+
+import kernels.paged_attention_torch as torch_attention
+from kernels.paged_attention_torch import (
+    decode_attention_native,
+    native_decode_available,
+    paged_attention_cpu,
+    paged_attention_ref,
+)
+from tests.kernels.paged_batch import HEAD_CONFIGS, dense_attention, make_batch, mixed_lens, poisoned_out
+
+needs_c_kernel = pytest.mark.skipif(
+    not native_decode_available(torch.float32), reason="no C compiler: the C kernel cannot be built here"
+)
+
+# (num_heads, num_kv_heads, head_dim): GQA groups 1, 3 (SmolLM2) and 8; the specialised
+# head dims 64 and 128, and 80 through the generic code.
+SHAPES = [(4, 4, 64), (9, 3, 64), (16, 2, 128), (6, 2, 80)]
+
+
+def decode_batch(context_lens, shape, dtype, block_size=16, seed=0):
+    num_heads, num_kv_heads, head_dim = shape
+    return make_batch([1] * len(context_lens), context_lens, num_heads, num_kv_heads, head_dim,
+                      block_size=block_size, dtype=dtype, seed=seed)  # fmt: skip
+
+
+# ------------------------------------------------------------------ the reference
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEAD_CONFIGS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_reference_matches_dense_attention(num_heads, num_kv_heads, head_dim):
+    query_lens, context_lens = mixed_lens(seed=head_dim)
+    batch = make_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, seed=1)
+    out = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+    assert batch.attn.decode_plan is None  # a step with prompt chunks has no step-wide plan
+
+
+def test_reference_decode_only_batch():
+    batch = make_batch([1] * 5, [0, 15, 16, 17, 40], 6, 2, 64, block_size=8, seed=2)
+    out = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_skips_requests_without_query_tokens():
+    # A request with no token this step must not write into its neighbour's rows.
+    batch = make_batch([1, 0, 1, 5, 0], [20, 9, 3, 4, 30], 6, 2, 64, block_size=8, seed=4)
+    out = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_bfloat16_decodes():
+    batch = make_batch([1] * 6, [0, 7, 16, 31, 64, 100], 9, 3, 64, dtype=torch.bfloat16, seed=5)
+    out = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=2e-2, atol=2e-2)
+
+
+def test_decode_plan_is_built_once_per_step():
+    # The first layer of an all-decode step builds the plan into the step's metadata;
+    # the next layers, with their own queries and caches, reuse it.
+    batch = make_batch([1] * 4, [5, 17, 30, 2], 6, 2, 64, block_size=8, seed=7)
+    assert batch.attn.decode_plan is None
+    out = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+    plan = batch.attn.decode_plan
+    assert plan is not None
+    batch.query, batch.key_cache, batch.value_cache = (
+        torch.randn_like(t) for t in (batch.query, batch.key_cache, batch.value_cache)
+    )
+    out = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    assert batch.attn.decode_plan is plan
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_long_single_prefill():
+    # SmolLM2-135M heads; 2000 tokens must not need a [T, T] per head in padded form.
+    batch = make_batch([2000], [0], 9, 3, 64, seed=3)
+    out = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ the C decode kernel
+
+
+@needs_c_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_float32_decodes_match_dense_attention(shape, block_size):
+    # Lengths at block edges (15, 16, 17), a first token (context 0) and a long context.
+    batch = decode_batch([0, 15, 16, 17, 40, 300], shape, torch.float32, block_size, seed=1)
+    out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+
+
+@needs_c_kernel
+@pytest.mark.parametrize("shape", [*SHAPES, (16, 1, 64)])
+@pytest.mark.parametrize("block_size", [16, 8, 32])
+def test_bfloat16_decodes_match_the_reference(shape, block_size):
+    # bf16 takes the AVX512_BF16 paths where compiled in: scores over runs of up to 16
+    # tokens inside a block (whole 16-token blocks, halves of 32-token blocks, 8-token
+    # blocks), values in registers for head dim 64; head dim 80 and a GQA group of 16 take
+    # the generic code.
+    batch = decode_batch([3, 31, 64, 100, 513], shape, torch.bfloat16, block_size, seed=2)
+    out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+    assert out.dtype == torch.bfloat16
+    # Both round the same float32 result to bf16; they differ only in summation order.
+    expected = paged_attention_ref(*batch.args())
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=2e-2, atol=2e-2)
+
+
+@needs_c_kernel
+def test_kernel_takes_strided_query_and_output_rows():
+    # q as a slice of a fused qkv-like row, out as a slice of a wider buffer.
+    batch = decode_batch([5, 20, 33], (6, 2, 64), torch.float32, seed=3)
+    wide = torch.randn(3, 10, 64)
+    wide[:, :6] = batch.query
+    batch.query = wide[:, :6]
+    out_buffer = torch.full((3, 8, 64), float("nan"))
+    out = out_buffer[:, 1:7]
+    assert decode_attention_native(batch.query, batch.key_cache, batch.value_cache, batch.attn.block_tables,
+                                   batch.attn.seq_lens, batch.scale, out)  # fmt: skip
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+    assert out_buffer[:, 0].isnan().all() and out_buffer[:, 7].isnan().all()
+
+
+@needs_c_kernel
+def test_block_table_rows_past_the_used_blocks_are_not_read():
+    # make_batch fills table entries past each request's blocks with garbage, some out of
+    # range: reading one would crash or change the result.
+    batch = decode_batch([1, 16, 47], (4, 2, 64), torch.float32, block_size=16, seed=4)
+    tables = batch.attn.block_tables
+    assert (tables >= batch.key_cache.shape[0]).any() or (tables < 0).any()
+    out = paged_attention_cpu(*batch.args())
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+
+
+@needs_c_kernel
+def test_mixed_batches_and_other_dtypes_take_the_reference(monkeypatch):
+    calls = []
+    real = torch_attention.decode_attention_native
+
+    def spy(*args):
+        calls.append(args[0].dtype)
+        return real(*args)
+
+    monkeypatch.setattr(torch_attention, "decode_attention_native", spy)
+    query_lens, context_lens = mixed_lens(seed=0)
+    mixed = make_batch(query_lens, context_lens, 6, 2, 64, seed=5)
+    out = paged_attention_cpu(*mixed.args(), out=poisoned_out(mixed.query))
+    torch.testing.assert_close(out.double(), dense_attention(mixed), rtol=1e-5, atol=1e-5)
+    assert calls == []  # a batch with prompt chunks never reaches the kernel
+    half = decode_batch([4, 9], (4, 2, 64), torch.float16, seed=6)
+    out = paged_attention_cpu(*half.args(), out=poisoned_out(half.query))
+    torch.testing.assert_close(out.double(), dense_attention(half), rtol=1e-2, atol=1e-2)
+    assert calls == [torch.float16]  # asked, declined (no float16 kernel), the reference ran
+
+
+def test_without_the_kernel_the_reference_runs(monkeypatch):
+    monkeypatch.setattr(torch_attention, "_kernel", lambda dtype: None)
+    batch = decode_batch([2, 30], (9, 3, 64), torch.float32, seed=7)
+    out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
