@@ -10,6 +10,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALED = ("tokenizer", "detokenizer", "gateway")
+# Read by shared/bus_auth.py, not flags: credentials never travel on a command line.
+BUS_CREDENTIALS = ("NATS_USER", "NATS_PASSWORD", "NATS_PASSWORD_FILE")
 
 
 def compose() -> dict:
@@ -40,6 +42,8 @@ def test_every_environment_variable_is_a_setting_of_its_service():
             continue
         flags = service_flags(command[2].removeprefix("services."))
         for key in service.get("environment", {}):
+            if key in BUS_CREDENTIALS:
+                continue
             assert "--" + key.lower().replace("_", "-") in flags, f"{name}: {key} is no setting of {command[2]}"
 
 
@@ -88,3 +92,34 @@ def test_image_runs_as_an_unprivileged_user():
     dockerfile = (ROOT / "Dockerfile").read_text()
     users = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)
     assert users and users[-1] not in ("root", "0")
+
+
+def test_each_service_connects_with_its_own_role_and_nats_knows_every_role():
+    from shared.bus_auth import ROLES, authorization_config
+
+    services = compose()["services"]
+    for name, service in services.items():
+        command = service.get("command")
+        if not command or command[:2] != ["python", "-m"]:
+            continue
+        role = command[2].removeprefix("services.")
+        env = service["environment"]
+        assert env["NATS_USER"] == role, name
+        assert env["NATS_PASSWORD"] == f"${{NATS_PASSWORD_{role.upper()}:?run scripts/bus-secrets first}}", name
+    nats_env = services["nats"]["environment"]
+    assert {f"NATS_PASSWORD_{r.upper()}" for r in ROLES} == set(nats_env)
+    # docker/nats.conf's users are shared/bus_auth.py's, passwords from the environment.
+    conf = (ROOT / "docker" / "nats.conf").read_text()
+    assert authorization_config({r: f"$NATS_PASSWORD_{r.upper()}" for r in ROLES}) in conf
+    secrets_script = (ROOT / "scripts" / "bus-secrets").read_text()
+    [roles] = re.findall(r"for role in ([a-z ]+); do", secrets_script)
+    assert set(roles.split()) == set(ROLES)
+
+
+def test_the_public_port_is_loopback_and_waits_for_a_healthy_gateway():
+    services = compose()["services"]
+    lb = services["loadbalancer"]
+    assert lb["ports"] == ["127.0.0.1:8000:8000"]
+    assert lb["depends_on"]["gateway"]["condition"] == "service_healthy"
+    assert "/health" in " ".join(services["gateway"]["healthcheck"]["test"])
+    assert all(s.get("restart") == "unless-stopped" for n, s in services.items()), "every service restarts"
