@@ -30,7 +30,7 @@ def build_config(args) -> GatewayConfig:
 
 
 def main() -> None:
-    from .server import GatewayServer, ServeError
+    from .uvicorn_runner import GatewayServer, ServeError
 
     args = build_parser().parse_args()
     setup_logging(args.log_level)

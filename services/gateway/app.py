@@ -28,8 +28,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .errors import ApiError, error_response, json_response
-from .serving import GenerationEndpoint
-from .service import GatewayService
+from .http_endpoints import GenerationEndpoint
+from .bus_client import GatewayService
 
 logger = logging.getLogger(__name__)
 

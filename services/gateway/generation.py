@@ -22,7 +22,7 @@ from shared.protocol import ErrorInfo, FinishReason, StreamDelta, TokenizeReques
 
 from .errors import ApiError, request_timeout, stream_idle
 from .openai_requests import GenerationRequest
-from .service import GatewayService
+from .bus_client import GatewayService
 from .streams import RequestStream
 
 Event = tuple[RequestStream, "StreamDelta | ErrorInfo"]

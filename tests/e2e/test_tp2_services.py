@@ -1,8 +1,8 @@
 """TP=2 through the real services on a tiny random Llama (4 heads, 2 KV heads).
 
 Greedy output equals TP=1 (the in-process engine on the same weights). Then a
-rank dies mid-stream: the stream ends with an error within seconds, new requests
-get 503 while the engine is broken, and once both ranks are back it serves again.
+rank dies mid-stream: the launcher restarts the group and the stream goes on with
+the text an undisturbed run gives.
 """
 
 from __future__ import annotations
@@ -56,51 +56,34 @@ def test_tp2_greedy_equals_tp1(tp_stack):
         assert len(choice["logprobs"]["content"]) == 16
 
 
-def test_dead_rank_fails_requests_then_503_until_whole_again(tp_stack):
-    stack, model, _ = tp_stack
-    assert chat(stack, model).status_code == 200
-
+def stream_text(stack, model, kill_after_events: int | None = None) -> str:
     body = {"model": model, "messages": [{"role": "user", "content": "go on"}], "stream": True,
-            "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
-    events = []
-    with httpx.Client(timeout=60) as http, http.stream("POST", stack.base_url + "/v1/chat/completions", json=body) as resp:
+            "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    text, events = [], 0
+    with httpx.Client(timeout=120) as http, http.stream("POST", stack.base_url + "/v1/chat/completions",
+                                                        json=body) as resp:
         assert resp.status_code == 200
-        killed_at = None
         for line in resp.iter_lines():
-            if not line.startswith("data: "):
+            if not line.startswith("data: {"):
                 continue
-            events.append(line[6:])
-            if len(events) == 3:
-                os.killpg(stack.processes["worker-1"].pid, signal.SIGKILL)
-                killed_at = time.monotonic()
-            if line == "data: [DONE]":
-                break
-        ended_after = time.monotonic() - killed_at
-    errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
-    assert len(errors) == 1, events[-3:]
-    assert "worker" in errors[0]["message"] or "engine" in errors[0]["message"]
-    # Bounded by the worker heartbeat timeout (5 s), not by a step or request timeout.
-    assert ended_after < 20
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            text.append(event["choices"][0]["delta"].get("content") or "")
+            events += 1
+            if events == kill_after_events:
+                stack.supervisor.kill("worker-1")
+    return "".join(text)
 
-    # Broken engine: new requests are refused at once with 503.
-    deadline = time.monotonic() + 20
-    status = None
-    while time.monotonic() < deadline:
-        status = chat(stack, model).status_code
-        if status == 503:
-            break
-        time.sleep(0.5)
-    assert status == 503
 
-    # Rank 0 exits by itself (its process group is broken); restart both ranks.
-    stack.processes["worker-0"].wait(timeout=30)
-    assert stack.processes["worker-0"].returncode != 0
-    stack.restart_service("worker-0")
-    stack.restart_service("worker-1")
-    deadline = time.monotonic() + 120
-    while not stack.engine_ready():
-        assert time.monotonic() < deadline, "engine not whole again"
-        time.sleep(0.5)
+def test_a_dead_rank_costs_no_text_and_the_group_restarts_by_itself(tp_stack):
+    stack, model, _ = tp_stack
+    undisturbed = stream_text(stack, model)
+    restarts = stack.supervisor.restart_counts()
+    # Rank 1 dies mid-stream: rank 0 notices its peer and exits too, the launcher restarts
+    # both, the scheduler resumes the request on the new group (prompt + tokens so far).
+    assert stream_text(stack, model, kill_after_events=3) == undisturbed
+    after = stack.supervisor.restart_counts()
+    assert after["worker-1"] == restarts["worker-1"] + 1
+    assert after["worker-0"] == restarts["worker-0"] + 1
     resp = chat(stack, model)
     assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["finish_reason"] in ("length", "stop")

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from services.gateway.config import GatewayConfig
-from services.gateway.server import GatewayServer
+from services.gateway.uvicorn_runner import GatewayServer
 from services.launch.nats_server import NatsServer
 
 from .fake_engine import FakeEngine

@@ -10,7 +10,7 @@ import nats
 
 from services.launch.nats_server import NatsServer
 from services.gateway.json_body import MAX_JSON_DEPTH
-from services.gateway.server import GatewayServer
+from services.gateway.uvicorn_runner import GatewayServer
 from shared.protocol import ENGINE_STATS, ENGINE_STATS_MSG, EngineStats, ping_subject
 
 from .conftest import MODEL, gateway_config

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from services.gateway.server import GatewayServer
+from services.gateway.uvicorn_runner import GatewayServer
 
 from .conftest import MODEL, gateway_config, until_engine_ready
 from .fake_engine import expected_text

@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.gateway.server import GatewayServer
+from services.gateway.uvicorn_runner import GatewayServer
 from services.launch.nats_server import NatsServer, free_port
 from shared.protocol import (
     ENGINE_STATS,

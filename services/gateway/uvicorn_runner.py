@@ -16,7 +16,7 @@ import uvicorn
 
 from .app import build_app
 from .config import GatewayConfig
-from .service import GatewayService
+from .bus_client import GatewayService
 
 STARTUP_TIMEOUT = 30.0
 

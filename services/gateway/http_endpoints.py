@@ -27,7 +27,7 @@ from .generation import Generation
 from .json_body import ClientGone, read_json
 from .openai_requests import GenerationRequest, parse_chat, parse_completion
 from .openai_responses import ChoiceResult, ResponseFormat, response_format
-from .service import GatewayService
+from .bus_client import GatewayService
 
 logger = logging.getLogger(__name__)
 
