@@ -16,6 +16,8 @@ def build_parser():
     parser = base_parser("Gateway: OpenAI-compatible HTTP API (chat, completions, models, health, metrics)")
     add_config_flags(parser, GatewayConfig)
     add_flag(parser, "--model", "MODEL", "", help="the model path; its base name is the default served name")
+    add_flag(parser, "--api-key-file", "API_KEY_FILE", "",
+             help="read the API key from this file (a Docker/Kubernetes secret) instead of --api-key")
     add_flag(parser, "--served-model-name", "SERVED_MODEL_NAME", "",
              help="name(s) clients use as 'model', comma-separated; the first is reported "
                   "(default: the model's base name, or SmolLM2-135M-Instruct)")
@@ -24,9 +26,11 @@ def build_parser():
 
 def build_config(args) -> GatewayConfig:
     names = args.served_model_name or default_served_model_name(args.model)
-    return config_from_args(
-        GatewayConfig, args, served_model_names=tuple(n.strip() for n in names.split(",") if n.strip())
-    )
+    overrides = {"served_model_names": tuple(n.strip() for n in names.split(",") if n.strip())}
+    if args.api_key_file:
+        with open(args.api_key_file) as f:
+            overrides["api_key"] = f.read().strip()
+    return config_from_args(GatewayConfig, args, **overrides)
 
 
 def main() -> None:

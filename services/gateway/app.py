@@ -8,7 +8,8 @@
     GET  /ping                  the same (vLLM's alias; POST too)
     GET  /metrics               Prometheus text
 
-With an API key set, every ``/v1`` route needs ``Authorization: Bearer <key>``.
+With an API key set, every ``/v1`` route and ``/metrics`` (unless
+``--metrics-public``) need ``Authorization: Bearer <key>``.
 Every error answer has OpenAI's shape.
 """
 
@@ -35,14 +36,21 @@ logger = logging.getLogger(__name__)
 
 
 class ApiKeyMiddleware:
-    """Pure ASGI (streams pass untouched): /v1 routes need the bearer key."""
+    """Pure ASGI (streams pass untouched): /v1 routes need the bearer key, and so does
+    /metrics (it tells request counts and timings) unless ``metrics_public``."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, metrics_public: bool) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.metrics_public = metrics_public
+
+    def _guarded(self, path: str) -> bool:
+        if path == "/metrics":
+            return not self.metrics_public
+        return path == "/v1" or path.startswith("/v1/")
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        if scope["type"] == "http" and self._guarded(scope["path"]):
             given = Headers(scope=scope).get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected):
                 error = ApiError("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
@@ -116,7 +124,9 @@ def build_app(gateway: GatewayService) -> Starlette:
         Route("/metrics", info.metrics, methods=["GET"]),
     ]
     api_key = gateway.config.api_key
-    middleware = [Middleware(ApiKeyMiddleware, api_key=api_key)] if api_key else []
+    middleware = []
+    if api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key, metrics_public=gateway.config.metrics_public))
     return Starlette(
         routes=routes,
         middleware=middleware,

@@ -28,7 +28,8 @@ class GatewayConfig:
     host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in docker)")
     port: int = setting(8000, "HTTP port")  # 0: any free port (tests)
     served_model_names: tuple[str, ...] = (DEFAULT_MODEL_NAME,)
-    api_key: str = setting("", "when set, /v1 routes need 'Authorization: Bearer <key>'")
+    api_key: str = setting("", "when set, /v1 routes (and /metrics) need 'Authorization: Bearer <key>'")
+    metrics_public: bool = setting(False, "with --api-key, serve /metrics without the key")
     request_timeout: float = setting(600.0, "seconds for a whole request")
     tokenize_timeout: float = setting(10.0, "seconds to wait for the tokenizer service's answer")
     health_timeout: float = 0.5  # seconds a tokenizer has to answer /health's ping

@@ -124,7 +124,8 @@ async def test_api_key(nats_server, fake):
             r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
             assert r.status_code == 401  # before any validation
             assert (await http.get("/health")).status_code == 200
-            assert (await http.get("/metrics")).status_code == 200
+            assert (await http.get("/metrics")).status_code == 401  # counts and timings are not public
+            assert (await http.get("/metrics", headers={"Authorization": "Bearer sekret"})).status_code == 200
         async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0) as bad:
             with pytest.raises(openai.AuthenticationError):
                 await bad.models.list()
@@ -246,3 +247,20 @@ async def test_service_restarts_reach_metrics(nats_server, gateway, http):
     values = await poll_metrics(http, lambda v: "natsllm:service_restarts_total{service=worker-0}" in v)
     assert values["natsllm:service_restarts_total{service=detokenizer-0}"] == 2
     assert values["natsllm:service_restarts_total{service=worker-0}"] == 1
+
+
+async def test_metrics_public_with_a_key(nats_server, fake):
+    config = gateway_config(api_key="sekret", metrics_public=True)
+    async with GatewayServer(config, nats_url=nats_server.url) as server:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
+            assert (await http.get("/metrics")).status_code == 200
+            assert (await http.get("/v1/models")).status_code == 401
+
+
+def test_api_key_from_a_file(tmp_path):
+    from services.gateway.__main__ import build_config, build_parser
+
+    key = tmp_path / "key"
+    key.write_text("from-a-secret\n")
+    config = build_config(build_parser().parse_args(["--api-key-file", str(key)]))
+    assert config.api_key == "from-a-secret"
