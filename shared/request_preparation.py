@@ -30,12 +30,14 @@ class RequestPreparer:
 
     ``eos_token_ids``: the model's end-of-sequence ids; the first becomes the
     request's ``eos_token_id``, the others (generation_config's list, as vLLM does)
-    join its ``stop_token_ids`` unless it ignores EOS.
+    join its ``stop_token_ids`` unless it ignores EOS. ``special_tokens_in_content``:
+    special-token texts typed in a message become control tokens (off: plain text).
     """
 
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
+    special_tokens_in_content: bool = False
 
     def prepare(self, request: TokenizeRequest, tokenizer=None) -> EngineRequest:
         """Check and tokenize ``request``; raises ``InvalidRequest``. CPU work: the
@@ -45,7 +47,8 @@ class RequestPreparer:
         validate_request_shape(request, self.vocab_size)
         if request.messages is not None:
             prompt_param = "messages"
-            prompt_token_ids = tokenize_chat(tokenizer, request.messages, request.add_generation_prompt)
+            prompt_token_ids = tokenize_chat(tokenizer, request.messages, request.add_generation_prompt,
+                                             self.special_tokens_in_content)
         elif request.prompt is not None:
             prompt_param = "prompt"
             prompt_token_ids = tokenizer.encode(request.prompt, add_special_tokens=True)
@@ -71,12 +74,14 @@ class RequestPreparer:
         return msgspec.structs.replace(params, stop_token_ids=params.stop_token_ids + extra)
 
 
-def tokenize_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """The chat prompt's ids, as transformers' ``apply_chat_template(tokenize=True)``:
-    the rendered text already holds the special tokens, so none are added."""
+def tokenize_chat(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, special_tokens_in_content: bool = False
+) -> list[int]:
+    """The chat prompt's ids, as transformers' ``apply_chat_template(tokenize=True)``
+    (the rendered text already holds the special tokens, so none are added), except that
+    special-token texts inside message contents stay text unless allowed."""
     messages = chat_messages(messages)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode_chat(messages, add_generation_prompt, special_tokens_in_content)
     except Exception as e:  # the template's raise_exception, or a template that needs fields we lack
         raise InvalidRequest(f"the chat template cannot render these messages: {e}", param="messages") from e
-    return tokenizer.encode(text, add_special_tokens=False)

@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import os
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,10 @@ _GGUF_PRE_TOKENIZERS = {
     "llama3": (lambda: _split_pre(_LLAMA3_SPLIT), True),
     "qwen2": (lambda: _split_pre(_QWEN2_SPLIT), False),
 }
+
+
+# Supplementary private-use code points: never in a real prompt's text.
+_SENTINEL_BASE = 0xF0000
 
 
 class Tokenizer:
@@ -128,7 +133,53 @@ class Tokenizer:
         ids.update(i for i in self._id.values() if i is not None)
         return sorted(ids)
 
+    @functools.cached_property
+    def special_token_texts(self) -> tuple[str, ...]:
+        """The texts that encode to special (control) tokens, longest first."""
+        texts = {tok.content for tok in self.backend.get_added_tokens_decoder().values() if tok.special}
+        return tuple(sorted(texts, key=len, reverse=True))
+
+    @functools.cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes special-token texts as ordinary text."""
+        plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of ``text`` with no special token: ``<|im_end|>`` typed by a user is text."""
+        return self._plain_backend.encode(text, add_special_tokens=False).ids
+
     # ---------------------------------------------------------------- chat
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, special_in_content: bool = False
+    ) -> list[int]:
+        """The chat prompt's ids. Special-token texts inside message contents are encoded
+        as plain text (a user cannot forge the template's control tokens) unless
+        ``special_in_content``; the template's own special tokens stay control tokens."""
+        contents = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
+        found = [t for t in self.special_token_texts if any(t in c for c in contents)]
+        if special_in_content or not found:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        # Each special text in a content becomes a private-use sentinel character; the
+        # rendered prompt is encoded piece by piece around the sentinels.
+        sentinel = {text: chr(_SENTINEL_BASE + i) for i, text in enumerate(found)}
+        pattern = re.compile("|".join(re.escape(t) for t in found))
+        guarded = [
+            {**m, "content": pattern.sub(lambda mt: sentinel[mt.group(0)], m["content"])}
+            if isinstance(m.get("content"), str) else m
+            for m in messages
+        ]
+        rendered = self.apply_chat_template(guarded, add_generation_prompt)
+        text_of = {v: k for k, v in sentinel.items()}
+        ids: list[int] = []
+        for piece in re.split(f"([{''.join(text_of)}])", rendered):
+            if piece in text_of:
+                ids += self.encode_plain(text_of[piece])
+            elif piece:
+                ids += self.encode(piece, add_special_tokens=False)
+        return ids
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any

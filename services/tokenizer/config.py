@@ -13,6 +13,8 @@ class TokenizerConfig:
     # Prompts are checked against the model's context length capped by this.
     max_model_len: int | None = max_model_len_setting()
     scheduler_timeout: float = setting(5.0, "seconds to wait for a scheduler to take a request")
+    special_tokens_in_content: bool = setting(
+        False, "special-token texts typed in chat message contents become control tokens (default: plain text)")
 
     def __post_init__(self) -> None:
         check_max_model_len(self.max_model_len)

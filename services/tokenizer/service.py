@@ -65,7 +65,8 @@ class TokenizerService(Service):
         # The tokenizer's EOS id first (the request's eos_token_id), then the model's others.
         eos_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         eos_token_ids += [i for i in extra_eos_token_ids or [] if i not in eos_token_ids]
-        self.preparer = RequestPreparer(max_model_len, vocab_size, tuple(eos_token_ids))
+        self.preparer = RequestPreparer(max_model_len, vocab_size, tuple(eos_token_ids),
+                                        config.special_tokens_in_content)
         self.scheduler_timeout = config.scheduler_timeout
         self.num_requests = 0
         self.num_rejected = 0
