@@ -47,6 +47,7 @@ class Request:
         # Tokens found in the prefix cache when the request was first scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.num_resumes = 0  # engine failures survived (the scheduler service resumes it)
         self.status = RequestStatus.WAITING
         self.finish_reason = FinishReason.NONE
         self.block_hashes: list[bytes] = []

@@ -13,10 +13,10 @@ The engine accepts requests only once every worker rank has announced itself
 ``step_timeout``, a silent rank or a restarted one puts the engine back to waiting
 for its workers; its unfinished requests wait too (up to ``RESUME_TIMEOUT``) and
 resume on the new workers, recomputed from prompt + generated tokens, so their
-streams go on where they stopped. A worker's error answer, or an exception in the
-step loop, fails the in-flight requests with a clear error instead (resuming a
-request that breaks a step would break it again) and the loop goes on with a fresh
-scheduler whose first step resets the workers' state.
+streams go on where they stopped (``MAX_RESUMES`` times at most). A worker's error
+answer at TP=1, or an exception in the step loop, fails the in-flight requests with a
+clear error instead (resuming a request that breaks a step would break it again) and
+the loop goes on with a fresh scheduler whose first step resets the workers' state.
 
 Every step, result, stats message and request reply carries this process's
 ``incarnation`` (its instance id): a result of an earlier incarnation is dropped,
@@ -82,6 +82,9 @@ logger = logging.getLogger(__name__)
 EARLY_ABORT_TTL = 30.0
 # Seconds the requests of a failed engine wait for its workers to come back.
 RESUME_TIMEOUT = 120.0
+# A request that was in flight at this many engine failures fails at the next: it may
+# be what breaks the engine.
+MAX_RESUMES = 2
 
 
 @dataclass
@@ -218,14 +221,18 @@ class SchedulerService(Service):
             # Healthy ranks of a broken TP group must exit too, so the group restarts whole.
             message = WORKER_RETIRE.encode(WorkerRetire(self.engine_id, retired))
             self.spawn(self.nc.publish(engine_retire_subject(self.engine_id), message))
-        if resume and requests:
+        resumable = [r for r in requests if resume and r.num_resumes < MAX_RESUMES]
+        if resumable:
             logger.error("engine %s: %s; %d request(s) wait for its workers to resume", self.engine_id, reason,
-                         len(requests))
-            self._resumable.extend(requests)
+                         len(resumable))
+            for request in resumable:
+                request.num_resumes += 1
+            self._resumable.extend(resumable)
             self._resume_deadline = time.monotonic() + RESUME_TIMEOUT
-        else:
-            logger.error("engine %s: %s; failing %d request(s)", self.engine_id, reason, len(requests))
-            self._fail_requests(requests, f"engine {self.engine_id} failed: {reason}")
+        failed = [r for r in requests if r not in resumable]
+        if failed:
+            logger.error("engine %s: %s; failing %d request(s)", self.engine_id, reason, len(failed))
+            self._fail_requests(failed, f"engine {self.engine_id} failed: {reason}")
         self.spawn(self.nc.publish(engine_hello_subject(self.engine_id), b""))
 
     def _restart_scheduler(self, reason: str) -> None:
@@ -393,7 +400,9 @@ class SchedulerService(Service):
         if scheduler is not self.scheduler:
             return  # the engine failed while the step ran
         if result.error:
-            self._fail_engine(f"worker error: {result.error}", resume=False)
+            # Under TP a rank's error is most often a collective broken by a dead peer: the
+            # requests are not to blame and resume (MAX_RESUMES bounds a request that is).
+            self._fail_engine(f"worker error: {result.error}", resume=self.workers.world_size > 1)
             return
         # A step sent ahead waited at the workers behind the one before: count from that
         # one's result.

@@ -414,3 +414,22 @@ async def test_a_retried_request_is_queued_once(bus):
     assert await submit(nc, "twice") is None
     assert service.scheduler.get_num_unfinished_requests() == 1
     worker.task.cancel()
+
+
+async def test_a_request_resumes_at_most_max_resumes_times(bus):
+    from services.scheduler.service import MAX_RESUMES
+
+    service, nc, outputs = bus
+    worker = FakeWorker(nc)
+    worker.answering = False  # every step stays in flight: each restart finds the request running
+    await worker.start()
+    await wait_for(lambda: service.ready)
+    assert await submit(nc, "cursed") is None
+    for restart in range(MAX_RESUMES):
+        worker.ready.instance_id = f"w{restart + 2}"
+        await wait_for(lambda: service.workers.members[0].instance_id == worker.ready.instance_id)
+        await wait_for(lambda: "cursed" in service.scheduler.requests)
+    worker.ready.instance_id = "w-last"
+    failed = await first_error(outputs)
+    assert failed.request_id == "cursed" and "restarted" in failed.error
+    worker.task.cancel()
