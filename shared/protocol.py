@@ -355,6 +355,7 @@ class WorkerReady(msgspec.Struct, omit_defaults=True):
     num_blocks: int
     max_model_len: int
     block_size: int
+    vocab_size: int = 0  # the scheduler refuses token ids outside it (0: unknown)
 
 
 class WorkerRetire(msgspec.Struct, omit_defaults=True):

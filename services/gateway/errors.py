@@ -14,6 +14,8 @@ from starlette.responses import Response
 from shared.protocol import ErrorInfo
 
 _json = msgspec.json.Encoder()
+# What a 429 (an engine's waiting queue is full) tells the client to wait.
+RETRY_AFTER_SECONDS = "1"
 
 
 class ApiError(Exception):
@@ -55,7 +57,10 @@ def json_response(body, status: int = 200) -> Response:
 
 
 def error_response(info: ErrorInfo) -> Response:
-    return json_response(error_body(info), info.status)
+    response = json_response(error_body(info), info.status)
+    if info.status == 429:
+        response.headers["Retry-After"] = RETRY_AFTER_SECONDS
+    return response
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -22,7 +22,7 @@ from starlette.responses import Response, StreamingResponse
 
 from shared.protocol import ErrorInfo
 
-from .errors import ApiError, error_body, json_response
+from .errors import ApiError, error_body, error_response, json_response
 from .generation import Generation
 from .json_body import ClientGone, read_json
 from .openai_requests import GenerationRequest, parse_chat, parse_completion
@@ -95,7 +95,7 @@ class GenerationEndpoint:
         try:
             return await self.handle(request)
         except ApiError as e:
-            return json_response(error_body(e.info), e.status)
+            return error_response(e.info)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
 

@@ -51,6 +51,7 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         first_step_id: int = 1,
+        vocab_size: int = 0,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -60,6 +61,8 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, cache_config.enable_prefix_caching
         )
+        # Token ids must be below this (0: unchecked): the workers index embeddings with them.
+        self.vocab_size = vocab_size
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -81,6 +84,10 @@ class Scheduler:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise RequestRejected("the prompt is empty")
+        if self.vocab_size and not 0 <= min(request.prompt_token_ids) <= max(request.prompt_token_ids) < self.vocab_size:
+            raise RequestRejected(f"the prompt has token ids outside the vocabulary [0, {self.vocab_size})")
+        if request.sampling_params.max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be >= 1, got {request.sampling_params.max_tokens}")
         if request.num_prompt_tokens >= self.max_model_len:
             raise RequestRejected(
                 f"the prompt has {request.num_prompt_tokens} tokens, but this engine "

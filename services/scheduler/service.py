@@ -120,6 +120,7 @@ class SchedulerService(Service):
         self.step_timeout = service_config.step_timeout
         self.stats_interval = service_config.stats_interval
         self.worker_timeout = service_config.worker_timeout
+        self.max_waiting_requests = service_config.max_waiting_requests
         self.scheduler: Scheduler | None = None
         self.workers = WorkerGroup(self.world_size, self.cache_config.block_size, self.worker_timeout)
         self._early_aborts: dict[str, float] = {}
@@ -190,7 +191,7 @@ class SchedulerService(Service):
         and it takes over the requests waiting to resume."""
         self.scheduler = Scheduler(
             self.scheduler_config, self.cache_config, self.workers.num_blocks, self.workers.max_model_len,
-            first_step_id=self._last_step_id + 1,
+            first_step_id=self._last_step_id + 1, vocab_size=self.workers.vocab_size,
         )
         resumable, self._resumable = self._resumable, []
         if resumable:
@@ -274,6 +275,11 @@ class SchedulerService(Service):
         elif request.request_id in self.scheduler.requests:
             # A retry of a request whose tokenizer died before it could answer: queued already.
             logger.info("engine %s: %s is already queued (a retry)", self.engine_id, request.request_id)
+        elif self.scheduler.get_num_unfinished_requests() - len(self.scheduler.running) >= self.max_waiting_requests:
+            error = ErrorInfo(
+                f"engine {self.engine_id} has {self.max_waiting_requests} requests waiting; try again later",
+                type="rate_limit_error", code="too_many_requests", status=429,
+            )
         elif self._early_aborts.pop(request.request_id, None) is not None:
             error = ErrorInfo("the request was aborted before it arrived", type="request_aborted", status=499)
         else:

@@ -27,6 +27,7 @@ class WorkerRecord:
     num_blocks: int
     max_model_len: int
     last_seen: float
+    vocab_size: int = 0
 
 
 class Arrival(enum.Enum):
@@ -80,6 +81,7 @@ class WorkerGroup:
             instance_id=ready.instance_id,
             num_blocks=ready.num_blocks,
             max_model_len=ready.max_model_len,
+            vocab_size=ready.vocab_size,
             last_seen=self._clock(),
         )
 
@@ -91,6 +93,11 @@ class WorkerGroup:
     def num_blocks(self) -> int:
         """The KV cache blocks every member has room for."""
         return min(w.num_blocks for w in self.members.values())
+
+    @property
+    def vocab_size(self) -> int:
+        """The token ids every member's model knows (0: a member did not say)."""
+        return min(w.vocab_size for w in self.members.values())
 
     @property
     def max_model_len(self) -> int:

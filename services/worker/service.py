@@ -102,6 +102,7 @@ class WorkerService(Service):
             num_blocks=self.runner.num_blocks,
             max_model_len=self.runner.max_model_len,
             block_size=self.runner.block_size,
+            vocab_size=self.runner.model_config.vocab_size,
         )
 
     async def setup(self) -> None:

@@ -9,7 +9,7 @@ deltas of one or two tokens, some before the tokenize reply and some after, with
 a repeated delta and a delta for an unknown request mixed in.
 
 Control words in the prompt: ``REJECT`` (a 400 from the "tokenizer"),
-``UNAVAILABLE`` (its 503), ``REJECTSECOND`` (refuse only sample 1), ``HANG``
+``UNAVAILABLE`` (its 503), ``BUSY`` (a full waiting queue's 429), ``REJECTSECOND`` (refuse only sample 1), ``HANG``
 (two tokens, then nothing), ``FAIL`` (two tokens, then an engine error),
 ``SILENT`` (no tokenize reply at all), ``GAP`` (the second delta is lost until
 the gateway asks for a resend), ``SILENTONCE`` (no reply to the first
@@ -171,6 +171,11 @@ class FakeEngine(Service):
             return
         if "REJECT" in words or ("REJECTSECOND" in words and request.request_id.endswith("-1")):
             await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, error=REJECTION)))
+            return
+        if "BUSY" in words:
+            error = ErrorInfo("engine 0 has 1024 requests waiting; try again later", type="rate_limit_error",
+                              code="too_many_requests", status=429)
+            await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, error=error)))
             return
         if "UNAVAILABLE" in words:
             error = ErrorInfo("no scheduler is available", type="service_unavailable", status=503)

@@ -107,3 +107,9 @@ async def test_health_needs_a_ready_engine():
                     assert r.status_code == 503
         finally:
             await nc.close()
+
+
+async def test_a_full_engine_queue_is_429_with_retry_after(http):
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "BUSY now"})
+    assert_openai_error(r, 429, "try again later")
+    assert r.headers["retry-after"] == "1"

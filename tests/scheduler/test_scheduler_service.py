@@ -433,3 +433,32 @@ async def test_a_request_resumes_at_most_max_resumes_times(bus):
     failed = await first_error(outputs)
     assert failed.request_id == "cursed" and "restarted" in failed.error
     worker.task.cancel()
+
+
+async def test_a_full_waiting_queue_answers_429():
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1)
+    service_config = SchedulerServiceConfig(worker_timeout=1.0, stats_interval=0.2, max_waiting_requests=2)
+    async with scheduler_on_bus(config, service_config=service_config) as (service, nc, outputs):
+        worker = FakeWorker(nc)
+        worker.answering = False  # "a" runs for ever; the rest wait
+        await worker.start()
+        await wait_for(lambda: service.ready)
+        assert await submit(nc, "a") is None
+        await wait_for(lambda: len(service.scheduler.running) == 1)
+        assert await submit(nc, "b") is None and await submit(nc, "c") is None
+        full = await submit(nc, "d")
+        assert full.status == 429 and full.code == "too_many_requests"
+        worker.task.cancel()
+
+
+async def test_token_ids_outside_the_vocabulary_are_refused(bus):
+    service, nc, _ = bus
+    worker = FakeWorker(nc)
+    worker.ready.vocab_size = 50
+    await worker.start()
+    await wait_for(lambda: service.ready)
+    assert service.scheduler.vocab_size == 50
+    request = EngineRequest("big", [1, 2, 50], SamplingParams(max_tokens=2))
+    reply = ENGINE_REQUEST_REPLY.decode((await nc.request(ENGINE_REQUESTS, ENGINE_REQUEST.encode(request))).data)
+    assert reply.error.status == 400 and "vocabulary" in reply.error.message
+    worker.task.cancel()
