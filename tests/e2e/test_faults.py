@@ -7,7 +7,8 @@ replica, a detokenizer replica, the worker and the scheduler in turn: the first 
 cost nothing (every stream ends with the text an undisturbed run gives, no token
 twice), the scheduler's death ends its streams with a clear error within 10 s; after
 each the stack serves again without a human, and the engine ends idle with no KV
-block held. Then the launcher itself: SIGKILL leaves no service behind.
+block held. Before that, a short soak of random requests with clients leaving early.
+Then the launcher itself: SIGKILL leaves no service behind, SIGTERM stops TP=3 in 10 s.
 """
 
 from __future__ import annotations
@@ -107,6 +108,22 @@ def assert_idle_and_serving(stack):
     wait_until(lambda: metric(stack, "natsllm:num_requests_running") == 0
                and metric(stack, "natsllm:num_requests_waiting") == 0
                and metric(stack, "natsllm:kv_cache_usage_perc") == 0.0, 30, "requests or KV blocks left over")
+
+
+def test_soak_random_requests_and_disconnects_leave_nothing_behind(stack):
+    """The short soak (scripts/soak.py runs the long one): random shapes, n, stop strings,
+    clients that leave early; afterwards no request or KV block is left in the engine
+    and no service grew much."""
+    from scripts.soak import rss_mib, soak, wait_idle
+
+    rss_before = {name: rss_mib(p.pid) for name, p in stack.processes.items()}
+    result = asyncio.run(soak(stack.base_url, MODEL, num_requests=150, concurrency=12, seed=7, max_seconds=300))
+    assert result.errors == []
+    assert result.completed + result.disconnected == 150 and result.disconnected > 0
+    gauges = wait_idle(stack.base_url)
+    assert gauges and not any(gauges.values()), gauges
+    for name, process in stack.processes.items():
+        assert rss_mib(process.pid) < rss_before[name] + 200, name
 
 
 @pytest.fixture(scope="module")
