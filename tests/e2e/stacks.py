@@ -5,7 +5,13 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from services.launch.nats_server import free_port
 from services.launch.stack import Stack, StackConfig
+
+
+def replicated_config(log_dir, args: list[str]) -> StackConfig:
+    """A stack with two tokenizer and two detokenizer replicas on a free port."""
+    return StackConfig(port=free_port(), num_tokenizers=2, num_detokenizers=2, args=args, log_dir=str(log_dir))
 
 
 @contextlib.contextmanager

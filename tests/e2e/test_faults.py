@@ -26,8 +26,7 @@ import httpx
 import pytest
 
 from services.launch.nats_server import free_port
-from services.launch.stack import StackConfig
-from tests.e2e.stacks import running_stack
+from tests.e2e.stacks import replicated_config, running_stack
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -38,14 +37,8 @@ QUESTIONS = [f"Tell me fact number {i} about the sea." for i in range(STREAMS)]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    config = StackConfig(
-        port=free_port(),
-        num_tokenizers=2,
-        num_detokenizers=2,
-        args=["--max-num-seqs", "32", "--num-gpu-blocks", "512", "--worker-timeout", "3"],
-        log_dir=str(tmp_path_factory.mktemp("fault-logs")),
-    )
-    with running_stack(config) as stack:
+    args = ["--max-num-seqs", "32", "--num-gpu-blocks", "512", "--worker-timeout", "3"]
+    with running_stack(replicated_config(tmp_path_factory.mktemp("fault-logs"), args)) as stack:
         yield stack
 
 
@@ -116,14 +109,21 @@ def test_soak_random_requests_and_disconnects_leave_nothing_behind(stack):
     and no service grew much."""
     from scripts.soak import rss_mib, soak, wait_idle
 
-    rss_before = {name: rss_mib(p.pid) for name, p in stack.processes.items()}
-    result = asyncio.run(soak(stack.base_url, MODEL, num_requests=150, concurrency=12, seed=7, max_seconds=300))
-    assert result.errors == []
-    assert result.completed + result.disconnected == 150 and result.disconnected > 0
-    gauges = wait_idle(stack.base_url)
-    assert gauges and not any(gauges.values()), gauges
-    for name, process in stack.processes.items():
-        assert rss_mib(process.pid) < rss_before[name] + 200, name
+    # A first round warms up (allocator and oneDNN caches grow with new batch shapes);
+    # memory is compared over the second.
+    rounds = []
+    for seed, count in ((1, 60), (7, 150)):
+        rss = {name: rss_mib(p.pid) for name, p in stack.processes.items()}
+        result = asyncio.run(soak(stack.base_url, MODEL, num_requests=count, concurrency=12, seed=seed,
+                                  max_seconds=300))
+        assert result.errors == []
+        assert result.completed + result.disconnected == count and result.disconnected > 0
+        gauges = wait_idle(stack.base_url)
+        assert gauges and not any(gauges.values()), gauges
+        rounds.append(rss)
+    growth = {name: rss_mib(p.pid) - rounds[1][name] for name, p in stack.processes.items()}
+    print("RSS growth over the measured round (MiB):", growth)
+    assert all(mib < 100 for mib in growth.values()), growth
 
 
 @pytest.fixture(scope="module")

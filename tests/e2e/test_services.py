@@ -16,9 +16,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 
-from services.launch.nats_server import free_port
-from services.launch.stack import StackConfig
-from tests.e2e.stacks import running_stack
+from tests.e2e.stacks import replicated_config, running_stack
 from tests.hf_reference import hf_greedy
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -36,14 +34,8 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    config = StackConfig(
-        port=free_port(),
-        num_tokenizers=2,
-        num_detokenizers=2,
-        args=["--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--num-gpu-blocks", "512"],
-        log_dir=str(tmp_path_factory.mktemp("stack-logs")),
-    )
-    with running_stack(config) as stack:
+    args = ["--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--num-gpu-blocks", "512"]
+    with running_stack(replicated_config(tmp_path_factory.mktemp("stack-logs"), args)) as stack:
         yield stack
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import time
 
 import httpx
 import pytest

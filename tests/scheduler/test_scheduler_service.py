@@ -154,6 +154,14 @@ async def first_error(outputs: asyncio.Queue):
             return out
 
 
+async def ready_worker(service, nc) -> FakeWorker:
+    """A fake worker that has joined: the engine is ready."""
+    worker = FakeWorker(nc)
+    await worker.start()
+    await wait_for(lambda: service.ready)
+    return worker
+
+
 async def wait_for(predicate, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -165,9 +173,7 @@ async def test_intake_waits_for_workers_then_runs_requests(bus):
     service, nc, outputs = bus
     error = await submit(nc, "early")
     assert error.status == 503 and "not ready" in error.message
-    worker = FakeWorker(nc)
-    await worker.start()
-    await wait_for(lambda: service.ready)
+    worker = await ready_worker(service, nc)
     assert service.scheduler.num_blocks == 32
     assert await submit(nc, "a") is None
     got = [await asyncio.wait_for(outputs.get(), 5) for _ in range(3)]
@@ -183,9 +189,7 @@ async def test_intake_waits_for_workers_then_runs_requests(bus):
 
 async def test_an_abort_that_overtakes_its_request_is_remembered(bus):
     service, nc, _ = bus
-    worker = FakeWorker(nc)
-    await worker.start()
-    await wait_for(lambda: service.ready)
+    worker = await ready_worker(service, nc)
     await nc.publish(ENGINE_ABORT, ABORT_REQUEST.encode(AbortRequest(["late"])))
     await nc.flush()
     await wait_for(lambda: "late" in service._early_aborts)
@@ -208,9 +212,7 @@ async def resumed_outputs(outputs: asyncio.Queue, req_id: str, count: int) -> li
 
 async def test_a_silent_worker_keeps_requests_until_it_is_back_then_resumes_them(bus):
     service, nc, outputs = bus
-    worker = FakeWorker(nc)
-    await worker.start()
-    await wait_for(lambda: service.ready)
+    worker = await ready_worker(service, nc)
     worker.steps.clear()
     # A long request is running when the worker dies.
     assert await submit(nc, "long", max_tokens=10_000) is None
@@ -241,9 +243,7 @@ async def test_a_silent_worker_keeps_requests_until_it_is_back_then_resumes_them
 
 async def test_a_restarted_worker_resumes_the_running_request(bus):
     service, nc, outputs = bus
-    worker = FakeWorker(nc)
-    await worker.start()
-    await wait_for(lambda: service.ready)
+    worker = await ready_worker(service, nc)
     worker.answering = False  # the request's step is still running when the worker restarts
     assert await submit(nc, "long") is None
     worker.steps.clear()
@@ -261,9 +261,7 @@ async def test_a_restarted_worker_resumes_the_running_request(bus):
 
 async def test_a_worker_error_fails_the_requests_and_the_engine_goes_on(bus):
     service, nc, outputs = bus
-    worker = FakeWorker(nc)
-    await worker.start()
-    await wait_for(lambda: service.ready)
+    worker = await ready_worker(service, nc)
 
     async def error_answer(msg):
         step = SCHEDULER_OUTPUT.decode(msg.data)
@@ -286,9 +284,7 @@ async def test_a_worker_error_fails_the_requests_and_the_engine_goes_on(bus):
 
 async def test_an_exception_in_the_step_loop_fails_the_requests_and_the_loop_goes_on(bus):
     service, nc, outputs = bus
-    worker = FakeWorker(nc)
-    await worker.start()
-    await wait_for(lambda: service.ready)
+    worker = await ready_worker(service, nc)
     broken = service.scheduler
 
     def schedule(**kwargs):
