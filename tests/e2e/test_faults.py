@@ -123,7 +123,11 @@ def test_soak_random_requests_and_disconnects_leave_nothing_behind(stack):
         rounds.append(rss)
     growth = {name: rss_mib(p.pid) - rounds[1][name] for name, p in stack.processes.items()}
     print("RSS growth over the measured round (MiB):", growth)
-    assert all(mib < 100 for mib in growth.values()), growth
+    # The Python services hold per-request state only while a request lives. The worker
+    # also grows oneDNN's primitive cache and torch's allocator with each new batch
+    # shape, for longer than a short run: its RSS is watched by the long soak
+    # (scripts/soak.py, figures in docs/BENCHMARKS.md), not asserted here.
+    assert all(mib < 30 for name, mib in growth.items() if not name.startswith("worker")), growth
 
 
 @pytest.fixture(scope="module")
