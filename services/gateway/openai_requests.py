@@ -24,6 +24,7 @@ MAX_N = 128
 # Stop strings travel with every step's outputs and are matched against every delta:
 # bounded, so that no request can make a step message or a detokenizer's work explode.
 MAX_STOP_STRINGS = 64
+MAX_NON_STREAMED_ENTRIES = 1 << 18
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SUB_REQUESTS = 256
@@ -55,6 +56,18 @@ class GenerationRequest:
     logprobs: bool = False
     add_generation_prompt: bool = True
     cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        # A non-streamed answer is built whole in the gateway's memory: bound its size.
+        params = self.sampling_params
+        if not self.stream and params.max_tokens:
+            entries = len(self.prompts) * self.n * params.max_tokens * (1 + (params.logprobs or 0))
+            if entries > MAX_NON_STREAMED_ENTRIES:
+                raise invalid(
+                    f"a non-streamed answer may hold at most {MAX_NON_STREAMED_ENTRIES} tokens and logprobs "
+                    f"(prompts x n x max_tokens x (1 + top logprobs) = {entries}); stream it, or ask for less",
+                    param="max_tokens",
+                )
 
     def choice_params(self, i: int) -> SamplingParams:
         """Sample ``i``'s settings: a given seed becomes seed + i, so the n samples differ

@@ -75,3 +75,14 @@ def test_stop_strings_and_ids_are_sets_in_the_order_given():
     assert r.sampling_params.stop == ["b", "a"] and r.sampling_params.stop_token_ids == [5, 3]
     many = parse_chat({"messages": USER, "stop": ["s"] * 500}, NAMES)  # repeats count once
     assert many.sampling_params.stop == ["s"]
+
+
+def test_a_non_streamed_answer_is_bounded():
+    body = {"messages": USER, "n": 64, "max_tokens": 8192}
+    with pytest.raises(ApiError) as info:
+        parse_chat(body, NAMES)
+    assert info.value.info.param == "max_tokens" and "stream it" in info.value.info.message
+    assert parse_chat({**body, "stream": True}, NAMES).n == 64  # streamed: built incrementally
+    with pytest.raises(ApiError):
+        parse_completion({"prompt": "x", "max_tokens": 20_000, "logprobs": 20}, NAMES)
+    assert parse_completion({"prompt": "x", "max_tokens": 20_000}, NAMES).sampling_params.max_tokens == 20_000

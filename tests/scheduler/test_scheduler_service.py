@@ -458,3 +458,23 @@ async def test_token_ids_outside_the_vocabulary_are_refused(bus):
     reply = ENGINE_REQUEST_REPLY.decode((await nc.request(ENGINE_REQUESTS, ENGINE_REQUEST.encode(request))).data)
     assert reply.error.status == 400 and "vocabulary" in reply.error.message
     worker.task.cancel()
+
+
+async def test_a_dead_step_loop_is_not_ready_and_says_so(bus):
+    """Should the step loop end for good (it catches what it can), the engine says it is not
+    ready: gateways' /health turns 503 instead of routing requests to a zombie."""
+    service, nc, _ = bus
+    stats: asyncio.Queue = asyncio.Queue()
+
+    async def on_stats(msg):
+        stats.put_nowait(ENGINE_STATS_MSG.decode(msg.data))
+
+    await nc.subscribe(ENGINE_STATS, cb=on_stats)
+    worker = await ready_worker(service, nc)
+    service._loop_task.cancel()
+    await wait_for(lambda: service._loop_task.done())
+    assert not service.ready
+    while (got := await asyncio.wait_for(stats.get(), 10)).ready:
+        pass
+    assert got.incarnation == service.incarnation
+    worker.task.cancel()
