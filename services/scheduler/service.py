@@ -275,7 +275,7 @@ class SchedulerService(Service):
         elif request.request_id in self.scheduler.requests:
             # A retry of a request whose tokenizer died before it could answer: queued already.
             logger.info("engine %s: %s is already queued (a retry)", self.engine_id, request.request_id)
-        elif self.scheduler.get_num_unfinished_requests() - len(self.scheduler.running) >= self.max_waiting_requests:
+        elif len(self.scheduler.waiting) >= self.max_waiting_requests:
             error = ErrorInfo(
                 f"engine {self.engine_id} has {self.max_waiting_requests} requests waiting; try again later",
                 type="rate_limit_error", code="too_many_requests", status=429,
