@@ -114,7 +114,8 @@ class GatewayService(Service):
 
     def _fail_requests_of(self, engine_id: str, why: str, which) -> None:
         """End (503) and abort every open request that ``engine_id`` holds and ``which`` picks."""
-        lost = [s for s in self.streams.values() if s.engine_id == engine_id and s.incarnation and which(s)]
+        lost = [s for s in self.streams.values()
+                if s.engine_id == engine_id and s.incarnation and not s.finished and which(s)]
         if not lost:
             return
         logger.warning("engine %s %s: failing its %d open request(s)", engine_id, why, len(lost))
