@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 TOKENIZE_ATTEMPTS = 2
 # Seconds deltas may wait behind a missing one before the engine is asked to resend it.
 GAP_TIMEOUT = 1.0
+# Seconds without any delta after which a stream asks for a resend anyway (a lost last delta).
+STALL_TIMEOUT = 5.0
 
 
 class GatewayService(Service):
@@ -126,7 +128,8 @@ class GatewayService(Service):
     async def _watch_engines(self) -> None:
         """A scheduler sends EngineStats every second: one silent for longer than
         ``engine_heartbeat_timeout`` has died, and its requests would never end. A stream
-        whose deltas wait behind a gap for ``GAP_TIMEOUT`` asks its engine to resend."""
+        whose deltas wait behind a gap for ``GAP_TIMEOUT``, or that got none for
+        ``STALL_TIMEOUT``, asks its engine to resend."""
         timeout = self.config.engine_heartbeat_timeout
         while True:
             await asyncio.sleep(min(0.5, timeout / 4))
@@ -134,7 +137,12 @@ class GatewayService(Service):
             for stream in list(self.streams.values()):
                 if stream.gap_since is not None and now - stream.gap_since > GAP_TIMEOUT:
                     stream.gap_since = now  # once per GAP_TIMEOUT
-                    await self._ask_resend(stream)
+                    await self._ask_resend(stream, "missing")
+                elif stream.incarnation and now - max(stream.last_delta_at, stream.accepted_at) > STALL_TIMEOUT:
+                    # Waiting for a place in the batch, or its last delta was lost: the
+                    # engine answers only the latter (it knows the request's output).
+                    stream.last_delta_at = now  # once per STALL_TIMEOUT
+                    await self._ask_resend(stream, "stalled")
             for engine_id in {s.engine_id for s in self.streams.values() if s.incarnation}:
                 last = self.engine_stats.last_seen(engine_id)
 
@@ -192,9 +200,10 @@ class GatewayService(Service):
                 logger.warning("%s: no tokenizer answer within %.1fs; trying again", request.request_id,
                                self.config.tokenize_timeout)
 
-    async def _ask_resend(self, stream: RequestStream) -> None:
-        logger.warning("%s: output from token %d missing; asking the engine to send it again",
-                       stream.request_id, stream.next_offset)
+    async def _ask_resend(self, stream: RequestStream, why: str) -> None:
+        log = logger.warning if why == "missing" else logger.debug
+        log("%s: output from token %d %s; asking the engine to send it again", stream.request_id,
+            stream.next_offset, why)
         self.num_resends += 1
         try:
             await self.nc.publish(ENGINE_RESEND, RESEND_OUTPUTS.encode(ResendOutputs(stream.request_id,

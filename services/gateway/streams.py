@@ -6,8 +6,9 @@ the tokens they follow. A ``RequestStream`` keeps the next expected token offset
 buffers deltas from the future, drops repeats, and hands in-order deltas to its
 sink (the HTTP request's queue) as ``(stream, delta)``; the stream ends with the
 delta that carries a finish reason, or with ``(stream, ErrorInfo)``. Deltas that wait
-behind a missing one for long (``gap_since``) mean a detokenizer died with it: the
-gateway then asks the engine to send those outputs again.
+behind a missing one for long (``gap_since``), or no delta at all for long
+(``last_delta_at``: the lost one may have been the last), mean a detokenizer may have
+died with it: the gateway then asks the engine to send those outputs again.
 
     offsets:   0    1    2    3    4    5
     arrived:  [0,2) .......... [3,5)+end
@@ -28,7 +29,7 @@ class RequestStream:
 
     __slots__ = (
         "request_id", "index", "prompt_index", "next_offset", "finished", "engine_done", "finish_reason",
-        "num_prompt_tokens", "num_cached_tokens", "engine_id", "incarnation", "accepted_at", "gap_since",
+        "num_prompt_tokens", "num_cached_tokens", "engine_id", "incarnation", "accepted_at", "gap_since", "last_delta_at",
         "_pending", "_sink",
     )
 
@@ -48,6 +49,7 @@ class RequestStream:
         self.accepted_at = 0.0
         # Since when deltas wait behind a missing one (its detokenizer may have died).
         self.gap_since: float | None = None
+        self.last_delta_at = 0.0  # when a delta for it last arrived (monotonic)
         self._pending: dict[int, list[StreamDelta]] = {}
         self._sink = sink
 
@@ -62,6 +64,7 @@ class RequestStream:
     def push(self, delta: StreamDelta) -> None:
         if self.finished:
             return
+        self.last_delta_at = time.monotonic()
         if delta.error:
             self.engine_done = True
             self.fail(ErrorInfo(delta.error, type="internal_error", status=500))

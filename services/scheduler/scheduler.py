@@ -20,7 +20,10 @@ step is in flight nothing is preempted: its blocks are still being written.
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import msgspec
 
 from shared.config import CacheConfig, SchedulerConfig
 from shared.protocol import (
@@ -37,6 +40,25 @@ from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+# How many finished requests' outputs are kept for resending (their output tokens only).
+RECENTLY_FINISHED = 1024
+
+
+@dataclass
+class FinishedOutput:
+    """What is left of a finished request to send its output again: its end (an output
+    with no new token and its finish reason) and its output tokens."""
+
+    end: EngineOutput
+    output_token_ids: list[int]
+
+    def output_from(self, token_offset: int) -> EngineOutput:
+        new = self.output_token_ids[token_offset:]
+        start = max(0, token_offset - window_tokens(self.end.stop))
+        return msgspec.structs.replace(self.end, new_token_ids=new, window_token_ids=self.output_token_ids[start:],
+                                       window_offset=start)
 
 
 class RequestRejected(ValueError):
@@ -64,6 +86,8 @@ class Scheduler:
         # Token ids must be below this (0: unchecked): the workers index embeddings with them.
         self.vocab_size = vocab_size
         self.requests: dict[str, Request] = {}
+        # The last outputs of requests that finished lately, for gateways that lost them.
+        self._recently_finished: OrderedDict[str, FinishedOutput] = OrderedDict()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Requests the workers hold state for; they are told when it can go.
@@ -338,19 +362,29 @@ class Scheduler:
         request.finish_reason = reason
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self._recently_finished[request.request_id] = FinishedOutput(self._engine_output(request, [], []),
+                                                                     request.output_token_ids)
+        if len(self._recently_finished) > RECENTLY_FINISHED:
+            self._recently_finished.popitem(last=False)
         if request.request_id in self._sent_to_workers:
             self._sent_to_workers.discard(request.request_id)
             self._finished_req_ids.add(request.request_id)
 
     def resend_output(self, request_id: str, token_offset: int) -> EngineOutput | None:
-        """The output tokens of an unfinished request from ``token_offset`` on, as one
-        output (without logprobs), for a gateway whose stream lost them; None if the
-        request is unknown here (another engine's, or finished) or the offset is not
-        behind its output."""
+        """The output of a request from ``token_offset`` on, as one output (without
+        logprobs), for a gateway whose stream lost it (a detokenizer died with it). A
+        request that finished recently is answered too, so a lost last delta (its end)
+        is recovered. None if the request is unknown here (another engine's, or long
+        finished) or nothing lies behind the offset."""
         request = self.requests.get(request_id)
-        if request is None or not 0 <= token_offset < request.num_output_tokens:
+        if request is not None:
+            if not 0 <= token_offset < request.num_output_tokens:
+                return None
+            return self._engine_output(request, request.output_token_ids[token_offset:], [])
+        finished = self._recently_finished.get(request_id)
+        if finished is None or not 0 <= token_offset <= len(finished.output_token_ids):
             return None
-        return self._engine_output(request, request.output_token_ids[token_offset:], [])
+        return finished.output_from(token_offset)
 
     def _engine_output(self, request: Request, new_token_ids, logprobs) -> EngineOutput:
         # The tokens before the new ones that a stateless detokenizer needs to finish

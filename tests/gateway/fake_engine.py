@@ -11,8 +11,8 @@ a repeated delta and a delta for an unknown request mixed in.
 Control words in the prompt: ``REJECT`` (a 400 from the "tokenizer"),
 ``UNAVAILABLE`` (its 503), ``BUSY`` (a full waiting queue's 429), ``REJECTSECOND`` (refuse only sample 1), ``HANG``
 (two tokens, then nothing), ``FAIL`` (two tokens, then an engine error),
-``SILENT`` (no tokenize reply at all), ``GAP`` (the second delta is lost until
-the gateway asks for a resend), ``SILENTONCE`` (no reply to the first
+``SILENT`` (no tokenize reply at all), ``GAP`` / ``LASTLOST`` (the second / the
+last delta is lost until the gateway asks for a resend), ``SILENTONCE`` (no reply to the first
 attempt: a tokenizer that died), ``GHOST`` (queued by engine "ghost", which
 never sends stats). Other requests are queued by engine ``FAKE_ENGINE_ID`` under
 the fake's current ``incarnation`` (a test changes it to play a restarted scheduler).
@@ -185,6 +185,8 @@ class FakeEngine(Service):
         self._outputs[request.request_id] = (request, deltas)
         if "GAP" in words:  # the detokenizer handling the second delta died
             deltas = deltas[:1] + deltas[2:]
+        if "LASTLOST" in words:  # ... or the one handling the last delta
+            deltas = deltas[:-1]
         rng = random.Random(request.request_id)
         order = list(range(len(deltas)))
         rng.shuffle(order)

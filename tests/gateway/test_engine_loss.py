@@ -86,3 +86,15 @@ async def test_a_lost_delta_is_sent_again_and_the_text_is_whole(gateway, fake, h
     [resend] = [x for x in fake.resends if x.request_id.startswith(r.json()["id"])]
     assert resend.token_offset > 0
     assert time.monotonic() - start < 5
+
+
+async def test_a_lost_last_delta_is_asked_for_after_a_stall(gateway, fake, http, monkeypatch):
+    """No later delta reveals the gap when the last one is lost: a stream that got nothing
+    for STALL_TIMEOUT asks for a resend anyway, and ends whole."""
+    from services.gateway import bus_client
+
+    monkeypatch.setattr(bus_client, "STALL_TIMEOUT", 0.5)
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "LASTLOST end"})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
+    assert r.json()["choices"][0]["text"] == expected_text("LASTLOST")
+    assert [x for x in fake.resends if x.request_id.startswith(r.json()["id"])]

@@ -2,6 +2,7 @@
 prompt + generated tokens, their outputs continuing at the offset the client reached."""
 
 from services.scheduler.request import RequestStatus
+from shared.protocol import FinishReason
 
 from .test_scheduler import BS, make_request, make_scheduler, run_step
 
@@ -66,3 +67,18 @@ def test_outputs_are_sent_again_from_an_offset():
     assert again.stop == ["x"] and again.logprobs == []
     assert sched.resend_output("a", 4) is None  # nothing behind
     assert sched.resend_output("unknown", 0) is None
+
+
+def test_a_finished_requests_last_outputs_can_be_sent_again():
+    sched = make_scheduler()
+    sched.add_request(make_request("done", 6, max_tokens=3))
+    step = iter(range(100, 200))
+    for _ in range(3):
+        run_step(sched, token_of=lambda req_id: next(step))
+    assert "done" not in sched.requests
+    again = sched.resend_output("done", 1)
+    assert again.new_token_ids == [101, 102] and again.finish_reason == FinishReason.LENGTH
+    assert again.window_offset + len(again.window_token_ids) == 3 and again.num_prompt_tokens == 6
+    end = sched.resend_output("done", 3)  # only its end was lost
+    assert end.new_token_ids == [] and end.finish_reason == FinishReason.LENGTH
+    assert sched.resend_output("done", 4) is None

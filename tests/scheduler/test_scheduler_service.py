@@ -154,9 +154,11 @@ async def first_error(outputs: asyncio.Queue):
             return out
 
 
-async def ready_worker(service, nc) -> FakeWorker:
-    """A fake worker that has joined: the engine is ready."""
+async def ready_worker(service, nc, answering: bool = True) -> FakeWorker:
+    """A fake worker that has joined: the engine is ready. Not ``answering``: its steps
+    stay in flight."""
     worker = FakeWorker(nc)
+    worker.answering = answering
     await worker.start()
     await wait_for(lambda: service.ready)
     return worker
@@ -304,10 +306,7 @@ async def test_an_exception_in_the_step_loop_fails_the_requests_and_the_loop_goe
 
 async def test_a_result_of_another_incarnation_is_dropped(bus):
     service, nc, outputs = bus
-    worker = FakeWorker(nc)
-    worker.answering = False
-    await worker.start()
-    await wait_for(lambda: service.ready)
+    worker = await ready_worker(service, nc, answering=False)
     assert await submit(nc, "a") is None
     await wait_for(lambda: service._pending_steps)
     step_id = min(service._pending_steps)  # two steps in flight with async scheduling
@@ -402,10 +401,7 @@ async def test_a_retried_request_is_queued_once(bus):
     """A gateway retries a tokenize request whose tokenizer died; if the first attempt did
     reach the scheduler, the second is taken as queued, not run twice."""
     service, nc, outputs = bus
-    worker = FakeWorker(nc)
-    worker.answering = False
-    await worker.start()
-    await wait_for(lambda: service.ready)
+    worker = await ready_worker(service, nc, answering=False)
     assert await submit(nc, "twice") is None
     assert await submit(nc, "twice") is None
     assert service.scheduler.get_num_unfinished_requests() == 1
