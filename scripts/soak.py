@@ -141,6 +141,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-seconds", type=float, default=3600)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the run; RSS is printed after each round (a leak grows every round)")
     args = parser.parse_args()
 
     stack = None
@@ -156,22 +158,24 @@ def main() -> int:
         base_url = stack.base_url
     try:
         rss_before = {n: rss_mib(p.pid) for n, p in stack.processes.items()} if stack else {}
-        result = asyncio.run(soak(base_url, args.model, args.requests, args.concurrency, args.seed,
-                                  args.max_seconds))
-        gauges = wait_idle(base_url)
-        rss_after = {n: rss_mib(p.pid) for n, p in stack.processes.items()} if stack else {}
+        failed = False
+        for round_index in range(args.rounds):
+            result = asyncio.run(soak(base_url, args.model, args.requests, args.concurrency,
+                                      args.seed + round_index, args.max_seconds))
+            gauges = wait_idle(base_url)
+            rss_after = {n: rss_mib(p.pid) for n, p in stack.processes.items()} if stack else {}
+            print(f"round {round_index + 1}: {result.completed} completed, {result.disconnected} clients left "
+                  f"early, {len(result.errors)} errors in {result.seconds:.0f}s", flush=True)
+            for error in result.errors[:10]:
+                print("  error:", error)
+            print("engine when idle:", gauges)
+            for name in rss_before:
+                print(f"  {name:14s} RSS {rss_before[name]:7.0f} MiB -> {rss_after.get(name, 0):7.0f} MiB", flush=True)
+            failed = failed or bool(result.errors) or any(gauges.values()) or not gauges
     finally:
         if stack is not None:
             stack.stop()
-    print(f"{result.completed} completed, {result.disconnected} clients left early, {len(result.errors)} errors "
-          f"in {result.seconds:.0f}s")
-    for error in result.errors[:10]:
-        print("  error:", error)
-    print("engine when idle:", gauges)
-    for name in rss_before:
-        print(f"  {name:14s} RSS {rss_before[name]:7.0f} MiB -> {rss_after.get(name, 0):7.0f} MiB")
-    leaked = any(gauges.values()) or not gauges
-    return 1 if result.errors or leaked else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
