@@ -103,6 +103,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    def for_choice(self, i: int) -> "SamplingParams":
+        """The settings of sample ``i`` of a prompt's ``n`` (vLLM's rule): a given seed
+        becomes ``seed + i``, so the samples differ from each other yet repeat from call
+        to call."""
+        if self.seed is None or i == 0:
+            return self
+        return msgspec.structs.replace(self, seed=self.seed + i)
+
 
 class EngineRequest(msgspec.Struct, omit_defaults=True):
     """A tokenized request as the scheduler receives it."""
@@ -253,12 +261,27 @@ class ErrorInfo(msgspec.Struct, omit_defaults=True):
     status: int = 400
 
 
-class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """gateway -> tokenizer (request/reply). Exactly one of messages / prompt /
-    prompt_token_ids is set. The tokenizer validates, tokenizes and forwards an
-    ``EngineRequest`` to a scheduler, then replies with a ``TokenizeReply``."""
+class EngineRequestReply(msgspec.Struct, omit_defaults=True):
+    """scheduler -> tokenizer: the request was queued, or why not."""
 
     request_id: str
+    error: ErrorInfo | None = None
+    engine_id: str = ""
+    # Random per scheduler process: a restarted scheduler has a new one (EngineStats too).
+    incarnation: str = ""
+
+
+class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """gateway -> tokenizer (request/reply): one prompt and its ``n`` samples.
+
+    Exactly one of messages / prompt / prompt_token_ids is set. The tokenizer
+    validates, renders and tokenizes the prompt once, then forwards one
+    ``EngineRequest`` per sample to a scheduler: ``request_ids[i]`` with
+    ``sampling_params.for_choice(i)`` (seed + i). It replies with a ``TokenizeReply``.
+    Sending it again (a retry after a timeout) is harmless: a scheduler takes a known
+    request id as queued."""
+
+    request_ids: list[str]
     gateway_id: str
     model: str = ""
     messages: list[dict] | None = None  # [{"role": ..., "content": str}]
@@ -270,23 +293,14 @@ class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 class TokenizeReply(msgspec.Struct, omit_defaults=True):
-    request_id: str
+    """tokenizer -> gateway. ``error``: the prompt was refused and no sample reached a
+    scheduler. Otherwise ``choices[i]`` is the scheduler's answer for ``request_ids[i]``:
+    queued (by the engine and scheduler incarnation named, which the gateway watches to
+    fail the request at once when that engine restarts or goes silent) or refused."""
+
     num_prompt_tokens: int = 0
     error: ErrorInfo | None = None
-    # The engine that queued the request, as in its EngineRequestReply: the gateway
-    # fails the request at once when that engine restarts or goes silent.
-    engine_id: str = ""
-    incarnation: str = ""
-
-
-class EngineRequestReply(msgspec.Struct, omit_defaults=True):
-    """scheduler -> tokenizer: the request was queued, or why not."""
-
-    request_id: str
-    error: ErrorInfo | None = None
-    engine_id: str = ""
-    # Random per scheduler process: a restarted scheduler has a new one (EngineStats too).
-    incarnation: str = ""
+    choices: list[EngineRequestReply] = []
 
 
 class EngineOutputBatch(msgspec.Struct, array_like=True, gc=False):

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
-
 from shared.protocol import SamplingParams
 
 from .errors import ApiError, invalid
@@ -68,14 +66,6 @@ class GenerationRequest:
                     f"(prompts x n x max_tokens x (1 + top logprobs) = {entries}); stream it, or ask for less",
                     param="max_tokens",
                 )
-
-    def choice_params(self, i: int) -> SamplingParams:
-        """Sample ``i``'s settings: a given seed becomes seed + i, so the n samples differ
-        from each other yet repeat from call to call."""
-        params = self.sampling_params
-        if params.seed is None or i == 0:
-            return params
-        return msgspec.structs.replace(params, seed=params.seed + i)
 
 
 class Fields:
