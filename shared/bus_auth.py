@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from shared.protocol import (
     DETOKENIZE,
+    DETOKENIZE_STOPS,
     ENGINE_ABORT,
     ENGINE_REQUESTS,
     ENGINE_RESEND,
@@ -36,6 +37,7 @@ from shared.protocol import (
     engine_result_subject,
     engine_retire_subject,
     engine_step_subject,
+    engine_stops_subject,
     gateway_stream_subject,
     ping_subject,
 )
@@ -60,17 +62,18 @@ ROLES: dict[str, Permissions] = {
         subscribe=(TOKENIZE, INBOX, ping_subject("tokenizer")),
     ),
     "detokenizer": Permissions(
-        publish=(gateway_stream_subject("*"), ENGINE_ABORT),
-        subscribe=(DETOKENIZE, ping_subject("detokenizer")),
+        publish=(gateway_stream_subject("*"), ENGINE_ABORT, engine_stops_subject(ANY_ENGINE)),
+        subscribe=(DETOKENIZE, ping_subject("detokenizer"), DETOKENIZE_STOPS, INBOX),
     ),
     "scheduler": Permissions(
         publish=(
             engine_step_subject(ANY_ENGINE), engine_hello_subject(ANY_ENGINE), engine_retire_subject(ANY_ENGINE),
-            DETOKENIZE, ENGINE_STATS,
+            DETOKENIZE, ENGINE_STATS, DETOKENIZE_STOPS,
         ),
         subscribe=(
             engine_ready_subject(ANY_ENGINE), engine_result_subject(ANY_ENGINE), ENGINE_REQUESTS,
             ENGINE_ABORT, ENGINE_RESEND, engine_profile_subject(ANY_ENGINE), ping_subject("scheduler"),
+            engine_stops_subject(ANY_ENGINE),
         ),
     ),
     "worker": Permissions(

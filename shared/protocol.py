@@ -5,6 +5,7 @@ The request's way (see docs/ARCHITECTURE.md):
     gateway -> tokenizer -> scheduler ==SchedulerOutput==> workers
                                       <==ModelRunnerOutput== (rank 0)
     scheduler -> detokenizer -> gateway (EngineOutput / TextDelta)
+    scheduler -> every detokenizer (StopStrings, once per request)
 
 Hot per-step messages are ``array_like`` Structs of ints and lists of ints, encoded
 with msgpack; one Encoder/Decoder per type, made once. No tensors, no pickles.
@@ -23,6 +24,8 @@ import msgspec
 SUBJECT_PREFIX = "llm"
 TOKENIZE = f"{SUBJECT_PREFIX}.tokenize"
 DETOKENIZE = f"{SUBJECT_PREFIX}.detokenize"
+# Schedulers broadcast their requests' stop strings to every detokenizer replica (no queue group).
+DETOKENIZE_STOPS = f"{DETOKENIZE}.stops"
 ENGINE_REQUESTS = f"{SUBJECT_PREFIX}.engine.requests"
 ENGINE_ABORT = f"{SUBJECT_PREFIX}.engine.abort"
 ENGINE_STATS = f"{SUBJECT_PREFIX}.engine.stats"
@@ -46,6 +49,11 @@ def engine_step_subject(engine_id: str) -> str:
 def engine_result_subject(engine_id: str) -> str:
     """Rank 0 answers each step here; workers also report readiness here."""
     return f"{SUBJECT_PREFIX}.engine.{engine_id}.result"
+
+
+def engine_stops_subject(engine_id: str) -> str:
+    """A detokenizer asks the engine's scheduler for stop strings it missed (request/reply)."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.stops"
 
 
 def engine_profile_subject(engine_id: str) -> str:
@@ -233,6 +241,12 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     Carries the request's recent token window (``window_token_ids`` ends with the
     new tokens; ``window_offset`` is the index of its first token in the output)
     so that any stateless detokenizer replica can produce the next text delta.
+
+    A request's stop strings do not travel with its step outputs: ``has_stop`` says it
+    has some that the output does not carry, and the detokenizers know them from the
+    scheduler's broadcast (``StopStrings`` on ``llm.detokenize.stops``) or ask for them
+    (``engine_stops_subject``). ``stop`` carries them only in outputs sent again
+    (``ResendOutputs``): those must not depend on a replica's cache.
     """
 
     request_id: str
@@ -246,6 +260,7 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     stop: list[str] = []
     num_cached_tokens: int = 0
     error: str = ""
+    has_stop: bool = False
 
 
 # --------------------------------------------------------------------------- service messages
@@ -307,6 +322,30 @@ class EngineOutputBatch(msgspec.Struct, array_like=True, gc=False):
     """scheduler -> detokenizer: every request's new tokens of one step."""
 
     outputs: list[EngineOutput]
+    # The engine whose scheduler made them: the one to ask for missing stop strings.
+    engine_id: str = ""
+
+
+class RequestStopStrings(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    stop: list[str]
+
+
+class StopStrings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """scheduler -> every detokenizer replica (``llm.detokenize.stops``, no queue group),
+    at most one per step: the stop strings of the requests it accepted since the last
+    one, and the requests that ended (their entries can go). Also the answer to a
+    ``StopStringsQuery`` (``added`` only: the ids it knows). Idempotent."""
+
+    added: list[RequestStopStrings] = []
+    finished: list[str] = []
+
+
+class StopStringsQuery(msgspec.Struct, array_like=True, gc=False):
+    """detokenizer -> the scheduler of ``EngineOutputBatch.engine_id`` (request/reply):
+    the stop strings of these requests, which its cache lacks."""
+
+    request_ids: list[str]
 
 
 class TopLogprob(msgspec.Struct, array_like=True, gc=False):
@@ -425,6 +464,8 @@ TOKENIZE_REQUEST = Codec(TokenizeRequest)
 TOKENIZE_REPLY = Codec(TokenizeReply)
 ENGINE_REQUEST_REPLY = Codec(EngineRequestReply)
 ENGINE_OUTPUT_BATCH = Codec(EngineOutputBatch)
+STOP_STRINGS = Codec(StopStrings)
+STOP_STRINGS_QUERY = Codec(StopStringsQuery)
 STREAM_DELTA_BATCH = Codec(StreamDeltaBatch)
 ENGINE_STATS_MSG = Codec(EngineStats)
 WORKER_READY = Codec(WorkerReady)

@@ -5,6 +5,10 @@ aborts (every replica hears them), runs the step loop — schedule, publish the
 step diff to every worker rank, await rank 0's sampled tokens, update — and
 publishes each step's new tokens to the detokenizers. With async scheduling (the
 default) step N+1 is scheduled and published before step N's result is awaited.
+A request's stop strings go to every detokenizer replica once, batched per step on
+``llm.detokenize.stops`` before the step that may start it, and the ids of requests
+with stop strings that ended follow; a replica that missed them asks on
+``llm.engine.<id>.stops``. Step outputs only flag that a request has some.
 While steps run, the event loop keeps taking requests and aborts; they join the next
 step scheduled.
 
@@ -40,6 +44,7 @@ from shared.config import CacheConfig, SchedulerConfig
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
+    DETOKENIZE_STOPS,
     ENGINE_ABORT,
     ENGINE_OUTPUT_BATCH,
     ENGINE_REQUEST,
@@ -51,6 +56,8 @@ from shared.protocol import (
     MODEL_RUNNER_OUTPUT,
     RESEND_OUTPUTS,
     SCHEDULER_OUTPUT,
+    STOP_STRINGS,
+    STOP_STRINGS_QUERY,
     WORKER_READY,
     WORKER_RETIRE,
     EngineOutput,
@@ -59,7 +66,9 @@ from shared.protocol import (
     EngineStats,
     ErrorInfo,
     FinishReason,
+    RequestStopStrings,
     SchedulerOutput,
+    StopStrings,
     WorkerRetire,
     engine_hello_subject,
     engine_profile_subject,
@@ -67,6 +76,7 @@ from shared.protocol import (
     engine_result_subject,
     engine_retire_subject,
     engine_step_subject,
+    engine_stops_subject,
 )
 
 from shared.step_profile import NULL_CLOCK, NullClock, PhaseClock, StepProfile
@@ -85,6 +95,12 @@ RESUME_TIMEOUT = 120.0
 # A request that was in flight at this many engine failures fails at the next: it may
 # be what breaks the engine.
 MAX_RESUMES = 2
+# Characters of stop strings per broadcast message, at most (one request's may exceed it).
+STOP_BROADCAST_CHARS = 1 << 18
+
+
+def stop_strings_chars(entry: RequestStopStrings) -> int:
+    return sum(len(s) for s in entry.stop)
 
 
 @dataclass
@@ -135,6 +151,11 @@ class SchedulerService(Service):
         self._resume_deadline = 0.0
         self._last_step_id = 0
         self._loop_task: asyncio.Task | None = None
+        # Stop strings of requests accepted, and ids of requests with stop strings that
+        # ended, since the last broadcast to the detokenizers (_broadcast_stop_strings).
+        self._stops_added: list[RequestStopStrings] = []
+        self._stops_finished: list[str] = []
+        self.num_stop_queries = 0
 
     @property
     def incarnation(self) -> str:
@@ -147,7 +168,7 @@ class SchedulerService(Service):
         return self.scheduler is not None and loop_alive
 
     def info(self) -> dict:
-        return {"engine_id": self.engine_id, "ready": self.ready}
+        return {"engine_id": self.engine_id, "ready": self.ready, "num_stop_queries": self.num_stop_queries}
 
     async def setup(self) -> None:
         await self.subscribe(engine_ready_subject(self.engine_id), self._on_worker_ready)
@@ -155,6 +176,7 @@ class SchedulerService(Service):
         await self.subscribe(ENGINE_REQUESTS, self._on_request, queue="scheduler")
         await self.subscribe(ENGINE_ABORT, self._on_abort)
         await self.subscribe(ENGINE_RESEND, self._on_resend)
+        await self.subscribe(engine_stops_subject(self.engine_id), self._on_stops_query)
         if self.profile is not None:
             await self.subscribe(engine_profile_subject(self.engine_id), self._on_profile)
         await self.nc.publish(engine_hello_subject(self.engine_id), b"")
@@ -246,6 +268,7 @@ class SchedulerService(Service):
             self._new_scheduler()
 
     def _fail_requests(self, requests: list[Request], error: str) -> None:
+        self._stop_strings_finished(requests)
         outputs = [
             EngineOutput(
                 request_id=request.request_id,
@@ -260,7 +283,48 @@ class SchedulerService(Service):
             for request in requests
         ]
         if outputs:
-            self.spawn(self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs))))
+            self.spawn(self._publish_outputs(outputs))
+
+    async def _publish_outputs(self, outputs: list[EngineOutput]) -> None:
+        await self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs, self.engine_id)))
+
+    # ------------------------------------------------------------------ stop strings
+
+    def _stop_strings_finished(self, requests: list[Request]) -> None:
+        self._stops_finished.extend(r.request_id for r in requests if r.sampling_params.stop)
+
+    async def _broadcast_stop_strings(self) -> None:
+        """Tell every detokenizer replica the stop strings of the requests accepted since
+        the last call (before any output of theirs can exist) and which ended; chunked,
+        so that no message nears the bus's payload limit."""
+        added, self._stops_added = self._stops_added, []
+        finished, self._stops_finished = self._stops_finished, []
+        while added or finished:
+            chunk, chars = [], 0
+            while added and (not chunk or chars + stop_strings_chars(added[0]) <= STOP_BROADCAST_CHARS):
+                chars += stop_strings_chars(added[0])
+                chunk.append(added.pop(0))
+            message = StopStrings(chunk, finished)
+            finished = []
+            try:
+                await self.nc.publish(DETOKENIZE_STOPS, STOP_STRINGS.encode(message))
+            except Exception as e:  # the detokenizers ask for what they miss
+                logger.warning("engine %s: stop strings broadcast not sent: %r", self.engine_id, e)
+
+    async def _on_stops_query(self, msg: Msg) -> None:
+        """A detokenizer missed the broadcast of these requests' stop strings (it started
+        later, or the broadcast was lost): answer those it knows."""
+        self.num_stop_queries += 1
+        request_ids = STOP_STRINGS_QUERY.decode(msg.data).request_ids
+        resumable = {r.request_id: r.sampling_params.stop for r in self._resumable}
+        found = []
+        for request_id in request_ids:
+            stop = self.scheduler.stop_strings(request_id) if self.scheduler is not None else None
+            if stop is None:
+                stop = resumable.get(request_id)
+            if stop is not None:
+                found.append(RequestStopStrings(request_id, stop))
+        await msg.respond(STOP_STRINGS.encode(StopStrings(found)))
 
     # ------------------------------------------------------------------ intake
 
@@ -285,6 +349,8 @@ class SchedulerService(Service):
         else:
             try:
                 self.scheduler.add_request(Request.from_engine_request(request, self.cache_config.block_size))
+                if request.sampling_params.stop:
+                    self._stops_added.append(RequestStopStrings(request.request_id, request.sampling_params.stop))
                 self.prompt_tokens_total += len(request.prompt_token_ids)
                 self._work.set()
             except RequestRejected as e:
@@ -300,6 +366,7 @@ class SchedulerService(Service):
         if self.scheduler is None:
             return
         aborted = self.scheduler.abort_requests(request_ids)
+        self._stop_strings_finished(aborted)
         if aborted:
             self._work.set()  # the workers must drop their state
         # A client that leaves while its request is being tokenized can make the abort
@@ -318,7 +385,7 @@ class SchedulerService(Service):
         if output is not None:
             logger.info("engine %s: %s: outputs from token %d sent again", self.engine_id, resend.request_id,
                         resend.token_offset)
-            await self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch([output])))
+            await self._publish_outputs([output])
 
     async def _on_result(self, msg: Msg) -> None:
         start = time.perf_counter()
@@ -387,6 +454,9 @@ class SchedulerService(Service):
         self._pending_steps[step.step_id] = future
         data = SCHEDULER_OUTPUT.encode(step)
         clock.lap("encode")
+        # The stop strings of every request this step may start reach the detokenizers
+        # before any output of it can.
+        await self._broadcast_stop_strings()
         await self.nc.publish(engine_step_subject(self.engine_id), data)
         return _SentStep(step, future, clock)
 
@@ -418,7 +488,9 @@ class SchedulerService(Service):
         clock.lap("update")
         if outputs:
             self.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
-            await self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs)))
+            await self._publish_outputs(outputs)
+            self._stops_finished.extend(o.request_id for o in outputs if o.has_stop and o.finish_reason)
+            await self._broadcast_stop_strings()
         clock.lap("publish_outputs")
         more_work = scheduler.has_unfinished_requests()
         if self.profile is not None:
