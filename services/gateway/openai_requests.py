@@ -19,8 +19,9 @@ from shared.protocol import SamplingParams
 from .errors import ApiError, invalid
 
 MAX_N = 128
-# Stop strings travel with every step's outputs and are matched against every delta:
-# bounded, so that no request can make a step message or a detokenizer's work explode.
+# Stop strings size every step output's token window, fill the detokenizers' caches and
+# are matched against every delta: bounded, so that no request can make a step message
+# or a detokenizer's work explode.
 MAX_STOP_STRINGS = 64
 MAX_NON_STREAMED_ENTRIES = 1 << 18
 MAX_STOP_STRING_CHARS = 1024
