@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 
 import msgspec
@@ -108,27 +109,35 @@ class DetokenizerService(Service):
         """Each output's stop strings (None: unknown here), and why some are unknown.
 
         Carried by the output, or cached; those the cache lacks are asked of the batch's
-        scheduler (one query, ``stop_strings_timeout``). On the event loop: the cache is
+        scheduler (within ``stop_strings_timeout``). On the event loop: the cache is
         not shared with the decoding thread."""
         stops = [o.stop if o.stop or not o.has_stop else self.stop_strings.get(o.request_id)
                  for o in batch.outputs]
         unknown = [o.request_id for o, stop in zip(batch.outputs, stops) if stop is None]
-        if not unknown:
-            return stops, ""
-        self.num_stop_queries += 1
-        query = STOP_STRINGS_QUERY.encode(StopStringsQuery(unknown))
-        try:
-            msg = await self.nc.request(engine_stops_subject(batch.engine_id), query,
-                                        timeout=self.stop_strings_timeout)
-            answered = {e.request_id: e.stop for e in STOP_STRINGS.decode(msg.data).added}
-        except (NatsError, asyncio.TimeoutError, msgspec.DecodeError) as e:
-            logger.warning("engine %s did not tell the stop strings of %s: %r", batch.engine_id, unknown, e)
-            return stops, (f"the detokenizer could not get this request's stop strings from engine "
+        missing = ""
+        answered: dict[str, list[str]] = {}
+        deadline = time.monotonic() + self.stop_strings_timeout
+        while unknown:  # a scheduler answers as many as fit one message: ask for the rest
+            self.num_stop_queries += 1
+            query = STOP_STRINGS_QUERY.encode(StopStringsQuery(unknown))
+            try:
+                msg = await self.nc.request(engine_stops_subject(batch.engine_id), query,
+                                            timeout=max(0.01, deadline - time.monotonic()))
+                added = STOP_STRINGS.decode(msg.data).added
+            except (NatsError, asyncio.TimeoutError, msgspec.DecodeError) as e:
+                logger.warning("engine %s did not tell the stop strings of %s: %r", batch.engine_id, unknown, e)
+                missing = (f"the detokenizer could not get this request's stop strings from engine "
                            f"{batch.engine_id!r} within {self.stop_strings_timeout:g}s")
-        for request_id, stop in answered.items():
-            self.stop_strings.put(request_id, stop)
+                break
+            for entry in added:
+                answered[entry.request_id] = entry.stop
+                self.stop_strings.put(entry.request_id, entry.stop)
+            if not added:
+                missing = f"engine {batch.engine_id!r} does not know this request's stop strings"
+                break
+            unknown = [r for r in unknown if r not in answered]
         stops = [answered.get(o.request_id) if stop is None else stop for o, stop in zip(batch.outputs, stops)]
-        return stops, f"engine {batch.engine_id!r} does not know this request's stop strings"
+        return stops, missing
 
     def detokenize(self, batch: EngineOutputBatch, stops: list[list[str] | None],
                    missing: str = "") -> tuple[dict[str, list[StreamDelta]], list[str]]:

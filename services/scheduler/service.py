@@ -95,8 +95,9 @@ RESUME_TIMEOUT = 120.0
 # A request that was in flight at this many engine failures fails at the next: it may
 # be what breaks the engine.
 MAX_RESUMES = 2
-# Characters of stop strings per broadcast message, at most (one request's may exceed it).
-STOP_BROADCAST_CHARS = 1 << 18
+# Characters of stop strings per broadcast or query answer, at most (one request's may
+# exceed it): a message stays far below the bus's payload limit (8 MiB).
+STOP_STRINGS_MESSAGE_CHARS = 1 << 18
 
 
 def stop_strings_chars(entry: RequestStopStrings) -> int:
@@ -301,7 +302,7 @@ class SchedulerService(Service):
         finished, self._stops_finished = self._stops_finished, []
         while added or finished:
             chunk, chars = [], 0
-            while added and (not chunk or chars + stop_strings_chars(added[0]) <= STOP_BROADCAST_CHARS):
+            while added and (not chunk or chars + stop_strings_chars(added[0]) <= STOP_STRINGS_MESSAGE_CHARS):
                 chars += stop_strings_chars(added[0])
                 chunk.append(added.pop(0))
             message = StopStrings(chunk, finished)
@@ -313,17 +314,23 @@ class SchedulerService(Service):
 
     async def _on_stops_query(self, msg: Msg) -> None:
         """A detokenizer missed the broadcast of these requests' stop strings (it started
-        later, or the broadcast was lost): answer those it knows."""
+        later, or the broadcast was lost): answer those it knows, as many as fit one
+        message (it asks again for the rest)."""
         self.num_stop_queries += 1
         request_ids = STOP_STRINGS_QUERY.decode(msg.data).request_ids
         resumable = {r.request_id: r.sampling_params.stop for r in self._resumable}
-        found = []
+        found, chars = [], 0
         for request_id in request_ids:
             stop = self.scheduler.stop_strings(request_id) if self.scheduler is not None else None
             if stop is None:
                 stop = resumable.get(request_id)
-            if stop is not None:
-                found.append(RequestStopStrings(request_id, stop))
+            if stop is None:
+                continue
+            entry = RequestStopStrings(request_id, stop)
+            if found and chars + stop_strings_chars(entry) > STOP_STRINGS_MESSAGE_CHARS:
+                break
+            chars += stop_strings_chars(entry)
+            found.append(entry)
         await msg.respond(STOP_STRINGS.encode(StopStrings(found)))
 
     # ------------------------------------------------------------------ intake
@@ -362,6 +369,7 @@ class SchedulerService(Service):
         request_ids = ABORT_REQUEST.decode(msg.data).request_ids
         if self._resumable:
             gone = set(request_ids)
+            self._stop_strings_finished([r for r in self._resumable if r.request_id in gone])
             self._resumable = [r for r in self._resumable if r.request_id not in gone]
         if self.scheduler is None:
             return

@@ -314,3 +314,26 @@ async def test_unknown_stop_strings_fail_the_request_instead_of_being_ignored(
     [delta] = collector.deltas[f"gw-{request_id}"]
     assert delta.finish_reason == FinishReason.ERROR and delta.text == ""
     assert "stop strings" in delta.error and engine_id in delta.error
+
+
+async def test_an_answer_in_parts_is_asked_for_until_complete(detokenizer, nc, smollm_tokenizer):
+    """A scheduler answers as many requests as fit one message; the replica asks for the rest."""
+    asked = []
+
+    async def one_at_a_time(msg):
+        request_ids = STOP_STRINGS_QUERY.decode(msg.data).request_ids
+        asked.append(request_ids)
+        await msg.respond(STOP_STRINGS.encode(StopStrings([RequestStopStrings(request_ids[0], ["STOP"])])))
+
+    sub = await nc.subscribe(engine_stops_subject("e-parts"), cb=one_at_a_time)
+    await nc.flush()
+    collector = Collector()
+    await collector.subscribe(nc, ["gw-parts"])
+    out = smollm_tokenizer.encode("one STOP two", add_special_tokens=False)
+    requests = {f"part{i}": ("gw-parts", out, ["STOP"]) for i in range(3)}
+    batch = EngineOutputBatch(step_outputs(requests, len(out), len(out), carried=False), "e-parts")
+    await nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(batch))
+    await wait_for(lambda: len(collector.deltas["gw-parts"]) == 3)
+    await sub.unsubscribe()
+    assert asked == [["part0", "part1", "part2"], ["part1", "part2"], ["part2"]]
+    assert {(d.text, d.finish_reason) for d in collector.deltas["gw-parts"]} == {("one ", FinishReason.STOP)}

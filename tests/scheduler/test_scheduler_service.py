@@ -530,3 +530,19 @@ async def test_stop_strings_are_broadcast_once_and_answered_on_request(bus):
     resent = await asyncio.wait_for(outputs.get(), 5)
     assert resent.request_id == "s1" and resent.stop == stop and not resent.has_stop
     worker.task.cancel()
+
+
+async def test_a_query_is_answered_in_parts_that_fit_a_message(bus, monkeypatch):
+    import services.scheduler.service as scheduler_service
+
+    service, nc, _ = bus
+    worker = await ready_worker(service, nc, answering=False)
+    for req_id in ("q1", "q2", "q3"):
+        request = EngineRequest(req_id, list(range(100, 110)), SamplingParams(max_tokens=3, stop=["x" * 10]))
+        reply = await nc.request(ENGINE_REQUESTS, ENGINE_REQUEST.encode(request), timeout=5)
+        assert ENGINE_REQUEST_REPLY.decode(reply.data).error is None
+    monkeypatch.setattr(scheduler_service, "STOP_STRINGS_MESSAGE_CHARS", 25)
+    query = STOP_STRINGS_QUERY.encode(StopStringsQuery(["q1", "gone", "q2", "q3"]))
+    reply = await nc.request(engine_stops_subject(ENGINE), query, timeout=5)
+    assert [e.request_id for e in STOP_STRINGS.decode(reply.data).added] == ["q1", "q2"]
+    worker.task.cancel()
