@@ -12,14 +12,13 @@ run's text shows the stop string.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import nats
 import pytest
 
 from shared.protocol import PONG, ping_subject
-from tests.e2e.stacks import running_stack
+from tests.e2e.stacks import metric, running_stack, wait_until
 from services.launch.nats_server import free_port
 from services.launch.stack import StackConfig
 
@@ -46,21 +45,6 @@ def ping(stack, service: str) -> dict:
             await nc.close()
 
     return asyncio.run(ask())
-
-
-def metric(stack, name: str) -> float:
-    text = httpx.get(stack.base_url + "/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
 
 
 def chat(stack, **fields) -> dict:
