@@ -40,7 +40,6 @@ from shared.protocol import (
     STOP_STRINGS_QUERY,
     STREAM_DELTA_BATCH,
     AbortRequest,
-    EngineOutput,
     EngineOutputBatch,
     FinishReason,
     StopStringsQuery,
