@@ -11,10 +11,12 @@ from nats.errors import NoServersError
 from shared.bus_auth import ROLES, connect_credentials
 from services.launch.nats_server import NatsServer
 from shared.protocol import (
+    DETOKENIZE_STOPS,
     ENGINE_REQUESTS,
     TOKENIZE,
     engine_result_subject,
     engine_step_subject,
+    engine_stops_subject,
     gateway_stream_subject,
 )
 
@@ -116,3 +118,11 @@ def test_every_role_has_credentials(bus):
     assert len(set(bus.passwords.values())) == len(ROLES)
     assert connect_credentials({"NATS_USER": "worker", "NATS_PASSWORD": "p"}) == {"user": "worker", "password": "p"}
     assert connect_credentials({}) == {}
+
+
+async def test_only_the_scheduler_broadcasts_stop_strings_and_detokenizers_ask_for_them(bus):
+    assert await delivered(bus, "scheduler", DETOKENIZE_STOPS)
+    for role in ("gateway", "tokenizer", "detokenizer", "worker"):
+        assert not await delivered(bus, role, DETOKENIZE_STOPS), role
+    assert await delivered(bus, "detokenizer", engine_stops_subject("0"))
+    assert not await delivered(bus, "gateway", engine_stops_subject("0"))
