@@ -300,13 +300,18 @@ class SchedulerService(Service):
         so that no message nears the bus's payload limit."""
         added, self._stops_added = self._stops_added, []
         finished, self._stops_finished = self._stops_finished, []
-        while added or finished:
-            chunk, chars = [], 0
-            while added and (not chunk or chars + stop_strings_chars(added[0]) <= STOP_STRINGS_MESSAGE_CHARS):
-                chars += stop_strings_chars(added[0])
-                chunk.append(added.pop(0))
-            message = StopStrings(chunk, finished)
-            finished = []
+        if not added and not finished:
+            return
+        chunks: list[list[RequestStopStrings]] = [[]]
+        chars = 0
+        for entry in added:
+            if chunks[-1] and chars + stop_strings_chars(entry) > STOP_STRINGS_MESSAGE_CHARS:
+                chunks.append([])
+                chars = 0
+            chunks[-1].append(entry)
+            chars += stop_strings_chars(entry)
+        for i, chunk in enumerate(chunks):
+            message = StopStrings(chunk, finished if i == 0 else [])
             try:
                 await self.nc.publish(DETOKENIZE_STOPS, STOP_STRINGS.encode(message))
             except Exception as e:  # the detokenizers ask for what they miss

@@ -546,3 +546,24 @@ async def test_a_query_is_answered_in_parts_that_fit_a_message(bus, monkeypatch)
     reply = await nc.request(engine_stops_subject(ENGINE), query, timeout=5)
     assert [e.request_id for e in STOP_STRINGS.decode(reply.data).added] == ["q1", "q2"]
     worker.task.cancel()
+
+
+async def test_a_big_broadcast_is_sent_in_messages_that_fit(bus, monkeypatch):
+    import services.scheduler.service as scheduler_service
+
+    service, nc, _ = bus
+    sub = await nc.subscribe(DETOKENIZE_STOPS)
+    await nc.flush()
+    monkeypatch.setattr(scheduler_service, "STOP_STRINGS_MESSAGE_CHARS", 25)
+    service._stops_added = [RequestStopStrings(f"b{i}", ["x" * 10]) for i in range(5)]
+    service._stops_finished = ["old"]
+    await service._broadcast_stop_strings()
+    await service._broadcast_stop_strings()  # nothing new: nothing sent
+    messages = []
+    while True:
+        try:
+            messages.append(STOP_STRINGS.decode((await sub.next_msg(timeout=1)).data))
+        except nats.errors.TimeoutError:
+            break
+    assert [[e.request_id for e in m.added] for m in messages] == [["b0", "b1"], ["b2", "b3"], ["b4"]]
+    assert [m.finished for m in messages] == [["old"], [], []]
