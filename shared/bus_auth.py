@@ -93,7 +93,7 @@ ROLES: dict[str, Permissions] = {
             engine_ready_subject(ANY), ping_subject("worker"),
         ),
     ),
-    "admin": Permissions(publish=(">",), subscribe=(">",), makes_requests=True),
+    "admin": Permissions(publish=(">",), subscribe=(">",)),  # ">" holds its inbox too
 }
 
 

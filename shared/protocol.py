@@ -26,10 +26,11 @@ DETOKENIZE = f"{SUBJECT_PREFIX}.detokenize"
 ENGINE_REQUESTS = f"{SUBJECT_PREFIX}.engine.requests"
 # Aborts and resend requests travel per gateway (``engine_abort_subject``...): only a
 # gateway may publish on its own, and schedulers obey them only for its own requests.
-ENGINE_ABORT = f"{SUBJECT_PREFIX}.engine.abort"
+# Outside llm.engine.*: a gateway id must never make a subject like llm.engine.<id>.step.
+ENGINE_ABORT = f"{SUBJECT_PREFIX}.abort"
 ENGINE_STATS = f"{SUBJECT_PREFIX}.engine.stats"
 # Gateways ask for the outputs of a stream's gap again (a detokenizer died with them).
-ENGINE_RESEND = f"{SUBJECT_PREFIX}.engine.resend"
+ENGINE_RESEND = f"{SUBJECT_PREFIX}.resend"
 PING = f"{SUBJECT_PREFIX}.ping"
 # The launcher publishes how often it restarted each service (gateways show it in /metrics).
 SERVICE_RESTARTS = f"{SUBJECT_PREFIX}.launcher.restarts"

@@ -7,7 +7,7 @@ service turns each ``EngineOutput`` into a ``StreamDelta`` with
 ``incremental.IncrementalDetokenizer``, groups them by gateway and publishes one
 ``StreamDeltaBatch`` per gateway on ``llm.stream.<gateway_id>``. A stop string that
 ends a request also goes to every scheduler as an ``AbortRequest`` on its gateway's
-abort subject (``llm.engine.abort.<gateway_id>``), so its blocks are freed at once.
+abort subject (``llm.abort.<gateway_id>``), so its blocks are freed at once.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ its NATS user's (``gateway-<id>``, shared/bus_auth.py), the only stream subject 
 user may read. For each engine request it registers a ``RequestStream`` under the
 request id, then asks a tokenizer on ``llm.tokenize`` (request/reply). Deltas for ids
 it does not hold (finished, aborted) are dropped. Requests that end early are aborted
-on ``llm.engine.abort.<gateway_id>``, lost outputs asked for again on
-``llm.engine.resend.<gateway_id>``. ``EngineStats`` from ``llm.engine.stats`` feed
+on ``llm.abort.<gateway_id>``, lost outputs asked for again on
+``llm.resend.<gateway_id>``. ``EngineStats`` from ``llm.engine.stats`` feed
 /metrics.
 """
 

@@ -1,12 +1,12 @@
 """The scheduler service: the engine core's scheduler on the bus.
 
 It takes tokenized requests (queue group: scheduler replicas share intake) and
-aborts (every replica hears them; one on ``llm.engine.abort.<gateway_id>`` ends only
-that gateway's requests, as one on ``llm.engine.resend.<gateway_id>`` resends only
-theirs), runs the step loop — schedule, publish the step diff to every worker rank,
-await rank 0's sampled tokens, update — and publishes each step's new tokens to the
-detokenizers. With async scheduling (the
-default) step N+1 is scheduled and published before step N's result is awaited.
+aborts (every replica hears them; one on ``llm.abort.<gateway_id>`` ends only that
+gateway's requests, as one on ``llm.resend.<gateway_id>`` resends only theirs), runs
+the step loop — schedule, publish the step diff to every worker rank, await rank 0's
+sampled tokens, update — and publishes each step's new tokens to the detokenizers.
+With async scheduling (the default) step N+1 is scheduled and published before step
+N's result is awaited.
 While steps run, the event loop keeps taking requests and aborts; they join the next
 step scheduled.
 
