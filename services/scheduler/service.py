@@ -6,9 +6,8 @@ gateway's requests, as one on ``llm.resend.<gateway_id>`` resends only theirs), 
 the step loop — schedule, publish the step diff to every worker rank, await rank 0's
 sampled tokens, update — and publishes each step's new tokens to the detokenizers.
 With async scheduling (the default) step N+1 is scheduled and published before step
-N's result is awaited.
-While steps run, the event loop keeps taking requests and aborts; they join the next
-step scheduled.
+N's result is awaited. While steps run, the event loop keeps taking requests and
+aborts; they join the next step scheduled.
 
 The engine accepts requests only once every worker rank has announced itself
 (membership and heartbeats: ``workers.py``). A step that gets no answer within
