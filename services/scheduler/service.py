@@ -1,14 +1,15 @@
 """The scheduler service: the engine core's scheduler on the bus.
 
 It takes tokenized requests (queue group: scheduler replicas share intake) and
-aborts (every replica hears them), runs the step loop — schedule, publish the
-step diff to every worker rank, await rank 0's sampled tokens, update — and
-publishes each step's new tokens to the detokenizers. With async scheduling (the
-default) step N+1 is scheduled and published before step N's result is awaited.
-A request's stop strings go to every detokenizer replica once, batched per step on
-``llm.detokenize.stops`` before the step that may start it, and the ids of requests
-with stop strings that ended follow; a replica that missed them asks on
-``llm.engine.<id>.stops``. Step outputs only flag that a request has some.
+aborts (every replica hears them; one on ``llm.abort.<gateway_id>`` ends only that
+gateway's requests, as one on ``llm.resend.<gateway_id>`` resends only theirs), runs
+the step loop — schedule, publish the step diff to every worker rank, await rank 0's
+sampled tokens, update — and publishes each step's new tokens to the detokenizers.
+With async scheduling (the default) step N+1 is scheduled and published before step
+N's result is awaited. A request's stop strings go to every detokenizer replica once,
+batched per step on ``llm.detokenize.stops`` before the step that may start it, and
+the ids of requests with stop strings that ended follow; a replica that missed them
+asks on ``llm.engine.<id>.stops``. Step outputs only flag that a request has some.
 While steps run, the event loop keeps taking requests and aborts; they join the next
 step scheduled.
 
@@ -45,12 +46,10 @@ from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
     DETOKENIZE_STOPS,
-    ENGINE_ABORT,
     ENGINE_OUTPUT_BATCH,
     ENGINE_REQUEST,
     ENGINE_REQUEST_REPLY,
     ENGINE_REQUESTS,
-    ENGINE_RESEND,
     ENGINE_STATS,
     ENGINE_STATS_MSG,
     MODEL_RUNNER_OUTPUT,
@@ -70,13 +69,16 @@ from shared.protocol import (
     SchedulerOutput,
     StopStrings,
     WorkerRetire,
+    engine_abort_subject,
     engine_hello_subject,
     engine_profile_subject,
     engine_ready_subject,
+    engine_resend_subject,
     engine_result_subject,
     engine_retire_subject,
     engine_step_subject,
     engine_stops_subject,
+    subject_gateway_id,
 )
 
 from shared.step_profile import NULL_CLOCK, NullClock, PhaseClock, StepProfile
@@ -140,7 +142,7 @@ class SchedulerService(Service):
         self.max_waiting_requests = service_config.max_waiting_requests
         self.scheduler: Scheduler | None = None
         self.workers = WorkerGroup(self.world_size, self.cache_config.block_size, self.worker_timeout)
-        self._early_aborts: dict[str, float] = {}
+        self._early_aborts: dict[tuple[str, str], float] = {}  # (gateway id, request id) -> when
         self._work = asyncio.Event()
         # Steps sent and not answered yet, by step id (two at most with async scheduling).
         self._pending_steps: dict[int, asyncio.Future] = {}
@@ -175,8 +177,8 @@ class SchedulerService(Service):
         await self.subscribe(engine_ready_subject(self.engine_id), self._on_worker_ready)
         await self.subscribe(engine_result_subject(self.engine_id), self._on_result)
         await self.subscribe(ENGINE_REQUESTS, self._on_request, queue="scheduler")
-        await self.subscribe(ENGINE_ABORT, self._on_abort)
-        await self.subscribe(ENGINE_RESEND, self._on_resend)
+        await self.subscribe(engine_abort_subject("*"), self._on_abort)
+        await self.subscribe(engine_resend_subject("*"), self._on_resend)
         await self.subscribe(engine_stops_subject(self.engine_id), self._on_stops_query)
         if self.profile is not None:
             await self.subscribe(engine_profile_subject(self.engine_id), self._on_profile)
@@ -356,7 +358,7 @@ class SchedulerService(Service):
                 f"engine {self.engine_id} has {self.max_waiting_requests} requests waiting; try again later",
                 type="rate_limit_error", code="too_many_requests", status=429,
             )
-        elif self._early_aborts.pop(request.request_id, None) is not None:
+        elif self._early_aborts.pop((request.gateway_id, request.request_id), None) is not None:
             error = ErrorInfo("the request was aborted before it arrived", type="request_aborted", status=499)
         else:
             try:
@@ -371,30 +373,43 @@ class SchedulerService(Service):
         await msg.respond(ENGINE_REQUEST_REPLY.encode(reply))
 
     async def _on_abort(self, msg: Msg) -> None:
+        # The subject names the gateway (only it, and detokenizers, may publish there):
+        # ids of another gateway's requests are ignored.
+        gateway_id = subject_gateway_id(msg.subject)
         request_ids = ABORT_REQUEST.decode(msg.data).request_ids
         if self._resumable:
             gone = set(request_ids)
-            self._stop_strings_finished([r for r in self._resumable if r.request_id in gone])
-            self._resumable = [r for r in self._resumable if r.request_id not in gone]
+            self._stop_strings_finished([r for r in self._resumable
+                                         if r.request_id in gone and r.gateway_id == gateway_id])
+            self._resumable = [r for r in self._resumable if r.request_id not in gone or r.gateway_id != gateway_id]
         if self.scheduler is None:
             return
-        aborted = self.scheduler.abort_requests(request_ids)
+        known = {req_id: self.scheduler.requests.get(req_id) for req_id in request_ids}
+        owned = [req_id for req_id, request in known.items() if request is not None and request.gateway_id == gateway_id]
+        if len(owned) < sum(r is not None for r in known.values()):
+            logger.warning("engine %s: abort from gateway %s for another gateway's request ignored",
+                           self.engine_id, gateway_id)
+        aborted = self.scheduler.abort_requests(owned)
         self._stop_strings_finished(aborted)
         if aborted:
             self._work.set()  # the workers must drop their state
         # A client that leaves while its request is being tokenized can make the abort
         # overtake the request: remember unknown ids for a while and refuse them.
         now = time.monotonic()
-        known = {r.request_id for r in aborted}
-        for req_id in request_ids:
-            if req_id not in known:
-                self._early_aborts[req_id] = now
+        for req_id, request in known.items():
+            if request is None:
+                self._early_aborts[(gateway_id, req_id)] = now
         self._early_aborts = {k: t for k, t in self._early_aborts.items() if now - t < EARLY_ABORT_TTL}
 
     async def _on_resend(self, msg: Msg) -> None:
+        gateway_id = subject_gateway_id(msg.subject)
         resend = RESEND_OUTPUTS.decode(msg.data)
         output = None if self.scheduler is None else self.scheduler.resend_output(resend.request_id,
                                                                                     resend.token_offset)
+        if output is not None and output.gateway_id != gateway_id:
+            logger.warning("engine %s: resend of %s asked by gateway %s, not its own, ignored", self.engine_id,
+                           resend.request_id, gateway_id)
+            return
         if output is not None:
             logger.info("engine %s: %s: outputs from token %d sent again", self.engine_id, resend.request_id,
                         resend.token_offset)
