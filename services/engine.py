@@ -85,12 +85,13 @@ class Engine:
         """The request as the tokenizer service would hand it to a scheduler."""
         prompt_field = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
         request = TokenizeRequest(
-            request_id=request_id or f"{self._id_prefix}-{next(self._ids)}",
+            request_ids=[request_id or f"{self._id_prefix}-{next(self._ids)}"],
             gateway_id="",
             sampling_params=sampling_params,
             **prompt_field,
         )
-        return self.preparer.prepare(request, self.tokenizer if isinstance(prompt, str) else None)
+        [engine_request] = self.preparer.prepare(request, self.tokenizer if isinstance(prompt, str) else None)
+        return engine_request
 
     def _schedule(self, request: EngineRequest) -> None:
         self.scheduler.add_request(Request.from_engine_request(request, self.cache_config.block_size))

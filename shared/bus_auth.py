@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from shared.config import ConfigError
 from shared.protocol import (
     DETOKENIZE,
+    DETOKENIZE_STOPS,
     ENGINE_REQUESTS,
     ENGINE_STATS,
     PING,
@@ -46,6 +47,7 @@ from shared.protocol import (
     engine_result_subject,
     engine_retire_subject,
     engine_step_subject,
+    engine_stops_subject,
     gateway_stream_subject,
     ping_subject,
 )
@@ -71,19 +73,21 @@ ROLES: dict[str, Permissions] = {
         makes_requests=True,
     ),
     "detokenizer": Permissions(
-        # A stop string ends a request: aborted on its gateway's abort subject.
-        publish=(gateway_stream_subject(ANY), engine_abort_subject(ANY)),
-        subscribe=(DETOKENIZE, ping_subject("detokenizer")),
+        # A stop string ends a request: aborted on its gateway's abort subject. Stop
+        # strings come by broadcast; those missed are asked of their scheduler.
+        publish=(gateway_stream_subject(ANY), engine_abort_subject(ANY), engine_stops_subject(ANY)),
+        subscribe=(DETOKENIZE, ping_subject("detokenizer"), DETOKENIZE_STOPS),
+        makes_requests=True,
     ),
     "scheduler": Permissions(
         publish=(
             engine_step_subject(ANY), engine_hello_subject(ANY), engine_retire_subject(ANY),
-            DETOKENIZE, ENGINE_STATS,
+            DETOKENIZE, ENGINE_STATS, DETOKENIZE_STOPS,
         ),
         subscribe=(
             engine_ready_subject(ANY), engine_result_subject(ANY), ENGINE_REQUESTS,
             engine_abort_subject(ANY), engine_resend_subject(ANY), engine_profile_subject(ANY),
-            ping_subject("scheduler"),
+            ping_subject("scheduler"), engine_stops_subject(ANY),
         ),
     ),
     "worker": Permissions(

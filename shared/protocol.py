@@ -5,6 +5,7 @@ The request's way (see docs/ARCHITECTURE.md):
     gateway -> tokenizer -> scheduler ==SchedulerOutput==> workers
                                       <==ModelRunnerOutput== (rank 0)
     scheduler -> detokenizer -> gateway (EngineOutput / TextDelta)
+    scheduler -> every detokenizer (StopStrings, once per request)
 
 Hot per-step messages are ``array_like`` Structs of ints and lists of ints, encoded
 with msgpack; one Encoder/Decoder per type, made once. No tensors, no pickles.
@@ -23,6 +24,8 @@ import msgspec
 SUBJECT_PREFIX = "llm"
 TOKENIZE = f"{SUBJECT_PREFIX}.tokenize"
 DETOKENIZE = f"{SUBJECT_PREFIX}.detokenize"
+# Schedulers broadcast their requests' stop strings to every detokenizer replica (no queue group).
+DETOKENIZE_STOPS = f"{DETOKENIZE}.stops"
 ENGINE_REQUESTS = f"{SUBJECT_PREFIX}.engine.requests"
 # Aborts and resend requests travel per gateway (``engine_abort_subject``...): only a
 # gateway may publish on its own, and schedulers obey them only for its own requests.
@@ -49,6 +52,11 @@ def engine_step_subject(engine_id: str) -> str:
 def engine_result_subject(engine_id: str) -> str:
     """Rank 0 answers each step here; workers also report readiness here."""
     return f"{SUBJECT_PREFIX}.engine.{engine_id}.result"
+
+
+def engine_stops_subject(engine_id: str) -> str:
+    """A detokenizer asks the engine's scheduler for stop strings it missed (request/reply)."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.stops"
 
 
 def engine_profile_subject(engine_id: str) -> str:
@@ -121,6 +129,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    def for_choice(self, i: int) -> "SamplingParams":
+        """The settings of sample ``i`` of a prompt's ``n`` (vLLM's rule): a given seed
+        becomes ``seed + i``, so the samples differ from each other yet repeat from call
+        to call."""
+        if self.seed is None or i == 0:
+            return self
+        return msgspec.structs.replace(self, seed=self.seed + i)
 
 
 class EngineRequest(msgspec.Struct, omit_defaults=True):
@@ -248,6 +264,12 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     Carries the request's recent token window (``window_token_ids`` ends with the
     new tokens; ``window_offset`` is the index of its first token in the output)
     so that any stateless detokenizer replica can produce the next text delta.
+
+    A request's stop strings do not travel with its step outputs: ``has_stop`` says it
+    has some that the output does not carry, and the detokenizers know them from the
+    scheduler's broadcast (``StopStrings`` on ``llm.detokenize.stops``) or ask for them
+    (``engine_stops_subject``). ``stop`` carries them only in outputs sent again
+    (``ResendOutputs``): those must not depend on a replica's cache.
     """
 
     request_id: str
@@ -261,6 +283,7 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     stop: list[str] = []
     num_cached_tokens: int = 0
     error: str = ""
+    has_stop: bool = False
 
 
 # --------------------------------------------------------------------------- service messages
@@ -276,12 +299,27 @@ class ErrorInfo(msgspec.Struct, omit_defaults=True):
     status: int = 400
 
 
-class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """gateway -> tokenizer (request/reply). Exactly one of messages / prompt /
-    prompt_token_ids is set. The tokenizer validates, tokenizes and forwards an
-    ``EngineRequest`` to a scheduler, then replies with a ``TokenizeReply``."""
+class EngineRequestReply(msgspec.Struct, omit_defaults=True):
+    """scheduler -> tokenizer: the request was queued, or why not."""
 
     request_id: str
+    error: ErrorInfo | None = None
+    engine_id: str = ""
+    # Random per scheduler process: a restarted scheduler has a new one (EngineStats too).
+    incarnation: str = ""
+
+
+class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """gateway -> tokenizer (request/reply): one prompt and its ``n`` samples.
+
+    Exactly one of messages / prompt / prompt_token_ids is set. The tokenizer
+    validates, renders and tokenizes the prompt once, then forwards one
+    ``EngineRequest`` per sample to a scheduler: ``request_ids[i]`` with
+    ``sampling_params.for_choice(i)`` (seed + i). It replies with a ``TokenizeReply``.
+    Sending it again (a retry after a timeout) is harmless: a scheduler takes a known
+    request id as queued."""
+
+    request_ids: list[str]
     gateway_id: str
     model: str = ""
     messages: list[dict] | None = None  # [{"role": ..., "content": str}]
@@ -293,29 +331,44 @@ class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 class TokenizeReply(msgspec.Struct, omit_defaults=True):
-    request_id: str
+    """tokenizer -> gateway. ``error``: the prompt was refused and no sample reached a
+    scheduler. Otherwise ``choices[i]`` is the scheduler's answer for ``request_ids[i]``:
+    queued (by the engine and scheduler incarnation named, which the gateway watches to
+    fail the request at once when that engine restarts or goes silent) or refused."""
+
     num_prompt_tokens: int = 0
     error: ErrorInfo | None = None
-    # The engine that queued the request, as in its EngineRequestReply: the gateway
-    # fails the request at once when that engine restarts or goes silent.
-    engine_id: str = ""
-    incarnation: str = ""
-
-
-class EngineRequestReply(msgspec.Struct, omit_defaults=True):
-    """scheduler -> tokenizer: the request was queued, or why not."""
-
-    request_id: str
-    error: ErrorInfo | None = None
-    engine_id: str = ""
-    # Random per scheduler process: a restarted scheduler has a new one (EngineStats too).
-    incarnation: str = ""
+    choices: list[EngineRequestReply] = []
 
 
 class EngineOutputBatch(msgspec.Struct, array_like=True, gc=False):
     """scheduler -> detokenizer: every request's new tokens of one step."""
 
     outputs: list[EngineOutput]
+    # The engine whose scheduler made them: the one to ask for missing stop strings.
+    engine_id: str = ""
+
+
+class RequestStopStrings(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    stop: list[str]
+
+
+class StopStrings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """scheduler -> every detokenizer replica (``llm.detokenize.stops``, no queue group),
+    at most one per step: the stop strings of the requests it accepted since the last
+    one, and the requests that ended (their entries can go). Also the answer to a
+    ``StopStringsQuery`` (``added`` only: the ids it knows). Idempotent."""
+
+    added: list[RequestStopStrings] = []
+    finished: list[str] = []
+
+
+class StopStringsQuery(msgspec.Struct, array_like=True, gc=False):
+    """detokenizer -> the scheduler of ``EngineOutputBatch.engine_id`` (request/reply):
+    the stop strings of these requests, which its cache lacks."""
+
+    request_ids: list[str]
 
 
 class TopLogprob(msgspec.Struct, array_like=True, gc=False):
@@ -434,6 +487,8 @@ TOKENIZE_REQUEST = Codec(TokenizeRequest)
 TOKENIZE_REPLY = Codec(TokenizeReply)
 ENGINE_REQUEST_REPLY = Codec(EngineRequestReply)
 ENGINE_OUTPUT_BATCH = Codec(EngineOutputBatch)
+STOP_STRINGS = Codec(StopStrings)
+STOP_STRINGS_QUERY = Codec(StopStringsQuery)
 STREAM_DELTA_BATCH = Codec(StreamDeltaBatch)
 ENGINE_STATS_MSG = Codec(EngineStats)
 WORKER_READY = Codec(WorkerReady)

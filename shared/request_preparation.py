@@ -1,10 +1,11 @@
-"""Request preparation: a ``TokenizeRequest`` checked and tokenized into an ``EngineRequest``.
+"""Request preparation: a ``TokenizeRequest`` checked and tokenized into its ``EngineRequest``s.
 
 The one way in to a scheduler, for the tokenizer service (requests from the bus)
 and the in-process ``Engine`` alike: sampling settings and prompt checked
 (``request_validation``), chat messages rendered with the model's template, the
 prompt tokenized, ``max_tokens`` resolved against the context, and every
-end-of-sequence id of the model made to stop the request.
+end-of-sequence id of the model made to stop the request. A prompt with ``n``
+samples is prepared once; its samples differ only in request id and seed.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ class RequestPreparer:
     eos_token_ids: tuple[int, ...] = ()
     special_tokens_in_content: bool = False
 
-    def prepare(self, request: TokenizeRequest, tokenizer=None) -> EngineRequest:
-        """Check and tokenize ``request``; raises ``InvalidRequest``. CPU work: the
-        tokenizer service runs it in a thread. ``tokenizer`` may be None for a request
-        with ``prompt_token_ids``."""
+    def prepare(self, request: TokenizeRequest, tokenizer=None) -> list[EngineRequest]:
+        """Check and tokenize ``request``'s prompt once; one ``EngineRequest`` per sample
+        (``request_ids[i]``, seed + i). Raises ``InvalidRequest``. CPU work: the tokenizer
+        service runs it in a thread. ``tokenizer`` may be None for a request with
+        ``prompt_token_ids``."""
         params = validate_sampling_params(request.sampling_params, self.vocab_size)
         validate_request_shape(request, self.vocab_size)
         if request.messages is not None:
@@ -55,16 +57,21 @@ class RequestPreparer:
         else:
             prompt_param = "prompt_token_ids"
             prompt_token_ids = list(request.prompt_token_ids)
-        params = resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len, prompt_param)
-        return EngineRequest(
-            request_id=request.request_id,
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=self.stop_at_every_eos(params),
-            arrival_time=time.time(),
-            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-            gateway_id=request.gateway_id,
-            cache_salt=request.cache_salt,
-        )
+        params = self.stop_at_every_eos(resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len,
+                                                           prompt_param))
+        arrival_time = time.time()
+        return [
+            EngineRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=params.for_choice(i),
+                arrival_time=arrival_time,
+                eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+                gateway_id=request.gateway_id,
+                cache_salt=request.cache_salt,
+            )
+            for i, request_id in enumerate(request.request_ids)
+        ]
 
     def stop_at_every_eos(self, params: SamplingParams) -> SamplingParams:
         """``params`` with the EOS ids after the first added to its stop token ids."""

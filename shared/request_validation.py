@@ -16,6 +16,7 @@ from shared.protocol import ErrorInfo, SamplingParams, TokenizeRequest
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class InvalidRequest(ValueError):
@@ -122,7 +123,13 @@ def _message_content(content, i: int) -> str:
 
 
 def validate_request_shape(request: TokenizeRequest, vocab_size: int) -> None:
-    """Exactly one prompt form; token ids inside the vocabulary."""
+    """At least one sample, each seed a signed 64-bit integer; exactly one prompt form;
+    token ids inside the vocabulary."""
+    if not request.request_ids:
+        raise InvalidRequest("a request needs at least one sample (request id)", param="n")
+    seed = request.sampling_params.seed
+    if seed is not None and not INT64_MIN <= seed <= seed + len(request.request_ids) - 1 <= INT64_MAX:
+        raise InvalidRequest(f"seed + n - 1 must fit in a signed 64-bit integer, got seed={seed}", param="seed")
     given = [name for name in ("messages", "prompt", "prompt_token_ids") if getattr(request, name) is not None]
     if len(given) != 1:
         raise InvalidRequest(

@@ -18,7 +18,7 @@ def build_service(config: DetokenizerConfig, nats_url: str):
 
     from .service import DetokenizerService
 
-    return DetokenizerService(load_tokenizer(config.model or default_model_path()), nats_url=nats_url)
+    return DetokenizerService(load_tokenizer(config.model or default_model_path()), config, nats_url=nats_url)
 
 
 def main() -> None:

@@ -79,14 +79,15 @@ class IncrementalDetokenizer:
     def decode_window(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def process(self, output: EngineOutput) -> DetokenizedOutput:
-        """The text delta of ``output``'s new tokens (see the module docstring)."""
+    def process(self, output: EngineOutput, stop: list[str] | None = None) -> DetokenizedOutput:
+        """The text delta of ``output``'s new tokens (see the module docstring); ``stop``:
+        the request's stop strings (None: those ``output`` carries)."""
         window = output.window_token_ids
         num_new = len(output.new_token_ids)
         num_prev = len(window) - num_new
         if num_prev < 0:
             raise ValueError(f"window of {len(window)} tokens does not hold the {num_new} new ones")
-        stop = [s for s in output.stop if s]
+        stop = [s for s in (output.stop if stop is None else stop) if s]
         holdback = holdback_chars(stop)
         if num_new == 0:
             # An error report without tokens: nothing to decode.

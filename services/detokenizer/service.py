@@ -8,32 +8,50 @@ service turns each ``EngineOutput`` into a ``StreamDelta`` with
 ``StreamDeltaBatch`` per gateway on ``llm.stream.<gateway_id>``. A stop string that
 ends a request also goes to every scheduler as an ``AbortRequest`` on its gateway's
 abort subject (``llm.abort.<gateway_id>``), so its blocks are freed at once.
+
+Stop strings do not come with each step: every replica hears each scheduler's
+broadcast of them on ``llm.detokenize.stops`` (no queue group) and keeps them in a
+bounded cache (``stop_strings.py``). An output flagged ``has_stop`` whose request is
+not in the cache (the replica started later, the broadcast was lost, or the entry was
+evicted) is looked up at the scheduler that made it (``llm.engine.<id>.stops``, one
+query per batch, with a deadline); if none answers, that request's delta is an error
+and the request is aborted: its text is never sent with its stop strings ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 
+import msgspec
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 
 from shared.bus import Service
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
+    DETOKENIZE_STOPS,
     ENGINE_OUTPUT_BATCH,
+    STOP_STRINGS,
+    STOP_STRINGS_QUERY,
     STREAM_DELTA_BATCH,
     AbortRequest,
     EngineOutputBatch,
     FinishReason,
+    StopStringsQuery,
     StreamDelta,
     StreamDeltaBatch,
     engine_abort_subject,
+    engine_stops_subject,
     gateway_stream_subject,
 )
 
+from .config import DetokenizerConfig
 from .incremental import IncrementalDetokenizer
+from .stop_strings import StopStringsCache
 
 logger = logging.getLogger(__name__)
 
@@ -44,26 +62,40 @@ THREAD_MIN_TOKENS = 2048
 class DetokenizerService(Service):
     name = "detokenizer"
 
-    def __init__(self, tokenizer, nats_url: str | None = None) -> None:
+    def __init__(self, tokenizer, config: DetokenizerConfig = DetokenizerConfig(),
+                 nats_url: str | None = None) -> None:
         super().__init__(nats_url)
         self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stop_strings = StopStringsCache(config.stop_strings_cache_chars)
+        self.stop_strings_timeout = config.stop_strings_timeout
         self.num_outputs = 0
         self.num_stop_aborts = 0
+        self.num_stop_queries = 0
 
     def info(self) -> dict:
-        return {"num_outputs": self.num_outputs, "num_stop_aborts": self.num_stop_aborts}
+        return {"num_outputs": self.num_outputs, "num_stop_aborts": self.num_stop_aborts,
+                "num_stop_queries": self.num_stop_queries, "stop_strings_cached": len(self.stop_strings)}
 
     async def setup(self) -> None:
+        await self.subscribe(DETOKENIZE_STOPS, self._on_stop_strings)
         await self.subscribe(DETOKENIZE, self._on_batch, queue="detokenizer")
+
+    async def _on_stop_strings(self, msg: Msg) -> None:
+        update = STOP_STRINGS.decode(msg.data)
+        for entry in update.added:
+            self.stop_strings.put(entry.request_id, entry.stop)
+        for request_id in update.finished:
+            self.stop_strings.forget(request_id)
 
     async def _on_batch(self, msg: Msg) -> None:
         # Awaited in the handler, not spawned: one replica publishes a request's deltas
         # in step order (the gateway re-orders by offset anyway).
         batch = ENGINE_OUTPUT_BATCH.decode(msg.data)
+        stops, missing = await self._stop_strings_of(batch)
         if sum(len(o.window_token_ids) for o in batch.outputs) > THREAD_MIN_TOKENS:
-            deltas, aborts = await asyncio.to_thread(self.detokenize, batch)
+            deltas, aborts = await asyncio.to_thread(self.detokenize, batch, stops, missing)
         else:
-            deltas, aborts = self.detokenize(batch)
+            deltas, aborts = self.detokenize(batch, stops, missing)
         for gateway_id, request_ids in aborts.items():
             # On the owner's subject: schedulers obey an abort only for that gateway's requests.
             self.num_stop_aborts += len(request_ids)
@@ -73,14 +105,58 @@ class DetokenizerService(Service):
                 gateway_stream_subject(gateway_id), STREAM_DELTA_BATCH.encode(StreamDeltaBatch(gateway_deltas))
             )
 
-    def detokenize(self, batch: EngineOutputBatch) -> tuple[dict[str, list[StreamDelta]], dict[str, list[str]]]:
-        """Deltas, and the requests a stop string ended (to abort), grouped by gateway."""
+    async def _stop_strings_of(self, batch: EngineOutputBatch) -> tuple[list[list[str] | None], str]:
+        """Each output's stop strings (None: unknown here), and why some are unknown.
+
+        Carried by the output, or cached; those the cache lacks are asked of the batch's
+        scheduler (within ``stop_strings_timeout``). On the event loop: the cache is
+        not shared with the decoding thread."""
+        stops = [o.stop if o.stop or not o.has_stop else self.stop_strings.get(o.request_id)
+                 for o in batch.outputs]
+        unknown = [o.request_id for o, stop in zip(batch.outputs, stops) if stop is None]
+        missing = ""
+        answered: dict[str, list[str]] = {}
+        deadline = time.monotonic() + self.stop_strings_timeout
+        while unknown:  # a scheduler answers as many as fit one message: ask for the rest
+            self.num_stop_queries += 1
+            query = STOP_STRINGS_QUERY.encode(StopStringsQuery(unknown))
+            try:
+                msg = await self.nc.request(engine_stops_subject(batch.engine_id), query,
+                                            timeout=max(0.01, deadline - time.monotonic()))
+                added = STOP_STRINGS.decode(msg.data).added
+            except (NatsError, asyncio.TimeoutError, msgspec.DecodeError) as e:
+                logger.warning("engine %s did not tell the stop strings of %s: %r", batch.engine_id, unknown, e)
+                missing = (f"the detokenizer could not get this request's stop strings from engine "
+                           f"{batch.engine_id!r} within {self.stop_strings_timeout:g}s")
+                break
+            for entry in added:
+                answered[entry.request_id] = entry.stop
+                self.stop_strings.put(entry.request_id, entry.stop)
+            if not added:
+                missing = f"engine {batch.engine_id!r} does not know this request's stop strings"
+                break
+            unknown = [r for r in unknown if r not in answered]
+        stops = [answered.get(o.request_id) if stop is None else stop for o, stop in zip(batch.outputs, stops)]
+        return stops, missing
+
+    def detokenize(self, batch: EngineOutputBatch, stops: list[list[str] | None],
+                   missing: str = "") -> tuple[dict[str, list[StreamDelta]], dict[str, list[str]]]:
+        """Deltas, and the requests a stop string ended (to abort), grouped by gateway.
+        ``stops[i]``: output i's stop strings; None (unknown, ``missing`` says why) makes
+        its delta an error and aborts the request."""
         deltas: dict[str, list[StreamDelta]] = defaultdict(list)
         aborts: dict[str, list[str]] = defaultdict(list)
-        for output in batch.outputs:
+        for output, stop in zip(batch.outputs, stops):
             self.num_outputs += 1
+            if stop is None:
+                # Never the text without its stop strings: the client would get text past them.
+                logger.error("%s: %s; failing it", output.request_id, missing)
+                deltas[output.gateway_id].append(self._error_delta(output, missing))
+                if output.finish_reason == FinishReason.NONE:
+                    aborts[output.gateway_id].append(output.request_id)
+                continue
             try:
-                result = self.detokenizer.process(output)
+                result = self.detokenizer.process(output, stop)
             except Exception as e:  # one bad output must not cost the other requests their step
                 logger.exception("%s: detokenizing failed", output.request_id)
                 deltas[output.gateway_id].append(self._error_delta(output, f"detokenizing failed: {e}"))

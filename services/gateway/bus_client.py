@@ -5,11 +5,11 @@ it sends any request, to its own subject ``llm.stream.<gateway_id>`` (no queue
 group: only this replica holds the HTTP streams). On an authenticated bus the id is
 its NATS user's (``gateway-<id>``, shared/bus_auth.py), the only stream subject that
 user may read. For each engine request it registers a ``RequestStream`` under the
-request id, then asks a tokenizer on ``llm.tokenize`` (request/reply). Deltas for ids
-it does not hold (finished, aborted) are dropped. Requests that end early are aborted
-on ``llm.abort.<gateway_id>``, lost outputs asked for again on
-``llm.resend.<gateway_id>``. ``EngineStats`` from ``llm.engine.stats`` feed
-/metrics.
+request id, then asks a tokenizer on ``llm.tokenize`` (request/reply), one request per
+prompt with its samples' ids. Deltas for ids it does not hold (finished, aborted) are
+dropped. Requests that end early are aborted on ``llm.abort.<gateway_id>``, lost
+outputs asked for again on ``llm.resend.<gateway_id>``. ``EngineStats`` from
+``llm.engine.stats`` feed /metrics.
 """
 
 from __future__ import annotations
@@ -162,19 +162,24 @@ class GatewayService(Service):
 
     # ------------------------------------------------------------------ outbound
 
-    async def tokenize(self, stream: RequestStream, request: TokenizeRequest) -> TokenizeReply:
-        """Register ``stream`` (outputs may beat the reply here), then ask a tokenizer.
+    async def tokenize(self, streams: list[RequestStream], request: TokenizeRequest) -> TokenizeReply:
+        """Register the prompt's ``streams`` (outputs may beat the reply here), then ask a
+        tokenizer; the streams whose samples were queued learn their engine.
 
-        Raises ``ApiError``: the tokenizer's refusal as is, 503 when none is
-        subscribed, 504 when none answers in time. The caller releases the stream.
+        Raises ``ApiError`` when the prompt reached no scheduler: the tokenizer's refusal
+        as is, 503 when none is subscribed; or when it may have (``maybe_submitted``): 504
+        when none answers in time. A sample the scheduler refused is in the reply's
+        ``choices``. The caller releases the streams.
         """
         if self.closing:
             raise shutting_down()
-        self.streams[stream.request_id] = stream
+        for stream in streams:
+            self.streams[stream.request_id] = stream
+        name = request.request_ids[0]
         try:
             msg = await self._ask_tokenizer(request)
         except NoRespondersError:
-            logger.warning("%s: no tokenizer is subscribed to %s", request.request_id, TOKENIZE)
+            logger.warning("%s: no tokenizer is subscribed to %s", name, TOKENIZE)
             raise no_tokenizer() from None
         except MaxPayloadError:
             raise ApiError(
@@ -183,16 +188,24 @@ class GatewayService(Service):
                 code="request_too_large",
             ) from None
         except (NatsTimeoutError, asyncio.TimeoutError):
-            logger.warning("%s: no tokenizer answer within %.1fs", request.request_id, self.config.tokenize_timeout)
+            logger.warning("%s: no tokenizer answer within %.1fs", name, self.config.tokenize_timeout)
             raise tokenizer_timeout(self.config.tokenize_timeout) from None
         except NatsError as e:
-            logger.warning("%s: tokenize request failed: %r", request.request_id, e)
+            logger.warning("%s: tokenize request failed: %r", name, e)
             raise bus_unavailable(repr(e)) from None
         reply = TOKENIZE_REPLY.decode(msg.data)
         if reply.error is not None:
             raise ApiError.from_info(reply.error)
-        stream.engine_id, stream.incarnation = reply.engine_id, reply.incarnation
-        stream.accepted_at = time.monotonic()
+        if [c.request_id for c in reply.choices] != request.request_ids:
+            error = ApiError(f"the tokenizer answered for {len(reply.choices)} of {len(streams)} samples",
+                             status=502, type="internal_error")
+            error.maybe_submitted = True
+            raise error
+        now = time.monotonic()
+        for stream, choice in zip(streams, reply.choices):
+            if choice.error is None:
+                stream.engine_id, stream.incarnation = choice.engine_id, choice.incarnation
+                stream.accepted_at = now
         return reply
 
     async def _ask_tokenizer(self, request: TokenizeRequest) -> Msg:
@@ -206,7 +219,7 @@ class GatewayService(Service):
             except (NatsTimeoutError, asyncio.TimeoutError):
                 if attempt + 1 == TOKENIZE_ATTEMPTS or self.closing:
                     raise
-                logger.warning("%s: no tokenizer answer within %.1fs; trying again", request.request_id,
+                logger.warning("%s: no tokenizer answer within %.1fs; trying again", request.request_ids[0],
                                self.config.tokenize_timeout)
 
     async def _ask_resend(self, stream: RequestStream, why: str) -> None:

@@ -2,9 +2,10 @@
 
 A request with ``P`` prompts and ``n`` samples becomes ``P * n`` engine requests,
 ``f"{request_id}-{p}-{i}"`` for choice ``p * n + i`` (a given seed becomes
-``seed + i``). ``start()`` tokenizes them all at once; if any is refused, the
-request fails with the first refusal (by choice index) and ``close()`` aborts the
-ones accepted. ``events()`` yields every choice's in-order deltas as they come,
+``seed + i``, ``SamplingParams.for_choice``). ``start()`` sends the ``P`` prompts at
+once, each as one ``TokenizeRequest`` carrying its ``n`` request ids (the tokenizer
+prepares each prompt once); if any sample is refused, the request fails with the
+first refusal (by choice index) and ``close()`` aborts the ones accepted. ``events()`` yields every choice's in-order deltas as they come,
 until all choices end, the request's deadline passes or, once tokens flow, none
 comes for ``stream_idle_timeout`` seconds, and records the
 gateway-side metrics. ``close()`` (always called) aborts in the engine whatever
@@ -50,32 +51,46 @@ class Generation:
 
     # ------------------------------------------------------------------ start
 
-    def tokenize_request(self, stream: RequestStream) -> TokenizeRequest:
+    def prompt_streams(self) -> list[list[RequestStream]]:
+        """The streams of each prompt, its samples in order."""
+        n = self.request.n
+        return [self.streams[p * n:(p + 1) * n] for p in range(len(self.request.prompts))]
+
+    def tokenize_request(self, prompt_index: int, streams: list[RequestStream]) -> TokenizeRequest:
+        """One prompt with its n samples (the tokenizer prepares it once)."""
         r = self.request
         return TokenizeRequest(
-            request_id=stream.request_id,
+            request_ids=[s.request_id for s in streams],
             gateway_id=self.gateway.gateway_id,
             model=r.model,
-            sampling_params=r.choice_params(stream.index % r.n),
+            sampling_params=r.sampling_params,
             add_generation_prompt=r.add_generation_prompt,
             cache_salt=r.cache_salt,
-            **r.prompts[stream.prompt_index],
+            **r.prompts[prompt_index],
         )
 
     async def start(self) -> None:
-        """Send every engine request; raises the first ``ApiError`` if any is refused."""
+        """Send every prompt with its samples; raises the first ``ApiError`` (by choice
+        index) if any sample is refused."""
+        groups = self.prompt_streams()
         results = await asyncio.gather(
-            *(self.gateway.tokenize(s, self.tokenize_request(s)) for s in self.streams), return_exceptions=True
+            *(self.gateway.tokenize(streams, self.tokenize_request(p, streams)) for p, streams in enumerate(groups)),
+            return_exceptions=True,
         )
         errors = []
-        for stream, result in zip(self.streams, results):
+        for p, (streams, result) in enumerate(zip(groups, results)):
             if isinstance(result, BaseException):
                 errors.append(result)
                 if isinstance(result, ApiError) and not result.maybe_submitted:
-                    self._refused.add(stream.request_id)
+                    self._refused.update(s.request_id for s in streams)
                 continue
-            self.gateway.metrics.prompt_tokens.inc(result.num_prompt_tokens)
-            self.prompt_tokens[stream.prompt_index] = result.num_prompt_tokens
+            self.prompt_tokens[p] = result.num_prompt_tokens
+            for stream, choice in zip(streams, result.choices):
+                if choice.error is None:
+                    self.gateway.metrics.prompt_tokens.inc(result.num_prompt_tokens)
+                else:
+                    errors.append(ApiError.from_info(choice.error))
+                    self._refused.add(stream.request_id)
         for error in errors:
             if not isinstance(error, ApiError):
                 raise error

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
-
 from shared.protocol import SamplingParams
 
 from .errors import ApiError, invalid
 
 MAX_N = 128
-# Stop strings travel with every step's outputs and are matched against every delta:
-# bounded, so that no request can make a step message or a detokenizer's work explode.
+# Stop strings size every step output's token window, fill the detokenizers' caches and
+# are matched against every delta: bounded, so that no request can make a step message
+# or a detokenizer's work explode.
 MAX_STOP_STRINGS = 64
 MAX_NON_STREAMED_ENTRIES = 1 << 18
 MAX_STOP_STRING_CHARS = 1024
@@ -68,14 +67,6 @@ class GenerationRequest:
                     f"(prompts x n x max_tokens x (1 + top logprobs) = {entries}); stream it, or ask for less",
                     param="max_tokens",
                 )
-
-    def choice_params(self, i: int) -> SamplingParams:
-        """Sample ``i``'s settings: a given seed becomes seed + i, so the n samples differ
-        from each other yet repeat from call to call."""
-        params = self.sampling_params
-        if params.seed is None or i == 0:
-            return params
-        return msgspec.structs.replace(params, seed=params.seed + i)
 
 
 class Fields:

@@ -362,8 +362,8 @@ class Scheduler:
         request.finish_reason = reason
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
-        self._recently_finished[request.request_id] = FinishedOutput(self._engine_output(request, [], []),
-                                                                     request.output_token_ids)
+        end = self._engine_output(request, [], [], carry_stop=True)
+        self._recently_finished[request.request_id] = FinishedOutput(end, request.output_token_ids)
         if len(self._recently_finished) > RECENTLY_FINISHED:
             self._recently_finished.popitem(last=False)
         if request.request_id in self._sent_to_workers:
@@ -380,16 +380,28 @@ class Scheduler:
         if request is not None:
             if not 0 <= token_offset < request.num_output_tokens:
                 return None
-            return self._engine_output(request, request.output_token_ids[token_offset:], [])
+            return self._engine_output(request, request.output_token_ids[token_offset:], [], carry_stop=True)
         finished = self._recently_finished.get(request_id)
         if finished is None or not 0 <= token_offset <= len(finished.output_token_ids):
             return None
         return finished.output_from(token_offset)
 
-    def _engine_output(self, request: Request, new_token_ids, logprobs) -> EngineOutput:
+    def stop_strings(self, request_id: str) -> list[str] | None:
+        """The stop strings of a request running or finished lately, for a detokenizer
+        that missed their broadcast; None if unknown here."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            return request.sampling_params.stop
+        finished = self._recently_finished.get(request_id)
+        return None if finished is None else finished.end.stop
+
+    def _engine_output(self, request: Request, new_token_ids, logprobs, carry_stop: bool = False) -> EngineOutput:
+        """``carry_stop``: the output carries the stop strings itself (resent outputs);
+        else it only says the request has some (the detokenizers hold them)."""
         # The tokens before the new ones that a stateless detokenizer needs to finish
         # UTF-8 characters and stop strings that span tokens.
-        window = window_tokens(request.sampling_params.stop)
+        stop = request.sampling_params.stop
+        window = window_tokens(stop)
         start = max(0, request.num_output_tokens - len(new_token_ids) - window)
         return EngineOutput(
             request_id=request.request_id,
@@ -400,8 +412,9 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             finish_reason=request.finish_reason,
             logprobs=logprobs,
-            stop=request.sampling_params.stop,
+            stop=stop if carry_stop else [],
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            has_stop=bool(stop) and not carry_stop,
         )
 
     # ------------------------------------------------------------------ stats

@@ -6,8 +6,12 @@ gateway's requests, as one on ``llm.resend.<gateway_id>`` resends only theirs), 
 the step loop — schedule, publish the step diff to every worker rank, await rank 0's
 sampled tokens, update — and publishes each step's new tokens to the detokenizers.
 With async scheduling (the default) step N+1 is scheduled and published before step
-N's result is awaited. While steps run, the event loop keeps taking requests and
-aborts; they join the next step scheduled.
+N's result is awaited. A request's stop strings go to every detokenizer replica once,
+batched per step on ``llm.detokenize.stops`` before the step that may start it, and
+the ids of requests with stop strings that ended follow; a replica that missed them
+asks on ``llm.engine.<id>.stops``. Step outputs only flag that a request has some.
+While steps run, the event loop keeps taking requests and aborts; they join the next
+step scheduled.
 
 The engine accepts requests only once every worker rank has announced itself
 (membership and heartbeats: ``workers.py``). A step that gets no answer within
@@ -41,6 +45,7 @@ from shared.config import CacheConfig, SchedulerConfig
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
+    DETOKENIZE_STOPS,
     ENGINE_OUTPUT_BATCH,
     ENGINE_REQUEST,
     ENGINE_REQUEST_REPLY,
@@ -50,6 +55,8 @@ from shared.protocol import (
     MODEL_RUNNER_OUTPUT,
     RESEND_OUTPUTS,
     SCHEDULER_OUTPUT,
+    STOP_STRINGS,
+    STOP_STRINGS_QUERY,
     WORKER_READY,
     WORKER_RETIRE,
     EngineOutput,
@@ -58,7 +65,9 @@ from shared.protocol import (
     EngineStats,
     ErrorInfo,
     FinishReason,
+    RequestStopStrings,
     SchedulerOutput,
+    StopStrings,
     WorkerRetire,
     engine_abort_subject,
     engine_hello_subject,
@@ -68,6 +77,7 @@ from shared.protocol import (
     engine_result_subject,
     engine_retire_subject,
     engine_step_subject,
+    engine_stops_subject,
     subject_gateway_id,
 )
 
@@ -87,6 +97,13 @@ RESUME_TIMEOUT = 120.0
 # A request that was in flight at this many engine failures fails at the next: it may
 # be what breaks the engine.
 MAX_RESUMES = 2
+# Characters of stop strings per broadcast or query answer, at most (one request's may
+# exceed it): a message stays far below the bus's payload limit (8 MiB).
+STOP_STRINGS_MESSAGE_CHARS = 1 << 18
+
+
+def stop_strings_chars(entry: RequestStopStrings) -> int:
+    return sum(len(s) for s in entry.stop)
 
 
 @dataclass
@@ -137,6 +154,11 @@ class SchedulerService(Service):
         self._resume_deadline = 0.0
         self._last_step_id = 0
         self._loop_task: asyncio.Task | None = None
+        # Stop strings of requests accepted, and ids of requests with stop strings that
+        # ended, since the last broadcast to the detokenizers (_broadcast_stop_strings).
+        self._stops_added: list[RequestStopStrings] = []
+        self._stops_finished: list[str] = []
+        self.num_stop_queries = 0
 
     @property
     def incarnation(self) -> str:
@@ -149,7 +171,7 @@ class SchedulerService(Service):
         return self.scheduler is not None and loop_alive
 
     def info(self) -> dict:
-        return {"engine_id": self.engine_id, "ready": self.ready}
+        return {"engine_id": self.engine_id, "ready": self.ready, "num_stop_queries": self.num_stop_queries}
 
     async def setup(self) -> None:
         await self.subscribe(engine_ready_subject(self.engine_id), self._on_worker_ready)
@@ -157,6 +179,7 @@ class SchedulerService(Service):
         await self.subscribe(ENGINE_REQUESTS, self._on_request, queue="scheduler")
         await self.subscribe(engine_abort_subject("*"), self._on_abort)
         await self.subscribe(engine_resend_subject("*"), self._on_resend)
+        await self.subscribe(engine_stops_subject(self.engine_id), self._on_stops_query)
         if self.profile is not None:
             await self.subscribe(engine_profile_subject(self.engine_id), self._on_profile)
         await self.nc.publish(engine_hello_subject(self.engine_id), b"")
@@ -248,6 +271,7 @@ class SchedulerService(Service):
             self._new_scheduler()
 
     def _fail_requests(self, requests: list[Request], error: str) -> None:
+        self._stop_strings_finished(requests)
         outputs = [
             EngineOutput(
                 request_id=request.request_id,
@@ -262,7 +286,59 @@ class SchedulerService(Service):
             for request in requests
         ]
         if outputs:
-            self.spawn(self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs))))
+            self.spawn(self._publish_outputs(outputs))
+
+    async def _publish_outputs(self, outputs: list[EngineOutput]) -> None:
+        await self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs, self.engine_id)))
+
+    # ------------------------------------------------------------------ stop strings
+
+    def _stop_strings_finished(self, requests: list[Request]) -> None:
+        self._stops_finished.extend(r.request_id for r in requests if r.sampling_params.stop)
+
+    async def _broadcast_stop_strings(self) -> None:
+        """Tell every detokenizer replica the stop strings of the requests accepted since
+        the last call (before any output of theirs can exist) and which ended; chunked,
+        so that no message nears the bus's payload limit."""
+        added, self._stops_added = self._stops_added, []
+        finished, self._stops_finished = self._stops_finished, []
+        if not added and not finished:
+            return
+        chunks: list[list[RequestStopStrings]] = [[]]
+        chars = 0
+        for entry in added:
+            if chunks[-1] and chars + stop_strings_chars(entry) > STOP_STRINGS_MESSAGE_CHARS:
+                chunks.append([])
+                chars = 0
+            chunks[-1].append(entry)
+            chars += stop_strings_chars(entry)
+        for i, chunk in enumerate(chunks):
+            message = StopStrings(chunk, finished if i == 0 else [])
+            try:
+                await self.nc.publish(DETOKENIZE_STOPS, STOP_STRINGS.encode(message))
+            except Exception as e:  # the detokenizers ask for what they miss
+                logger.warning("engine %s: stop strings broadcast not sent: %r", self.engine_id, e)
+
+    async def _on_stops_query(self, msg: Msg) -> None:
+        """A detokenizer missed the broadcast of these requests' stop strings (it started
+        later, or the broadcast was lost): answer those it knows, as many as fit one
+        message (it asks again for the rest)."""
+        self.num_stop_queries += 1
+        request_ids = STOP_STRINGS_QUERY.decode(msg.data).request_ids
+        resumable = {r.request_id: r.sampling_params.stop for r in self._resumable}
+        found, chars = [], 0
+        for request_id in request_ids:
+            stop = self.scheduler.stop_strings(request_id) if self.scheduler is not None else None
+            if stop is None:
+                stop = resumable.get(request_id)
+            if stop is None:
+                continue
+            entry = RequestStopStrings(request_id, stop)
+            if found and chars + stop_strings_chars(entry) > STOP_STRINGS_MESSAGE_CHARS:
+                break
+            chars += stop_strings_chars(entry)
+            found.append(entry)
+        await msg.respond(STOP_STRINGS.encode(StopStrings(found)))
 
     # ------------------------------------------------------------------ intake
 
@@ -287,6 +363,8 @@ class SchedulerService(Service):
         else:
             try:
                 self.scheduler.add_request(Request.from_engine_request(request, self.cache_config.block_size))
+                if request.sampling_params.stop:
+                    self._stops_added.append(RequestStopStrings(request.request_id, request.sampling_params.stop))
                 self.prompt_tokens_total += len(request.prompt_token_ids)
                 self._work.set()
             except RequestRejected as e:
@@ -301,6 +379,8 @@ class SchedulerService(Service):
         request_ids = ABORT_REQUEST.decode(msg.data).request_ids
         if self._resumable:
             gone = set(request_ids)
+            self._stop_strings_finished([r for r in self._resumable
+                                         if r.request_id in gone and r.gateway_id == gateway_id])
             self._resumable = [r for r in self._resumable if r.request_id not in gone or r.gateway_id != gateway_id]
         if self.scheduler is None:
             return
@@ -309,7 +389,9 @@ class SchedulerService(Service):
         if len(owned) < sum(r is not None for r in known.values()):
             logger.warning("engine %s: abort from gateway %s for another gateway's request ignored",
                            self.engine_id, gateway_id)
-        if self.scheduler.abort_requests(owned):
+        aborted = self.scheduler.abort_requests(owned)
+        self._stop_strings_finished(aborted)
+        if aborted:
             self._work.set()  # the workers must drop their state
         # A client that leaves while its request is being tokenized can make the abort
         # overtake the request: remember unknown ids for a while and refuse them.
@@ -331,7 +413,7 @@ class SchedulerService(Service):
         if output is not None:
             logger.info("engine %s: %s: outputs from token %d sent again", self.engine_id, resend.request_id,
                         resend.token_offset)
-            await self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch([output])))
+            await self._publish_outputs([output])
 
     async def _on_result(self, msg: Msg) -> None:
         start = time.perf_counter()
@@ -400,6 +482,9 @@ class SchedulerService(Service):
         self._pending_steps[step.step_id] = future
         data = SCHEDULER_OUTPUT.encode(step)
         clock.lap("encode")
+        # The stop strings of every request this step may start reach the detokenizers
+        # before any output of it can.
+        await self._broadcast_stop_strings()
         await self.nc.publish(engine_step_subject(self.engine_id), data)
         return _SentStep(step, future, clock)
 
@@ -431,7 +516,9 @@ class SchedulerService(Service):
         clock.lap("update")
         if outputs:
             self.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
-            await self.nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(EngineOutputBatch(outputs)))
+            await self._publish_outputs(outputs)
+            self._stops_finished.extend(o.request_id for o in outputs if o.has_stop and o.finish_reason)
+            await self._broadcast_stop_strings()
         clock.lap("publish_outputs")
         more_work = scheduler.has_unfinished_requests()
         if self.profile is not None:

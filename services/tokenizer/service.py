@@ -5,9 +5,12 @@ asks on ``llm.tokenize`` (queue group: replicas share the work); the service
 prepares the request off the event loop (``shared.request_preparation``: checks the
 sampling settings and the prompt, renders messages with the model's chat template,
 tokenizes, checks the context length) and forwards the ``EngineRequest`` to a
-scheduler (request/reply on ``llm.engine.requests``). The gateway gets a
-``TokenizeReply``: the prompt length, or an error in OpenAI's shape (400 for bad
-input, 503 when no scheduler answers, or the scheduler's own error).
+scheduler (request/reply on ``llm.engine.requests``). One ``TokenizeRequest`` is
+one prompt with its ``n`` samples: the prompt is prepared once, and each sample goes
+to a scheduler as its own ``EngineRequest`` (own request id, seed + i). The gateway
+gets a ``TokenizeReply``: the prompt length and each sample's answer (queued, or the
+scheduler's error; 503 when none answers), or the prompt's refusal in OpenAI's shape
+(400 for bad input).
 """
 
 from __future__ import annotations
@@ -87,38 +90,36 @@ class TokenizerService(Service):
 
     async def _handle(self, msg: Msg) -> None:
         reply = await self.handle_request(msg.data)
-        if reply.error is not None:
+        if reply.error is not None or any(c.error is not None for c in reply.choices):
             self.num_rejected += 1
         if msg.reply:
             await msg.respond(TOKENIZE_REPLY.encode(reply))
         else:
-            logger.warning("%s: tokenize request without a reply subject", reply.request_id)
+            logger.warning("tokenize request without a reply subject")
 
     async def handle_request(self, data: bytes) -> TokenizeReply:
-        """The whole path for one encoded ``TokenizeRequest``; never raises."""
+        """The whole path for one encoded ``TokenizeRequest`` (one prompt, its n samples);
+        never raises."""
         self.num_requests += 1
         try:
             request = TOKENIZE_REQUEST.decode(data)
         except msgspec.DecodeError as e:
             logger.warning("malformed tokenize request: %s", e)
-            return TokenizeReply("", error=ErrorInfo(f"malformed request: {e}"))
+            return TokenizeReply(error=ErrorInfo(f"malformed request: {e}"))
+        name = request.request_ids[0] if request.request_ids else "?"
         try:
-            engine_request = await asyncio.to_thread(self.preparer.prepare, request, self.tokenizer)
+            engine_requests = await asyncio.to_thread(self.preparer.prepare, request, self.tokenizer)
         except InvalidRequest as e:
-            logger.info("%s: rejected: %s", request.request_id, e)
-            return TokenizeReply(request.request_id, error=e.error)
+            logger.info("%s: rejected: %s", name, e)
+            return TokenizeReply(error=e.error)
         except Exception as e:
-            logger.exception("%s: tokenizing failed", request.request_id)
-            return TokenizeReply(
-                request.request_id,
-                error=ErrorInfo(f"tokenizing failed: {e}", type="internal_error", status=500),
-            )
-        answer = await self.submit(engine_request)
-        return TokenizeReply(request.request_id, len(engine_request.prompt_token_ids), answer.error,
-                             engine_id=answer.engine_id, incarnation=answer.incarnation)
+            logger.exception("%s: tokenizing failed", name)
+            return TokenizeReply(error=ErrorInfo(f"tokenizing failed: {e}", type="internal_error", status=500))
+        answers = await asyncio.gather(*(self.submit(r) for r in engine_requests))
+        return TokenizeReply(len(engine_requests[0].prompt_token_ids), choices=list(answers))
 
     async def submit(self, engine_request: EngineRequest) -> EngineRequestReply:
-        """Hand the request to a scheduler: its answer (the engine that queued the request,
+        """Hand one sample to a scheduler: its answer (the engine that queued the request,
         or its refusal), or a 503 when none answers."""
         try:
             msg = await self.nc.request(

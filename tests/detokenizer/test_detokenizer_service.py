@@ -16,14 +16,20 @@ from services.detokenizer.service import THREAD_MIN_TOKENS, DetokenizerService
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
+    DETOKENIZE_STOPS,
     ENGINE_OUTPUT_BATCH,
     PONG,
+    STOP_STRINGS,
+    STOP_STRINGS_QUERY,
     STREAM_DELTA_BATCH,
     EngineOutput,
     EngineOutputBatch,
     FinishReason,
     Logprobs,
+    RequestStopStrings,
+    StopStrings,
     engine_abort_subject,
+    engine_stops_subject,
     gateway_stream_subject,
     ping_subject,
 )
@@ -64,8 +70,9 @@ async def wait_for(predicate, timeout=10.0):
         await asyncio.sleep(0.01)
 
 
-def step_outputs(requests, n, num_new, finish_at=None):
-    """One step's EngineOutputs after ``n`` output tokens of every request."""
+def step_outputs(requests, n, num_new, finish_at=None, carried=True):
+    """One step's EngineOutputs after ``n`` output tokens of every request; not
+    ``carried``: the stop strings are only flagged, as in a scheduler's step outputs."""
     outputs = []
     for request_id, (gateway_id, out, stop) in requests.items():
         if n > len(out):
@@ -75,7 +82,8 @@ def step_outputs(requests, n, num_new, finish_at=None):
         outputs.append(EngineOutput(
             request_id=request_id, gateway_id=gateway_id, new_token_ids=out[n - num_new:n],
             window_token_ids=out[start:n], window_offset=start, num_prompt_tokens=11,
-            finish_reason=finish, stop=stop, num_cached_tokens=4,
+            finish_reason=finish, stop=stop if carried else [], num_cached_tokens=4,
+            has_stop=bool(stop) and not carried,
         ))
     return outputs
 
@@ -229,3 +237,107 @@ async def test_a_big_batch_is_decoded_off_the_event_loop(detokenizer, nc, smollm
         assert full.startswith(smollm_tokenizer.decode(output.window_token_ids[:-3]))
         assert delta.text == full[len(smollm_tokenizer.decode(output.window_token_ids[:-3])):]
         assert delta.token_offset == len(output.window_token_ids) - 3 and delta.num_tokens == 3
+
+
+async def run_stop_stream(nc, request_id, engine_id, out, stop=("STOP",)):
+    """Publish ``request_id``'s outputs step by step, stop strings only flagged; its
+    deltas in offset order once it ended (and was aborted, when it did not end by length)."""
+    gateway_id = f"gw-{request_id}"
+    collector = Collector()
+    await collector.subscribe(nc, [gateway_id])
+    requests = {request_id: (gateway_id, out, list(stop))}
+    for n in range(1, len(out) + 1):
+        batch = EngineOutputBatch(step_outputs(requests, n, 1, carried=False), engine_id)
+        await nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(batch))
+    await wait_for(lambda: any(d.finish_reason for d in collector.deltas[gateway_id]))
+    await wait_for(lambda: request_id in collector.aborts)
+    return sorted(collector.deltas[gateway_id], key=lambda d: d.token_offset)
+
+
+@pytest.fixture
+def stop_text(smollm_tokenizer):
+    return smollm_tokenizer.encode("alpha beta STOP gamma delta epsilon zeta eta theta", add_special_tokens=False)
+
+
+async def test_stop_strings_heard_from_the_broadcast_are_honoured(detokenizer, nc, stop_text):
+    update = StopStrings([RequestStopStrings("heard", ["STOP"])])
+    await nc.publish(DETOKENIZE_STOPS, STOP_STRINGS.encode(update))
+    await nc.publish(DETOKENIZE_STOPS, STOP_STRINGS.encode(update))  # a duplicate changes nothing
+    await wait_for(lambda: "heard" in detokenizer.stop_strings)
+    queries = detokenizer.num_stop_queries
+    deltas = await run_stop_stream(nc, "heard", "e-none", stop_text)
+    assert "".join(d.text for d in deltas) == "alpha beta " and deltas[-1].finish_reason == FinishReason.STOP
+    assert detokenizer.num_stop_queries == queries  # nothing to ask
+    await nc.publish(DETOKENIZE_STOPS, STOP_STRINGS.encode(StopStrings(finished=["heard"])))
+    await nc.flush()
+    await wait_for(lambda: detokenizer.stop_strings._forget_at)
+
+
+async def test_missed_stop_strings_are_asked_of_the_scheduler_once(detokenizer, nc, stop_text):
+    asked = []
+
+    async def scheduler(msg):
+        request_ids = STOP_STRINGS_QUERY.decode(msg.data).request_ids
+        asked.append(request_ids)
+        known = [RequestStopStrings(r, ["STOP"]) for r in request_ids if r == "missed"]
+        await msg.respond(STOP_STRINGS.encode(StopStrings(known)))
+
+    sub = await nc.subscribe(engine_stops_subject("e-ask"), cb=scheduler)
+    await nc.flush()
+    deltas = await run_stop_stream(nc, "missed", "e-ask", stop_text)
+    await sub.unsubscribe()
+    assert "".join(d.text for d in deltas) == "alpha beta " and deltas[-1].finish_reason == FinishReason.STOP
+    assert asked == [["missed"]]  # the answer is cached for the later steps
+
+
+@pytest.mark.parametrize("scheduler_answers", [False, True])
+async def test_unknown_stop_strings_fail_the_request_instead_of_being_ignored(
+    detokenizer, nc, stop_text, scheduler_answers
+):
+    """No answer in time (or a scheduler that does not know the request): an error, and
+    the request is aborted; never its text with the stop strings ignored."""
+    async def forgetful(msg):
+        await msg.respond(STOP_STRINGS.encode(StopStrings()))
+
+    engine_id = f"e-{scheduler_answers}"
+    sub = await nc.subscribe(engine_stops_subject(engine_id), cb=forgetful) if scheduler_answers else None
+    await nc.flush()
+    timeout, detokenizer.stop_strings_timeout = detokenizer.stop_strings_timeout, 0.3
+    try:
+        request_id = f"lost-{scheduler_answers}"
+        collector = Collector()
+        await collector.subscribe(nc, [f"gw-{request_id}"])
+        requests = {request_id: (f"gw-{request_id}", stop_text, ["STOP"])}
+        batch = EngineOutputBatch(step_outputs(requests, 3, 3, carried=False), engine_id)
+        await nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(batch))
+        await wait_for(lambda: collector.deltas[f"gw-{request_id}"] and request_id in collector.aborts)
+    finally:
+        detokenizer.stop_strings_timeout = timeout
+        if sub is not None:
+            await sub.unsubscribe()
+    [delta] = collector.deltas[f"gw-{request_id}"]
+    assert delta.finish_reason == FinishReason.ERROR and delta.text == ""
+    assert "stop strings" in delta.error and engine_id in delta.error
+
+
+async def test_an_answer_in_parts_is_asked_for_until_complete(detokenizer, nc, smollm_tokenizer):
+    """A scheduler answers as many requests as fit one message; the replica asks for the rest."""
+    asked = []
+
+    async def one_at_a_time(msg):
+        request_ids = STOP_STRINGS_QUERY.decode(msg.data).request_ids
+        asked.append(request_ids)
+        await msg.respond(STOP_STRINGS.encode(StopStrings([RequestStopStrings(request_ids[0], ["STOP"])])))
+
+    sub = await nc.subscribe(engine_stops_subject("e-parts"), cb=one_at_a_time)
+    await nc.flush()
+    collector = Collector()
+    await collector.subscribe(nc, ["gw-parts"])
+    out = smollm_tokenizer.encode("one STOP two", add_special_tokens=False)
+    requests = {f"part{i}": ("gw-parts", out, ["STOP"]) for i in range(3)}
+    batch = EngineOutputBatch(step_outputs(requests, len(out), len(out), carried=False), "e-parts")
+    await nc.publish(DETOKENIZE, ENGINE_OUTPUT_BATCH.encode(batch))
+    await wait_for(lambda: len(collector.deltas["gw-parts"]) == 3)
+    await sub.unsubscribe()
+    assert asked == [["part0", "part1", "part2"], ["part1", "part2"], ["part2"]]
+    assert {(d.text, d.finish_reason) for d in collector.deltas["gw-parts"]} == {("one ", FinishReason.STOP)}

@@ -64,7 +64,8 @@ def stream(detok, out, rng, stop=(), window=None, finish=FinishReason.LENGTH, ma
     while n < len(out):
         k = min(rng.randint(1, 3), len(out) - n)
         n += k
-        result = detok.process(make_output(n, k, finish if n == len(out) else FinishReason.NONE))
+        # The stop strings as the service gives them (from the output or its cache).
+        result = detok.process(make_output(n, k, finish if n == len(out) else FinishReason.NONE), list(stop))
         assert not result.window_too_short
         if final is not None:
             late.append((n - finished_at, result))
@@ -192,7 +193,10 @@ def test_with_the_schedulers_own_windows(detok, smollm_tokenizer, real_sequences
                 for token_id in out[request.num_output_tokens:n]:
                     request.append_output_token(token_id)
                 request.finish_reason = reason
-                return sched._engine_output(request, out[n - k:n], [])
+                output = sched._engine_output(request, out[n - k:n], [])
+                # Step outputs only flag stop strings; the detokenizer has them from the broadcast.
+                assert output.stop == [] and output.has_stop == bool(stop)
+                return output
 
             full = smollm_tokenizer.decode(out)
             hits = [full.find(s) for s in stop if s in full]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
+
+import httpx
 
 from services.launch.nats_server import free_port
 from services.launch.stack import Stack, StackConfig
@@ -30,3 +33,19 @@ def running_stack(config: StackConfig, timeout: float = 240):
                 text = log.read_text(errors="replace")
                 if "Traceback" in text:
                     print(f"---- {log.name}\n{text[-4000:]}")
+
+
+def metric(stack, name: str) -> float:
+    """One value of the gateway's /metrics (the first series of ``name``)."""
+    text = httpx.get(stack.base_url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.25)

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from services.launch.nats_server import free_port
-from tests.e2e.stacks import replicated_config, running_stack
+from tests.e2e.stacks import metric, replicated_config, running_stack, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -78,21 +78,6 @@ async def run_streams(stack, fault=None, at_once: bool = False) -> tuple[list, f
             fault()
         outcomes = await asyncio.gather(*tasks)
     return outcomes, time.monotonic() - faulted_at
-
-
-def metric(stack, name: str) -> float:
-    text = httpx.get(stack.base_url + "/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.25)
 
 
 def assert_idle_and_serving(stack):

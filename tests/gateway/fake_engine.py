@@ -17,7 +17,10 @@ attempt: a tokenizer that died), ``GHOST`` (queued by engine "ghost", which
 never sends stats). Other requests are queued by engine ``FAKE_ENGINE_ID`` under
 the fake's current ``incarnation`` (a test changes it to play a restarted scheduler).
 Chat messages are checked and normalised as the real tokenizer does; a refused one
-is not recorded. It records every other request and every abort it sees, and says
+is not recorded. Each ``TokenizeRequest`` (one prompt, its n samples) is recorded in
+``prompts`` and each of its samples in ``requests`` (a ``Sample``: the request's fields
+with the sample's own ``request_id`` and ``sampling_params``, seed + i). It records
+every abort it sees, and says
 it is a ready engine (``EngineStats`` with ``ready=True``, engine id ``FAKE_ENGINE_ID``) every
 ``STATS_INTERVAL`` seconds, as a scheduler does, so the gateway's /health is 200.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import dataclass
 
 import msgspec
 from nats.aio.msg import Msg
@@ -40,10 +44,12 @@ from shared.protocol import (
     TOKENIZE,
     TOKENIZE_REPLY,
     TOKENIZE_REQUEST,
+    EngineRequestReply,
     EngineStats,
     ErrorInfo,
     FinishReason,
     ResendOutputs,
+    SamplingParams,
     StreamDelta,
     StreamDeltaBatch,
     TokenizeReply,
@@ -67,7 +73,19 @@ REJECTION = ErrorInfo(
 )
 
 
-def prompt_words(request: TokenizeRequest) -> list[str]:
+@dataclass
+class Sample:
+    """One sample of a recorded ``TokenizeRequest``: its id and settings, the rest shared."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_request: TokenizeRequest
+
+    def __getattr__(self, name):
+        return getattr(self.prompt_request, name)
+
+
+def prompt_words(request: TokenizeRequest | Sample) -> list[str]:
     if request.messages is not None:
         return request.messages[-1]["content"].split()
     if request.prompt is not None:
@@ -101,12 +119,13 @@ class FakeEngine(Service):
 
     def __init__(self, nats_url: str) -> None:
         super().__init__(nats_url)
-        self.requests: list[TokenizeRequest] = []
+        self.prompts: list[TokenizeRequest] = []
+        self.requests: list[Sample] = []
         self.aborted: list[str] = []
         self._changed = asyncio.Condition()
         self.incarnation = "fake-1"
         self.resends: list[ResendOutputs] = []
-        self._outputs: dict[str, tuple[TokenizeRequest, list[StreamDelta]]] = {}
+        self._outputs: dict[str, tuple[Sample, list[StreamDelta]]] = {}
 
     async def setup(self) -> None:
         await self.subscribe(TOKENIZE, self._on_tokenize, queue="tokenizer")
@@ -134,7 +153,7 @@ class FakeEngine(Service):
             await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
         return predicate()
 
-    def requests_with(self, word: str) -> list[TokenizeRequest]:
+    def requests_with(self, word: str) -> list[Sample]:
         return [r for r in self.requests if word in prompt_words(r)]
 
     async def _on_resend(self, msg: Msg) -> None:
@@ -156,62 +175,74 @@ class FakeEngine(Service):
             try:
                 request = msgspec.structs.replace(request, messages=chat_messages(request.messages))
             except InvalidRequest as e:
-                await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, error=e.error)))
+                await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(error=e.error)))
                 return
-        self.requests.append(request)
+        self.prompts.append(request)
+        samples = [Sample(request_id, request.sampling_params.for_choice(i), request)
+                   for i, request_id in enumerate(request.request_ids)]
+        self.requests.extend(samples)
         await self._notify()
-        self.spawn(self._serve(msg, request))
+        self.spawn(self._serve(msg, request, samples))
 
-    async def _serve(self, msg: Msg, request: TokenizeRequest) -> None:
+    async def _serve(self, msg: Msg, request: TokenizeRequest, samples: list[Sample]) -> None:
         words = prompt_words(request)
         num_prompt_tokens = len(words) + 3
         if "SILENT" in words:
             return
-        if "SILENTONCE" in words and sum(r.request_id == request.request_id for r in self.requests) == 1:
+        if "SILENTONCE" in words and sum(r.request_ids == request.request_ids for r in self.prompts) == 1:
             return
-        if "REJECT" in words or ("REJECTSECOND" in words and request.request_id.endswith("-1")):
-            await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, error=REJECTION)))
+        if "REJECT" in words:
+            await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(error=REJECTION)))
             return
+        choices = [self._queue(sample, words) for sample in samples]
+        accepted = [s for s, c in zip(samples, choices) if c.error is None]
+        published = [self._outputs_of(sample, words, num_prompt_tokens) for sample in accepted]
+        # Half the output before the tokenize reply: the engine can be faster than the reply.
+        for subject, shuffled in published:
+            await self.publish(subject, shuffled[: len(shuffled) // 2] + [StreamDelta("no-such-request", 0, 1, "junk")])
+        await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(num_prompt_tokens, choices=choices)))
+        for (subject, shuffled), sample in zip(published, accepted):
+            rest = shuffled[len(shuffled) // 2:]
+            for i in range(0, len(rest), 2):
+                await self.publish(subject, rest[i : i + 2])
+            deltas = self._outputs[sample.request_id][1]
+            if deltas:
+                await self.publish(subject, [deltas[0]])  # a repeat, after the end
+
+    def _queue(self, sample: Sample, words: list[str]) -> EngineRequestReply:
+        """The "scheduler's" answer for one sample."""
+        if "REJECTSECOND" in words and sample.request_id.endswith("-1"):
+            return EngineRequestReply(sample.request_id, REJECTION)
         if "BUSY" in words:
             error = ErrorInfo("engine 0 has 1024 requests waiting; try again later", type="rate_limit_error",
                               code="too_many_requests", status=429)
-            await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, error=error)))
-            return
+            return EngineRequestReply(sample.request_id, error)
         if "UNAVAILABLE" in words:
             error = ErrorInfo("no scheduler is available", type="service_unavailable", status=503)
-            await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(request.request_id, error=error)))
-            return
-        deltas = self.deltas(request, words, num_prompt_tokens)
-        self._outputs[request.request_id] = (request, deltas)
+            return EngineRequestReply(sample.request_id, error)
+        engine, incarnation = ("ghost", "ghost-1") if "GHOST" in words else (FAKE_ENGINE_ID, self.incarnation)
+        return EngineRequestReply(sample.request_id, engine_id=engine, incarnation=incarnation)
+
+    def _outputs_of(self, sample: Sample, words: list[str], num_prompt_tokens: int) -> tuple[str, list[StreamDelta]]:
+        """The stream subject and the sample's deltas as they will be sent: shuffled, some lost."""
+        deltas = self.deltas(sample, words, num_prompt_tokens)
+        self._outputs[sample.request_id] = (sample, deltas)
         if "GAP" in words:  # the detokenizer handling the second delta died
             deltas = deltas[:1] + deltas[2:]
         if "LASTLOST" in words:  # ... or the one handling the last delta
             deltas = deltas[:-1]
-        rng = random.Random(request.request_id)
+        rng = random.Random(sample.request_id)
         order = list(range(len(deltas)))
         rng.shuffle(order)
         if order == sorted(order) and len(order) > 1:
             order.reverse()
-        shuffled = [deltas[i] for i in order]
-        subject = gateway_stream_subject(request.gateway_id)
-        half = len(shuffled) // 2
-        bogus = StreamDelta("no-such-request", 0, 1, "junk")
-        # Half the output before the tokenize reply: the engine can be faster than the reply.
-        await self.publish(subject, shuffled[:half] + [bogus])
-        engine, incarnation = ("ghost", "ghost-1") if "GHOST" in words else (FAKE_ENGINE_ID, self.incarnation)
-        reply = TokenizeReply(request.request_id, num_prompt_tokens, engine_id=engine, incarnation=incarnation)
-        await msg.respond(TOKENIZE_REPLY.encode(reply))
-        rest = shuffled[half:]
-        for i in range(0, len(rest), 2):
-            await self.publish(subject, rest[i : i + 2])
-        if deltas:
-            await self.publish(subject, [deltas[0]])  # a repeat, after the end
+        return gateway_stream_subject(sample.gateway_id), [deltas[i] for i in order]
 
     async def publish(self, subject: str, deltas: list[StreamDelta]) -> None:
         if deltas:
             await self.nc.publish(subject, STREAM_DELTA_BATCH.encode(StreamDeltaBatch(deltas)))
 
-    def deltas(self, request: TokenizeRequest, words: list[str], num_prompt_tokens: int) -> list[StreamDelta]:
+    def deltas(self, request: Sample, words: list[str], num_prompt_tokens: int) -> list[StreamDelta]:
         params = request.sampling_params
         tokens = output_tokens(words[0] if words else "", params.seed)
         texts = list(tokens)

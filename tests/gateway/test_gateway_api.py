@@ -137,6 +137,9 @@ async def test_n_fans_out_with_seed_plus_i(client, fake):
     assert [c.message.content for c in r.choices] == [expected_text("sample", 7), expected_text("sample", 8)]
     seen = {q.request_id: q.sampling_params.seed for q in fake.requests if q.request_id.startswith(r.id)}
     assert seen == {f"{r.id}-0-0": 7, f"{r.id}-0-1": 8}
+    # One tokenize request for the prompt, carrying both samples (the seed as given).
+    [prompt] = [q for q in fake.prompts if q.request_ids[0].startswith(r.id)]
+    assert prompt.request_ids == [f"{r.id}-0-0", f"{r.id}-0-1"] and prompt.sampling_params.seed == 7
     assert r.usage.prompt_tokens == 5  # one prompt, counted once
     assert r.usage.completion_tokens == 2 * len(output_tokens("sample", 7))
     again = await client.chat.completions.create(
@@ -154,6 +157,8 @@ async def test_n_with_several_prompts_indexes_p_times_n_plus_i(client, fake):
     ]
     ids = sorted(q.request_id for q in fake.requests if q.request_id.startswith(r.id))
     assert ids == [f"{r.id}-{p}-{i}" for p in range(2) for i in range(2)]
+    prompts = sorted(q.request_ids for q in fake.prompts if q.request_ids[0].startswith(r.id))
+    assert prompts == [[f"{r.id}-{p}-0", f"{r.id}-{p}-1"] for p in range(2)]
 
     stream = await client.completions.create(model=MODEL, prompt=["third", "fourth"], n=2, stream=True)
     texts = {}

@@ -33,10 +33,10 @@ def test_model_defaults_to_the_first_served_name():
 
 def test_seed_plus_i_and_logprobs_mapping():
     r = parse_chat({"messages": USER, "n": 3, "seed": 10, "logprobs": True}, NAMES)
-    assert [r.choice_params(i).seed for i in range(3)] == [10, 11, 12]
+    assert [r.sampling_params.for_choice(i).seed for i in range(3)] == [10, 11, 12]
     assert r.sampling_params.logprobs == 0 and r.logprobs
     assert parse_chat({"messages": USER}, NAMES).sampling_params.logprobs is None
-    assert parse_chat({"messages": USER, "n": 2}, NAMES).choice_params(1).seed is None
+    assert parse_chat({"messages": USER, "n": 2}, NAMES).sampling_params.for_choice(1).seed is None
     r = parse_completion({"prompt": [[1, 2], [3]], "logprobs": 3, "stop": "x"}, NAMES)
     assert r.sampling_params.logprobs == 3 and r.sampling_params.stop == ["x"]
     assert r.prompts == ({"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]})

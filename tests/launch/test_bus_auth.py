@@ -15,6 +15,7 @@ from services.launch.nats_server import NatsServer
 from shared.bus_auth import ROLES, connect_credentials, gateway_id_from_credentials, gateway_user, inbox_prefix
 from shared.config import ConfigError
 from shared.protocol import (
+    DETOKENIZE_STOPS,
     ENGINE_ABORT,
     ENGINE_REQUESTS,
     ENGINE_RESEND,
@@ -23,6 +24,7 @@ from shared.protocol import (
     engine_resend_subject,
     engine_result_subject,
     engine_step_subject,
+    engine_stops_subject,
     gateway_stream_subject,
 )
 
@@ -127,8 +129,10 @@ async def test_requesting_roles_read_only_their_own_inbox(bus):
     assert await refused_subscriptions(bus, "tokenizer", [inbox_prefix("tokenizer") + ".>"]) == set()
     others = [inbox_prefix(GATEWAY_A) + ".>", "_INBOX.>"]
     assert await refused_subscriptions(bus, "tokenizer", others) == set(others)
+    # Detokenizers ask schedulers for stop strings they missed.
+    assert await refused_subscriptions(bus, "detokenizer", [inbox_prefix("detokenizer") + ".>"]) == set()
     # The others make no requests: no inbox at all.
-    for user in ("scheduler", "worker", "detokenizer"):
+    for user in ("scheduler", "worker"):
         mine = [inbox_prefix(user) + ".>"]
         assert await refused_subscriptions(bus, user, mine) == set(mine), user
 
@@ -180,3 +184,11 @@ def test_a_gateway_id_cannot_disagree_with_its_user(monkeypatch):
     assert GatewayService(GatewayConfig(), instance_id="A").gateway_id == "A"
     with pytest.raises(ConfigError, match="differs"):
         GatewayService(GatewayConfig(), instance_id="B")
+
+
+async def test_only_the_scheduler_broadcasts_stop_strings_and_detokenizers_ask_for_them(bus):
+    assert await delivered(bus, "scheduler", DETOKENIZE_STOPS)
+    for role in (GATEWAY_A, "tokenizer", "detokenizer", "worker"):
+        assert not await delivered(bus, role, DETOKENIZE_STOPS), role
+    assert await delivered(bus, "detokenizer", engine_stops_subject("0"))
+    assert not await delivered(bus, GATEWAY_A, engine_stops_subject("0"))

@@ -348,3 +348,17 @@ def test_nothing_is_preempted_while_a_step_is_in_flight():
     out = sched.schedule()  # nothing in flight: now b is preempted
     assert scheduled(out) == {"a": 1}
     assert sched.num_preemptions == 1 and sched.requests["b"].status == RequestStatus.PREEMPTED
+
+
+def test_outputs_flag_stop_strings_which_a_resend_and_a_query_still_get():
+    sched = make_scheduler()
+    sched.add_request(make_request("s", 4, max_tokens=2, stop=["ab", "cde"]))
+    assert sched.stop_strings("s") == ["ab", "cde"] and sched.stop_strings("other") is None
+    _, [first] = run_step(sched)
+    assert first.has_stop and first.stop == []
+    assert sched.resend_output("s", 0).stop == ["ab", "cde"]
+    _, [last] = run_step(sched)
+    assert last.finish_reason == FinishReason.LENGTH and last.has_stop
+    assert sched.stop_strings("s") == ["ab", "cde"]  # finished lately
+    resent = sched.resend_output("s", 0)
+    assert resent.stop == ["ab", "cde"] and not resent.has_stop and resent.new_token_ids == [7, 7]

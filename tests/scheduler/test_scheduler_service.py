@@ -27,6 +27,7 @@ from shared.config import CacheConfig, SchedulerConfig
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
+    DETOKENIZE_STOPS,
     ENGINE_OUTPUT_BATCH,
     ENGINE_REQUEST,
     ENGINE_REQUEST_REPLY,
@@ -36,13 +37,17 @@ from shared.protocol import (
     MODEL_RUNNER_OUTPUT,
     RESEND_OUTPUTS,
     SCHEDULER_OUTPUT,
+    STOP_STRINGS,
+    STOP_STRINGS_QUERY,
     WORKER_READY,
     AbortRequest,
     EngineRequest,
     FinishReason,
     ModelRunnerOutput,
+    RequestStopStrings,
     ResendOutputs,
     SamplingParams,
+    StopStringsQuery,
     WorkerReady,
     engine_abort_subject,
     engine_profile_subject,
@@ -50,6 +55,7 @@ from shared.protocol import (
     engine_resend_subject,
     engine_result_subject,
     engine_step_subject,
+    engine_stops_subject,
 )
 from shared.step_profile import WORKER_PHASES
 
@@ -519,3 +525,87 @@ async def test_a_dead_step_loop_is_not_ready_and_says_so(bus):
         pass
     assert got.incarnation == service.incarnation
     worker.task.cancel()
+
+
+
+async def test_stop_strings_are_broadcast_once_and_answered_on_request(bus):
+    """A request's stop strings reach the detokenizers once, before its first step; its
+    outputs only flag them (with the engine to ask); a detokenizer that missed them asks
+    and gets them, also after the request ended; its end is broadcast; a resent output
+    carries them itself."""
+    service, nc, outputs = bus
+    seen: list = []  # (subject, message) in the order the bus delivers them
+
+    async def on_any(msg):
+        if msg.subject == DETOKENIZE_STOPS:
+            seen.append((msg.subject, STOP_STRINGS.decode(msg.data)))
+        elif msg.subject in (engine_step_subject(ENGINE), DETOKENIZE):
+            seen.append((msg.subject, msg.data))
+
+    await nc.subscribe(">", cb=on_any)
+    worker = await ready_worker(service, nc)
+    stop = ["the end", "\n\n"]
+    for req_id, params in (("s1", SamplingParams(max_tokens=3, stop=stop)), ("plain", SamplingParams(max_tokens=3))):
+        request = EngineRequest(req_id, list(range(100, 110)), params, gateway_id="gw")
+        reply = await nc.request(ENGINE_REQUESTS, ENGINE_REQUEST.encode(request), timeout=5)
+        assert ENGINE_REQUEST_REPLY.decode(reply.data).error is None
+    ended = {}
+    while len(ended) < 2:
+        out = await asyncio.wait_for(outputs.get(), 5)
+        assert out.stop == [] and out.has_stop == (out.request_id == "s1")
+        if out.finish_reason != FinishReason.NONE:
+            ended[out.request_id] = out
+    await wait_for(lambda: any(s == DETOKENIZE_STOPS and "s1" in m.finished for s, m in seen))
+    subjects = [s for s, _ in seen]
+    assert subjects.index(DETOKENIZE_STOPS) < subjects.index(engine_step_subject(ENGINE))
+    broadcasts = [m for s, m in seen if s == DETOKENIZE_STOPS]
+    assert [a for b in broadcasts for a in b.added] == [RequestStopStrings("s1", stop)]  # once
+    assert [f for b in broadcasts for f in b.finished] == ["s1"]
+    assert all(ENGINE_OUTPUT_BATCH.decode(m).engine_id == ENGINE for s, m in seen if s == DETOKENIZE)
+
+    query = STOP_STRINGS_QUERY.encode(StopStringsQuery(["s1", "nobody"]))
+    reply = await nc.request(engine_stops_subject(ENGINE), query, timeout=5)
+    # Finished lately, still known; an unknown id is left out.
+    assert STOP_STRINGS.decode(reply.data).added == [RequestStopStrings("s1", stop)]
+    assert service.num_stop_queries == 1
+    await nc.publish(engine_resend_subject("gw"), RESEND_OUTPUTS.encode(ResendOutputs("s1", 1)))
+    resent = await asyncio.wait_for(outputs.get(), 5)
+    assert resent.request_id == "s1" and resent.stop == stop and not resent.has_stop
+    worker.task.cancel()
+
+
+async def test_a_query_is_answered_in_parts_that_fit_a_message(bus, monkeypatch):
+    import services.scheduler.service as scheduler_service
+
+    service, nc, _ = bus
+    worker = await ready_worker(service, nc, answering=False)
+    for req_id in ("q1", "q2", "q3"):
+        request = EngineRequest(req_id, list(range(100, 110)), SamplingParams(max_tokens=3, stop=["x" * 10]))
+        reply = await nc.request(ENGINE_REQUESTS, ENGINE_REQUEST.encode(request), timeout=5)
+        assert ENGINE_REQUEST_REPLY.decode(reply.data).error is None
+    monkeypatch.setattr(scheduler_service, "STOP_STRINGS_MESSAGE_CHARS", 25)
+    query = STOP_STRINGS_QUERY.encode(StopStringsQuery(["q1", "gone", "q2", "q3"]))
+    reply = await nc.request(engine_stops_subject(ENGINE), query, timeout=5)
+    assert [e.request_id for e in STOP_STRINGS.decode(reply.data).added] == ["q1", "q2"]
+    worker.task.cancel()
+
+
+async def test_a_big_broadcast_is_sent_in_messages_that_fit(bus, monkeypatch):
+    import services.scheduler.service as scheduler_service
+
+    service, nc, _ = bus
+    sub = await nc.subscribe(DETOKENIZE_STOPS)
+    await nc.flush()
+    monkeypatch.setattr(scheduler_service, "STOP_STRINGS_MESSAGE_CHARS", 25)
+    service._stops_added = [RequestStopStrings(f"b{i}", ["x" * 10]) for i in range(5)]
+    service._stops_finished = ["old"]
+    await service._broadcast_stop_strings()
+    await service._broadcast_stop_strings()  # nothing new: nothing sent
+    messages = []
+    while True:
+        try:
+            messages.append(STOP_STRINGS.decode((await sub.next_msg(timeout=1)).data))
+        except nats.errors.TimeoutError:
+            break
+    assert [[e.request_id for e in m.added] for m in messages] == [["b0", "b1"], ["b2", "b3"], ["b4"]]
+    assert [m.finished for m in messages] == [["old"], [], []]

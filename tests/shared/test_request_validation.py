@@ -99,7 +99,7 @@ def test_null_content_is_empty_and_only_template_fields_are_kept():
 ])
 def test_request_shape(fields, param):
     with pytest.raises(InvalidRequest) as e:
-        validate_request_shape(TokenizeRequest(request_id="r", gateway_id="g", **fields), VOCAB)
+        validate_request_shape(TokenizeRequest(request_ids=["r"], gateway_id="g", **fields), VOCAB)
     assert e.value.error.param == param
 
 

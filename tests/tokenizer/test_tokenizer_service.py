@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import msgspec
 import nats
 import pytest
@@ -95,8 +97,14 @@ async def scheduler(nc):
     await fake.sub.unsubscribe()
 
 
-async def tokenize(nc, request_id="r", timeout=10.0, **fields):
-    request = TokenizeRequest(request_id=request_id, gateway_id="gw-1", **fields)
+async def tokenize(nc, request_id="r", timeout=10.0, n=1, **fields):
+    """Ask for one prompt with ``n`` samples: ``request_id`` (n=1) or ``request_id-i``, or
+    the samples' ids when ``request_id`` is a list."""
+    if isinstance(request_id, list):
+        request_ids = request_id
+    else:
+        request_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+    request = TokenizeRequest(request_ids=request_ids, gateway_id="gw-1", **fields)
     msg = await nc.request(TOKENIZE, TOKENIZE_REQUEST.encode(request), timeout=timeout)
     return TOKENIZE_REPLY.decode(msg.data)
 
@@ -106,9 +114,10 @@ async def test_chat_request_reaches_the_scheduler_tokenized(tokenizer_service, n
     reply = await tokenize(nc, "chat-1", messages=MESSAGES, cache_salt="salt",
                            sampling_params=SamplingParams(temperature=0.5, top_k=-1, max_tokens=0, stop=["\n"]))
     expected = smollm_tokenizer.encode(smollm_tokenizer.apply_chat_template(MESSAGES), add_special_tokens=False)
-    assert reply.error is None and reply.request_id == "chat-1" and reply.num_prompt_tokens == len(expected)
+    assert reply.error is None and reply.num_prompt_tokens == len(expected)
     # The gateway learns which engine (and scheduler incarnation) holds the request.
-    assert (reply.engine_id, reply.incarnation) == ("e0", "inc-1")
+    [choice] = reply.choices
+    assert (choice.request_id, choice.error, choice.engine_id, choice.incarnation) == ("chat-1", None, "e0", "inc-1")
     request = scheduler.requests["chat-1"]
     assert request.prompt_token_ids == expected
     assert request.eos_token_id == smollm_tokenizer.eos_token_id
@@ -121,12 +130,12 @@ async def test_chat_request_reaches_the_scheduler_tokenized(tokenizer_service, n
 def test_the_models_other_eos_ids_become_stop_token_ids(smollm_tokenizer):
     eos = smollm_tokenizer.eos_token_id
     service = TokenizerService(smollm_tokenizer, MAX_MODEL_LEN, smollm_tokenizer.vocab_size, extra_eos_token_ids=[eos, 7])
-    request = TokenizeRequest(request_id="e", gateway_id="g", prompt="hi",
+    request = TokenizeRequest(request_ids=["e"], gateway_id="g", prompt="hi",
                               sampling_params=SamplingParams(stop_token_ids=[9]))
-    prepared = service.preparer.prepare(request, smollm_tokenizer)
+    [prepared] = service.preparer.prepare(request, smollm_tokenizer)
     assert prepared.eos_token_id == eos and prepared.sampling_params.stop_token_ids == [9, 7]
     ignoring = msgspec.structs.replace(request, sampling_params=SamplingParams(ignore_eos=True))
-    assert service.preparer.prepare(ignoring, smollm_tokenizer).sampling_params.stop_token_ids == []
+    assert service.preparer.prepare(ignoring, smollm_tokenizer)[0].sampling_params.stop_token_ids == []
 
 
 async def test_prompt_and_token_id_requests(tokenizer_service, nc, scheduler, smollm_tokenizer):
@@ -182,13 +191,34 @@ async def test_context_length_message(tokenizer_service, nc, scheduler, smollm_t
 
 async def test_scheduler_errors_pass_through(tokenizer_service, nc, scheduler):
     reply = await tokenize(nc, "reject-1", messages=MESSAGES)
-    assert reply.error == KV_FULL and "reject-1" in scheduler.requests
+    assert reply.error is None and reply.choices[0].error == KV_FULL and "reject-1" in scheduler.requests
+
+
+async def test_n_samples_are_prepared_once_and_answered_each(tokenizer_service, nc, scheduler, monkeypatch):
+    prepared = []
+    prepare = tokenizer_service.preparer.prepare
+
+    def spy(request, tokenizer=None):
+        prepared.append(request.request_ids)
+        return prepare(request, tokenizer)
+
+    monkeypatch.setattr(tokenizer_service, "preparer", SimpleNamespace(prepare=spy))
+    reply = await tokenize(nc, "three", n=3, messages=MESSAGES, sampling_params=SamplingParams(seed=5))
+    assert prepared == [["three-0", "three-1", "three-2"]]
+    assert [c.request_id for c in reply.choices] == ["three-0", "three-1", "three-2"]
+    assert all(c.error is None and c.engine_id == "e0" for c in reply.choices)
+    requests = [scheduler.requests[f"three-{i}"] for i in range(3)]
+    assert [r.sampling_params.seed for r in requests] == [5, 6, 7]
+    assert len({tuple(r.prompt_token_ids) for r in requests}) == 1
+    # A sample the scheduler refuses is reported for that sample only.
+    reply = await tokenize(nc, ["mixed-0", "reject-mixed-1"], prompt_token_ids=[5, 6])
+    assert reply.error is None and [c.error for c in reply.choices] == [None, KV_FULL]
 
 
 async def test_no_scheduler_is_a_fast_503(tokenizer_service, nc):
     start = time.monotonic()
     reply = await tokenize(nc, "lonely", messages=MESSAGES)
-    assert reply.error == ErrorInfo(NO_SCHEDULER, type="service_unavailable", status=503)
+    assert reply.choices[0].error == ErrorInfo(NO_SCHEDULER, type="service_unavailable", status=503)
     # Answered by nats' no-responders status, not by waiting out the scheduler timeout.
     assert time.monotonic() - start < tokenizer_service.scheduler_timeout
 
@@ -202,7 +232,8 @@ async def test_a_scheduler_that_never_answers_is_a_503(tokenizer_service, nc):
         reply = await tokenize(nc, "swallowed", messages=MESSAGES)
     finally:
         await sub.unsubscribe()
-    assert reply.error.status == 503 and reply.error.type == "service_unavailable"
+    [choice] = reply.choices
+    assert choice.error.status == 503 and choice.error.type == "service_unavailable"
 
 
 async def test_a_slow_request_does_not_hold_up_others(tokenizer_service, nc, scheduler):
@@ -212,9 +243,9 @@ async def test_a_slow_request_does_not_hold_up_others(tokenizer_service, nc, sch
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
     fast = await tokenize(nc, "fast-1", prompt="quick")
-    assert fast.error is None and not slow.done()
+    assert fast.error is None and fast.choices[0].error is None and not slow.done()
     await scheduler.release()
-    assert (await slow).error is None
+    assert (await slow).choices[0].error is None
 
 
 async def test_malformed_request_is_answered_and_the_service_lives_on(tokenizer_service, nc, scheduler):
@@ -243,7 +274,7 @@ async def test_two_replicas_share_the_queue_group(tokenizer_service, nats_server
             await asyncio.sleep(0.05)
         before = tokenizer_service.num_requests
         replies = await asyncio.gather(*(tokenize(nc, f"rep-{i}", messages=MESSAGES) for i in range(40)))
-        assert all(r.error is None for r in replies)
+        assert all(r.error is None and r.choices[0].error is None for r in replies)
         served_here = tokenizer_service.num_requests - before
         assert 0 < served_here < 40
         ids = {tuple(scheduler.requests[f"rep-{i}"].prompt_token_ids) for i in range(40)}
