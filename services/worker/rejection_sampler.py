@@ -190,8 +190,11 @@ class RejectionSampler:
         shared = [i for i in range(num_reqs) if i not in request_generators]
         if shared:
             noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_(generator=self.generator)
+        # A seeded request draws one uniform per draft, then its noise: with no drafts, the
+        # same draws as the plain sampler makes, whatever the rest of the batch has.
         for i, generator in request_generators.items():
-            start, count = int(layout.row_start[i]), int(layout.num_drafts[i]) + 1
-            uniforms[start : start + count] = torch.rand(count, generator=generator, device=device)
+            start, count = int(layout.row_start[i]), int(layout.num_drafts[i])
+            if count:
+                uniforms[start : start + count] = torch.rand(count, generator=generator, device=device)
             noise[i].exponential_(generator=generator)
         return uniforms, noise

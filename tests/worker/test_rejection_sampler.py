@@ -142,3 +142,20 @@ def test_a_seeded_request_draws_the_same_whatever_else_is_in_the_batch():
     outs = [run(seed) for seed in range(8)]
     assert all(out[1] == outs[0][1] for out in outs)  # request 1 is seeded
     assert len({str(out[0]) + str(out[2]) for out in outs}) > 1  # the others are not
+
+
+def test_a_seeded_request_without_drafts_draws_as_the_plain_sampler_does():
+    """So its tokens do not depend on whether other requests of the step have drafts."""
+    from services.worker.sampler import Sampler
+
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(3))
+    plain, verified = [], []
+    plain_gen, verify_gen = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    for _ in range(20):
+        batch = metadata([1.0])
+        batch.generators = {0: plain_gen}
+        plain.append(int(Sampler(torch.Generator())(logits, batch)[0][0]))
+        tokens, _ = RejectionSampler(torch.Generator())(logits, metadata([1.0]), DraftLayout.from_drafts([[]]),
+                                                        {0: verify_gen})
+        verified.append(int(tokens[0, 0]))
+    assert plain == verified and len(set(plain)) > 1
