@@ -3,7 +3,8 @@
 The in-process engine (scheduler + one worker, every step a msgpack round trip) on the
 default model, greedy (answers end at EOS or max_tokens), the same prompts with ``--speculative-config`` n-gram and
 without, at concurrency 1 (one request at a time) and concurrency C (C requests at
-once). Two workloads: a repetitive one (chat requests to repeat a code snippet with one
+once); each setting runs ``--rounds`` times, alternating without and with, and its
+tok/s is all its tokens over all its seconds. Two workloads: a repetitive one (chat requests to repeat a code snippet with one
 change, whose answers copy their prompts) and a non-repetitive one (open questions).
 Greedy output with and without must be the same tokens; the script says so.
 
@@ -70,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--num-requests", type=int, default=8, help="requests per workload and run")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs of each setting, alternating without and with (this VM's speed drifts)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     return p.parse_args(argv)
@@ -100,6 +103,15 @@ def run(worker, prompts, concurrency: int, output_len: int, speculative_config: 
     }
 
 
+def _combined(runs: list[dict]) -> dict:
+    """Several runs of one setting as one: tokens over total seconds, the last run's acceptance."""
+    tokens = sum(r["tok_s"] * r["seconds"] for r in runs)
+    seconds = sum(r["seconds"] for r in runs)
+    last = {k: v for k, v in runs[-1].items() if k != "tokens"}
+    return {**last, "tok_s": tokens / seconds, "seconds": seconds,
+            "tok_s_per_round": [round(r["tok_s"], 2) for r in runs]}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
@@ -128,9 +140,10 @@ def main(argv=None) -> None:
     for name, texts in workloads().items():
         prompts = [chat(t) for t in (texts * args.num_requests)[: args.num_requests]]
         for concurrency in args.concurrency:
-            off = run(worker, prompts, concurrency, args.output_len, "")
-            on = run(worker, prompts, concurrency, args.output_len, ngram)
-            same = off.pop("tokens") == on.pop("tokens")
+            rounds = [(run(worker, prompts, concurrency, args.output_len, ""),
+                       run(worker, prompts, concurrency, args.output_len, ngram)) for _ in range(args.rounds)]
+            same = all(off["tokens"] == on["tokens"] for off, on in rounds)
+            off, on = (_combined([r[i] for r in rounds]) for i in (0, 1))
             ratio = on["tok_s"] / off["tok_s"]
             results[f"{name}@{concurrency}"] = {"off": off, "ngram": on, "ratio": ratio, "same_tokens": same}
             print(f"{name:<16}{concurrency:>5}{off['tok_s']:>11.1f}{on['tok_s']:>13.1f}{ratio:>7.2f}"

@@ -87,22 +87,20 @@ def test_tp2_greedy_with_ngram_equals_tp1_without(stack, model_path, reference):
     assert per_pos and per_pos[0] > 0
 
 
+def stream_choices(resp) -> list[dict]:
+    """The choices of each SSE event of a streamed response, in order."""
+    assert resp.status_code == 200, resp.text
+    events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+    return [event["choices"][0] for event in events if event["choices"]]
+
+
 def test_a_stream_carries_every_token_once_and_in_order(stack, model_path, reference):
     q = QUESTIONS[3]
-    body = {"model": os.path.basename(model_path), "messages": [{"role": "user", "content": q}], "stream": True,
-            "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": True}
-    tokens, text = [], []
-    with httpx.Client(timeout=120) as http, http.stream("POST", stack.base_url + "/v1/chat/completions",
-                                                        json=body) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            text.append(choice["delta"].get("content") or "")
-            tokens.extend(item["bytes"] for item in (choice.get("logprobs") or {}).get("content") or [])
+    choices = stream_choices(chat(stack, model_path, q, stream=True, logprobs=True))
+    tokens = [item["bytes"] for c in choices for item in (c.get("logprobs") or {}).get("content") or []]
     assert tokens == reference[q]
-    assert "".join(text) == chat(stack, model_path, q).json()["choices"][0]["message"]["content"]
+    text = "".join(c["delta"].get("content") or "" for c in choices)
+    assert text == chat(stack, model_path, q).json()["choices"][0]["message"]["content"]
 
 
 def test_a_stop_string_inside_an_accepted_run_cuts_exactly_there(stack, model_path):
@@ -115,12 +113,11 @@ def test_a_stop_string_inside_an_accepted_run_cuts_exactly_there(stack, model_pa
     cut = text[: text.index(stop)]
     for stream in (False, True):
         resp = chat(stack, model_path, q, stop=[stop], stream=stream)
-        assert resp.status_code == 200, resp.text
         if stream:
-            events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
-            got = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
-            reason = [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1]
+            choices = stream_choices(resp)
+            got, reason = "".join(c["delta"].get("content") or "" for c in choices), choices[-1]["finish_reason"]
         else:
+            assert resp.status_code == 200, resp.text
             got, reason = resp.json()["choices"][0]["message"]["content"], resp.json()["choices"][0]["finish_reason"]
         assert (got, reason) == (cut, "stop")
 
