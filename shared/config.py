@@ -69,7 +69,8 @@ class CacheConfig:
 
 # Speculative decoding: the keys each method of --speculative-config takes (vLLM's names).
 _SPECULATIVE_KEYS = {
-    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "disable_by_batch_size"},
 }
 
 
@@ -79,13 +80,15 @@ class SpeculativeConfig:
 
     ngram (prompt lookup): the last n tokens of the request (n from ``prompt_lookup_max``
     down to ``prompt_lookup_min``) are looked up earlier in its tokens, and the tokens that
-    followed there are the drafts.
+    followed there are the drafts. ``disable_by_batch_size``: no drafts are scheduled while
+    more requests than this run or wait (0: no limit), as in vLLM.
     """
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 0
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
@@ -115,6 +118,9 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
     if not 1 <= config.num_speculative_tokens <= 16:
         raise ConfigError(f"speculative_config: num_speculative_tokens must be in [1, 16], "
                           f"got {config.num_speculative_tokens}")
+    if config.disable_by_batch_size < 0:
+        raise ConfigError(f"speculative_config: disable_by_batch_size must be >= 0, "
+                          f"got {config.disable_by_batch_size}")
     if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
         raise ConfigError(f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                           f"{config.prompt_lookup_min} and {config.prompt_lookup_max}")

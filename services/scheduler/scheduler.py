@@ -104,6 +104,8 @@ class Scheduler:
         # Draft tokens a request's step may verify (0: no speculative decoding).
         speculative = scheduler_config.speculative
         self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else 0
+        # No drafts while more requests than this run or wait (0: no limit).
+        self.disable_spec_above = speculative.disable_by_batch_size if speculative else 0
         self.spec_decode_stats = SpecDecodeStats(self.num_speculative_tokens)
 
     # ------------------------------------------------------------------ intake
@@ -270,6 +272,8 @@ class Scheduler:
         the end of its known tokens; never past the budget, max_tokens or max_model_len
         (the step yields up to one token more than it verifies drafts)."""
         if not request.num_draft_tokens or request.num_computed_tokens + num_new < request.num_tokens:
+            return 0
+        if self.disable_spec_above and self.get_num_unfinished_requests() > self.disable_spec_above:
             return 0
         return max(0, min(
             request.num_draft_tokens,

@@ -127,6 +127,20 @@ def test_without_blocks_for_the_drafts_the_step_goes_on_without_them():
     assert out.num_scheduled_tokens == [1, 1] and out.num_spec_tokens == [] and sched.num_preemptions == 0
 
 
+def test_disable_by_batch_size_stops_drafts_while_more_requests_run():
+    config = NGRAM.replace("}", ', "disable_by_batch_size": 1}')
+    sched = make_scheduler(speculative_config=config)
+    add(sched, "a")
+    answer(sched, sched.schedule(), lambda r, s: [7])
+    add(sched, "b")
+    out = sched.schedule()
+    assert dict(zip(out.scheduled_req_ids, out.num_scheduled_tokens))["a"] == 1 and out.num_spec_tokens == []
+    answer(sched, out, lambda r, s: [7])
+    sched.abort_requests(["b"])
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == [4] and out.num_spec_tokens == [3]  # alone again
+
+
 def test_no_drafts_are_scheduled_without_speculative_decoding():
     sched = make_scheduler(speculative_config="")
     add(sched, "a")
@@ -150,6 +164,7 @@ def test_speculative_decoding_turns_scheduling_ahead_off():
     ('{"method": "ngram", "num_speculative_tokens": "2"}', "must be an integer"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "must be in [1, 16]"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}', "prompt_lookup_min <="),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}', "must be >= 0"),
 ])
 def test_a_bad_speculative_config_is_refused_at_start_up(text, message):
     with pytest.raises(ConfigError, match="speculative_config") as error:
