@@ -32,7 +32,6 @@ from services.launch.nats_server import NatsServer  # noqa: E402
 from services.launch.stack import Stack, StackConfig  # noqa: E402
 from shared.protocol import (  # noqa: E402
     ABORT_REQUEST,
-    ENGINE_ABORT,
     ENGINE_REQUEST,
     ENGINE_REQUEST_REPLY,
     ENGINE_REQUESTS,
@@ -42,10 +41,12 @@ from shared.protocol import (  # noqa: E402
     EngineRequest,
     SamplingParams,
     SchedulerOutput,
+    engine_abort_subject,
     engine_profile_subject,
 )
 from shared.step_profile import WORKER_PHASES  # noqa: E402
 
+BENCH_GATEWAY = "bench"  # the gateway id the benchmark's requests (and their aborts) name
 # In the order a step goes through them.
 ENGINE_PHASES = [
     "idle", "schedule", "encode", "bus_round_trip", *WORKER_PHASES, "result_decode", "update", "publish_outputs",
@@ -67,7 +68,8 @@ async def profile_batch(nc, batch: int, steps: int, prompt_len: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
     for i, req_id in enumerate(ids):
         prompt = [(i * 7 + j) % 1000 + 100 for j in range(prompt_len)]  # distinct: no prefix hits
-        reply = await nc.request(ENGINE_REQUESTS, ENGINE_REQUEST.encode(EngineRequest(req_id, prompt, params)), timeout=10)
+        request = EngineRequest(req_id, prompt, params, gateway_id=BENCH_GATEWAY)
+        reply = await nc.request(ENGINE_REQUESTS, ENGINE_REQUEST.encode(request), timeout=10)
         error = ENGINE_REQUEST_REPLY.decode(reply.data).error
         if error:
             raise RuntimeError(error.message)
@@ -83,7 +85,7 @@ async def profile_batch(nc, batch: int, steps: int, prompt_len: int) -> dict:
                 return summary
         raise TimeoutError(f"batch {batch}: fewer than {steps} steps in 600 s")
     finally:
-        await nc.publish(ENGINE_ABORT, ABORT_REQUEST.encode(AbortRequest(ids)))
+        await nc.publish(engine_abort_subject(BENCH_GATEWAY), ABORT_REQUEST.encode(AbortRequest(ids)))
         await nc.flush()
         await asyncio.sleep(1.0)
 

@@ -5,8 +5,10 @@ A service subclasses ``Service``, registers one async handler per subject in
 ``run_service``. The base connects to ``NATS_URL`` (with the role's credentials
 from the environment, see ``shared/bus_auth.py``), wraps every handler in one
 error boundary (an exception is logged with the subject and counted, never
-kills the subscription), answers health pings on ``llm.ping.<service>``, and on
-SIGTERM/SIGINT drains the connection and exits.
+kills the subscription), answers health pings on ``llm.ping.<service>``, keeps its
+heartbeat file fresh while its loop runs and nats-server answers
+(``shared/healthcheck.py``: a container healthcheck without bus permissions), and
+on SIGTERM/SIGINT drains the connection and exits.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import uuid
 
 import nats
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 
+from shared import healthcheck
 from shared.bus_auth import connect_credentials
 from shared.protocol import PONG, Pong, ping_subject
 
@@ -45,6 +49,8 @@ class Service:
         self.nc: nats.NATS | None = None
         self.handler_errors = 0
         self.exit_code = 0
+        self.heartbeat_file = healthcheck.heartbeat_file()
+        self.heartbeat_interval = healthcheck.HEARTBEAT_INTERVAL
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
 
@@ -109,7 +115,26 @@ class Service:
         )
         await self.subscribe(ping_subject(self.name), self._on_ping, queue=self.name)
         await self.setup()
+        self.spawn(self._beat())
         logger.info("%s %s: up on %s", self.name, self.instance_id, self.nats_url)
+
+    async def _beat(self) -> None:
+        """Touch the heartbeat file after each round trip to nats-server: it goes stale
+        when the loop stops or the bus connection is lost."""
+        warned = False
+        while True:
+            try:
+                # While reconnecting, nats-py's flush returns without a round trip.
+                if self.nc.is_connected:
+                    await self.nc.flush(timeout=self.heartbeat_interval)
+                    healthcheck.touch(self.heartbeat_file)
+            except OSError as e:
+                if not warned:
+                    logger.warning("%s %s: heartbeat file %s: %r", self.name, self.instance_id, self.heartbeat_file, e)
+                    warned = True
+            except (NatsError, asyncio.TimeoutError):
+                pass  # no answer from the bus this time: the file ages
+            await asyncio.sleep(self.heartbeat_interval)
 
     async def _on_ping(self, msg: Msg) -> None:
         await msg.respond(PONG.encode(Pong(self.name, self.instance_id, self.info())))

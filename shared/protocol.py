@@ -24,10 +24,13 @@ SUBJECT_PREFIX = "llm"
 TOKENIZE = f"{SUBJECT_PREFIX}.tokenize"
 DETOKENIZE = f"{SUBJECT_PREFIX}.detokenize"
 ENGINE_REQUESTS = f"{SUBJECT_PREFIX}.engine.requests"
-ENGINE_ABORT = f"{SUBJECT_PREFIX}.engine.abort"
+# Aborts and resend requests travel per gateway (``engine_abort_subject``...): only a
+# gateway may publish on its own, and schedulers obey them only for its own requests.
+# Outside llm.engine.*: a gateway id must never make a subject like llm.engine.<id>.step.
+ENGINE_ABORT = f"{SUBJECT_PREFIX}.abort"
 ENGINE_STATS = f"{SUBJECT_PREFIX}.engine.stats"
 # Gateways ask for the outputs of a stream's gap again (a detokenizer died with them).
-ENGINE_RESEND = f"{SUBJECT_PREFIX}.engine.resend"
+ENGINE_RESEND = f"{SUBJECT_PREFIX}.resend"
 PING = f"{SUBJECT_PREFIX}.ping"
 # The launcher publishes how often it restarted each service (gateways show it in /metrics).
 SERVICE_RESTARTS = f"{SUBJECT_PREFIX}.launcher.restarts"
@@ -71,6 +74,22 @@ def engine_retire_subject(engine_id: str) -> str:
 def gateway_stream_subject(gateway_id: str) -> str:
     """Text deltas for the requests one gateway replica owns."""
     return f"{SUBJECT_PREFIX}.stream.{gateway_id}"
+
+
+def engine_abort_subject(gateway_id: str) -> str:
+    """Aborts of gateway ``gateway_id``'s requests (by it, or by a detokenizer for a stop
+    string); every scheduler listens on ``engine_abort_subject("*")``."""
+    return f"{ENGINE_ABORT}.{gateway_id}"
+
+
+def engine_resend_subject(gateway_id: str) -> str:
+    """Gateway ``gateway_id`` asks for its requests' lost outputs again."""
+    return f"{ENGINE_RESEND}.{gateway_id}"
+
+
+def subject_gateway_id(subject: str) -> str:
+    """The gateway id a per-gateway subject ends with."""
+    return subject.rsplit(".", 1)[-1]
 
 
 # --------------------------------------------------------------------------- requests
@@ -118,12 +137,16 @@ class EngineRequest(msgspec.Struct, omit_defaults=True):
 
 
 class AbortRequest(msgspec.Struct, omit_defaults=True):
+    """-> schedulers on ``engine_abort_subject(gateway_id)``: end these requests of that
+    gateway (ids of another gateway's requests are ignored)."""
+
     request_ids: list[str]
 
 
 class ResendOutputs(msgspec.Struct, omit_defaults=True):
-    """gateway -> schedulers: publish request ``request_id``'s output tokens from
-    ``token_offset`` on to the detokenizers again (the ones there were lost)."""
+    """gateway -> schedulers on ``engine_resend_subject(gateway_id)``: publish request
+    ``request_id``'s output tokens from ``token_offset`` on to the detokenizers again (the
+    ones there were lost); only for a request of that gateway."""
 
     request_id: str
     token_offset: int

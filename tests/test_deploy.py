@@ -9,13 +9,21 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-SCALED = ("tokenizer", "detokenizer", "gateway")
+SCALED = ("tokenizer", "detokenizer")  # gateways are named services, one bus user each
 # Read by shared/bus_auth.py, not flags: credentials never travel on a command line.
 BUS_CREDENTIALS = ("NATS_USER", "NATS_PASSWORD", "NATS_PASSWORD_FILE")
 
 
 def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def python_services() -> dict[str, dict]:
+    return {n: s for n, s in compose()["services"].items() if s.get("command", [None])[:2] == ["python", "-m"]}
+
+
+def gateway_services() -> dict[str, dict]:
+    return {n: s for n, s in python_services().items() if s["command"][2] == "services.gateway"}
 
 
 def test_every_service_command_names_a_real_module():
@@ -66,7 +74,9 @@ def test_services_reach_nats_by_url_and_nats_allows_big_prompts():
     conf = (ROOT / "docker" / "nats.conf").read_text()
     assert re.search(r"max_payload:\s*8MB", conf)
     nginx = (ROOT / "docker" / "nginx.conf").read_text()
-    assert "proxy_buffering off" in nginx and "gateway:8000" in nginx
+    assert "proxy_buffering off" in nginx and "proxy_pass http://gateways;" in nginx
+    # nginx balances over exactly the named gateways, following their restarts.
+    assert set(re.findall(r"server (\S+):8000 resolve;", nginx)) == set(gateway_services())
 
 
 def test_dockerfile_copies_what_the_services_import():
@@ -94,32 +104,50 @@ def test_image_runs_as_an_unprivileged_user():
     assert users and users[-1] not in ("root", "0")
 
 
-def test_each_service_connects_with_its_own_role_and_nats_knows_every_role():
-    from shared.bus_auth import ROLES, authorization_config
+def test_each_service_connects_as_its_own_user_and_nats_knows_every_user():
+    from services.launch.compose_nats_conf import COMPOSE_GATEWAY_IDS, compose_nats_conf
+    from shared.bus_auth import gateway_user, password_variable, users
+
+    for name, service in python_services().items():
+        role = service["command"][2].removeprefix("services.")
+        env = service["environment"]
+        # A gateway's user is its own (its id and only stream subject), named as the service.
+        user = name if role == "gateway" else role
+        assert env["NATS_USER"] == user, name
+        assert env["NATS_PASSWORD"] == f"${{{password_variable(user)}:?run scripts/bus-secrets first}}", name
+    assert set(gateway_services()) == {gateway_user(g) for g in COMPOSE_GATEWAY_IDS}
+    nats_env = compose()["services"]["nats"]["environment"]
+    assert {password_variable(u) for u in users(COMPOSE_GATEWAY_IDS)} == set(nats_env)
+    # docker/nats.conf is generated (python -m services.launch.compose_nats_conf).
+    assert (ROOT / "docker" / "nats.conf").read_text() == compose_nats_conf()
+    # scripts/bus-secrets makes a password for every variable nats.conf names.
+    assert "docker/nats.conf" in (ROOT / "scripts" / "bus-secrets").read_text()
+
+
+def test_every_service_has_a_healthcheck_that_runs_and_starts_after_nats():
+    from services.launch.compose_nats_conf import MONITOR_PORT
 
     services = compose()["services"]
     for name, service in services.items():
-        command = service.get("command")
-        if not command or command[:2] != ["python", "-m"]:
-            continue
-        role = command[2].removeprefix("services.")
-        env = service["environment"]
-        assert env["NATS_USER"] == role, name
-        assert env["NATS_PASSWORD"] == f"${{NATS_PASSWORD_{role.upper()}:?run scripts/bus-secrets first}}", name
-    nats_env = services["nats"]["environment"]
-    assert {f"NATS_PASSWORD_{r.upper()}" for r in ROLES} == set(nats_env)
-    # docker/nats.conf's users are shared/bus_auth.py's, passwords from the environment.
-    conf = (ROOT / "docker" / "nats.conf").read_text()
-    assert authorization_config({r: f"$NATS_PASSWORD_{r.upper()}" for r in ROLES}) in conf
-    secrets_script = (ROOT / "scripts" / "bus-secrets").read_text()
-    [roles] = re.findall(r"for role in ([a-z ]+); do", secrets_script)
-    assert set(roles.split()) == set(ROLES)
+        assert service.get("healthcheck", {}).get("test", [None])[0] == "CMD", f"{name} has no healthcheck"
+    for name, service in python_services().items():
+        test = service["healthcheck"]["test"]
+        if name in gateway_services():
+            assert "/health" in " ".join(test), name
+        else:
+            assert test[1:] == ["python", "-m", "shared.healthcheck"], name
+        assert importlib.util.find_spec("shared.healthcheck") is not None
+        assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
+    nats = services["nats"]
+    assert "alpine" in nats["image"]  # wget for the check
+    assert f"http://127.0.0.1:{MONITOR_PORT}/healthz" in nats["healthcheck"]["test"]
+    assert f"http: 127.0.0.1:{MONITOR_PORT}" in (ROOT / "docker" / "nats.conf").read_text()
 
 
 def test_the_public_port_is_loopback_and_waits_for_a_healthy_gateway():
     services = compose()["services"]
     lb = services["loadbalancer"]
     assert lb["ports"] == ["127.0.0.1:8000:8000"]
-    assert lb["depends_on"]["gateway"]["condition"] == "service_healthy"
-    assert "/health" in " ".join(services["gateway"]["healthcheck"]["test"])
+    assert {n: d["condition"] for n, d in lb["depends_on"].items()} == dict.fromkeys(gateway_services(),
+                                                                                 "service_healthy")
     assert all(s.get("restart") == "unless-stopped" for n, s in services.items()), "every service restarts"

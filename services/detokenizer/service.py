@@ -6,8 +6,8 @@ any replica takes any step, since each output carries its own token window); the
 service turns each ``EngineOutput`` into a ``StreamDelta`` with
 ``incremental.IncrementalDetokenizer``, groups them by gateway and publishes one
 ``StreamDeltaBatch`` per gateway on ``llm.stream.<gateway_id>``. A stop string that
-ends a request also goes to every scheduler as an ``AbortRequest``, so its blocks
-are freed at once.
+ends a request also goes to every scheduler as an ``AbortRequest`` on its gateway's
+abort subject (``llm.abort.<gateway_id>``), so its blocks are freed at once.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from shared.bus import Service
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
-    ENGINE_ABORT,
     ENGINE_OUTPUT_BATCH,
     STREAM_DELTA_BATCH,
     AbortRequest,
@@ -30,6 +29,7 @@ from shared.protocol import (
     FinishReason,
     StreamDelta,
     StreamDeltaBatch,
+    engine_abort_subject,
     gateway_stream_subject,
 )
 
@@ -64,18 +64,19 @@ class DetokenizerService(Service):
             deltas, aborts = await asyncio.to_thread(self.detokenize, batch)
         else:
             deltas, aborts = self.detokenize(batch)
-        if aborts:
-            self.num_stop_aborts += len(aborts)
-            await self.nc.publish(ENGINE_ABORT, ABORT_REQUEST.encode(AbortRequest(aborts)))
+        for gateway_id, request_ids in aborts.items():
+            # On the owner's subject: schedulers obey an abort only for that gateway's requests.
+            self.num_stop_aborts += len(request_ids)
+            await self.nc.publish(engine_abort_subject(gateway_id), ABORT_REQUEST.encode(AbortRequest(request_ids)))
         for gateway_id, gateway_deltas in deltas.items():
             await self.nc.publish(
                 gateway_stream_subject(gateway_id), STREAM_DELTA_BATCH.encode(StreamDeltaBatch(gateway_deltas))
             )
 
-    def detokenize(self, batch: EngineOutputBatch) -> tuple[dict[str, list[StreamDelta]], list[str]]:
-        """Deltas grouped by gateway, and the requests a stop string ended (to abort)."""
+    def detokenize(self, batch: EngineOutputBatch) -> tuple[dict[str, list[StreamDelta]], dict[str, list[str]]]:
+        """Deltas, and the requests a stop string ended (to abort), grouped by gateway."""
         deltas: dict[str, list[StreamDelta]] = defaultdict(list)
-        aborts: list[str] = []
+        aborts: dict[str, list[str]] = defaultdict(list)
         for output in batch.outputs:
             self.num_outputs += 1
             try:
@@ -84,11 +85,11 @@ class DetokenizerService(Service):
                 logger.exception("%s: detokenizing failed", output.request_id)
                 deltas[output.gateway_id].append(self._error_delta(output, f"detokenizing failed: {e}"))
                 if output.finish_reason == FinishReason.NONE:
-                    aborts.append(output.request_id)
+                    aborts[output.gateway_id].append(output.request_id)
                 continue
             if (result.stopped or result.already_stopped) and output.finish_reason == FinishReason.NONE:
                 # The scheduler still runs it; repeated for late outputs in case an abort was lost.
-                aborts.append(output.request_id)
+                aborts[output.gateway_id].append(output.request_id)
             if result.already_stopped:
                 continue
             num_new = len(output.new_token_ids)

@@ -2,11 +2,14 @@
 
 First and last stop on the request's way. Each gateway replica subscribes, before
 it sends any request, to its own subject ``llm.stream.<gateway_id>`` (no queue
-group: only this replica holds the HTTP streams). For each engine request it
-registers a ``RequestStream`` under the request id, then asks a tokenizer on
-``llm.tokenize`` (request/reply). Deltas for ids it does not hold (finished,
-aborted, or another gateway's) are dropped. Requests that end early are aborted
-on ``llm.engine.abort``. ``EngineStats`` from ``llm.engine.stats`` feed /metrics.
+group: only this replica holds the HTTP streams). On an authenticated bus the id is
+its NATS user's (``gateway-<id>``, shared/bus_auth.py), the only stream subject that
+user may read. For each engine request it registers a ``RequestStream`` under the
+request id, then asks a tokenizer on ``llm.tokenize`` (request/reply). Deltas for ids
+it does not hold (finished, aborted) are dropped. Requests that end early are aborted
+on ``llm.abort.<gateway_id>``, lost outputs asked for again on
+``llm.resend.<gateway_id>``. ``EngineStats`` from ``llm.engine.stats`` feed
+/metrics.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from shared.bus import Service
+from shared.bus_auth import gateway_id_from_credentials
+from shared.config import ConfigError
 from shared.protocol import (
     ABORT_REQUEST,
-    ENGINE_ABORT,
-    ENGINE_RESEND,
     ENGINE_STATS,
     ENGINE_STATS_MSG,
     SERVICE_RESTARTS,
@@ -39,6 +42,8 @@ from shared.protocol import (
     ResendOutputs,
     TokenizeReply,
     TokenizeRequest,
+    engine_abort_subject,
+    engine_resend_subject,
     gateway_stream_subject,
     ping_subject,
 )
@@ -61,7 +66,11 @@ class GatewayService(Service):
     name = "gateway"
 
     def __init__(self, config: GatewayConfig, nats_url: str | None = None, instance_id: str | None = None) -> None:
-        super().__init__(nats_url, instance_id)
+        # On an authenticated bus the id is the gateway's NATS user's: its only stream subject.
+        bus_id = gateway_id_from_credentials()
+        if instance_id and bus_id and instance_id != bus_id:
+            raise ConfigError(f"gateway id {instance_id!r} differs from its NATS user's ({bus_id!r})")
+        super().__init__(nats_url, instance_id or bus_id)
         self.config = config
         self.streams: dict[str, RequestStream] = {}
         self.engine_stats = EngineStatsStore()
@@ -206,8 +215,8 @@ class GatewayService(Service):
             stream.next_offset, why)
         self.num_resends += 1
         try:
-            await self.nc.publish(ENGINE_RESEND, RESEND_OUTPUTS.encode(ResendOutputs(stream.request_id,
-                                                                                   stream.next_offset)))
+            await self.nc.publish(engine_resend_subject(self.gateway_id),
+                                  RESEND_OUTPUTS.encode(ResendOutputs(stream.request_id, stream.next_offset)))
         except NatsError as e:
             logger.warning("%s: resend request not sent: %r", stream.request_id, e)
 
@@ -220,7 +229,8 @@ class GatewayService(Service):
             return
         logger.info("aborting %s", ", ".join(request_ids))
         try:
-            await self.nc.publish(ENGINE_ABORT, ABORT_REQUEST.encode(AbortRequest(request_ids=request_ids)))
+            await self.nc.publish(engine_abort_subject(self.gateway_id),
+                                  ABORT_REQUEST.encode(AbortRequest(request_ids=request_ids)))
         except NatsError as e:
             logger.warning("abort of %s not sent: %r", request_ids, e)
 

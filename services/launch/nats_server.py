@@ -17,7 +17,7 @@ import tempfile
 import time
 
 from services.launch.supervisor import die_with_parent
-from shared.bus_auth import authorization_config, new_passwords, role_env
+from shared.bus_auth import authorization_config, connect_credentials, new_passwords, user_env
 
 MAX_PAYLOAD = 8 * 1024 * 1024
 
@@ -44,14 +44,16 @@ class NatsServer:
     """A nats-server child process; ``url`` is where clients connect."""
 
     def __init__(
-        self, port: int = 0, host: str = "127.0.0.1", log_file: str | None = None, authenticated: bool = False
+        self, port: int = 0, host: str = "127.0.0.1", log_file: str | None = None, authenticated: bool = False,
+        gateway_ids=(),
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.url = f"nats://{host}:{self.port}"
-        # With authentication, one user per service role (shared/bus_auth.py), fresh
-        # passwords per server; ``env_for(role)`` is what a process of that role needs.
-        self.passwords = new_passwords() if authenticated else {}
+        # With authentication, one user per service role and one per gateway id
+        # (shared/bus_auth.py), fresh passwords per server; ``env_for(user)`` is what a
+        # process connecting as that user needs.
+        self.passwords = new_passwords(gateway_ids) if authenticated else {}
         self._dir = tempfile.mkdtemp(prefix="nats-")
         config = os.path.join(self._dir, "nats.conf")
         # The config holds the passwords: readable by this user only.
@@ -66,13 +68,14 @@ class NatsServer:
         )
         self._wait_ready()
 
-    def credentials(self, role: str) -> dict[str, str]:
-        """``nats.connect`` keyword arguments for a client of ``role`` ({} without authentication)."""
-        return {"user": role, "password": self.passwords[role]} if self.passwords else {}
+    def credentials(self, user: str) -> dict[str, str]:
+        """``nats.connect`` keyword arguments for a client of ``user`` ({} without authentication)."""
+        return connect_credentials(self.env_for(user))
 
-    def env_for(self, role: str) -> dict[str, str]:
-        """Environment variables a process of ``role`` connects with ({} without authentication)."""
-        return role_env(role, self.passwords) if self.passwords else {}
+    def env_for(self, user: str) -> dict[str, str]:
+        """Environment variables a process of ``user`` (a role, or ``gateway_user(id)``)
+        connects with ({} without authentication)."""
+        return user_env(user, self.passwords) if self.passwords else {}
 
     def _wait_ready(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout

@@ -5,8 +5,9 @@ stack. Every service is its own OS process (``python -m services.<name>``) in it
 own process group, started through a ``Supervisor``: once the stack is ready, a
 service that dies is started again (and the counts reach the gateways' /metrics);
 stopping the stack, or killing the launcher, leaves nothing running. nats-server runs
-with one user per service role (fresh passwords per run), each service gets its
-role's credentials in its environment. Extra flags go to the services that take them
+with one user per service role and one for the gateway (fresh passwords per run), each
+service gets its user's credentials in its environment; the gateway's user name is its
+id (``GATEWAY_ID``). Extra flags go to the services that take them
 (``service_flags``).
 """
 
@@ -23,12 +24,14 @@ from pathlib import Path
 
 from services.launch.nats_server import NatsServer, free_port
 from services.launch.supervisor import Supervisor
+from shared.bus_auth import gateway_user
 from shared.protocol import SERVICE_RESTARTS, SERVICE_RESTARTS_MSG, ServiceRestarts
 from services.launch.service_flags import split_service_args
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPERVISE_INTERVAL = 0.5  # seconds between looks for dead services
 RESTARTS_REPUBLISH_INTERVAL = 10.0
+GATEWAY_ID = "0"  # the one gateway's id (its NATS user is gateway-0), kept across restarts
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ class Stack:
         env.update(self.config.env)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env["NATS_URL"] = self.nats.url
-        env.update(self.nats.env_for(role))
+        env.update(self.nats.env_for(gateway_user(GATEWAY_ID) if role == "gateway" else role))
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env
 
@@ -96,7 +99,8 @@ class Stack:
     def start(self) -> None:
         cfg = self.config
         log = os.path.join(cfg.log_dir, "nats.log") if cfg.log_dir else None
-        self.nats = NatsServer(port=cfg.nats_port, log_file=log, authenticated=cfg.authenticated_bus)
+        self.nats = NatsServer(port=cfg.nats_port, log_file=log, authenticated=cfg.authenticated_bus,
+                               gateway_ids=[GATEWAY_ID])
         model = ["--model", cfg.model] if cfg.model else []
         tp = ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
         # TP ranks meet in a torch.distributed rendezvous hosted by rank 0 (args may override).

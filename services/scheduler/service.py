@@ -1,12 +1,13 @@
 """The scheduler service: the engine core's scheduler on the bus.
 
 It takes tokenized requests (queue group: scheduler replicas share intake) and
-aborts (every replica hears them), runs the step loop — schedule, publish the
-step diff to every worker rank, await rank 0's sampled tokens, update — and
-publishes each step's new tokens to the detokenizers. With async scheduling (the
-default) step N+1 is scheduled and published before step N's result is awaited.
-While steps run, the event loop keeps taking requests and aborts; they join the next
-step scheduled.
+aborts (every replica hears them; one on ``llm.abort.<gateway_id>`` ends only that
+gateway's requests, as one on ``llm.resend.<gateway_id>`` resends only theirs), runs
+the step loop — schedule, publish the step diff to every worker rank, await rank 0's
+sampled tokens, update — and publishes each step's new tokens to the detokenizers.
+With async scheduling (the default) step N+1 is scheduled and published before step
+N's result is awaited. While steps run, the event loop keeps taking requests and
+aborts; they join the next step scheduled.
 
 The engine accepts requests only once every worker rank has announced itself
 (membership and heartbeats: ``workers.py``). A step that gets no answer within
@@ -40,12 +41,10 @@ from shared.config import CacheConfig, SchedulerConfig
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
-    ENGINE_ABORT,
     ENGINE_OUTPUT_BATCH,
     ENGINE_REQUEST,
     ENGINE_REQUEST_REPLY,
     ENGINE_REQUESTS,
-    ENGINE_RESEND,
     ENGINE_STATS,
     ENGINE_STATS_MSG,
     MODEL_RUNNER_OUTPUT,
@@ -61,12 +60,15 @@ from shared.protocol import (
     FinishReason,
     SchedulerOutput,
     WorkerRetire,
+    engine_abort_subject,
     engine_hello_subject,
     engine_profile_subject,
     engine_ready_subject,
+    engine_resend_subject,
     engine_result_subject,
     engine_retire_subject,
     engine_step_subject,
+    subject_gateway_id,
 )
 
 from shared.step_profile import NULL_CLOCK, NullClock, PhaseClock, StepProfile
@@ -124,7 +126,7 @@ class SchedulerService(Service):
         self.max_waiting_requests = service_config.max_waiting_requests
         self.scheduler: Scheduler | None = None
         self.workers = WorkerGroup(self.world_size, self.cache_config.block_size, self.worker_timeout)
-        self._early_aborts: dict[str, float] = {}
+        self._early_aborts: dict[tuple[str, str], float] = {}  # (gateway id, request id) -> when
         self._work = asyncio.Event()
         # Steps sent and not answered yet, by step id (two at most with async scheduling).
         self._pending_steps: dict[int, asyncio.Future] = {}
@@ -158,8 +160,8 @@ class SchedulerService(Service):
         await self.subscribe(engine_ready_subject(self.engine_id), self._on_worker_ready)
         await self.subscribe(engine_result_subject(self.engine_id), self._on_result)
         await self.subscribe(ENGINE_REQUESTS, self._on_request, queue="scheduler")
-        await self.subscribe(ENGINE_ABORT, self._on_abort)
-        await self.subscribe(ENGINE_RESEND, self._on_resend)
+        await self.subscribe(engine_abort_subject("*"), self._on_abort)
+        await self.subscribe(engine_resend_subject("*"), self._on_resend)
         if self.profile is not None:
             await self.subscribe(engine_profile_subject(self.engine_id), self._on_profile)
         await self.nc.publish(engine_hello_subject(self.engine_id), b"")
@@ -285,7 +287,7 @@ class SchedulerService(Service):
                 f"engine {self.engine_id} has {self.max_waiting_requests} requests waiting; try again later",
                 type="rate_limit_error", code="too_many_requests", status=429,
             )
-        elif self._early_aborts.pop(request.request_id, None) is not None:
+        elif self._early_aborts.pop((request.gateway_id, request.request_id), None) is not None:
             error = ErrorInfo("the request was aborted before it arrived", type="request_aborted", status=499)
         else:
             try:
@@ -298,28 +300,39 @@ class SchedulerService(Service):
         await msg.respond(ENGINE_REQUEST_REPLY.encode(reply))
 
     async def _on_abort(self, msg: Msg) -> None:
+        # The subject names the gateway (only it, and detokenizers, may publish there):
+        # ids of another gateway's requests are ignored.
+        gateway_id = subject_gateway_id(msg.subject)
         request_ids = ABORT_REQUEST.decode(msg.data).request_ids
         if self._resumable:
             gone = set(request_ids)
-            self._resumable = [r for r in self._resumable if r.request_id not in gone]
+            self._resumable = [r for r in self._resumable if r.request_id not in gone or r.gateway_id != gateway_id]
         if self.scheduler is None:
             return
-        aborted = self.scheduler.abort_requests(request_ids)
-        if aborted:
+        known = {req_id: self.scheduler.requests.get(req_id) for req_id in request_ids}
+        owned = [req_id for req_id, request in known.items() if request is not None and request.gateway_id == gateway_id]
+        if len(owned) < sum(r is not None for r in known.values()):
+            logger.warning("engine %s: abort from gateway %s for another gateway's request ignored",
+                           self.engine_id, gateway_id)
+        if self.scheduler.abort_requests(owned):
             self._work.set()  # the workers must drop their state
         # A client that leaves while its request is being tokenized can make the abort
         # overtake the request: remember unknown ids for a while and refuse them.
         now = time.monotonic()
-        known = {r.request_id for r in aborted}
-        for req_id in request_ids:
-            if req_id not in known:
-                self._early_aborts[req_id] = now
+        for req_id, request in known.items():
+            if request is None:
+                self._early_aborts[(gateway_id, req_id)] = now
         self._early_aborts = {k: t for k, t in self._early_aborts.items() if now - t < EARLY_ABORT_TTL}
 
     async def _on_resend(self, msg: Msg) -> None:
+        gateway_id = subject_gateway_id(msg.subject)
         resend = RESEND_OUTPUTS.decode(msg.data)
         output = None if self.scheduler is None else self.scheduler.resend_output(resend.request_id,
                                                                                     resend.token_offset)
+        if output is not None and output.gateway_id != gateway_id:
+            logger.warning("engine %s: resend of %s asked by gateway %s, not its own, ignored", self.engine_id,
+                           resend.request_id, gateway_id)
+            return
         if output is not None:
             logger.info("engine %s: %s: outputs from token %d sent again", self.engine_id, resend.request_id,
                         resend.token_offset)

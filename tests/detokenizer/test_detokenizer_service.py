@@ -16,7 +16,6 @@ from services.detokenizer.service import THREAD_MIN_TOKENS, DetokenizerService
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
-    ENGINE_ABORT,
     ENGINE_OUTPUT_BATCH,
     PONG,
     STREAM_DELTA_BATCH,
@@ -24,6 +23,7 @@ from shared.protocol import (
     EngineOutputBatch,
     FinishReason,
     Logprobs,
+    engine_abort_subject,
     gateway_stream_subject,
     ping_subject,
 )
@@ -38,6 +38,7 @@ class Collector:
     def __init__(self) -> None:
         self.deltas: dict[str, list] = {}
         self.aborts: list[str] = []
+        self.abort_subjects: set[str] = set()
 
     async def subscribe(self, nc, gateway_ids):
         for gateway_id in gateway_ids:
@@ -49,9 +50,10 @@ class Collector:
             await nc.subscribe(gateway_stream_subject(gateway_id), cb=on_deltas)
 
         async def on_abort(msg):
+            self.abort_subjects.add(msg.subject)
             self.aborts.extend(ABORT_REQUEST.decode(msg.data).request_ids)
 
-        await nc.subscribe(ENGINE_ABORT, cb=on_abort)
+        await nc.subscribe(engine_abort_subject("*"), cb=on_abort)
         await nc.flush()
 
 
@@ -145,6 +147,8 @@ async def test_stop_string_ends_the_stream_and_aborts(detokenizer, nc, smollm_to
     s2 = [d for d in collector.deltas["gw-s"] if d.request_id == "s2"]
     assert "".join(d.text for d in sorted(s2, key=lambda d: d.token_offset)) == smollm_tokenizer.decode(out)
     assert "s2" not in collector.aborts
+    # On the owning gateway's abort subject: schedulers obey it only for that gateway's requests.
+    assert collector.abort_subjects == {engine_abort_subject("gw-s")}
 
 
 async def test_error_outputs_pass_through(detokenizer, nc):

@@ -33,8 +33,6 @@ from nats.aio.msg import Msg
 from shared.bus import Service
 from shared.protocol import (
     ABORT_REQUEST,
-    ENGINE_ABORT,
-    ENGINE_RESEND,
     ENGINE_STATS,
     ENGINE_STATS_MSG,
     RESEND_OUTPUTS,
@@ -52,6 +50,8 @@ from shared.protocol import (
     TokenizeRequest,
     TokenLogprob,
     TopLogprob,
+    engine_abort_subject,
+    engine_resend_subject,
     gateway_stream_subject,
 )
 from shared.request_validation import InvalidRequest, chat_messages
@@ -110,8 +110,8 @@ class FakeEngine(Service):
 
     async def setup(self) -> None:
         await self.subscribe(TOKENIZE, self._on_tokenize, queue="tokenizer")
-        await self.subscribe(ENGINE_ABORT, self._on_abort)
-        await self.subscribe(ENGINE_RESEND, self._on_resend)
+        await self.subscribe(engine_abort_subject("*"), self._on_abort)
+        await self.subscribe(engine_resend_subject("*"), self._on_resend)
         await self.nc.flush()
         self.spawn(self._announce_ready())
 

@@ -27,7 +27,6 @@ from shared.config import CacheConfig, SchedulerConfig
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
-    ENGINE_ABORT,
     ENGINE_OUTPUT_BATCH,
     ENGINE_REQUEST,
     ENGINE_REQUEST_REPLY,
@@ -35,22 +34,27 @@ from shared.protocol import (
     ENGINE_STATS,
     ENGINE_STATS_MSG,
     MODEL_RUNNER_OUTPUT,
+    RESEND_OUTPUTS,
     SCHEDULER_OUTPUT,
     WORKER_READY,
     AbortRequest,
     EngineRequest,
     FinishReason,
     ModelRunnerOutput,
+    ResendOutputs,
     SamplingParams,
     WorkerReady,
+    engine_abort_subject,
     engine_profile_subject,
     engine_ready_subject,
+    engine_resend_subject,
     engine_result_subject,
     engine_step_subject,
 )
 from shared.step_profile import WORKER_PHASES
 
 ENGINE = "t0"
+GATEWAY = "gw"
 
 
 class FakeWorker:
@@ -132,8 +136,9 @@ async def bus():
         yield stack
 
 
-async def submit(nc, req_id, n_prompt=20, max_tokens=3):
-    request = EngineRequest(req_id, list(range(100, 100 + n_prompt)), SamplingParams(max_tokens=max_tokens))
+async def submit(nc, req_id, n_prompt=20, max_tokens=3, gateway_id=GATEWAY):
+    request = EngineRequest(req_id, list(range(100, 100 + n_prompt)), SamplingParams(max_tokens=max_tokens),
+                            gateway_id=gateway_id)
     reply = await nc.request(ENGINE_REQUESTS, ENGINE_REQUEST.encode(request), timeout=5)
     return ENGINE_REQUEST_REPLY.decode(reply.data).error
 
@@ -192,12 +197,52 @@ async def test_intake_waits_for_workers_then_runs_requests(bus):
 async def test_an_abort_that_overtakes_its_request_is_remembered(bus):
     service, nc, _ = bus
     worker = await ready_worker(service, nc)
-    await nc.publish(ENGINE_ABORT, ABORT_REQUEST.encode(AbortRequest(["late"])))
+    await nc.publish(engine_abort_subject(GATEWAY), ABORT_REQUEST.encode(AbortRequest(["late"])))
+    await nc.publish(engine_abort_subject("other"), ABORT_REQUEST.encode(AbortRequest(["theirs"])))
     await nc.flush()
-    await wait_for(lambda: "late" in service._early_aborts)
+    await wait_for(lambda: (GATEWAY, "late") in service._early_aborts and ("other", "theirs") in service._early_aborts)
     error = await submit(nc, "late")
     assert error is not None and error.type == "request_aborted"
     assert not service.scheduler.has_unfinished_requests()
+    # Gateway "other" aborted its own "theirs", not ours: ours of that id runs.
+    assert await submit(nc, "theirs") is None
+    assert "theirs" in service.scheduler.requests
+    worker.task.cancel()
+
+
+async def test_a_gateway_aborts_only_its_own_requests(bus):
+    service, nc, _ = bus
+    worker = await ready_worker(service, nc, answering=False)  # requests stay unfinished
+    assert await submit(nc, "b1", gateway_id="B") is None
+    assert await submit(nc, "a1", gateway_id="A") is None
+    # Gateway A names B's request and its own; aborts on one subject are handled in order,
+    # so once "a2" (the next one) is gone, the first has been handled too.
+    assert await submit(nc, "a2", gateway_id="A") is None
+    await nc.publish(engine_abort_subject("A"), ABORT_REQUEST.encode(AbortRequest(["b1", "a1"])))
+    await nc.publish(engine_abort_subject("A"), ABORT_REQUEST.encode(AbortRequest(["a2"])))
+    await nc.flush()
+    await wait_for(lambda: "a2" not in service.scheduler.requests)
+    assert "a1" not in service.scheduler.requests
+    assert "b1" in service.scheduler.requests
+    await nc.publish(engine_abort_subject("B"), ABORT_REQUEST.encode(AbortRequest(["b1"])))
+    await nc.flush()
+    await wait_for(lambda: "b1" not in service.scheduler.requests)
+    worker.task.cancel()
+
+
+async def test_a_gateway_gets_resends_only_of_its_own_requests(bus):
+    service, nc, outputs = bus
+    worker = await ready_worker(service, nc)
+    assert await submit(nc, "b", gateway_id="B") is None
+    finished = await outputs_until_finished(outputs)
+    assert sum(len(o.new_token_ids) for o in finished) == 3
+    # Handled in order on one subject family: A's (ignored) first, then B's own.
+    await nc.publish(engine_resend_subject("A"), RESEND_OUTPUTS.encode(ResendOutputs("b", 0)))
+    await nc.publish(engine_resend_subject("B"), RESEND_OUTPUTS.encode(ResendOutputs("b", 2)))
+    await nc.flush()
+    again = await asyncio.wait_for(outputs.get(), 5)
+    assert (again.request_id, again.gateway_id, again.window_offset + len(again.window_token_ids)) == ("b", "B", 3)
+    assert len(again.new_token_ids) == 1  # from token 2: B's request, not A's (from token 0)
     worker.task.cancel()
 
 
