@@ -32,3 +32,6 @@ class AttentionMetadata:
     max_seq_len: int
     # An all-decode step's plan for the PyTorch decode attention; None until built.
     decode_plan: DecodePlan | None = None
+    # A step of short queries (speculative decoding's drafts) as one decode per query
+    # token: (block table row per token, context length per token); None until built.
+    token_decodes: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -16,7 +16,8 @@ first layer into the step's metadata. Prefill chunks go through one padded SDPA 
 query-length bucket.
 
 `paged_attention_cpu` runs a step whose every request has exactly one query token
-(steady-state decoding) in `kernels/cpu/paged_decode_attention.c`: each (request, KV
+(steady-state decoding), or only a few (a decode and its draft tokens: each query token
+then runs as a decode of its own), in `kernels/cpu/paged_decode_attention.c`: each (request, KV
 head) pair reads its K/V rows in place through the block table, one pass for the scores,
 a float32 softmax, one pass for the weighted values. The PyTorch decode path must first
 gather every request's blocks into one padded copy and then multiply it in small batched
@@ -305,11 +306,37 @@ def paged_attention_cpu(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`paged_attention_ref`'s result; all-decode batches through the C kernel."""
+    """`paged_attention_ref`'s result; all-decode batches through the C kernel, and so are
+    batches of short queries, one decode per query token."""
     if out is None:
         out = torch.empty_like(query)
     if _all_decodes(query, attn) and decode_attention_native(
         query, key_cache, value_cache, attn.block_tables, attn.seq_lens, scale, out
     ):
         return out
+    if 1 < attn.max_query_len <= SHORT_QUERY_MAX and query.shape[0] > 0:
+        if attn.token_decodes is None:
+            attn.token_decodes = _token_decodes(attn)
+        block_tables, seq_lens = attn.token_decodes
+        if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
+            return out
     return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out)
+
+
+# Queries up to this many tokens per request (a decode and its draft tokens) run as one
+# decode per token: each reads its context once more, where a padded SDPA call would copy
+# the whole context first, and a lone draft would take every decode of the batch off the
+# C kernel.
+SHORT_QUERY_MAX = 17
+
+
+def _token_decodes(attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query token as a decode: its request's block table row, and its context (the
+    tokens up to and including its own, which causal attention sees)."""
+    starts = attn.query_start_loc.long()
+    query_lens = starts[1:] - starts[:-1]
+    request_of = torch.repeat_interleave(torch.arange(len(query_lens), device=starts.device), query_lens)
+    offset = torch.arange(int(starts[-1]), device=starts.device) - starts[:-1][request_of]
+    first_position = attn.seq_lens.long() - query_lens
+    seq_lens = first_position[request_of] + offset + 1
+    return attn.block_tables[request_of], seq_lens.to(torch.int32)

@@ -51,6 +51,8 @@ class Engine:
         """``worker``: an already loaded runner to reuse (tests share one model);
         it must hold no request state (every engine that used it has finished)."""
         self.worker = worker or ModelRunner(run_config, cache_config, scheduler_config)
+        if worker is not None:
+            worker.use_speculative(scheduler_config.speculative)
         self.scheduler = Scheduler(
             scheduler_config, cache_config, self.worker.num_blocks, self.worker.max_model_len
         )

@@ -8,6 +8,7 @@ otherwise have no flag. Nothing deep in the engine reads the environment.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 
@@ -66,6 +67,66 @@ class CacheConfig:
             raise ConfigError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
 
 
+# Speculative decoding: the keys each method of --speculative-config takes (vLLM's names).
+_SPECULATIVE_KEYS = {
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "disable_by_batch_size"},
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``num_speculative_tokens`` draft tokens per request and step, proposed by ``method``.
+
+    ngram (prompt lookup): the last n tokens of the request (n from ``prompt_lookup_max``
+    down to ``prompt_lookup_min``) are looked up earlier in its tokens, and the tokens that
+    followed there are the drafts. ``disable_by_batch_size``: no drafts are scheduled while
+    more requests than this run or wait (0: no limit), as in vLLM.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 0
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig | None:
+    """The config in ``text`` (JSON object), None for ""; ConfigError naming what is wrong."""
+    if not text.strip():
+        return None
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"speculative_config is not valid JSON ({e}): {text!r}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"speculative_config must be a JSON object, got {text!r}")
+    method = values.get("method")
+    if method not in _SPECULATIVE_KEYS:
+        raise ConfigError(f"speculative_config: method must be one of {', '.join(_SPECULATIVE_KEYS)}, "
+                          f"got {method!r}")
+    unknown = sorted(set(values) - _SPECULATIVE_KEYS[method])
+    if unknown:
+        raise ConfigError(f"speculative_config: method {method!r} takes no key(s) {', '.join(unknown)}; "
+                          f"it takes {', '.join(sorted(_SPECULATIVE_KEYS[method]))}")
+    for key, value in values.items():
+        if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"speculative_config: {key} must be an integer, got {value!r}")
+    if "num_speculative_tokens" not in values:
+        raise ConfigError("speculative_config: num_speculative_tokens is required")
+    config = SpeculativeConfig(**values)
+    if not 1 <= config.num_speculative_tokens <= 16:
+        raise ConfigError(f"speculative_config: num_speculative_tokens must be in [1, 16], "
+                          f"got {config.num_speculative_tokens}")
+    if config.disable_by_batch_size < 0:
+        raise ConfigError(f"speculative_config: disable_by_batch_size must be >= 0, "
+                          f"got {config.disable_by_batch_size}")
+    if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
+        raise ConfigError(f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                          f"{config.prompt_lookup_min} and {config.prompt_lookup_max}")
+    return config
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Token budget and batch limits of one engine step (V1: no prefill/decode phases)."""
@@ -79,6 +140,12 @@ class SchedulerConfig:
     # The scheduler service sends step N+1 before step N's result is back (see
     # services/scheduler/scheduler.py); off: one step at a time.
     async_scheduling: bool = setting(True, "schedule and send step N+1 while step N runs")
+    speculative_config: str = setting(
+        "", 'speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (turns async scheduling off)'
+    )
+    # The parsed speculative_config (None: no speculative decoding).
+    speculative: SpeculativeConfig | None = field(init=False, default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -92,6 +159,14 @@ class SchedulerConfig:
                 "long_prefill_token_threshold must be >= 0, "
                 f"got {self.long_prefill_token_threshold}"
             )
+        object.__setattr__(self, "speculative", parse_speculative_config(self.speculative_config))
+
+    @property
+    def schedules_ahead(self) -> bool:
+        """Whether steps are scheduled before the previous step's tokens are known. Not with
+        speculative decoding: a step's drafts are proposed from the tokens the step before
+        sampled, and how many of its drafts were accepted decides the next step's positions."""
+        return self.async_scheduling and self.speculative is None
 
 
 @dataclass(frozen=True)

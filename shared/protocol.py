@@ -191,7 +191,9 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     ``new_block_ids[i]`` are appended to the request's block table, unless
     ``resumed_from_preemption[i]``, in which case they replace it (the request
-    was preempted, its blocks freed, and it is being recomputed).
+    was preempted, its blocks freed, and it is being recomputed). Before appending,
+    the table is cut to the blocks its ``num_computed_tokens[i]`` fill: the scheduler
+    freed those past them (they held only rejected draft tokens).
     """
 
     req_ids: list[str] = []
@@ -204,7 +206,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     """One engine step, as a diff against what the workers already hold.
 
     ``num_scheduled_tokens`` is parallel to ``scheduled_req_ids`` (new requests
-    first, then cached ones, in batch order).
+    first, then cached ones, in batch order). With speculative decoding,
+    ``num_spec_tokens`` (parallel too, or empty when no request has any) says how many
+    of a request's scheduled tokens are draft tokens: the last ones, taken from the
+    drafts the workers proposed themselves after the request's previous step (they
+    reported how many they hold in ``ModelRunnerOutput.num_draft_tokens``).
     """
 
     step_id: int
@@ -219,6 +225,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # Random per scheduler process (EngineStats.incarnation): step ids restart at 1
     # with each one, so a result is matched by (incarnation, step_id).
     incarnation: str = ""
+    num_spec_tokens: list[int] = []
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
@@ -231,7 +238,13 @@ class Logprobs(msgspec.Struct, array_like=True, gc=False):
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Rank 0's answer to one step. ``sampled_token_ids[i]`` is empty for a
-    request whose prompt is still being prefilled in chunks."""
+    request whose prompt is still being prefilled in chunks.
+
+    With speculative decoding a request's ``sampled_token_ids[i]`` are its accepted
+    draft tokens and one more (the target's own); ``token_logprobs[i]`` then has one
+    Logprobs per sampled token (and ``logprobs`` is empty), and ``num_draft_tokens[i]``
+    is how many drafts the workers now hold for its next step (empty lists: none).
+    """
 
     step_id: int
     req_ids: list[str] = []
@@ -242,6 +255,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     timings: list[float] = []
     # The incarnation of the step this answers (SchedulerOutput.incarnation).
     incarnation: str = ""
+    num_draft_tokens: list[int] = []
+    token_logprobs: list[list[Logprobs]] = []
 
 
 # --------------------------------------------------------------------------- outputs
@@ -419,6 +434,12 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     ready: bool = False
     timestamp: float = 0.0
     incarnation: str = ""
+    # Speculative decoding (vLLM's names): draft runs verified, their draft tokens, the
+    # accepted ones, and acceptances by draft position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class WorkerReady(msgspec.Struct, omit_defaults=True):

@@ -1,7 +1,7 @@
 """Prometheus metrics of ``GET /metrics``, named as vLLM's with the prefix ``natsllm:``.
 
 Two sources. Engine-side state (running / waiting requests, KV cache usage,
-prefix cache queries and hits, preemptions) comes from the ``EngineStats`` each
+prefix cache queries and hits, preemptions, speculative decoding) comes from the ``EngineStats`` each
 scheduler publishes about once a second on ``llm.engine.stats``: the latest
 message per engine is kept, engines silent for longer than ``ENGINE_STATS_TTL``
 are dropped, and the rest are summed when scraped. Token counts and latencies
@@ -70,6 +70,9 @@ class _EngineCollector:
         ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
         ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
         ("num_preemptions", "num_preemptions", "Cumulative number of preemptions from the engine."),
+        ("spec_decode_num_drafts", "spec_decode_num_drafts", "Number of spec decoding drafts."),
+        ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Number of draft tokens."),
+        ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Number of accepted tokens."),
     )
 
     def __init__(self, store: EngineStatsStore, model_name: str) -> None:
@@ -86,9 +89,24 @@ class _EngineCollector:
             counter = CounterMetricFamily(f"natsllm:{name}", doc, labels=["model_name"])
             counter.add_metric([self.model_name], float(sum(getattr(s, field) for s in engines)))
             yield counter
+        yield self._accepted_per_position(engines)
         engines_gauge = GaugeMetricFamily("natsllm:num_engines", "Engines heard from recently.", labels=["model_name"])
         engines_gauge.add_metric([self.model_name], float(len(engines)))
         yield engines_gauge
+
+
+    def _accepted_per_position(self, engines: list[EngineStats]) -> CounterMetricFamily:
+        counter = CounterMetricFamily("natsllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft's positions.", labels=["model_name", "position"])
+        totals: list[int] = []
+        for stats in engines:
+            per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+            totals.extend([0] * (len(per_pos) - len(totals)))
+            for pos, count in enumerate(per_pos):
+                totals[pos] += count
+        for pos, count in enumerate(totals):
+            counter.add_metric([self.model_name, str(pos)], float(count))
+        return counter
 
 
 class _RestartsCollector:

@@ -113,5 +113,18 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def free_tail(self, request: Request) -> None:
+        """Release the blocks past the request's computed tokens: after rejected draft
+        tokens (speculative decoding) they hold nothing worth keeping. Never cached: only
+        blocks of known tokens join the prefix cache, and those are computed."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_needed = -(-request.num_computed_tokens // self.block_size)
+        tail = blocks[num_needed:]
+        if tail:
+            del blocks[num_needed:]
+            self.block_pool.free_blocks(reversed(tail))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

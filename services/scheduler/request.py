@@ -44,6 +44,9 @@ class Request:
         # Tokens that steps already sent to the workers will sample, not yet reported
         # (at most one per step in flight; see Scheduler.schedule).
         self.num_output_placeholders = 0
+        # Draft tokens the workers proposed for its next step (speculative decoding): they
+        # hold the ids, the scheduler only how many it may schedule.
+        self.num_draft_tokens = 0
         # Tokens found in the prefix cache when the request was first scheduled.
         self.num_cached_tokens = -1
         self.num_preemptions = 0

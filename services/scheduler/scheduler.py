@@ -38,6 +38,7 @@ from shared.token_window import window_tokens
 
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
+from .spec_decode_stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,12 @@ class Scheduler:
         # it takes neither a step id nor the reset.
         self._reset_pending = True
         self.num_preemptions = 0
+        # Draft tokens a request's step may verify (0: no speculative decoding).
+        speculative = scheduler_config.speculative
+        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else 0
+        # No drafts while more requests than this run or wait (0: no limit).
+        self.disable_spec_above = speculative.disable_by_batch_size if speculative else 0
+        self.spec_decode_stats = SpecDecodeStats(self.num_speculative_tokens)
 
     # ------------------------------------------------------------------ intake
 
@@ -139,6 +146,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             request.num_computed_tokens = 0
             request.num_output_placeholders = 0
+            request.num_draft_tokens = 0
             self.requests[request.request_id] = request
             self.waiting.append(request)
         return refused
@@ -175,6 +183,7 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         num_scheduled: dict[str, int] = {}
         new_blocks_of: dict[str, list[int]] = {}
+        num_spec_of: dict[str, int] = {}  # draft tokens among the scheduled ones
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
         out_of_blocks = False
@@ -189,8 +198,12 @@ class Scheduler:
             if threshold:
                 num_new = min(num_new, threshold)
             num_new = min(num_new, budget)
+            num_spec = self._num_spec_tokens(request, num_new, budget)
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new + num_spec)
+                if new_blocks is None and num_spec:
+                    num_spec = 0  # drafts are worth no preemption
+                    continue
                 if new_blocks is not None or not allow_preemption:
                     break
                 victim = self.running.pop()  # lowest priority: the last admitted
@@ -202,9 +215,11 @@ class Scheduler:
                 out_of_blocks = True
                 break
             scheduled_running.append(request)
-            num_scheduled[request.request_id] = num_new
+            num_scheduled[request.request_id] = num_new + num_spec
+            if num_spec:
+                num_spec_of[request.request_id] = num_spec
             new_blocks_of[request.request_id] = [b.block_id for b in new_blocks]
-            budget -= num_new
+            budget -= num_new + num_spec
             index += 1
 
         scheduled_new: list[Request] = []
@@ -243,7 +258,7 @@ class Scheduler:
             budget -= num_new
 
         output = self._make_output(
-            scheduled_new, scheduled_resumed, scheduled_running, num_scheduled, new_blocks_of
+            scheduled_new, scheduled_resumed, scheduled_running, num_scheduled, new_blocks_of, num_spec_of
         )
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
@@ -251,6 +266,22 @@ class Scheduler:
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # the step reaches its end: it samples
         return output
+
+    def _num_spec_tokens(self, request: Request, num_new: int, budget: int) -> int:
+        """How many of the request's drafts go into this step: none unless the step reaches
+        the end of its known tokens; never past the budget, max_tokens or max_model_len
+        (the step yields up to one token more than it verifies drafts)."""
+        if not request.num_draft_tokens or request.num_computed_tokens + num_new < request.num_tokens:
+            return 0
+        if self.disable_spec_above and self.get_num_unfinished_requests() > self.disable_spec_above:
+            return 0
+        return max(0, min(
+            request.num_draft_tokens,
+            self.num_speculative_tokens,
+            budget - num_new,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        ))
 
     def _surely_finishes(self, request: Request) -> bool:
         """Whether the tokens in flight end the request by length, so scheduling it
@@ -262,7 +293,7 @@ class Scheduler:
         )
 
     def _make_output(
-        self, scheduled_new, scheduled_resumed, scheduled_running, num_scheduled, new_blocks_of
+        self, scheduled_new, scheduled_resumed, scheduled_running, num_scheduled, new_blocks_of, num_spec_of
     ) -> SchedulerOutput:
         kv = self.kv_cache_manager
         new_reqs = []
@@ -304,6 +335,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=finished,
             reset_state=reset_state,
+            num_spec_tokens=[num_spec_of.get(r, 0) for r in order] if num_spec_of else [],
         )
 
     def _preempt(self, request: Request) -> None:
@@ -311,6 +343,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # nothing is in flight when preempting
+        request.num_draft_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -323,13 +356,24 @@ class Scheduler:
     ) -> list[EngineOutput]:
         """Append sampled tokens, finish requests that stop, and report per request."""
         outputs = []
-        logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
-        for req_id, token_ids, lp in zip(
-            runner_output.req_ids, runner_output.sampled_token_ids, logprobs
+        num_reqs = len(runner_output.req_ids)
+        if runner_output.token_logprobs:
+            logprobs = runner_output.token_logprobs
+        else:
+            logprobs = [[lp] if lp else [] for lp in runner_output.logprobs or [None] * num_reqs]
+        num_drafts = runner_output.num_draft_tokens or [0] * num_reqs
+        num_spec_of = dict(zip(scheduler_output.scheduled_req_ids, scheduler_output.num_spec_tokens))
+        for req_id, token_ids, lps, num_proposed in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, logprobs, num_drafts
         ):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING or not token_ids:
                 continue  # finished or aborted meanwhile, or a prompt chunk that samples nothing
+            request.num_draft_tokens = num_proposed
+            num_spec = num_spec_of.get(req_id, 0)
+            if num_spec:
+                self._rollback_rejected(request, num_spec, num_accepted=len(token_ids) - 1)
+            # Stops are checked token by token: an accepted run is cut exactly at its stop.
             new_token_ids = []
             for token_id in token_ids:
                 request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
@@ -340,8 +384,18 @@ class Scheduler:
                     self.running.remove(request)
                     self._finish(request, reason)
                     break
-            outputs.append(self._engine_output(request, new_token_ids, [lp] if lp else []))
+            outputs.append(self._engine_output(request, new_token_ids, lps[: len(new_token_ids)]))
         return outputs
+
+    def _rollback_rejected(self, request: Request, num_spec: int, num_accepted: int) -> None:
+        """The step computed ``num_spec`` draft positions, of which the first
+        ``num_accepted`` were accepted: the rejected ones are not computed after all, and
+        blocks that held only them go back to the pool."""
+        if not 0 <= num_accepted <= num_spec:
+            raise ValueError(f"{request.request_id}: {num_accepted + 1} tokens back for {num_spec} drafts")
+        self.spec_decode_stats.record(num_spec, num_accepted)
+        request.num_computed_tokens -= num_spec - num_accepted
+        self.kv_cache_manager.free_tail(request)
 
     def _check_stop(self, request: Request) -> FinishReason:
         params = request.sampling_params
@@ -428,4 +482,5 @@ class Scheduler:
             "prefix_cache_queries": kv.prefix_cache_stats.queries,
             "prefix_cache_hits": kv.prefix_cache_stats.hits,
             "num_preemptions": self.num_preemptions,
+            **self.spec_decode_stats.as_engine_stats(),
         }

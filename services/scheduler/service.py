@@ -86,6 +86,7 @@ from shared.step_profile import NULL_CLOCK, NullClock, PhaseClock, StepProfile
 from .config import SchedulerServiceConfig
 from .request import Request
 from .scheduler import RequestRejected, Scheduler
+from .spec_decode_stats import SpecDecodeLog
 from .workers import Arrival, WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,10 @@ class SchedulerService(Service):
         self._stops_added: list[RequestStopStrings] = []
         self._stops_finished: list[str] = []
         self.num_stop_queries = 0
+        self._spec_log = SpecDecodeLog(engine_id)
+        if scheduler_config.speculative is not None and scheduler_config.async_scheduling:
+            logger.info("engine %s: speculative decoding (%s) turns async scheduling off", engine_id,
+                        scheduler_config.speculative.method)
 
     @property
     def incarnation(self) -> str:
@@ -453,7 +458,7 @@ class SchedulerService(Service):
             in_flight.clear()
             self._work.clear()
             return
-        depth = 2 if self.scheduler_config.async_scheduling else 1
+        depth = 2 if self.scheduler_config.schedules_ahead else 1
         while len(in_flight) < depth:
             sent = await self._send_step(scheduler, behind=in_flight[-1] if in_flight else None)
             if sent is None:
@@ -552,4 +557,6 @@ class SchedulerService(Service):
                 **(self.scheduler.stats() if self.scheduler is not None else {}),
             )
             await self.nc.publish(ENGINE_STATS, ENGINE_STATS_MSG.encode(stats))
+            if self.scheduler is not None:
+                self._spec_log.maybe_log(self.scheduler.spec_decode_stats)
             await asyncio.sleep(min(self.stats_interval, self.worker_timeout / 3))

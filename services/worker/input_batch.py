@@ -36,6 +36,8 @@ class CachedRequestState:
     eos_token_id: int | None
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    # Draft tokens proposed after its last sampled token (speculative decoding).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -126,8 +128,9 @@ class InputBatch:
         self.block_table[index, : len(block_ids)] = block_ids
         self.num_blocks[index] = len(block_ids)
 
-    def append_block_ids(self, index: int, block_ids: list[int]) -> None:
-        start = self.num_blocks[index]
+    def append_block_ids(self, index: int, block_ids: list[int], keep: int | None = None) -> None:
+        """Append after the first ``keep`` blocks (default: all the row has)."""
+        start = self.num_blocks[index] if keep is None else min(keep, self.num_blocks[index])
         self.block_table[index, start : start + len(block_ids)] = block_ids
         self.num_blocks[index] = start + len(block_ids)
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kernels import AttentionMetadata, get_kernel_ops
-from shared.config import CacheConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
+from shared.config import CacheConfig, ModelRunConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from shared.model_config import ModelConfig, resolve_max_model_len
 from shared.model_files import default_model_path, load_model_config, open_weights
 from shared.protocol import ModelRunnerOutput, SchedulerOutput
@@ -36,6 +36,7 @@ from .linear import can_prepack
 from .models.llama import LlamaForCausalLM
 from .parallel import ShardLayout, init_distributed, tp_device
 from .sampler import Sampler
+from .spec_decode import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +116,18 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded alike on every rank: unseeded random requests draw the same noise everywhere.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
+        self.spec_decoder: SpecDecoder | None = None
+        self.use_speculative(scheduler_config.speculative)
         logger.info(
             "model %s loaded: %s on %s, kernels=%s, prepacked=%s, rank %d/%d (%d q heads, %d KV heads), "
             "%d KV blocks of %d tokens",
             self.model_path, self.dtype, self.device, self.ops.name, self.prepacked, self.rank, self.tp.world_size,
             self.shard.num_heads, self.shard.num_kv_heads, self.num_blocks, self.block_size,
         )
+
+    def use_speculative(self, config: SpeculativeConfig | None) -> None:
+        """Verify and propose draft tokens per ``config`` (None: no speculative decoding)."""
+        self.spec_decoder = None if config is None else SpecDecoder(config, self.sampler.generator, self.device)
 
     # ------------------------------------------------------------------ KV cache
 
@@ -206,17 +213,19 @@ class ModelRunner:
         ):
             state = self.requests[req_id]
             state.num_computed_tokens = num_computed
+            # Blocks past the computed tokens held only rejected drafts; the scheduler freed them.
+            keep = -(-num_computed // self.block_size)
             if resumed:
                 state.block_ids = list(new_block_ids)
             else:
-                state.block_ids.extend(new_block_ids)
+                state.block_ids[keep:] = new_block_ids
             index = batch.req_id_to_index.get(req_id)
             if index is not None:
                 batch.num_computed_tokens[index] = num_computed
                 if resumed:
                     batch.set_block_ids(index, new_block_ids)
                 else:
-                    batch.append_block_ids(index, new_block_ids)
+                    batch.append_block_ids(index, new_block_ids, keep)
 
         # Rows of requests not scheduled this step (preempted, or out of budget) go;
         # scheduled requests without a row (new, resumed, back in budget) come.
@@ -244,17 +253,24 @@ class ModelRunner:
         num_scheduled = np.zeros(num_reqs, dtype=np.int64)
         for req_id, n in zip(out.scheduled_req_ids, out.num_scheduled_tokens):
             num_scheduled[batch.req_id_to_index[req_id]] = n
+        # Draft tokens are the last scheduled tokens of their requests (speculative decoding).
+        num_spec = self.spec_decoder.place_drafts(batch, out) if out.num_spec_tokens else None
         inputs = self._prepare_inputs(num_scheduled)
         clock.lap("prepare_inputs")
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
 
         # Only requests whose every known token is now computed get a sample; a
         # prompt chunk gets none (and draws no randomness from a seeded generator).
-        seq_lens = inputs.seq_lens_np
+        seq_lens = inputs.seq_lens_np if num_spec is None else inputs.seq_lens_np - num_spec
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
         states = batch.states[:num_reqs]
-        sampled_by_row: dict[int, tuple[int, object]] = {}
-        if len(sample_rows):
+        # Row -> its sampled tokens (several when drafts were accepted) and their logprobs.
+        sampled_by_row: dict[int, tuple[list[int], list]] = {}
+        if len(sample_rows) and num_spec is not None:
+            sampled_by_row = self.spec_decoder.sample(self.model.compute_logits, hidden, batch, num_scheduled,
+                                                      num_spec, sample_rows, want_logprobs=self.is_driver)
+            clock.lap("forward")
+        elif len(sample_rows):
             logits_indices = inputs.logits_indices[torch.from_numpy(sample_rows).to(self.device)]
             logits = self.model.compute_logits(hidden[logits_indices])
             clock.lap("forward")
@@ -263,29 +279,29 @@ class ModelRunner:
                 sampling.num_logprobs = None  # only rank 0 replies; logprobs draw no randomness
             sampled, logprobs = self.sampler(logits, sampling)
             for j, (row, token) in enumerate(zip(sample_rows.tolist(), sampled.tolist())):
-                sampled_by_row[row] = (token, logprobs[j] if logprobs else None)
+                sampled_by_row[row] = ([token], [logprobs[j]] if logprobs and logprobs[j] else [])
         clock.lap("sampling")
 
         req_ids, sampled_token_ids, out_logprobs = [], [], []
         for i, state in enumerate(states):
             req_ids.append(state.req_id)
-            if i not in sampled_by_row:
-                sampled_token_ids.append([])
-                out_logprobs.append(None)
-                continue
-            token, lp = sampled_by_row[i]
-            state.token_ids.append(token)
-            state.output_token_ids.append(token)
-            batch.append_token(i, token)
-            sampled_token_ids.append([token])
-            out_logprobs.append(lp)
+            tokens, lps = sampled_by_row.get(i, ([], []))
+            state.token_ids.extend(tokens)
+            state.output_token_ids.extend(tokens)
+            for token in tokens:
+                batch.append_token(i, token)
+            sampled_token_ids.append(tokens)
+            out_logprobs.append(lps)
+        output = ModelRunnerOutput(step_id=out.step_id, req_ids=req_ids, sampled_token_ids=sampled_token_ids)
+        if self.spec_decoder is not None:
+            num_drafts = self.spec_decoder.propose(batch, sampled_by_row)
+            output.num_draft_tokens = [num_drafts.get(i, 0) for i in range(num_reqs)]
+            if any(out_logprobs):
+                output.token_logprobs = out_logprobs
+        elif any(out_logprobs):
+            output.logprobs = [lps[0] if lps else None for lps in out_logprobs]
         clock.lap("output")
-        return ModelRunnerOutput(
-            step_id=out.step_id,
-            req_ids=req_ids,
-            sampled_token_ids=sampled_token_ids,
-            logprobs=out_logprobs if any(lp is not None for lp in out_logprobs) else [],
-        )
+        return output
 
     def _prepare_inputs(self, num_scheduled: np.ndarray) -> ModelInputs:
         batch = self.input_batch

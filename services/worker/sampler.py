@@ -25,12 +25,7 @@ class Sampler:
         """Returns (token ids [B] int64 on CPU, list of Logprobs-or-None per row)."""
         logits = logits.float()
         raw_logits = logits if batch.num_logprobs is not None else None
-        logits = logits.clone() if (batch.banned or batch.any_penalties) else logits
-        if batch.banned:
-            rows, token_ids = batch.banned
-            logits[rows, token_ids] = float("-inf")
-        if batch.any_penalties:
-            logits = apply_penalties(logits, batch)
+        logits = apply_bans_and_penalties(logits, batch)
 
         if batch.all_greedy:
             sampled = logits.argmax(dim=-1)
@@ -44,13 +39,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:
         greedy_rows = batch.temperature < 1e-5
-        temperature = torch.where(greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
-        logits = logits / temperature.unsqueeze(1)
-        if batch.any_min_p:
-            logits = apply_min_p(logits, batch.min_p)
-        if batch.any_top_k or batch.any_top_p:
-            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
+        probs = to_probs(logits, batch)
         noise = torch.empty_like(probs)
         shared_rows = [i for i in range(probs.shape[0]) if i not in batch.generators]
         if shared_rows:
@@ -62,6 +51,30 @@ class Sampler:
         random_tokens = (probs / noise).argmax(dim=-1)
         greedy_tokens = logits.argmax(dim=-1)
         return torch.where(greedy_rows.to(logits.device), greedy_tokens, random_tokens)
+
+
+def apply_bans_and_penalties(logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:
+    """min_tokens bans and penalties on the raw logits (a copy when anything applies)."""
+    logits = logits.clone() if (batch.banned or batch.any_penalties) else logits
+    if batch.banned:
+        rows, token_ids = batch.banned
+        logits[rows, token_ids] = float("-inf")
+    if batch.any_penalties:
+        logits = apply_penalties(logits, batch)
+    return logits
+
+
+def to_probs(logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row draws from: temperature (1 for greedy rows), min-p,
+    top-k and top-p, softmax."""
+    greedy_rows = batch.temperature < 1e-5
+    temperature = torch.where(greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
+    logits = logits / temperature.unsqueeze(1)
+    if batch.any_min_p:
+        logits = apply_min_p(logits, batch.min_p)
+    if batch.any_top_k or batch.any_top_p:
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    return torch.softmax(logits, dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:

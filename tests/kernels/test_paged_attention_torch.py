@@ -169,3 +169,23 @@ def test_without_the_kernel_the_reference_runs(monkeypatch):
     batch = decode_batch([2, 30], (9, 3, 64), torch.float32, seed=7)
     out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
     torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+
+
+@needs_c_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_short_queries_run_through_the_c_kernel_one_decode_per_token(shape, monkeypatch):
+    """A decode with its draft tokens (speculative decoding) next to plain decodes."""
+    calls = []
+    real = torch_attention.decode_attention_native
+
+    def spy(*args):
+        calls.append(args[3].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(torch_attention, "decode_attention_native", spy)
+    batch = make_batch([1, 5, 3, 1, 17], [0, 15, 29, 40, 300], *shape, seed=8)
+    out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+    assert calls == [27]  # one decode per query token
+    block_tables, seq_lens = batch.attn.token_decodes
+    assert seq_lens.tolist()[:7] == [1, 16, 17, 18, 19, 20, 30]

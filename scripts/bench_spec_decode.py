@@ -1,0 +1,155 @@
+"""Speculative decoding (n-gram): output tok/s with and without, and the acceptance.
+
+The in-process engine (scheduler + one worker, every step a msgpack round trip) on the
+default model, greedy (answers end at EOS or max_tokens), the same prompts with ``--speculative-config`` n-gram and
+without, at concurrency 1 (one request at a time) and concurrency C (C requests at
+once); each setting runs ``--rounds`` times, alternating without and with, and its
+tok/s is all its tokens over all its seconds. Two workloads: a repetitive one (chat requests to repeat a code snippet with one
+change, whose answers copy their prompts) and a non-repetitive one (open questions).
+Greedy output with and without must be the same tokens; the script says so.
+
+    .venv/bin/python scripts/bench_spec_decode.py [--output-len 128] [--num-speculative-tokens 4]
+
+Prints a table; the LAST line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SNIPPETS = [
+    "def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n        subtotal += item.price * "
+    "item.quantity\n    tax = subtotal * tax_rate\n    return subtotal + tax\n",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n        self.count += 1\n"
+    "        return self.count\n\n    def reset(self):\n        self.count = 0\n",
+    "def read_lines(path):\n    with open(path) as handle:\n        lines = handle.readlines()\n    return [line.strip() "
+    "for line in lines if line.strip()]\n",
+    "def merge(left, right):\n    result = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n        if "
+    "left[i] <= right[j]:\n            result.append(left[i])\n            i += 1\n        else:\n            "
+    "result.append(right[j])\n            j += 1\n    return result + left[i:] + right[j:]\n",
+]
+# Two changes per snippet: a name to replace everywhere (the answer copies the rest).
+CHANGES = [("subtotal", "amount"), ("count", "value"), ("handle", "stream"), ("result", "merged"),
+           ("tax", "levy"), ("reset", "clear"), ("lines", "rows"), ("left", "first")]
+QUESTIONS = [
+    "Write a short story about a dragon who learns to paint.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "What are the pros and cons of living in a big city?",
+    "Describe your ideal weekend in detail.",
+    "Give me advice on learning a new language.",
+    "Why do people enjoy music?",
+    "Invent a new holiday and describe how it is celebrated.",
+    "What would happen if humans could breathe underwater?",
+]
+
+
+def workloads() -> dict[str, list[str]]:
+    repetitive = [
+        f"Repeat this code exactly, with one change: rename `{old}` to `{new}`.\n\n```python\n{snippet}```"
+        for snippet, (old, new) in zip(SNIPPETS * 2, CHANGES)
+    ]
+    return {"repetitive": repetitive, "non-repetitive": QUESTIONS}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="", help="default: the default SmolLM2 model")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens per request (answers end at EOS)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--num-requests", type=int, default=8, help="requests per workload and run")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs of each setting, alternating without and with (this VM's speed drifts)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    return p.parse_args(argv)
+
+
+def run(worker, prompts, concurrency: int, output_len: int, speculative_config: str) -> dict:
+    from services.engine import Engine
+    from shared.config import CacheConfig, SchedulerConfig
+    from shared.protocol import SamplingParams
+
+    engine = Engine(cache_config=CacheConfig(num_gpu_blocks=worker.num_blocks),
+                    scheduler_config=SchedulerConfig(max_num_seqs=concurrency, speculative_config=speculative_config),
+                    worker=worker)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len)
+    start = time.perf_counter()
+    tokens = []
+    for i in range(0, len(prompts), concurrency):
+        tokens += [r.token_ids for r in engine.generate(prompts[i : i + concurrency], params)]
+    seconds = time.perf_counter() - start
+    stats = engine.scheduler.spec_decode_stats
+    return {
+        "tok_s": sum(map(len, tokens)) / seconds,
+        "seconds": seconds,
+        "tokens": tokens,
+        "acceptance_rate": stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else 0.0,
+        "mean_acceptance_length": stats.mean_acceptance_length,
+        "drafts": stats.num_drafts,
+    }
+
+
+def _combined(runs: list[dict]) -> dict:
+    """Several runs of one setting as one: tokens over total seconds, the last run's acceptance."""
+    tokens = sum(r["tok_s"] * r["seconds"] for r in runs)
+    seconds = sum(r["seconds"] for r in runs)
+    last = {k: v for k, v in runs[-1].items() if k != "tokens"}
+    return {**last, "tok_s": tokens / seconds, "seconds": seconds,
+            "tok_s_per_round": [round(r["tok_s"], 2) for r in runs]}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from services.worker.model_runner import ModelRunner
+    from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
+
+    torch.set_num_threads(args.threads)
+    worker = ModelRunner(ModelRunConfig(model=args.model, dtype=args.dtype), CacheConfig(num_gpu_blocks=1024),
+                         SchedulerConfig(max_num_seqs=max(args.concurrency)))
+    from shared.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(worker.model_path)
+
+    def chat(text):
+        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]),
+                                add_special_tokens=False)
+
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                        "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max})
+    run(worker, [chat("Hello!")], 1, 8, "")  # warm-up
+    run(worker, [chat("Hello!")], 1, 8, ngram)
+    results = {}
+    print(f"{'workload':<16}{'conc':>5}{'off tok/s':>11}{'ngram tok/s':>13}{'ratio':>7}{'accept':>8}{'mean len':>9}"
+          f"  same tokens")
+    for name, texts in workloads().items():
+        prompts = [chat(t) for t in (texts * args.num_requests)[: args.num_requests]]
+        for concurrency in args.concurrency:
+            rounds = [(run(worker, prompts, concurrency, args.output_len, ""),
+                       run(worker, prompts, concurrency, args.output_len, ngram)) for _ in range(args.rounds)]
+            same = all(off["tokens"] == on["tokens"] for off, on in rounds)
+            off, on = (_combined([r[i] for r in rounds]) for i in (0, 1))
+            ratio = on["tok_s"] / off["tok_s"]
+            results[f"{name}@{concurrency}"] = {"off": off, "ngram": on, "ratio": ratio, "same_tokens": same}
+            print(f"{name:<16}{concurrency:>5}{off['tok_s']:>11.1f}{on['tok_s']:>13.1f}{ratio:>7.2f}"
+                  f"{on['acceptance_rate']:>8.2f}{on['mean_acceptance_length']:>9.2f}  {same}", flush=True)
+    print(json.dumps({"args": vars(args), "results": results}))
+
+
+if __name__ == "__main__":
+    main()
