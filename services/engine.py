@@ -90,7 +90,8 @@ class Engine:
             sampling_params=sampling_params,
             **prompt_field,
         )
-        return self.preparer.prepare(request, self.tokenizer if isinstance(prompt, str) else None)
+        needs_tokenizer = isinstance(prompt, str) or sampling_params.structured_outputs is not None
+        return self.preparer.prepare(request, self.tokenizer if needs_tokenizer else None)
 
     def _schedule(self, request: EngineRequest) -> None:
         self.scheduler.add_request(Request.from_engine_request(request, self.cache_config.block_size))

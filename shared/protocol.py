@@ -76,6 +76,20 @@ def gateway_stream_subject(gateway_id: str) -> str:
 # --------------------------------------------------------------------------- requests
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, frozen=True):
+    """A request's output constraint, vLLM's ``StructuredOutputsParams``: exactly one
+    field is set. The gateway writes each in its canonical form (the JSON schema and
+    the structural tag as compact JSON text, keys in the order given), which is also
+    the grammar cache's key (``shared.structured_output.GrammarSpec``)."""
+
+    json: str | None = None  # a JSON schema
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF)
+    structural_tag: str | None = None
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     """Per-request sampling and stopping settings (OpenAI / vLLM meaning).
 
@@ -98,6 +112,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     stop: list[str] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Sent to the workers once, with the request's new-request data; each rank compiles
+    # it and keeps a grammar matcher in its request state (docs/ARCHITECTURE.md).
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def greedy(self) -> bool:

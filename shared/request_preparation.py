@@ -22,6 +22,7 @@ from shared.request_validation import (
     validate_request_shape,
     validate_sampling_params,
 )
+from shared.structured_output.validation import check_structured_outputs
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class RequestPreparer:
         with ``prompt_token_ids``."""
         params = validate_sampling_params(request.sampling_params, self.vocab_size)
         validate_request_shape(request, self.vocab_size)
+        check_structured_outputs(params, tokenizer, self.vocab_size)
         if request.messages is not None:
             prompt_param = "messages"
             prompt_token_ids = tokenize_chat(tokenizer, request.messages, request.add_generation_prompt,

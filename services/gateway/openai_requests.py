@@ -19,6 +19,7 @@ import msgspec
 from shared.protocol import SamplingParams
 
 from .errors import ApiError, invalid
+from .structured_outputs import structured_outputs
 
 MAX_N = 128
 # Stop strings travel with every step's outputs and are matched against every delta:
@@ -198,6 +199,7 @@ def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> Sampli
         stop=_stop_strings(f),
         ignore_eos=f.bool("ignore_eos", False),
         logprobs=logprobs,
+        structured_outputs=structured_outputs(f.body),
     )
 
 

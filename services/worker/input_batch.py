@@ -36,6 +36,8 @@ class CachedRequestState:
     eos_token_id: int | None
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    # The request's structured-output grammar and matcher (structured_output.RequestGrammar).
+    grammar: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,7 @@ from .linear import can_prepack
 from .models.llama import LlamaForCausalLM
 from .parallel import ShardLayout, init_distributed, tp_device
 from .sampler import Sampler
+from .structured_output import StructuredOutputRunner
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded alike on every rank: unseeded random requests draw the same noise everywhere.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
+        self.structured_output = StructuredOutputRunner(
+            self.model_path, self.model_config.vocab_size, scheduler_config.max_num_seqs
+        )
         logger.info(
             "model %s loaded: %s on %s, kernels=%s, prepacked=%s, rank %d/%d (%d q heads, %d KV heads), "
             "%d KV blocks of %d tokens",
@@ -198,6 +202,7 @@ class ModelRunner:
                 eos_token_id=new.eos_token_id,
                 generator=generator,
                 output_token_ids=list(new.output_token_ids),
+                grammar=self.structured_output.request_grammar(params, new.eos_token_id),
             )
 
         cached = out.scheduled_cached_reqs
@@ -258,6 +263,7 @@ class ModelRunner:
             logits_indices = inputs.logits_indices[torch.from_numpy(sample_rows).to(self.device)]
             logits = self.model.compute_logits(hidden[logits_indices])
             clock.lap("forward")
+            logits = self._mask_by_grammars(logits, [states[row] for row in sample_rows.tolist()])
             sampling = batch.make_sampling_metadata(sample_rows)
             if not self.is_driver:
                 sampling.num_logprobs = None  # only rank 0 replies; logprobs draw no randomness
@@ -277,6 +283,7 @@ class ModelRunner:
             state.token_ids.append(token)
             state.output_token_ids.append(token)
             batch.append_token(i, token)
+            self.structured_output.accept_token(state, token)
             sampled_token_ids.append([token])
             out_logprobs.append(lp)
         clock.lap("output")
@@ -286,6 +293,14 @@ class ModelRunner:
             sampled_token_ids=sampled_token_ids,
             logprobs=out_logprobs if any(lp is not None for lp in out_logprobs) else [],
         )
+
+    def _mask_by_grammars(self, logits: torch.Tensor, states: list[CachedRequestState]) -> torch.Tensor:
+        """The logits with each constrained row's disallowed tokens at -inf."""
+        if all(state.grammar is None for state in states):
+            return logits
+        logits = logits.float()
+        self.structured_output.mask_logits(logits, states)
+        return logits
 
     def _prepare_inputs(self, num_scheduled: np.ndarray) -> ModelInputs:
         batch = self.input_batch
