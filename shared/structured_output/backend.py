@@ -9,10 +9,12 @@ batch of logits with one token bitmask (one bit per vocabulary id, 1 = allowed).
 from __future__ import annotations
 
 import abc
-
-import torch
+from typing import TYPE_CHECKING
 
 from .spec import GrammarSpec
+
+if TYPE_CHECKING:  # the tokenizer service validates specs without importing torch
+    import torch
 
 
 class GrammarError(ValueError):
