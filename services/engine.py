@@ -90,7 +90,8 @@ class Engine:
             sampling_params=sampling_params,
             **prompt_field,
         )
-        needs_tokenizer = isinstance(prompt, str) or sampling_params.structured_outputs is not None
+        needs_tokenizer = (isinstance(prompt, str) or sampling_params.structured_outputs is not None
+                           or bool(sampling_params.bad_words))
         return self.preparer.prepare(request, self.tokenizer if needs_tokenizer else None)
 
     def _schedule(self, request: EngineRequest) -> None:

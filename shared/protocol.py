@@ -115,6 +115,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     # Sent to the workers once, with the request's new-request data; each rank compiles
     # it and keeps a grammar matcher in its request state (docs/ARCHITECTURE.md).
     structured_outputs: StructuredOutputsParams | None = None
+    # Logit controls (services/worker/logit_controls.py): a bias added to a token's logit,
+    # the only tokens allowed, and words never to generate (their token sequences, filled
+    # in by the tokenizer service).
+    logit_bias: dict[int, float] = {}
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] = []
 
     @property
     def greedy(self) -> bool:

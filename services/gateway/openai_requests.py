@@ -19,6 +19,7 @@ import msgspec
 from shared.protocol import SamplingParams
 
 from .errors import ApiError, invalid
+from .logit_controls import logit_controls
 from .structured_outputs import structured_outputs
 
 MAX_N = 128
@@ -200,6 +201,7 @@ def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> Sampli
         ignore_eos=f.bool("ignore_eos", False),
         logprobs=logprobs,
         structured_outputs=structured_outputs(f.body),
+        **logit_controls(f),
     )
 
 
