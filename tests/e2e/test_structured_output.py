@@ -22,7 +22,7 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError
 
 from tests.e2e.stacks import replicated_config, running_stack
-from tests.e2e.test_faults import metric
+from tests.e2e.test_faults import metric, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 SAMPLES = int(os.environ.get("STRUCTURED_SAMPLES", "5"))
@@ -73,7 +73,7 @@ ISO_DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    # 40 blocks of 16 tokens: the concurrent tests need more, so requests are preempted.
+    # 40 blocks of 16 tokens: the concurrent tests need more, so requests wait for blocks.
     args = ["--max-num-seqs", "32", "--max-num-batched-tokens", "256", "--num-gpu-blocks", "40"]
     with running_stack(replicated_config(tmp_path_factory.mktemp("stack-logs"), args)) as stack:
         yield stack
@@ -125,7 +125,8 @@ async def test_sampled_outputs_follow_their_json_schemas(client):
 
 async def test_sampled_outputs_follow_their_json_schemas_when_preempted(preempting_stack):
     await sample_every_schema(client_of(preempting_stack), names=("nested", "pattern", "numbers"))
-    assert metric(preempting_stack, "natsllm:num_preemptions_total") > 0
+    # Engine stats reach the gateway once a second.
+    wait_until(lambda: metric(preempting_stack, "natsllm:num_preemptions_total") > 0, 10, "a preemption")
 
 
 async def test_streamed_n3_completions_follow_the_schema(client):
@@ -199,3 +200,29 @@ async def test_invalid_constraints_are_400s_naming_the_problem(client, fields, p
     error = info.value.body if "message" in (info.value.body or {}) else info.value.body["error"]
     assert info.value.status_code == 400
     assert words in error["message"] and error["param"] == param and error["type"] == "invalid_request_error"
+
+
+async def test_logit_controls(client, smollm_tokenizer):
+    """logit_bias -100 on the greedy first token changes it; allowed_token_ids restricts
+    every token; bad words never appear."""
+    messages = ask("What is the capital of France?")
+    free = await client.chat.completions.create(model=MODEL, messages=messages, temperature=0.0, max_tokens=16,
+                                                logprobs=True)
+    first = smollm_tokenizer.encode(free.choices[0].logprobs.content[0].token, add_special_tokens=False)
+    assert len(first) == 1 and "Paris" in free.choices[0].message.content
+    allowed = smollm_tokenizer.encode(" Paris London yes no", add_special_tokens=False)
+    biased, restricted, unbad = await asyncio.gather(
+        client.chat.completions.create(model=MODEL, messages=messages, temperature=0.0, max_tokens=16,
+                                       logit_bias={str(first[0]): -100}),
+        client.completions.create(model=MODEL, prompt="The capital of France is", temperature=1.0, max_tokens=12,
+                                  extra_body={"allowed_token_ids": allowed, "ignore_eos": True}),
+        client.chat.completions.create(model=MODEL, messages=messages, temperature=0.0, max_tokens=16,
+                                       extra_body={"bad_words": ["Paris"]}),
+    )
+    assert biased.choices[0].message.content != free.choices[0].message.content
+    assert not biased.choices[0].message.content.startswith(free.choices[0].logprobs.content[0].token)
+    text = restricted.choices[0].text
+    assert restricted.usage.completion_tokens == 12
+    assert smollm_tokenizer.encode(text, add_special_tokens=False) and set(text.split()) <= {"Paris", "London",
+                                                                                             "yes", "no"}
+    assert "Paris" not in unbad.choices[0].message.content
