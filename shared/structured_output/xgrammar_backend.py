@@ -12,7 +12,7 @@ import re
 import torch
 import xgrammar as xgr
 
-from .backend import GrammarError, GrammarMatcher, StructuredOutputBackend
+from .backend import GrammarError, GrammarMatcher, StructuredOutputBackend, apply_bitmask_on_cpu
 from .spec import GrammarSpec, choice_ebnf
 from .vocabulary import TokenizerVocabulary
 
@@ -101,6 +101,9 @@ class XgrammarBackend(StructuredOutputBackend):
         return xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            apply_bitmask_on_cpu(logits, bitmask, rows)
+            return
         bitmask = bitmask[: logits.shape[0]]
         if bitmask.device != logits.device:
             bitmask = bitmask.to(logits.device, non_blocking=True)

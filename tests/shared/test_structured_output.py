@@ -19,6 +19,7 @@ from shared.structured_output import (
     grammar_spec,
     make_backend,
 )
+from shared.structured_output.backend import apply_bitmask_on_cpu
 from shared.structured_output.validation import check_structured_outputs
 
 PERSON = {
@@ -114,6 +115,21 @@ def test_invalid_specs_say_what_is_wrong(backend, spec, words):
     with pytest.raises(GrammarError, match=words) as info:
         backend.compile(spec)
     assert not str(info.value).startswith("[")  # no xgrammar log prefix
+
+
+def test_cpu_masking_equals_xgrammars_kernel(backend):
+    import xgrammar as xgr
+
+    gen = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, (backend.vocab_size + 31) // 32), dtype=torch.int32, generator=gen)
+    logits = torch.randn(5, backend.vocab_size, generator=gen)
+    for rows in ([0, 1, 2, 3, 4], [1, 3]):
+        ours, reference = logits.clone(), logits.clone()
+        apply_bitmask_on_cpu(ours, bitmask, rows)
+        xgr.apply_token_bitmask_inplace(reference, bitmask, vocab_size=backend.vocab_size, indices=rows)
+        assert torch.equal(ours, reference)
+        assert torch.isinf(ours).any() and torch.equal(ours[[i for i in range(5) if i not in rows]],
+                                                       logits[[i for i in range(5) if i not in rows]])
 
 
 def test_compile_cache_compiles_each_spec_once(backend):
