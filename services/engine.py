@@ -92,7 +92,9 @@ class Engine:
             sampling_params=sampling_params,
             **prompt_field,
         )
-        [engine_request] = self.preparer.prepare(request, self.tokenizer if isinstance(prompt, str) else None)
+        needs_tokenizer = (isinstance(prompt, str) or sampling_params.structured_outputs is not None
+                           or bool(sampling_params.bad_words))
+        [engine_request] = self.preparer.prepare(request, self.tokenizer if needs_tokenizer else None)
         return engine_request
 
     def _schedule(self, request: EngineRequest) -> None:

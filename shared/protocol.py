@@ -103,6 +103,20 @@ def subject_gateway_id(subject: str) -> str:
 # --------------------------------------------------------------------------- requests
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, frozen=True):
+    """A request's output constraint, vLLM's ``StructuredOutputsParams``: exactly one
+    field is set. The gateway writes each in its canonical form (the JSON schema and
+    the structural tag as compact JSON text, keys in the order given), which is also
+    the grammar cache's key (``shared.structured_output.GrammarSpec``)."""
+
+    json: str | None = None  # a JSON schema
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF)
+    structural_tag: str | None = None
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     """Per-request sampling and stopping settings (OpenAI / vLLM meaning).
 
@@ -125,6 +139,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     stop: list[str] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Sent to the workers once, with the request's new-request data; each rank compiles
+    # it and keeps a grammar matcher in its request state (docs/ARCHITECTURE.md).
+    structured_outputs: StructuredOutputsParams | None = None
+    # Logit controls (services/worker/logit_controls.py): a bias added to a token's logit,
+    # the only tokens allowed, and words never to generate (their token sequences, filled
+    # in by the tokenizer service).
+    logit_bias: dict[int, float] = {}
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] = []
 
     @property
     def greedy(self) -> bool:

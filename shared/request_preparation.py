@@ -23,6 +23,8 @@ from shared.request_validation import (
     validate_request_shape,
     validate_sampling_params,
 )
+from shared.logit_controls import prepare_logit_controls
+from shared.structured_output.validation import check_structured_outputs
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class RequestPreparer:
         ``prompt_token_ids``."""
         params = validate_sampling_params(request.sampling_params, self.vocab_size)
         validate_request_shape(request, self.vocab_size)
+        check_structured_outputs(params, tokenizer, self.vocab_size)
+        params = prepare_logit_controls(params, tokenizer, self.vocab_size)
         if request.messages is not None:
             prompt_param = "messages"
             prompt_token_ids = tokenize_chat(tokenizer, request.messages, request.add_generation_prompt,

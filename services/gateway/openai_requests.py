@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from shared.protocol import SamplingParams
 
 from .errors import ApiError, invalid
+from .logit_controls import logit_controls
+from .structured_outputs import structured_outputs
 
 MAX_N = 128
 # Stop strings size every step output's token window, fill the detokenizers' caches and
@@ -189,6 +191,8 @@ def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> Sampli
         stop=_stop_strings(f),
         ignore_eos=f.bool("ignore_eos", False),
         logprobs=logprobs,
+        structured_outputs=structured_outputs(f.body),
+        **logit_controls(f),
     )
 
 

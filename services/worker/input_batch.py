@@ -16,6 +16,7 @@ import torch
 
 from shared.protocol import SamplingParams
 
+from .logit_controls import LogitControls, has_logit_controls
 from .sampling_metadata import SamplingMetadata
 
 # Columns of the float sampling settings, kept in one [rows, 6] tensor so that a
@@ -38,6 +39,8 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     # Draft tokens proposed after its last sampled token (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
+    # The request's structured-output grammar and matcher (structured_output.RequestGrammar).
+    grammar: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +84,8 @@ class InputBatch:
         # with token ids to hold back (row -> (min_tokens, stop token ids)).
         self.generators: dict[int, torch.Generator] = {}
         self.min_tokens: dict[int, tuple[int, list[int]]] = {}
+        # Rows of requests with logit_bias / allowed_token_ids / bad_words.
+        self.logit_control_rows: dict[int, CachedRequestState] = {}
         self._sampling_rows_changed = False
 
         # What ``_move`` copies whole from one row to another.
@@ -122,6 +127,8 @@ class InputBatch:
             stop_ids.append(state.eos_token_id)
         if params.min_tokens > 0 and stop_ids:
             self.min_tokens[index] = (params.min_tokens, stop_ids)
+        if has_logit_controls(params):
+            self.logit_control_rows[index] = state
         self._sampling_rows_changed = True
 
     def set_block_ids(self, index: int, block_ids: list[int]) -> None:
@@ -145,6 +152,7 @@ class InputBatch:
             self.states[index] = None
             self.generators.pop(index, None)
             self.min_tokens.pop(index, None)
+            self.logit_control_rows.pop(index, None)
 
     def condense(self) -> None:
         """Fill holes left by removed requests with rows from the end."""
@@ -169,7 +177,7 @@ class InputBatch:
         self.block_table[dst, :nb] = self.block_table[src, :nb]
         for array in self._row_arrays:
             array[dst] = array[src]
-        for by_row in (self.generators, self.min_tokens):
+        for by_row in (self.generators, self.min_tokens, self.logit_control_rows):
             if src in by_row:
                 by_row[dst] = by_row.pop(src)
         self._sampling_rows_changed = True
@@ -218,6 +226,14 @@ class InputBatch:
             output_token_ids=output_token_ids,
             banned=self._banned_token_ids(position),
             num_logprobs=num_logprobs.tolist() if (num_logprobs >= 0).any() else None,
+            logit_controls=self._logit_controls(position),
+        )
+
+    def _logit_controls(self, position: np.ndarray) -> LogitControls | None:
+        if not self.logit_control_rows:
+            return None
+        return LogitControls.for_rows(
+            {int(position[row]): state for row, state in self.logit_control_rows.items() if position[row] >= 0}
         )
 
     def _penalty_token_ids(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,7 @@ from .models.llama import LlamaForCausalLM
 from .parallel import ShardLayout, init_distributed, tp_device
 from .sampler import Sampler
 from .spec_decode import SpecDecoder
+from .structured_output import StructuredOutputRunner
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,9 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
         self.spec_decoder: SpecDecoder | None = None
         self.use_speculative(scheduler_config.speculative)
+        self.structured_output = StructuredOutputRunner(
+            self.model_path, self.model_config.vocab_size, scheduler_config.max_num_seqs
+        )
         logger.info(
             "model %s loaded: %s on %s, kernels=%s, prepacked=%s, rank %d/%d (%d q heads, %d KV heads), "
             "%d KV blocks of %d tokens",
@@ -205,6 +209,7 @@ class ModelRunner:
                 eos_token_id=new.eos_token_id,
                 generator=generator,
                 output_token_ids=list(new.output_token_ids),
+                grammar=self.structured_output.request_grammar(params, new.eos_token_id),
             )
 
         cached = out.scheduled_cached_reqs
@@ -268,12 +273,14 @@ class ModelRunner:
         sampled_by_row: dict[int, tuple[list[int], list]] = {}
         if len(sample_rows) and num_spec is not None:
             sampled_by_row = self.spec_decoder.sample(self.model.compute_logits, hidden, batch, num_scheduled,
-                                                      num_spec, sample_rows, want_logprobs=self.is_driver)
+                                                      num_spec, sample_rows, want_logprobs=self.is_driver,
+                                                      mask_logits=self._mask_positions)
             clock.lap("forward")
         elif len(sample_rows):
             logits_indices = inputs.logits_indices[torch.from_numpy(sample_rows).to(self.device)]
             logits = self.model.compute_logits(hidden[logits_indices])
             clock.lap("forward")
+            logits = self._mask_by_grammars(logits, [states[row] for row in sample_rows.tolist()])
             sampling = batch.make_sampling_metadata(sample_rows)
             if not self.is_driver:
                 sampling.num_logprobs = None  # only rank 0 replies; logprobs draw no randomness
@@ -290,6 +297,7 @@ class ModelRunner:
             state.output_token_ids.extend(tokens)
             for token in tokens:
                 batch.append_token(i, token)
+                self.structured_output.accept_token(state, token)
             sampled_token_ids.append(tokens)
             out_logprobs.append(lps)
         output = ModelRunnerOutput(step_id=out.step_id, req_ids=req_ids, sampled_token_ids=sampled_token_ids)
@@ -302,6 +310,24 @@ class ModelRunner:
             output.logprobs = [lps[0] if lps else None for lps in out_logprobs]
         clock.lap("output")
         return output
+
+    def _mask_by_grammars(self, logits: torch.Tensor, states: list[CachedRequestState]) -> torch.Tensor:
+        """The logits with each constrained row's disallowed tokens at -inf."""
+        if all(state.grammar is None for state in states):
+            return logits
+        logits = logits.float()
+        self.structured_output.mask_logits(logits, states)
+        return logits
+
+    def _mask_positions(self, logits: torch.Tensor, states_by_row: dict[int, CachedRequestState]) -> None:
+        """Grammar masks on some rows of ``logits`` (float32), in place."""
+        constrained = {row: state for row, state in states_by_row.items() if state.grammar is not None}
+        if not constrained:
+            return
+        rows = torch.tensor(list(constrained), device=logits.device)
+        selected = logits[rows]
+        self.structured_output.mask_logits(selected, list(constrained.values()))
+        logits[rows] = selected
 
     def _prepare_inputs(self, num_scheduled: np.ndarray) -> ModelInputs:
         batch = self.input_batch

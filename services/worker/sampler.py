@@ -1,11 +1,13 @@
 """Turns the last position's logits of each request into its next token.
 
-Order, as in vLLM: min_tokens masking and penalties on the raw logits, then greedy
+Order, as in vLLM: min_tokens masking, logit controls (logit_bias, allowed_token_ids,
+bad_words) and penalties on the raw logits, then greedy
 argmax or temperature, min-p, top-k and top-p, then a draw. The draw is an
 exponential race (argmax of probs / Exp(1) noise), which is a draw from the
 distribution, with the noise of a seeded request taken from its own generator so
 its tokens do not depend on what else is in the batch. Logprobs are of the raw
-model distribution (before any processing), like vLLM's default.
+model distribution (before any processing but a grammar's mask, which the model runner
+applies first), like vLLM's default.
 """
 
 from __future__ import annotations
@@ -54,11 +56,14 @@ class Sampler:
 
 
 def apply_bans_and_penalties(logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:
-    """min_tokens bans and penalties on the raw logits (a copy when anything applies)."""
-    logits = logits.clone() if (batch.banned or batch.any_penalties) else logits
+    """min_tokens bans, logit controls and penalties on the raw logits (a copy when
+    anything applies)."""
+    logits = logits.clone() if (batch.banned or batch.any_penalties or batch.logit_controls) else logits
     if batch.banned:
         rows, token_ids = batch.banned
         logits[rows, token_ids] = float("-inf")
+    if batch.logit_controls is not None:
+        logits = batch.logit_controls.apply(logits)
     if batch.any_penalties:
         logits = apply_penalties(logits, batch)
     return logits

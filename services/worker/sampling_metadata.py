@@ -8,8 +8,12 @@ reads request objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .logit_controls import LogitControls
 
 
 @dataclass
@@ -35,3 +39,5 @@ class SamplingMetadata:
     banned: tuple[list[int], list[int]] | None = None
     # Number of top logprobs per row (-1: none); None when no row wants logprobs.
     num_logprobs: list[int] | None = None
+    # logit_bias / allowed_token_ids / bad_words of the rows that have them.
+    logit_controls: LogitControls | None = None

@@ -11,6 +11,11 @@ positions per request go through the ``RejectionSampler``.
 
 Every rank holds the same token ids, proposes the same drafts and draws the same
 randomness, so the ranks of a TP group stay in step with no extra bus traffic.
+
+Requests with a structured-output grammar or logit controls get no drafts: their mask
+at a draft position would depend on the drafts before it. In a step that verifies
+other requests' drafts they sample one token at their single position, with their
+grammar mask (``mask_logits``) and controls applied there.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from shared.config import SpeculativeConfig
 from shared.protocol import Logprobs, SchedulerOutput
 
 from .input_batch import InputBatch
+from .logit_controls import has_logit_controls
 from .ngram_proposer import NgramProposer
 from .rejection_sampler import DraftLayout, RejectionSampler
 from .sampler import compute_logprobs
@@ -56,10 +62,12 @@ class SpecDecoder:
 
     def sample(
         self, compute_logits, hidden: torch.Tensor, batch: InputBatch, num_scheduled: np.ndarray,
-        num_spec: np.ndarray, rows: np.ndarray, want_logprobs: bool,
+        num_spec: np.ndarray, rows: np.ndarray, want_logprobs: bool, mask_logits=None,
     ) -> dict[int, tuple[list[int], list[Logprobs]]]:
         """Verify the drafts of the batch rows ``rows`` (their known tokens are all
-        computed now): row -> (its output tokens, their logprobs)."""
+        computed now): row -> (its output tokens, their logprobs). ``mask_logits(logits,
+        {logits row: request state})`` masks the rows of requests without drafts by
+        their grammars, in place."""
         last_positions = np.cumsum(num_scheduled)[rows] - 1
         drafts = [
             batch.token_ids[row, batch.num_tokens[row] : batch.num_tokens[row] + num_spec[row]].tolist()
@@ -69,6 +77,10 @@ class SpecDecoder:
         num_drafts = num_spec[rows]
         hidden_rows = np.repeat(last_positions - num_drafts, num_drafts + 1) + layout.row_position.cpu().numpy()
         raw_logits = compute_logits(hidden[torch.from_numpy(hidden_rows).to(self.device)]).float()
+        if mask_logits is not None:
+            row_start = layout.row_start.tolist()
+            mask_logits(raw_logits, {row_start[i]: batch.states[row] for i, row in enumerate(rows.tolist())
+                                     if num_drafts[i] == 0})
         request_batch = batch.make_sampling_metadata(rows)
         positions_batch = self._per_position(request_batch, batch, rows, layout)
         tokens, counts = self.rejection_sampler(raw_logits, positions_batch, layout, request_batch.generators)
@@ -101,9 +113,13 @@ class SpecDecoder:
             earlier_drafts = torch.where(columns < layout.row_position.unsqueeze(1),
                                          drafts_padded[row_request][:, :width], -1)
             output_token_ids = torch.cat([request_batch.output_token_ids[row_request], earlier_drafts], dim=1)
+        controls = request_batch.logit_controls
+        if controls is not None:  # their requests have no drafts: request i's one position is row_start[i]
+            controls = controls.moved_to(layout.row_start.tolist())
         return replace(
             request_batch, **expand, generators={}, prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids, banned=self._banned(batch, rows, layout), num_logprobs=None,
+            logit_controls=controls,
         )
 
     @staticmethod
@@ -140,6 +156,11 @@ class SpecDecoder:
         """New drafts for the batch rows that just sampled: row -> how many."""
         counts = {}
         for row in rows:
+            state = batch.states[row]
+            if state.grammar is not None or has_logit_controls(state.sampling_params):
+                state.spec_token_ids = []
+                counts[row] = 0
+                continue
             drafts = self.proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
             batch.states[row].spec_token_ids = drafts.tolist()
             counts[row] = len(drafts)

@@ -47,6 +47,18 @@ common = {
     "logprobs": st.one_of(st.booleans(), small_int, st.none()), "top_logprobs": small_int,
     "ignore_eos": st.one_of(st.booleans(), anything), "min_tokens": small_int, "user": st.one_of(text, anything),
     "unknown_field": anything,
+    # structured output and logit controls
+    "response_format": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object",
+                                                                                 "json_schema", "x"])},
+                                                       optional={"json_schema": anything}), anything),
+    "structured_outputs": st.one_of(st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar",
+                                                                     "json_object", "backend", "x"]),
+                                                    anything, max_size=2), anything),
+    "guided_json": anything, "guided_choice": anything,
+    "logit_bias": st.one_of(st.dictionaries(st.one_of(text, st.integers(-5, 2**40).map(str)), anything,
+                                            max_size=3), anything),
+    "allowed_token_ids": st.one_of(st.lists(st.integers(-5, 2**40), max_size=5), anything),
+    "bad_words": st.one_of(st.lists(text, max_size=3), anything),
 }
 chat_body = st.fixed_dictionaries({"messages": st.one_of(st.lists(message, max_size=3), anything)}, optional=common)
 completion_body = st.fixed_dictionaries(

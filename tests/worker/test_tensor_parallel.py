@@ -7,7 +7,7 @@
   same step diffs by its own copy of the deterministic in-process scheduler (as every
   rank receives each step diff over the bus), produce the same greedy tokens as TP=1,
   under chunked prefill and preemption; every rank samples the same tokens, random
-  sampling (seeded and unseeded) included; each rank holds 1/tp of the sharded
+  sampling (seeded and unseeded) and structured output included; each rank holds 1/tp of the sharded
   weights and its share of the KV cache.
 """
 
@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import multiprocessing
+import re
 import traceback
 from pathlib import Path
 
@@ -30,7 +31,8 @@ from services.worker.parallel import ShardLayout, TensorParallel, destroy_distri
 from shared.config import CacheConfig, ConfigError, ModelRunConfig, ParallelConfig, SchedulerConfig
 from shared.model_config import load_model_config
 from shared.model_files import open_weights
-from shared.protocol import SCHEDULER_OUTPUT, FinishReason, SamplingParams
+from shared.tokenizer import load_tokenizer
+from shared.protocol import SCHEDULER_OUTPUT, FinishReason, SamplingParams, StructuredOutputsParams
 from tests.greedy_compare import assert_greedy_matches
 from tests.hf_reference import hf_greedy, load_hf_model_from_folder, make_tiny_random_llama
 
@@ -62,6 +64,12 @@ SAMPLED = [
     SamplingParams(temperature=0.8, repetition_penalty=1.3, max_tokens=NUM_TOKENS, ignore_eos=True),
     SamplingParams(temperature=0.0, logprobs=3, max_tokens=NUM_TOKENS, ignore_eos=True),
 ]
+# Structured output: every rank keeps its own matchers and masks its own logits.
+WORDS = "[a-z]+( [a-z]+)*"
+CONSTRAINED = [
+    SamplingParams(temperature=1.0, seed=i, max_tokens=NUM_TOKENS, structured_outputs=StructuredOutputsParams(regex=WORDS))
+    for i in range(len(PROMPT_LENGTHS))
+]
 
 
 # --------------------------------------------------------------------------- one rank's work
@@ -81,7 +89,7 @@ def run_workload(runner) -> dict:
 
     runner.execute_model = recording
     result: dict = {"tokens": {}, "logprobs": {}}
-    batches = [("greedy", [GREEDY] * len(PROMPT_LENGTHS)), ("sampled", SAMPLED)]
+    batches = [("greedy", [GREEDY] * len(PROMPT_LENGTHS)), ("sampled", SAMPLED), ("constrained", CONSTRAINED)]
     preemptions = 0
     for name, params in batches:
         engine = Engine(cache_config=CACHE, scheduler_config=SCHED, worker=runner)
@@ -276,6 +284,13 @@ def check_against_tp1(model_dir: Path, world_size: int, tmp_path: Path) -> None:
     for i in range(len(SAMPLED)):
         assert tp_tokens[f"sampled-{i}"] == single["tokens"][f"sampled-{i}"]
     assert ranks[0]["logprobs"] == single["logprobs"] and len(ranks[0]["logprobs"]["sampled-3"]) == NUM_TOKENS
+    # Constrained sampling agrees with TP=1, and follows its regex.
+    tokenizer = load_tokenizer(model_dir)
+    for i in range(len(CONSTRAINED)):
+        tokens = tp_tokens[f"constrained-{i}"]
+        assert tokens == single["tokens"][f"constrained-{i}"]
+        text = tokenizer.decode([t for t in tokens if t != tokenizer.eos_token_id])
+        assert text and re.fullmatch("[a-z ]*", text) and "  " not in text and not text.startswith(" ")
 
     # Sizes: each rank holds its share of the KV cache (KV heads split or replicated).
     nkv = cfg.num_key_value_heads
