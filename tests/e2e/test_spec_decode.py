@@ -9,11 +9,15 @@ tokens alone and in a mixed batch; max_tokens is never exceeded; nothing leaks.
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
 from services.engine import Engine
 from shared.config import CacheConfig, SchedulerConfig
 from shared.protocol import FinishReason, SamplingParams
+from shared.protocol import StructuredOutputsParams as Spec
 from tests.e2e.test_engine_greedy import SEEDS, assert_no_leaks
 
 NUM_TOKENS = 32
@@ -113,4 +117,32 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_mixed_batch(smollm_worke
     results = engine.generate([prompts[6], prompts[10], prompts[11], prompts[0]], [others, seeded, others, others])
     assert results[1].token_ids == alone
     assert engine.scheduler.spec_decode_stats.num_accepted_tokens > 0
+    assert_no_leaks(engine)
+
+
+def test_constrained_requests_beside_drafting_ones_keep_their_output(smollm_worker, smollm_tokenizer, prompts):
+    """Requests with a grammar or logit controls get no drafts, but they sample in steps that
+    verify the other requests' drafts: there their mask and controls still apply, so every
+    request's tokens equal those with speculative decoding off."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    plain = engine_for(smollm_worker, max_num_batched_tokens=512)
+    [first] = plain.generate([prompts[10]], SamplingParams(temperature=0.0, max_tokens=1))
+    params = [greedy] * 4 + [
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=Spec(json=json.dumps(schema))),
+        SamplingParams(temperature=0.0, max_tokens=24, logit_bias={first.token_ids[0]: -100.0}),
+        SamplingParams(temperature=0.0, max_tokens=24, allowed_token_ids=list(range(200, 400))),
+        SamplingParams(temperature=0.0, max_tokens=24, bad_words=[" apples", " pears"]),
+    ]
+    batch = prompts[8:12] + prompts[12:16]
+    want = plain.generate(batch, params)
+    engine = engine_for(smollm_worker, NGRAM, max_num_batched_tokens=512)
+    got = engine.generate(batch, params)
+    assert engine.scheduler.spec_decode_stats.num_accepted_tokens > 0
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    texts = [smollm_tokenizer.decode(g.token_ids) for g in got]
+    jsonschema.validate(json.loads(texts[4]), schema)
+    assert got[5].token_ids[0] != first.token_ids[0]
+    assert all(200 <= t < 400 for t in got[6].token_ids)
+    assert "apples" not in texts[7] and "pears" not in texts[7]
     assert_no_leaks(engine)
