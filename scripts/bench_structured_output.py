@@ -126,7 +126,8 @@ def decode_step_ms(engine, prompt_ids: list[int], batch_size: int, steps: int) -
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch_size):
         engine.add_request([(t + i) % 1000 + 100 for t in prompt_ids], params)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+    running = engine.scheduler.running
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in running):
         engine.step()
     times = []
     for _ in range(steps):
