@@ -12,6 +12,7 @@ vLLM.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from shared.protocol import SamplingParams
@@ -196,11 +197,45 @@ def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> Sampli
     )
 
 
+# Fields of OpenAI's and vLLM's requests that this server does not honour yet, each with
+# the values that ask for nothing (those pass): any other value is a 400 naming the
+# field, never an answer that silently differs from what was asked.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "echo": (None, False),
+    "prompt_logprobs": (None,),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "chat_template_kwargs": (None, {}),
+    "truncate_prompt_tokens": (None,),
+}
+
+
+def _refuse_unsupported(f: Fields, n: int) -> None:
+    for name, inert in UNSUPPORTED_FIELDS.items():
+        value = f.body.get(name)
+        if not any(type(value) is type(ok) and value == ok for ok in inert):
+            raise invalid(f"{name} is not supported by this server (only {_inert_text(inert)})", param=name)
+    best_of = f.body.get("best_of")
+    if best_of is not None and not (_is_int(best_of) and best_of == n):
+        raise invalid(f"best_of is not supported by this server (only null or equal to n = {n})", param="best_of")
+
+
+def _inert_text(inert: tuple) -> str:
+    return " or ".join(json.dumps(v) for v in inert)
+
+
 def _common(f: Fields) -> dict:
-    """Settings shared by chat and completions: n, stream, stream_options, user."""
+    """Settings shared by chat and completions: n, stream, stream_options, user; refuses
+    the fields we cannot honour."""
     n = f.int("n", 1, minimum=1)
     if n > MAX_N:
         raise invalid(f"n must be at most {MAX_N}, got {n}", param="n")
+    _refuse_unsupported(f, n)
     seed = f.int("seed", None)
     if seed is not None and seed + n - 1 > INT64_MAX:
         raise invalid(f"seed + n - 1 must fit in a signed 64-bit integer, got seed={seed}", param="seed")
@@ -284,8 +319,6 @@ def parse_completion(body, served_model_names: tuple[str, ...]) -> GenerationReq
     f = _as_object(body)
     model = check_model(f, served_model_names)
     prompts = completion_prompts(f.body.get("prompt", _MISSING))
-    if f.bool("echo", False):
-        raise invalid("echo is not supported", param="echo")
     if f.has("suffix"):
         raise invalid("suffix is not supported", param="suffix")
     logprobs = f.int("logprobs", None, minimum=0)

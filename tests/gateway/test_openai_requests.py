@@ -86,3 +86,28 @@ def test_a_non_streamed_answer_is_bounded():
     with pytest.raises(ApiError):
         parse_completion({"prompt": "x", "max_tokens": 20_000, "logprobs": 20}, NAMES)
     assert parse_completion({"prompt": "x", "max_tokens": 20_000}, NAMES).sampling_params.max_tokens == 20_000
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [TOOL]), ("tool_choice", "required"), ("functions", [TOOL["function"]]), ("function_call", "auto"),
+    ("echo", True), ("prompt_logprobs", 1), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+    ("spaces_between_special_tokens", False), ("chat_template_kwargs", {"enable_thinking": True}),
+    ("truncate_prompt_tokens", 8), ("best_of", 3),
+])
+def test_fields_we_cannot_honour_are_refused_by_name(field, value):
+    for parse, body in ((parse_chat, {"messages": USER}), (parse_completion, {"prompt": "x"})):
+        with pytest.raises(ApiError) as info:
+            parse({**body, field: value}, NAMES)
+        assert info.value.status == 400 and info.value.info.param == field
+        assert "not supported" in info.value.info.message
+
+
+def test_their_inert_values_pass():
+    inert = {"tools": [], "tool_choice": "none", "echo": False, "include_stop_str_in_output": False,
+             "skip_special_tokens": True, "spaces_between_special_tokens": True, "chat_template_kwargs": {},
+             "prompt_logprobs": None, "truncate_prompt_tokens": None, "best_of": 2, "n": 2}
+    assert parse_chat({"messages": USER, **inert}, NAMES).n == 2
+    assert parse_completion({"prompt": "x", **inert}, NAMES).n == 2
