@@ -30,6 +30,7 @@ import nats  # noqa: E402
 
 from services.launch.nats_server import NatsServer  # noqa: E402
 from services.launch.stack import Stack, StackConfig  # noqa: E402
+from shared.bus import flush_in_order  # noqa: E402
 from shared.protocol import (  # noqa: E402
     ABORT_REQUEST,
     ENGINE_REQUEST,
@@ -86,7 +87,7 @@ async def profile_batch(nc, batch: int, steps: int, prompt_len: int) -> dict:
         raise TimeoutError(f"batch {batch}: fewer than {steps} steps in 600 s")
     finally:
         await nc.publish(engine_abort_subject(BENCH_GATEWAY), ABORT_REQUEST.encode(AbortRequest(ids)))
-        await nc.flush()
+        await flush_in_order(nc)
         await asyncio.sleep(1.0)
 
 
@@ -97,7 +98,7 @@ async def main():
     async def echo(msg):
         await nc.publish("bench.echo.back", msg.data)
     await nc.subscribe("bench.echo", cb=echo)
-    await nc.flush()
+    await flush_in_order(nc)
     print("ready", flush=True)
     await asyncio.sleep(3600)
 asyncio.run(main())

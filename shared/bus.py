@@ -38,6 +38,23 @@ def default_nats_url() -> str:
     return os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
 
 
+FLUSH_TIMEOUT = 5.0  # seconds each round trip of flush_in_order may take
+
+
+async def flush_in_order(nc: nats.NATS, timeout: float = FLUSH_TIMEOUT) -> None:
+    """Return once the server has processed everything ``nc`` sent before the call.
+
+    ``nc.flush()`` alone does not promise that: nats-py queues SUB and PUB for its
+    flusher task but writes the flush's PING straight to the socket, so on a busy
+    loop the PONG can come back before earlier subscriptions reached the server (a
+    refused SUB's error, or a message another connection publishes, then arrives
+    after the flush). The first round trip lets the flusher write what was queued;
+    the second PING follows it on the socket, so its PONG proves it processed.
+    """
+    await nc.flush(timeout)
+    await nc.flush(timeout)
+
+
 class Service:
     """Base of a bus service: its state, its handlers, and ``run()``."""
 

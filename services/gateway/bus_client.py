@@ -24,7 +24,7 @@ from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from shared.bus import Service
+from shared.bus import Service, flush_in_order
 from shared.bus_auth import gateway_id_from_credentials
 from shared.config import ConfigError
 from shared.protocol import (
@@ -92,7 +92,7 @@ class GatewayService(Service):
         await self.subscribe(SERVICE_RESTARTS, self._on_restarts)
         self.spawn(self._watch_engines())
         # The server has our stream subscription before any tokenize request leaves.
-        await self.nc.flush()
+        await flush_in_order(self.nc)
 
     # ------------------------------------------------------------------ inbound
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from services.launch.nats_server import NatsServer, free_port
 from services.launch.supervisor import Supervisor
+from shared.bus import flush_in_order
 from shared.bus_auth import gateway_user
 from shared.protocol import SERVICE_RESTARTS, SERVICE_RESTARTS_MSG, ServiceRestarts
 from services.launch.service_flags import split_service_args
@@ -194,7 +195,7 @@ class Stack:
             nc = await nats.connect(self.nats.url, **self.nats.credentials("admin"))
             try:
                 await nc.publish(SERVICE_RESTARTS, SERVICE_RESTARTS_MSG.encode(ServiceRestarts(counts)))
-                await nc.flush()
+                await flush_in_order(nc)
             finally:
                 await nc.close()
 

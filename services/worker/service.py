@@ -20,7 +20,7 @@ import torch
 
 from nats.aio.msg import Msg
 
-from shared.bus import Service
+from shared.bus import Service, flush_in_order
 from shared.config import CacheConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
 from shared.protocol import (
     MODEL_RUNNER_OUTPUT,
@@ -160,7 +160,7 @@ class WorkerService(Service):
             await self.nc.publish(self._result_subject, MODEL_RUNNER_OUTPUT.encode(output))
         if output.error and self.world_size > 1:
             # The ranks' collectives are out of step now: the group must restart whole.
-            await self.nc.flush()
+            await flush_in_order(self.nc)
             self.fail(f"step {scheduler_output.step_id} failed under tensor parallelism")
 
     async def _watch_peers(self, msg: Msg) -> None:

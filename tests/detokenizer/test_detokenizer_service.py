@@ -13,6 +13,7 @@ import nats
 import pytest
 
 from services.detokenizer.service import THREAD_MIN_TOKENS, DetokenizerService
+from shared.bus import flush_in_order
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
@@ -60,7 +61,7 @@ class Collector:
             self.aborts.extend(ABORT_REQUEST.decode(msg.data).request_ids)
 
         await nc.subscribe(engine_abort_subject("*"), cb=on_abort)
-        await nc.flush()
+        await flush_in_order(nc)
 
 
 async def wait_for(predicate, timeout=10.0):
@@ -269,7 +270,7 @@ async def test_stop_strings_heard_from_the_broadcast_are_honoured(detokenizer, n
     assert "".join(d.text for d in deltas) == "alpha beta " and deltas[-1].finish_reason == FinishReason.STOP
     assert detokenizer.num_stop_queries == queries  # nothing to ask
     await nc.publish(DETOKENIZE_STOPS, STOP_STRINGS.encode(StopStrings(finished=["heard"])))
-    await nc.flush()
+    await flush_in_order(nc)
     await wait_for(lambda: detokenizer.stop_strings._forget_at)
 
 
@@ -283,7 +284,7 @@ async def test_missed_stop_strings_are_asked_of_the_scheduler_once(detokenizer, 
         await msg.respond(STOP_STRINGS.encode(StopStrings(known)))
 
     sub = await nc.subscribe(engine_stops_subject("e-ask"), cb=scheduler)
-    await nc.flush()
+    await flush_in_order(nc)
     deltas = await run_stop_stream(nc, "missed", "e-ask", stop_text)
     await sub.unsubscribe()
     assert "".join(d.text for d in deltas) == "alpha beta " and deltas[-1].finish_reason == FinishReason.STOP
@@ -301,7 +302,7 @@ async def test_unknown_stop_strings_fail_the_request_instead_of_being_ignored(
 
     engine_id = f"e-{scheduler_answers}"
     sub = await nc.subscribe(engine_stops_subject(engine_id), cb=forgetful) if scheduler_answers else None
-    await nc.flush()
+    await flush_in_order(nc)
     timeout, detokenizer.stop_strings_timeout = detokenizer.stop_strings_timeout, 0.3
     try:
         request_id = f"lost-{scheduler_answers}"
@@ -330,7 +331,7 @@ async def test_an_answer_in_parts_is_asked_for_until_complete(detokenizer, nc, s
         await msg.respond(STOP_STRINGS.encode(StopStrings([RequestStopStrings(request_ids[0], ["STOP"])])))
 
     sub = await nc.subscribe(engine_stops_subject("e-parts"), cb=one_at_a_time)
-    await nc.flush()
+    await flush_in_order(nc)
     collector = Collector()
     await collector.subscribe(nc, ["gw-parts"])
     out = smollm_tokenizer.encode("one STOP two", add_special_tokens=False)

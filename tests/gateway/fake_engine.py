@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import msgspec
 from nats.aio.msg import Msg
 
-from shared.bus import Service
+from shared.bus import Service, flush_in_order
 from shared.protocol import (
     ABORT_REQUEST,
     ENGINE_STATS,
@@ -131,7 +131,7 @@ class FakeEngine(Service):
         await self.subscribe(TOKENIZE, self._on_tokenize, queue="tokenizer")
         await self.subscribe(engine_abort_subject("*"), self._on_abort)
         await self.subscribe(engine_resend_subject("*"), self._on_resend)
-        await self.nc.flush()
+        await flush_in_order(self.nc)
         self.spawn(self._announce_ready())
 
     async def announce(self) -> None:

@@ -11,6 +11,7 @@ import nats
 from services.launch.nats_server import NatsServer
 from services.gateway.json_body import MAX_JSON_DEPTH
 from services.gateway.uvicorn_runner import GatewayServer
+from shared.bus import flush_in_order
 from shared.protocol import ENGINE_STATS, ENGINE_STATS_MSG, EngineStats, ping_subject
 
 from .conftest import MODEL, gateway_config
@@ -88,7 +89,7 @@ async def test_health_needs_a_ready_engine():
                         if ready is not None:
                             stats = EngineStats("e0", ready=ready)
                             await nc.publish(ENGINE_STATS, ENGINE_STATS_MSG.encode(stats))
-                            await nc.flush()
+                            await flush_in_order(nc)
                         deadline = time.monotonic() + 5
                         while True:
                             r = await http.get("/health")

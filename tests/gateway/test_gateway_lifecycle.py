@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.uvicorn_runner import GatewayServer
 from services.launch.nats_server import NatsServer, free_port
+from shared.bus import flush_in_order
 from shared.protocol import (
     ENGINE_STATS,
     ENGINE_STATS_MSG,
@@ -162,7 +163,7 @@ async def test_metrics(nats_server, gateway, client, http):
     try:
         async def publish(engine_id: str, **fields) -> None:
             await nc.publish(ENGINE_STATS, ENGINE_STATS_MSG.encode(EngineStats(engine_id, **fields)))
-            await nc.flush()
+            await flush_in_order(nc)
 
         await publish("e0", num_requests_running=2, num_requests_waiting=1, kv_cache_usage_perc=0.25,
                       prefix_cache_queries=100, prefix_cache_hits=40, num_preemptions=3, ready=True)
@@ -241,7 +242,7 @@ async def test_service_restarts_reach_metrics(nats_server, gateway, http):
     try:
         restarts = ServiceRestarts({"detokenizer-0": 2, "worker-0": 1})
         await nc.publish(SERVICE_RESTARTS, SERVICE_RESTARTS_MSG.encode(restarts))
-        await nc.flush()
+        await flush_in_order(nc)
     finally:
         await nc.close()
     values = await poll_metrics(http, lambda v: "natsllm:service_restarts_total{service=worker-0}" in v)

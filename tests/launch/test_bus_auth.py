@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import nats
 import pytest
 from nats.errors import NoServersError
@@ -12,6 +10,7 @@ from nats.errors import NoServersError
 from services.gateway.bus_client import GatewayService
 from services.gateway.config import GatewayConfig
 from services.launch.nats_server import NatsServer
+from shared.bus import flush_in_order
 from shared.bus_auth import ROLES, connect_credentials, gateway_id_from_credentials, gateway_user, inbox_prefix
 from shared.config import ConfigError
 from shared.protocol import (
@@ -53,7 +52,7 @@ async def refused_subscriptions(bus: NatsServer, user: str, subjects: list[str])
         for subject in subjects:
             await client.subscribe(subject)
         # The server answers a refused SUB with -ERR before the PONG of this flush.
-        await client.flush()
+        await flush_in_order(client)
     finally:
         await client.close()
     refusals = [str(e).lower() for e in errors]  # nats-py lower-cases the server's -ERR
@@ -76,9 +75,9 @@ async def delivered(bus: NatsServer, sender_role: str, subject: str) -> bool:
     sender = await connect_as(bus, sender_role, errors)
     try:
         sub = await admin.subscribe(subject)
-        await admin.flush()
+        await flush_in_order(admin)
         await sender.publish(subject, b"x")
-        await sender.flush()
+        await flush_in_order(sender)
         try:
             await sub.next_msg(timeout=0.5)
             return True
@@ -151,7 +150,7 @@ async def test_request_reply_works_within_permissions(bus):
             await msg.respond(b"tokenized")
 
         await tokenizer.subscribe(TOKENIZE, queue="tokenizer", cb=answer)
-        await tokenizer.flush()
+        await flush_in_order(tokenizer)
         reply = await gateway.request(TOKENIZE, b"hi", timeout=2)
         assert reply.data == b"tokenized"
         assert replied_to[0].startswith(inbox_prefix(GATEWAY_A) + ".")

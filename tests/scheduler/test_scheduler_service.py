@@ -23,6 +23,7 @@ import pytest
 from services.launch.nats_server import NatsServer
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.service import SchedulerService
+from shared.bus import flush_in_order
 from shared.config import CacheConfig, SchedulerConfig
 from shared.protocol import (
     ABORT_REQUEST,
@@ -205,7 +206,7 @@ async def test_an_abort_that_overtakes_its_request_is_remembered(bus):
     worker = await ready_worker(service, nc)
     await nc.publish(engine_abort_subject(GATEWAY), ABORT_REQUEST.encode(AbortRequest(["late"])))
     await nc.publish(engine_abort_subject("other"), ABORT_REQUEST.encode(AbortRequest(["theirs"])))
-    await nc.flush()
+    await flush_in_order(nc)
     await wait_for(lambda: (GATEWAY, "late") in service._early_aborts and ("other", "theirs") in service._early_aborts)
     error = await submit(nc, "late")
     assert error is not None and error.type == "request_aborted"
@@ -226,12 +227,12 @@ async def test_a_gateway_aborts_only_its_own_requests(bus):
     assert await submit(nc, "a2", gateway_id="A") is None
     await nc.publish(engine_abort_subject("A"), ABORT_REQUEST.encode(AbortRequest(["b1", "a1"])))
     await nc.publish(engine_abort_subject("A"), ABORT_REQUEST.encode(AbortRequest(["a2"])))
-    await nc.flush()
+    await flush_in_order(nc)
     await wait_for(lambda: "a2" not in service.scheduler.requests)
     assert "a1" not in service.scheduler.requests
     assert "b1" in service.scheduler.requests
     await nc.publish(engine_abort_subject("B"), ABORT_REQUEST.encode(AbortRequest(["b1"])))
-    await nc.flush()
+    await flush_in_order(nc)
     await wait_for(lambda: "b1" not in service.scheduler.requests)
     worker.task.cancel()
 
@@ -245,7 +246,7 @@ async def test_a_gateway_gets_resends_only_of_its_own_requests(bus):
     # Handled in order on one subject family: A's (ignored) first, then B's own.
     await nc.publish(engine_resend_subject("A"), RESEND_OUTPUTS.encode(ResendOutputs("b", 0)))
     await nc.publish(engine_resend_subject("B"), RESEND_OUTPUTS.encode(ResendOutputs("b", 2)))
-    await nc.flush()
+    await flush_in_order(nc)
     again = await asyncio.wait_for(outputs.get(), 5)
     assert (again.request_id, again.gateway_id, again.window_offset + len(again.window_token_ids)) == ("b", "B", 3)
     assert len(again.new_token_ids) == 1  # from token 2: B's request, not A's (from token 0)
@@ -363,7 +364,7 @@ async def test_a_result_of_another_incarnation_is_dropped(bus):
     step_id = min(service._pending_steps)  # two steps in flight with async scheduling
     stale = ModelRunnerOutput(step_id, ["a"], [[9]], incarnation="an-earlier-scheduler")
     await nc.publish(engine_result_subject(ENGINE), MODEL_RUNNER_OUTPUT.encode(stale))
-    await nc.flush()
+    await flush_in_order(nc)
     await asyncio.sleep(0.3)
     assert outputs.empty() and not service._pending_steps[step_id].done()
     worker.task.cancel()
@@ -595,7 +596,7 @@ async def test_a_big_broadcast_is_sent_in_messages_that_fit(bus, monkeypatch):
 
     service, nc, _ = bus
     sub = await nc.subscribe(DETOKENIZE_STOPS)
-    await nc.flush()
+    await flush_in_order(nc)
     monkeypatch.setattr(scheduler_service, "STOP_STRINGS_MESSAGE_CHARS", 25)
     service._stops_added = [RequestStopStrings(f"b{i}", ["x" * 10]) for i in range(5)]
     service._stops_finished = ["old"]

@@ -17,6 +17,7 @@ import pytest
 
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.service import NO_SCHEDULER, TokenizerService
+from shared.bus import flush_in_order
 from shared.protocol import (
     ENGINE_REQUEST,
     ENGINE_REQUEST_REPLY,
@@ -62,7 +63,7 @@ class FakeScheduler:
             await msg.respond(ENGINE_REQUEST_REPLY.encode(reply))
 
         self.sub = await nc.subscribe(ENGINE_REQUESTS, queue="scheduler", cb=on_request)
-        await nc.flush()
+        await flush_in_order(nc)
         return self
 
     async def release(self) -> None:
