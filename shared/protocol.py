@@ -149,10 +149,23 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = []
     bad_words_token_ids: list[list[int]] = []
+    # Output text settings, the detokenizers' (they reach every replica with the stop
+    # strings, ``RequestStopStrings``): keep a matched stop string (and the text of a stop
+    # token) in the text; keep special tokens' text; vLLM's spacing between special tokens.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def has_text_settings(self) -> bool:
+        """Whether the detokenizers must be told anything about this request (stop strings
+        or an output text setting other than the default)."""
+        return bool(self.stop) or self.include_stop_str_in_output or not self.skip_special_tokens \
+            or not self.spaces_between_special_tokens
 
     def for_choice(self, i: int) -> "SamplingParams":
         """The settings of sample ``i`` of a prompt's ``n`` (vLLM's rule): a given seed
@@ -304,11 +317,12 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     new tokens; ``window_offset`` is the index of its first token in the output)
     so that any stateless detokenizer replica can produce the next text delta.
 
-    A request's stop strings do not travel with its step outputs: ``has_stop`` says it
-    has some that the output does not carry, and the detokenizers know them from the
-    scheduler's broadcast (``StopStrings`` on ``llm.detokenize.stops``) or ask for them
-    (``engine_stops_subject``). ``stop`` carries them only in outputs sent again
-    (``ResendOutputs``): those must not depend on a replica's cache.
+    A request's stop strings and output text settings (``RequestStopStrings``) do not
+    travel with its step outputs: ``has_stop`` says it has some that the output does not
+    carry, and the detokenizers know them from the scheduler's broadcast (``StopStrings``
+    on ``llm.detokenize.stops``) or ask for them (``engine_stops_subject``). ``stop`` and
+    ``text_settings`` carry them only in outputs sent again (``ResendOutputs``): those
+    must not depend on a replica's cache.
     """
 
     request_id: str
@@ -323,6 +337,11 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     num_cached_tokens: int = 0
     error: str = ""
     has_stop: bool = False
+    # The stop token id that ended the request (vLLM's ``stop_reason``); None for EOS,
+    # length, or a request still running.
+    stop_reason: int | None = None
+    # Outputs sent again carry the request's stop strings and text settings themselves.
+    text_settings: "RequestStopStrings | None" = None
 
 
 # --------------------------------------------------------------------------- service messages
@@ -388,9 +407,20 @@ class EngineOutputBatch(msgspec.Struct, array_like=True, gc=False):
     engine_id: str = ""
 
 
-class RequestStopStrings(msgspec.Struct, array_like=True, gc=False):
+class RequestStopStrings(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """What the detokenizers must know of one request besides its tokens: its stop
+    strings and its output text settings (``SamplingParams``' meaning)."""
+
     request_id: str
     stop: list[str]
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @classmethod
+    def of(cls, request_id: str, params: SamplingParams) -> "RequestStopStrings":
+        return cls(request_id, params.stop, params.include_stop_str_in_output, params.skip_special_tokens,
+                   params.spaces_between_special_tokens)
 
 
 class StopStrings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -437,6 +467,9 @@ class StreamDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] = []
     error: str = ""
+    # vLLM's ``stop_reason``, with the finish reason: the stop string matched or the
+    # stop token id that ended the request; None for EOS and length.
+    stop_reason: str | int | None = None
 
 
 class StreamDeltaBatch(msgspec.Struct, array_like=True, gc=False):

@@ -19,6 +19,7 @@ from shared.protocol import SamplingParams
 
 from .errors import ApiError, invalid
 from .logit_controls import logit_controls
+from .output_fields import output_text_settings
 from .structured_outputs import structured_outputs
 
 MAX_N = 128
@@ -194,6 +195,7 @@ def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> Sampli
         logprobs=logprobs,
         structured_outputs=structured_outputs(f.body),
         **logit_controls(f),
+        **output_text_settings(f),
     )
 
 
@@ -207,9 +209,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "function_call": (None, "none"),
     "echo": (None, False),
     "prompt_logprobs": (None,),
-    "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True),
     "chat_template_kwargs": (None, {}),
     "truncate_prompt_tokens": (None,),
 }

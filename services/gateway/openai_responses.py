@@ -28,18 +28,20 @@ def _finish_reason(delta: StreamDelta) -> str | None:
 class ChoiceResult:
     """One choice of a non-streamed response, accumulated from its deltas."""
 
-    __slots__ = ("text_parts", "logprobs", "finish_reason")
+    __slots__ = ("text_parts", "logprobs", "finish_reason", "stop_reason")
 
     def __init__(self) -> None:
         self.text_parts: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
 
     def add(self, delta: StreamDelta) -> None:
         self.text_parts.append(delta.text)
         self.logprobs.extend(delta.logprobs)
         if delta.finish_reason != FinishReason.NONE:
             self.finish_reason = _finish_reason(delta)
+            self.stop_reason = delta.stop_reason
 
     @property
     def text(self) -> str:
@@ -132,7 +134,7 @@ class ChatFormat(ResponseFormat):
             "message": {"role": "assistant", "content": result.text},
             "logprobs": self._logprobs(result.logprobs),
             "finish_reason": result.finish_reason,
-            "stop_reason": None,
+            "stop_reason": result.stop_reason,
         }
 
     def _chunk_choice(self, index: int, delta: StreamDelta) -> dict:
@@ -141,6 +143,7 @@ class ChatFormat(ResponseFormat):
             "delta": {"content": delta.text} if delta.text else {},
             "logprobs": self._logprobs(delta.logprobs),
             "finish_reason": _finish_reason(delta),
+            "stop_reason": delta.stop_reason,
         }
 
 
@@ -174,7 +177,7 @@ class CompletionFormat(ResponseFormat):
             "text": result.text,
             "logprobs": self._logprobs(result.logprobs, 0),
             "finish_reason": result.finish_reason,
-            "stop_reason": None,
+            "stop_reason": result.stop_reason,
         }
 
     def _chunk_choice(self, index: int, delta: StreamDelta) -> dict:
@@ -185,7 +188,7 @@ class CompletionFormat(ResponseFormat):
             "text": delta.text,
             "logprobs": self._logprobs(delta.logprobs, start),
             "finish_reason": _finish_reason(delta),
-            "stop_reason": None,
+            "stop_reason": delta.stop_reason,
         }
 
 

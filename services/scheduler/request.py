@@ -53,6 +53,7 @@ class Request:
         self.num_resumes = 0  # engine failures survived (the scheduler service resumes it)
         self.status = RequestStatus.WAITING
         self.finish_reason = FinishReason.NONE
+        self.stop_reason: int | None = None  # the stop token id that ended it
         self.block_hashes: list[bytes] = []
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
 

@@ -32,6 +32,7 @@ from shared.protocol import (
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
+    RequestStopStrings,
     SchedulerOutput,
 )
 from shared.token_window import window_tokens
@@ -404,6 +405,7 @@ class Scheduler:
             if not params.ignore_eos and last == request.eos_token_id:
                 return FinishReason.STOP
             if last in params.stop_token_ids:
+                request.stop_reason = last  # vLLM: the stop token id; EOS leaves it None
                 return FinishReason.STOP
         if request.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
@@ -440,21 +442,24 @@ class Scheduler:
             return None
         return finished.output_from(token_offset)
 
-    def stop_strings(self, request_id: str) -> list[str] | None:
-        """The stop strings of a request running or finished lately, for a detokenizer
-        that missed their broadcast; None if unknown here."""
+    def stop_strings(self, request_id: str) -> RequestStopStrings | None:
+        """The stop strings and text settings of a request running or finished lately, for
+        a detokenizer that missed their broadcast; None if unknown here."""
         request = self.requests.get(request_id)
         if request is not None:
-            return request.sampling_params.stop
+            return RequestStopStrings.of(request_id, request.sampling_params)
         finished = self._recently_finished.get(request_id)
-        return None if finished is None else finished.end.stop
+        if finished is None:
+            return None
+        return finished.end.text_settings or RequestStopStrings(request_id, finished.end.stop)
 
     def _engine_output(self, request: Request, new_token_ids, logprobs, carry_stop: bool = False) -> EngineOutput:
         """``carry_stop``: the output carries the stop strings itself (resent outputs);
         else it only says the request has some (the detokenizers hold them)."""
         # The tokens before the new ones that a stateless detokenizer needs to finish
         # UTF-8 characters and stop strings that span tokens.
-        stop = request.sampling_params.stop
+        params = request.sampling_params
+        stop = params.stop
         window = window_tokens(stop)
         start = max(0, request.num_output_tokens - len(new_token_ids) - window)
         return EngineOutput(
@@ -468,7 +473,10 @@ class Scheduler:
             logprobs=logprobs,
             stop=stop if carry_stop else [],
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            has_stop=bool(stop) and not carry_stop,
+            has_stop=params.has_text_settings and not carry_stop,
+            stop_reason=request.stop_reason,
+            text_settings=RequestStopStrings.of(request.request_id, params)
+            if carry_stop and params.has_text_settings else None,
         )
 
     # ------------------------------------------------------------------ stats

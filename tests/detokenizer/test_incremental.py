@@ -16,7 +16,7 @@ from services.detokenizer.incremental import IncrementalDetokenizer
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from shared.config import CacheConfig, SchedulerConfig
-from shared.protocol import EngineOutput, FinishReason, Logprobs, SamplingParams
+from shared.protocol import EngineOutput, FinishReason, Logprobs, RequestStopStrings, SamplingParams
 from shared.token_window import BASE_WINDOW, window_tokens
 
 TEXTS = [
@@ -54,9 +54,11 @@ def engine_output(out, n, num_new, window, finish=FinishReason.NONE, stop=(), lo
     )
 
 
-def stream(detok, out, rng, stop=(), window=None, finish=FinishReason.LENGTH, make_output=None):
+def stream(detok, out, rng, stop=(), window=None, finish=FinishReason.LENGTH, make_output=None, settings=None):
     """Feed ``out`` in steps of 1-3 tokens: (deltas, the result that finished the stream,
-    [(tokens after the finish, result)] for outputs made before the abort took effect)."""
+    [(tokens after the finish, result)] for outputs made before the abort took effect).
+    ``settings``: the request's text settings (default: its stop strings only)."""
+    settings = settings or RequestStopStrings("r", list(stop))
     window = window_tokens(list(stop)) if window is None else window
     make_output = make_output or (lambda n, k, reason: engine_output(out, n, k, window, reason, stop))
     deltas, final, late = [], None, []
@@ -65,7 +67,7 @@ def stream(detok, out, rng, stop=(), window=None, finish=FinishReason.LENGTH, ma
         k = min(rng.randint(1, 3), len(out) - n)
         n += k
         # The stop strings as the service gives them (from the output or its cache).
-        result = detok.process(make_output(n, k, finish if n == len(out) else FinishReason.NONE), list(stop))
+        result = detok.process(make_output(n, k, finish if n == len(out) else FinishReason.NONE), settings)
         assert not result.window_too_short
         if final is not None:
             late.append((n - finished_at, result))
