@@ -155,6 +155,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Keep only the prompt's last k tokens (-1: max_model_len); the tokenizer applies it.
+    truncate_prompt_tokens: int | None = None
 
     @property
     def greedy(self) -> bool:

@@ -19,7 +19,7 @@ from shared.protocol import SamplingParams
 
 from .errors import ApiError, invalid
 from .logit_controls import logit_controls
-from .output_fields import output_text_settings
+from .output_fields import output_text_settings, prompt_settings
 from .structured_outputs import structured_outputs
 
 MAX_N = 128
@@ -196,6 +196,7 @@ def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> Sampli
         structured_outputs=structured_outputs(f.body),
         **logit_controls(f),
         **output_text_settings(f),
+        **prompt_settings(f),
     )
 
 
@@ -210,7 +211,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "echo": (None, False),
     "prompt_logprobs": (None,),
     "chat_template_kwargs": (None, {}),
-    "truncate_prompt_tokens": (None,),
 }
 
 

@@ -134,3 +134,19 @@ def test_bad_values_are_400(stack, field, value):
     r = post(stack, "/v1/completions", {"prompt": PROMPT, field: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(stack, smollm_tokenizer):
+    ids = smollm_tokenizer.encode(PROMPT)
+    k = 6
+    r = post(stack, "/v1/completions", {"prompt": PROMPT, "temperature": 0, "max_tokens": 8,
+                                        "truncate_prompt_tokens": k})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == k
+    same = post(stack, "/v1/completions", {"prompt": ids[-k:], "temperature": 0, "max_tokens": 8})
+    assert r.json()["choices"][0]["text"] == same.json()["choices"][0]["text"]
+    r = post(stack, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "truncate_prompt_tokens": k})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == k
+    too_big = post(stack, "/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 10**6})
+    assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "truncate_prompt_tokens"
+    assert "max_model_len" in too_big.json()["error"]["message"]
