@@ -35,6 +35,9 @@ ENGINE_STATS = f"{SUBJECT_PREFIX}.engine.stats"
 # Gateways ask for the outputs of a stream's gap again (a detokenizer died with them).
 ENGINE_RESEND = f"{SUBJECT_PREFIX}.resend"
 PING = f"{SUBJECT_PREFIX}.ping"
+# The gateway's /tokenize and /detokenize (request/reply, tokenizer queue group).
+TOKENIZER_TOKENIZE = f"{SUBJECT_PREFIX}.tokenizer.tokenize"
+TOKENIZER_DETOKENIZE = f"{SUBJECT_PREFIX}.tokenizer.detokenize"
 # The launcher publishes how often it restarted each service (gateways show it in /metrics).
 SERVICE_RESTARTS = f"{SUBJECT_PREFIX}.launcher.restarts"
 
@@ -401,6 +404,39 @@ class TokenizeReply(msgspec.Struct, omit_defaults=True):
     choices: list[EngineRequestReply] = []
 
 
+class TokenizeTextRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """gateway -> tokenizer on ``TOKENIZER_TOKENIZE`` (vLLM's ``/tokenize``): the ids of
+    a prompt, or of chat messages rendered with the template; nothing is scheduled.
+    Exactly one of prompt / messages is set."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeTextReply(msgspec.Struct, omit_defaults=True):
+    """tokenizer -> gateway: the ids (and the vocabulary's token strings, when asked),
+    with the model's max_model_len; or why not."""
+
+    tokens: list[int] = []
+    token_strs: list[str] | None = None
+    max_model_len: int = 0
+    error: ErrorInfo | None = None
+
+
+class DetokenizeTokensRequest(msgspec.Struct, omit_defaults=True):
+    """gateway -> tokenizer on ``TOKENIZER_DETOKENIZE`` (vLLM's ``/detokenize``)."""
+
+    tokens: list[int]
+
+
+class DetokenizeTokensReply(msgspec.Struct, omit_defaults=True):
+    prompt: str = ""
+    error: ErrorInfo | None = None
+
+
 class EngineOutputBatch(msgspec.Struct, array_like=True, gc=False):
     """scheduler -> detokenizer: every request's new tokens of one step."""
 
@@ -566,6 +602,10 @@ RESEND_OUTPUTS = Codec(ResendOutputs)
 TOKENIZE_REQUEST = Codec(TokenizeRequest)
 TOKENIZE_REPLY = Codec(TokenizeReply)
 ENGINE_REQUEST_REPLY = Codec(EngineRequestReply)
+TOKENIZE_TEXT_REQUEST = Codec(TokenizeTextRequest)
+TOKENIZE_TEXT_REPLY = Codec(TokenizeTextReply)
+DETOKENIZE_TOKENS_REQUEST = Codec(DetokenizeTokensRequest)
+DETOKENIZE_TOKENS_REPLY = Codec(DetokenizeTokensReply)
 ENGINE_OUTPUT_BATCH = Codec(EngineOutputBatch)
 STOP_STRINGS = Codec(StopStrings)
 STOP_STRINGS_QUERY = Codec(StopStringsQuery)

@@ -150,3 +150,29 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(stack, smollm_tokenizer):
     too_big = post(stack, "/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 10**6})
     assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "truncate_prompt_tokens"
     assert "max_model_len" in too_big.json()["error"]["message"]
+
+
+def test_tokenize_and_detokenize(stack, smollm_tokenizer):
+    r = httpx.post(stack.base_url + "/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = smollm_tokenizer.encode(PROMPT)
+    assert body["tokens"] == ids and body["count"] == len(ids)
+    assert body["token_strs"] == smollm_tokenizer.convert_ids_to_tokens(ids)
+    assert body["max_model_len"] > len(ids)
+    # Messages: the same ids a chat request is prompted with.
+    r = httpx.post(stack.base_url + "/tokenize", json={"messages": CHAT}, timeout=60)
+    assert r.status_code == 200 and r.json()["token_strs"] is None
+    used = post(stack, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}).json()["usage"]
+    assert r.json()["count"] == used["prompt_tokens"]
+    no_prompt = httpx.post(stack.base_url + "/tokenize", json={"messages": CHAT, "add_generation_prompt": False},
+                           timeout=60).json()
+    assert no_prompt["tokens"] == r.json()["tokens"][:no_prompt["count"]] and no_prompt["count"] < r.json()["count"]
+    r = httpx.post(stack.base_url + "/detokenize", json={"model": MODEL, "tokens": ids}, timeout=60)
+    assert r.status_code == 200 and r.json() == {"prompt": PROMPT}
+    eos = smollm_tokenizer.eos_token_id
+    assert httpx.post(stack.base_url + "/detokenize", json={"tokens": [eos]}, timeout=60).json() == {
+        "prompt": "<|im_end|>"}
+    bad = httpx.post(stack.base_url + "/detokenize", json={"tokens": [10**9]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
