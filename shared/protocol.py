@@ -160,6 +160,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     spaces_between_special_tokens: bool = True
     # Keep only the prompt's last k tokens (-1: max_model_len); the tokenizer applies it.
     truncate_prompt_tokens: int | None = None
+    # Logprobs of each prompt token (and the top-n at its position), vLLM's
+    # ``prompt_logprobs``: computed by the workers over every prefill chunk.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -278,6 +281,14 @@ class Logprobs(msgspec.Struct, array_like=True, gc=False):
     sampled_rank: int
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """The logprobs of prompt tokens ``start .. start + len(entries) - 1`` of one request,
+    from one prefill chunk (``entries[i]``: index 0 the prompt token, then the top-n)."""
+
+    start: int
+    entries: list[Logprobs]
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Rank 0's answer to one step. ``sampled_token_ids[i]`` is empty for a
     request whose prompt is still being prefilled in chunks.
@@ -299,6 +310,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     incarnation: str = ""
     num_draft_tokens: list[int] = []
     token_logprobs: list[list[Logprobs]] = []
+    # Parallel to req_ids, or empty: the prompt logprobs this step computed (None: none).
+    prompt_logprobs: list[PromptLogprobs | None] = []
 
 
 # --------------------------------------------------------------------------- outputs
@@ -347,6 +360,9 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     stop_reason: int | None = None
     # Outputs sent again carry the request's stop strings and text settings themselves.
     text_settings: "RequestStopStrings | None" = None
+    # With the first output token, when asked for: one entry per prompt token; the first
+    # has the prompt's first token and no logprob (nothing predicts it).
+    prompt_logprobs: list[Logprobs] = []
 
 
 # --------------------------------------------------------------------------- service messages
@@ -491,6 +507,17 @@ class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: list[TopLogprob]
 
 
+class PromptLogprob(msgspec.Struct, array_like=True, gc=False):
+    """One prompt position for the client: the prompt token first, then the top-n, each
+    with its decoded text; ``rank`` is the prompt token's (1 = the most likely). Empty
+    ``logprobs``: the prompt's first token, which nothing predicts."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+    decoded: list[str]
+
+
 class StreamDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """detokenizer -> gateway: the text of tokens [token_offset, token_offset +
     num_tokens) of one request's output. The gateway writes deltas in offset
@@ -508,6 +535,8 @@ class StreamDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     # vLLM's ``stop_reason``, with the finish reason: the stop string matched or the
     # stop token id that ended the request; None for EOS and length.
     stop_reason: str | int | None = None
+    # With the first output token, when asked for (EngineOutput.prompt_logprobs, decoded).
+    prompt_logprobs: list[PromptLogprob] = []
 
 
 class StreamDeltaBatch(msgspec.Struct, array_like=True, gc=False):

@@ -34,7 +34,15 @@ import re
 
 import msgspec
 
-from shared.protocol import EngineOutput, FinishReason, Logprobs, RequestStopStrings, TokenLogprob, TopLogprob
+from shared.protocol import (
+    EngineOutput,
+    FinishReason,
+    Logprobs,
+    PromptLogprob,
+    RequestStopStrings,
+    TokenLogprob,
+    TopLogprob,
+)
 from shared.token_window import holdback_chars
 from shared.tokenizer import byte_alphabet
 
@@ -62,6 +70,7 @@ class DetokenizedOutput(msgspec.Struct, gc=False):
     # vLLM's stop_reason: the stop string that ended the request here, else the stop
     # token id the scheduler reported (None: EOS, length, still running).
     stop_reason: str | int | None = None
+    prompt_logprobs: list[PromptLogprob] = []
 
 
 class IncrementalDetokenizer:
@@ -156,6 +165,7 @@ class IncrementalDetokenizer:
         return DetokenizedOutput(
             text, finish_reason, stopped=stopped, window_too_short=window_too_short,
             logprobs=self.token_logprobs(output.logprobs), stop_reason=stop_reason,
+            prompt_logprobs=self.prompt_logprobs(output.prompt_logprobs),
         )
 
     # ------------------------------------------------------------------ logprobs
@@ -175,6 +185,11 @@ class IncrementalDetokenizer:
                 TokenLogprob(self.token_text(sampled), float(lp.logprobs[0]), list(self.token_bytes(sampled)), tops)
             )
         return result
+
+    def prompt_logprobs(self, entries: list[Logprobs]) -> list[PromptLogprob]:
+        """Prompt logprobs with each token's text (vLLM's ``decoded_token``)."""
+        return [PromptLogprob(lp.token_ids, lp.logprobs, lp.sampled_rank, [self.token_text(t) for t in lp.token_ids])
+                for lp in entries]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (part of a character for some tokens)."""

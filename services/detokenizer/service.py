@@ -191,6 +191,7 @@ class DetokenizerService(Service):
                     logprobs=result.logprobs,
                     error=output.error,
                     stop_reason=result.stop_reason if result.finish_reason == FinishReason.STOP else None,
+                    prompt_logprobs=result.prompt_logprobs,
                 )
             )
         return deltas, aborts

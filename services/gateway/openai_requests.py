@@ -19,7 +19,7 @@ from shared.protocol import SamplingParams
 
 from .errors import ApiError, invalid
 from .logit_controls import logit_controls
-from .output_fields import output_text_settings, prompt_settings
+from .output_fields import output_text_settings, prompt_logprobs, prompt_settings
 from .structured_outputs import structured_outputs
 
 MAX_N = 128
@@ -59,6 +59,8 @@ class GenerationRequest:
     logprobs: bool = False
     add_generation_prompt: bool = True
     cache_salt: str = ""
+    # The client asked for prompt_logprobs (they are in the response).
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         # A non-streamed answer is built whole in the gateway's memory: bound its size.
@@ -197,6 +199,7 @@ def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> Sampli
         **logit_controls(f),
         **output_text_settings(f),
         **prompt_settings(f),
+        prompt_logprobs=prompt_logprobs(f),
     )
 
 
@@ -209,7 +212,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "echo": (None, False),
-    "prompt_logprobs": (None,),
     "chat_template_kwargs": (None, {}),
 }
 
@@ -248,7 +250,8 @@ def _common(f: Fields) -> dict:
             raise invalid("stream_options must be an object", param="stream_options")
         include_usage = Fields(options).bool("include_usage", False)
     f.str("user", "")
-    return {"n": n, "stream": stream, "include_usage": include_usage, "cache_salt": f.str("cache_salt", "")}
+    return {"n": n, "stream": stream, "include_usage": include_usage, "cache_salt": f.str("cache_salt", ""),
+            "prompt_logprobs": f.has("prompt_logprobs")}
 
 
 def _max_tokens(f: Fields, names: tuple[str, ...], absent: int) -> int:

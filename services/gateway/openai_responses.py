@@ -10,9 +10,10 @@ completions. ``-inf`` logprobs are clamped to -9999.0 (JSON has no infinity).
 
 from __future__ import annotations
 
-from shared.protocol import FinishReason, StreamDelta, TokenLogprob
+from shared.protocol import FinishReason, PromptLogprob, StreamDelta, TokenLogprob
 
 from .openai_requests import GenerationRequest
+from .prompt_logprobs import prompt_logprobs_json
 
 MIN_LOGPROB = -9999.0
 
@@ -28,15 +29,17 @@ def _finish_reason(delta: StreamDelta) -> str | None:
 class ChoiceResult:
     """One choice of a non-streamed response, accumulated from its deltas."""
 
-    __slots__ = ("text_parts", "logprobs", "finish_reason", "stop_reason")
+    __slots__ = ("text_parts", "logprobs", "finish_reason", "stop_reason", "prompt_logprobs")
 
     def __init__(self) -> None:
         self.text_parts: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.prompt_logprobs: list[PromptLogprob] = []
 
     def add(self, delta: StreamDelta) -> None:
+        self.prompt_logprobs.extend(delta.prompt_logprobs)
         self.text_parts.append(delta.text)
         self.logprobs.extend(delta.logprobs)
         if delta.finish_reason != FinishReason.NONE:
@@ -110,6 +113,12 @@ class ChatFormat(ResponseFormat):
             for i in range(num_choices)
         ]
 
+    def response(self, results: list[ChoiceResult], usage: dict) -> dict:
+        body = super().response(results, usage)
+        if self.request.prompt_logprobs:  # vLLM: chat's (one prompt) at the top
+            body["prompt_logprobs"] = prompt_logprobs_json(results[0].prompt_logprobs)
+        return body
+
     def _logprobs(self, logprobs: list[TokenLogprob]) -> dict | None:
         if not self.request.logprobs:
             return None
@@ -178,6 +187,7 @@ class CompletionFormat(ResponseFormat):
             "logprobs": self._logprobs(result.logprobs, 0),
             "finish_reason": result.finish_reason,
             "stop_reason": result.stop_reason,
+            **({"prompt_logprobs": prompt_logprobs_json(result.prompt_logprobs)} if self.request.prompt_logprobs else {}),
         }
 
     def _chunk_choice(self, index: int, delta: StreamDelta) -> dict:

@@ -364,6 +364,10 @@ class Scheduler:
             logprobs = [[lp] if lp else [] for lp in runner_output.logprobs or [None] * num_reqs]
         num_drafts = runner_output.num_draft_tokens or [0] * num_reqs
         num_spec_of = dict(zip(scheduler_output.scheduled_req_ids, scheduler_output.num_spec_tokens))
+        for req_id, chunk in zip(runner_output.req_ids, runner_output.prompt_logprobs):
+            request = self.requests.get(req_id)
+            if chunk is not None and request is not None:
+                request.add_prompt_logprobs(chunk)
         for req_id, token_ids, lps, num_proposed in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, logprobs, num_drafts
         ):
@@ -385,7 +389,9 @@ class Scheduler:
                     self.running.remove(request)
                     self._finish(request, reason)
                     break
-            outputs.append(self._engine_output(request, new_token_ids, lps[: len(new_token_ids)]))
+            output = self._engine_output(request, new_token_ids, lps[: len(new_token_ids)])
+            output.prompt_logprobs = request.take_prompt_logprobs()
+            outputs.append(output)
         return outputs
 
     def _rollback_rejected(self, request: Request, num_spec: int, num_accepted: int) -> None:

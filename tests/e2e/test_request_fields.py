@@ -176,3 +176,23 @@ def test_tokenize_and_detokenize(stack, smollm_tokenizer):
         "prompt": "<|im_end|>"}
     bad = httpx.post(stack.base_url + "/detokenize", json={"tokens": [10**9]}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_prompt_logprobs_in_vllm_shape(stack, smollm_tokenizer):
+    ids = smollm_tokenizer.encode(PROMPT)
+    choice = complete(stack, prompt_logprobs=2, max_tokens=2)
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for token_id, entry in zip(ids[1:], entries[1:]):
+        assert str(token_id) in entry and entry[str(token_id)]["logprob"] <= 0
+        assert entry[str(token_id)]["decoded_token"] == smollm_tokenizer.decode([token_id])
+        ranks = sorted(v["rank"] for k, v in entry.items() if k != str(token_id) or v["rank"] <= 2)
+        assert {1, 2} <= set(ranks) and len(entry) in (2, 3)
+    assert "prompt_logprobs" not in complete(stack, max_tokens=2)
+    r = post(stack, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0})
+    body = r.json()
+    assert r.status_code == 200 and len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert body["prompt_logprobs"][0] is None and all(len(e) == 1 for e in body["prompt_logprobs"][1:])
+    for bad in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}):
+        r = post(stack, "/v1/completions", {"prompt": PROMPT, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text

@@ -93,7 +93,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 @pytest.mark.parametrize("field, value", [
     ("tools", [TOOL]), ("tool_choice", "required"), ("functions", [TOOL["function"]]), ("function_call", "auto"),
-    ("echo", True), ("prompt_logprobs", 1), ("chat_template_kwargs", {"enable_thinking": True}),
+    ("echo", True), ("chat_template_kwargs", {"enable_thinking": True}),
     ("best_of", 3),
 ])
 def test_fields_we_cannot_honour_are_refused_by_name(field, value):
@@ -106,7 +106,7 @@ def test_fields_we_cannot_honour_are_refused_by_name(field, value):
 
 def test_their_inert_values_pass():
     inert = {"tools": [], "tool_choice": "none", "echo": False, "chat_template_kwargs": {},
-             "prompt_logprobs": None, "best_of": 2, "n": 2}
+             "best_of": 2, "n": 2}
     assert parse_chat({"messages": USER, **inert}, NAMES).n == 2
     assert parse_completion({"prompt": "x", **inert}, NAMES).n == 2
 
