@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from shared.protocol import FinishReason, PromptLogprob, StreamDelta, TokenLogprob
 
+from .echo import echo_logprobs, with_echo
 from .openai_requests import GenerationRequest
 from .prompt_logprobs import prompt_logprobs_json
 
@@ -181,22 +182,40 @@ class CompletionFormat(ResponseFormat):
                 "text_offset": text_offset}
 
     def _choice(self, index: int, result: ChoiceResult) -> dict:
+        text, logprobs = self._echoed(index, result.text, result.logprobs, result.prompt_logprobs, 0)
         return {
             "index": index,
-            "text": result.text,
-            "logprobs": self._logprobs(result.logprobs, 0),
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": result.finish_reason,
             "stop_reason": result.stop_reason,
             **({"prompt_logprobs": prompt_logprobs_json(result.prompt_logprobs)} if self.request.prompt_logprobs else {}),
         }
 
+    def chunk(self, index: int, delta: StreamDelta) -> dict | None:
+        if self.request.echo and index not in self._text_len:  # the first chunk echoes the prompt
+            return self._chunk([self._chunk_choice(index, delta)])
+        return super().chunk(index, delta)
+
+    def _echoed(self, index: int, text: str, logprobs: list[TokenLogprob], prompt_logprobs, start: int):
+        """The text and logprobs, with the prompt's before them when echoing (``start``:
+        characters of this choice already sent; echo goes only before the first)."""
+        if not self.request.echo or start:
+            return text, self._logprobs(logprobs, start)
+        prompt = self.request.prompts[index // self.request.n]["prompt"]
+        completion_logprobs = self._logprobs(logprobs, len(prompt))
+        if completion_logprobs is None:
+            return prompt + text, None
+        return prompt + text, with_echo(echo_logprobs(prompt_logprobs), completion_logprobs)
+
     def _chunk_choice(self, index: int, delta: StreamDelta) -> dict:
         start = self._text_len.get(index, 0)
-        self._text_len[index] = start + len(delta.text)
+        text, logprobs = self._echoed(index, delta.text, delta.logprobs, delta.prompt_logprobs, start)
+        self._text_len[index] = start + len(text)
         return {
             "index": index,
-            "text": delta.text,
-            "logprobs": self._logprobs(delta.logprobs, start),
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": _finish_reason(delta),
             "stop_reason": delta.stop_reason,
         }

@@ -186,8 +186,8 @@ def test_prompt_logprobs_in_vllm_shape(stack, smollm_tokenizer):
     for token_id, entry in zip(ids[1:], entries[1:]):
         assert str(token_id) in entry and entry[str(token_id)]["logprob"] <= 0
         assert entry[str(token_id)]["decoded_token"] == smollm_tokenizer.decode([token_id])
-        ranks = sorted(v["rank"] for k, v in entry.items() if k != str(token_id) or v["rank"] <= 2)
-        assert {1, 2} <= set(ranks) and len(entry) in (2, 3)
+        others = [v["rank"] for k, v in entry.items() if k != str(token_id)]  # the top-2 but the token
+        assert len(entry) in (2, 3) and set(others) <= {1, 2}
     assert "prompt_logprobs" not in complete(stack, max_tokens=2)
     r = post(stack, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0})
     body = r.json()
@@ -196,3 +196,22 @@ def test_prompt_logprobs_in_vllm_shape(stack, smollm_tokenizer):
     for bad in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}):
         r = post(stack, "/v1/completions", {"prompt": PROMPT, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
+def test_echo_with_logprobs_leads_with_the_prompt(stack, smollm_tokenizer):
+    ids = smollm_tokenizer.encode(PROMPT)
+    base = complete(stack, max_tokens=4, logprobs=1)
+    echoed = complete(stack, max_tokens=4, logprobs=1, echo=True)
+    assert echoed["text"] == PROMPT + base["text"]
+    lp = echoed["logprobs"]
+    assert lp["tokens"] == [smollm_tokenizer.decode([t]) for t in ids] + base["logprobs"]["tokens"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"][len(ids)] == len(PROMPT)
+    assert lp["token_logprobs"][len(ids):] == base["logprobs"]["token_logprobs"]
+    # The prompt's logprobs are the prompt logprobs of the same prompt.
+    reference = complete(stack, max_tokens=1, prompt_logprobs=1)["prompt_logprobs"]
+    for i, token_id in enumerate(ids[1:], start=1):
+        assert abs(lp["token_logprobs"][i] - reference[i][str(token_id)]["logprob"]) < 1e-4
+    text, choices = streamed(stack, "/v1/completions", {"prompt": PROMPT, "temperature": 0, "max_tokens": 4,
+                                                        "echo": True})
+    assert text == PROMPT + base["text"] and choices[0]["text"].startswith(PROMPT)

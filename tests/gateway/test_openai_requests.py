@@ -93,7 +93,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 @pytest.mark.parametrize("field, value", [
     ("tools", [TOOL]), ("tool_choice", "required"), ("functions", [TOOL["function"]]), ("function_call", "auto"),
-    ("echo", True), ("chat_template_kwargs", {"enable_thinking": True}),
+    ("chat_template_kwargs", {"enable_thinking": True}),
     ("best_of", 3),
 ])
 def test_fields_we_cannot_honour_are_refused_by_name(field, value):
