@@ -15,7 +15,12 @@ What the client sees after ``n`` output tokens is defined once, globally::
                  clean(n)[: len(clean(n)) - H] otherwise (H = longest stop - 1:
                  no part of a stop string that may still complete is streamed)
 
-and the delta of a step is ``emitted(n)`` minus ``emitted(n - len(new))``. Both are
+and the delta of a step is ``emitted(n)`` minus ``emitted(n - len(new))``. The
+request's text settings (``RequestStopStrings``, vLLM's meaning) change ``decode``
+(``skip_special_tokens``, ``spaces_between_special_tokens``), drop the text of the EOS
+or stop token that ended the request, and with ``include_stop_str_in_output`` cut after
+the stop string instead of before it (then H = 0: nothing need be held back, since the
+stop string is kept anyway). Both are
 computed inside the window: its text and the global text agree after the window's
 first whole character, so differences of positions measured from there are the
 same. The window start may cut a character (its leading bytes then decode to

@@ -21,42 +21,43 @@ def settings(stop=(), **fields) -> RequestStopStrings:
     return RequestStopStrings("r", list(stop), **fields)
 
 
-def test_stop_reason_is_the_stop_string_that_matched_first(detok, smollm_tokenizer, real_sequences):
-    rng = random.Random(11)
-    checked = 0
+def random_stops(smollm_tokenizer, real_sequences, seed: int, trials: int = 20):
+    """(rng, output tokens, its text, stop strings, the first stop string found or None)
+    for random stop sets over the real sequences."""
+    rng = random.Random(seed)
     for out in real_sequences:
         full = smollm_tokenizer.decode(out)
-        for _ in range(20):
+        for _ in range(trials):
             stop = rng.sample(STOPS, rng.randint(1, 3))
-            _, final, _ = stream(detok, out, rng, stop=stop)
             hits = sorted((full.find(s), i, s) for i, s in enumerate(stop) if s in full)
-            if hits:
-                checked += 1
-                assert final.stop_reason == hits[0][2]
-            else:
-                assert final.stop_reason is None and final.finish_reason == FinishReason.LENGTH
+            yield rng, out, full, stop, (hits[0][2] if hits else None)
+
+
+def test_stop_reason_is_the_stop_string_that_matched_first(detok, smollm_tokenizer, real_sequences):
+    checked = 0
+    for rng, out, full, stop, first in random_stops(smollm_tokenizer, real_sequences, 11):
+        _, final, _ = stream(detok, out, rng, stop=stop)
+        assert final.stop_reason == first
+        if first is None:
+            assert final.finish_reason == FinishReason.LENGTH
+        checked += first is not None
     assert checked > 20
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string_and_streams_prefixes(detok, smollm_tokenizer,
                                                                                real_sequences):
-    rng = random.Random(12)
     checked = 0
-    for out in real_sequences:
-        full = smollm_tokenizer.decode(out)
-        for _ in range(20):
-            stop = rng.sample(STOPS, rng.randint(1, 3))
-            deltas, final, late = stream(detok, out, rng, stop=stop,
-                                         settings=settings(stop, include_stop_str_in_output=True))
-            hits = sorted((full.find(s), i, s) for i, s in enumerate(stop) if s in full)
-            expected = full[:hits[0][0] + len(hits[0][2])] if hits else full
-            assert "".join(deltas) == expected
-            for i in range(len(deltas)):
-                assert expected.startswith("".join(deltas[: i + 1]))
-            if hits:
-                checked += 1
-                assert final.stopped and final.stop_reason == hits[0][2]
-                assert all(r.already_stopped and r.text == "" for after, r in late if after <= 4)
+    for rng, out, full, stop, first in random_stops(smollm_tokenizer, real_sequences, 12):
+        deltas, final, late = stream(detok, out, rng, stop=stop,
+                                     settings=settings(stop, include_stop_str_in_output=True))
+        expected = full[:full.index(first) + len(first)] if first else full
+        assert "".join(deltas) == expected
+        for i in range(len(deltas)):
+            assert expected.startswith("".join(deltas[: i + 1]))
+        if first:
+            checked += 1
+            assert final.stopped and final.stop_reason == first
+            assert all(r.already_stopped and r.text == "" for after, r in late if after <= 4)
     assert checked > 20
 
 
