@@ -3,7 +3,8 @@
 The one way in to a scheduler, for the tokenizer service (requests from the bus)
 and the in-process ``Engine`` alike: sampling settings and prompt checked
 (``request_validation``), chat messages rendered with the model's template, the
-prompt tokenized (and truncated to its last ``truncate_prompt_tokens``), ``max_tokens`` resolved against the context, and every
+prompt tokenized (and cut to its last ``truncate_prompt_tokens``), ``max_tokens``
+resolved against the context, and every
 end-of-sequence id of the model made to stop the request. A prompt with ``n``
 samples is prepared once; its samples differ only in request id and seed.
 """

@@ -183,14 +183,16 @@ class CompletionFormat(ResponseFormat):
 
     def _choice(self, index: int, result: ChoiceResult) -> dict:
         text, logprobs = self._echoed(index, result.text, result.logprobs, result.prompt_logprobs, 0)
-        return {
+        choice = {
             "index": index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": result.finish_reason,
             "stop_reason": result.stop_reason,
-            **({"prompt_logprobs": prompt_logprobs_json(result.prompt_logprobs)} if self.request.prompt_logprobs else {}),
         }
+        if self.request.prompt_logprobs:
+            choice["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs)
+        return choice
 
     def chunk(self, index: int, delta: StreamDelta) -> dict | None:
         if self.request.echo and index not in self._text_len:  # the first chunk echoes the prompt

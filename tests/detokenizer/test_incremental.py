@@ -10,38 +10,15 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
-from services.detokenizer.incremental import IncrementalDetokenizer
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from shared.config import CacheConfig, SchedulerConfig
 from shared.protocol import EngineOutput, FinishReason, Logprobs, RequestStopStrings, SamplingParams
 from shared.token_window import BASE_WINDOW, window_tokens
 
-TEXTS = [
-    "héllo wörld, 你好世界！ 😀👍🏽 👨‍👩‍👧 family\n\nnext: Ελληνικά ✓ done. ",
-    "日本語のテキストと絵文字🎉🎊が混ざった文章です。終わり。",
-    "def f(x):\n    return x ** 2  # 🐍\n\n\nprint(f(3))",
-    "🇫🇷🇯🇵 flags, ZWJ 🏳️‍🌈, skin 👋🏿 and math ∑∫√ ≠ ≤.",
-]
+from .conftest import TEXTS
+
 STOPS = ["\n\n", "done", "😀👍", "世界", "ok", ". ", "終わり", "🐍\n", "∫√", "Ελλ", "zzz", "f(3)"]
-
-
-@pytest.fixture(scope="module")
-def detok(smollm_tokenizer):
-    return IncrementalDetokenizer(smollm_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def real_sequences(smollm_tokenizer):
-    eos = smollm_tokenizer.eos_token_id
-    im_start = smollm_tokenizer.backend.token_to_id("<|im_start|>")
-    seqs = [smollm_tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
-    # Special tokens inside the text (skipped by decode), and text after them.
-    encode = lambda text: smollm_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    seqs.append(encode("héllo wörld") + [eos] + encode("你好 😀") + [im_start, im_start] + seqs[3])
-    return seqs
 
 
 def engine_output(out, n, num_new, window, finish=FinishReason.NONE, stop=(), logprobs=()):

@@ -14,7 +14,7 @@ import random
 from shared.protocol import FinishReason, RequestStopStrings
 from shared.token_window import BASE_WINDOW, window_tokens
 
-from .test_incremental import STOPS, detok, engine_output, real_sequences, stream  # noqa: F401 (fixtures)
+from .test_incremental import STOPS, engine_output, stream
 
 
 def settings(stop=(), **fields) -> RequestStopStrings:

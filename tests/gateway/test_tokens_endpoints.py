@@ -31,7 +31,9 @@ async def test_bad_bodies_are_400_naming_the_field(http, path, body, param):
     assert r.json()["error"]["param"] == param
 
 
-@pytest.mark.parametrize("path, body", [("/tokenize", {"model": MODEL, "prompt": "x"}), ("/detokenize", {"tokens": [1]})])
+@pytest.mark.parametrize("path, body", [
+    ("/tokenize", {"model": MODEL, "prompt": "x"}), ("/detokenize", {"tokens": [1]}),
+])
 async def test_no_tokenizer_is_503(http, path, body):
     r = await http.post(path, json=body)
     assert r.status_code == 503, r.text
