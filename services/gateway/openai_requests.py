@@ -278,7 +278,7 @@ def parse_chat(body, served_model_names: tuple[str, ...]) -> GenerationRequest:
     top_logprobs = f.int("top_logprobs", None, minimum=0)
     if top_logprobs is not None and not logprobs:
         raise invalid("when top_logprobs is given, logprobs must be true", param="top_logprobs")
-    if f.body.get("echo") not in (None, False):  # vLLM's chat echo (the last message) is another thing
+    if f.bool("echo", False):  # vLLM's chat echo (the last message) is another thing
         raise invalid("echo is not supported on chat completions by this server (only null or false)", param="echo")
     common = _common(f)
     max_tokens = _max_tokens(f, ("max_completion_tokens", "max_tokens"), MAX_TOKENS_NOT_GIVEN)

@@ -45,9 +45,9 @@ from .openai_requests import Fields, chat_messages, check_model
 
 logger = logging.getLogger(__name__)
 
-# Chat-tokenize fields of vLLM's that this server does not honour, with their inert values.
-_UNSUPPORTED_CHAT_FIELDS = {"continue_final_message": False, "chat_template": None, "chat_template_kwargs": None,
-                            "tools": None}
+# Chat-tokenize fields of vLLM's that this server does not honour (null, or false for
+# continue_final_message, asks for nothing).
+_UNSUPPORTED_CHAT_FIELDS = ("continue_final_message", "chat_template", "chat_template_kwargs", "tools")
 
 
 def parse_tokenize(body, served_model_names: tuple[str, ...]) -> TokenizeTextRequest:
@@ -59,8 +59,8 @@ def parse_tokenize(body, served_model_names: tuple[str, ...]) -> TokenizeTextReq
     if "messages" in body:
         if "prompt" in body:
             raise invalid("give either prompt or messages, not both", param="prompt")
-        for name, inert in _UNSUPPORTED_CHAT_FIELDS.items():
-            if body.get(name, inert) not in (inert, None):
+        for name in _UNSUPPORTED_CHAT_FIELDS:
+            if f.has(name) and not (name == "continue_final_message" and f.bool(name, False) is False):
                 raise invalid(f"{name} is not supported by /tokenize on this server", param=name)
         return TokenizeTextRequest(
             messages=chat_messages(body["messages"]),

@@ -38,3 +38,10 @@ async def test_no_tokenizer_is_503(http, path, body):
     r = await http.post(path, json=body)
     assert r.status_code == 503, r.text
     assert r.json()["error"]["type"] == "service_unavailable"
+
+
+async def test_inert_chat_fields_pass_to_the_tokenizer(http):
+    body = {"messages": [{"role": "user", "content": "x"}], "continue_final_message": False, "tools": None}
+    assert (await http.post("/tokenize", json=body)).status_code == 503  # past the checks, no tokenizer
+    r = await http.post("/tokenize", json={**body, "continue_final_message": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
