@@ -39,6 +39,8 @@ from shared.protocol import (
     PING,
     SERVICE_RESTARTS,
     TOKENIZE,
+    TOKENIZER_DETOKENIZE,
+    TOKENIZER_TOKENIZE,
     engine_abort_subject,
     engine_hello_subject,
     engine_profile_subject,
@@ -69,7 +71,7 @@ class Permissions:
 ROLES: dict[str, Permissions] = {
     "tokenizer": Permissions(
         publish=(ENGINE_REQUESTS,),
-        subscribe=(TOKENIZE, ping_subject("tokenizer")),
+        subscribe=(TOKENIZE, ping_subject("tokenizer"), TOKENIZER_TOKENIZE, TOKENIZER_DETOKENIZE),
         makes_requests=True,
     ),
     "detokenizer": Permissions(
@@ -102,10 +104,11 @@ ROLES: dict[str, Permissions] = {
 
 
 def gateway_permissions(gateway_id: str) -> Permissions:
-    """Gateway ``gateway_id``: tokenize requests out, its own aborts and resends; its own
+    """Gateway ``gateway_id``: tokenize requests (and /tokenize, /detokenize) out, its own aborts and resends; its own
     streams, stats and restart counts in."""
     return Permissions(
-        publish=(TOKENIZE, engine_abort_subject(gateway_id), engine_resend_subject(gateway_id), f"{PING}.>"),
+        publish=(TOKENIZE, engine_abort_subject(gateway_id), engine_resend_subject(gateway_id), f"{PING}.>",
+                 TOKENIZER_TOKENIZE, TOKENIZER_DETOKENIZE),
         subscribe=(gateway_stream_subject(gateway_id), ENGINE_STATS, SERVICE_RESTARTS, ping_subject("gateway")),
         makes_requests=True,
     )

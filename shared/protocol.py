@@ -35,6 +35,9 @@ ENGINE_STATS = f"{SUBJECT_PREFIX}.engine.stats"
 # Gateways ask for the outputs of a stream's gap again (a detokenizer died with them).
 ENGINE_RESEND = f"{SUBJECT_PREFIX}.resend"
 PING = f"{SUBJECT_PREFIX}.ping"
+# The gateway's /tokenize and /detokenize (request/reply, tokenizer queue group).
+TOKENIZER_TOKENIZE = f"{SUBJECT_PREFIX}.tokenizer.tokenize"
+TOKENIZER_DETOKENIZE = f"{SUBJECT_PREFIX}.tokenizer.detokenize"
 # The launcher publishes how often it restarted each service (gateways show it in /metrics).
 SERVICE_RESTARTS = f"{SUBJECT_PREFIX}.launcher.restarts"
 
@@ -149,10 +152,28 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = []
     bad_words_token_ids: list[list[int]] = []
+    # Output text settings, the detokenizers' (they reach every replica with the stop
+    # strings, ``RequestStopStrings``): keep a matched stop string (and the text of a stop
+    # token) in the text; keep special tokens' text; vLLM's spacing between special tokens.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Keep only the prompt's last k tokens (-1: max_model_len); the tokenizer applies it.
+    truncate_prompt_tokens: int | None = None
+    # Logprobs of each prompt token (and the top-n at its position), vLLM's
+    # ``prompt_logprobs``: computed by the workers over every prefill chunk.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def has_text_settings(self) -> bool:
+        """Whether the detokenizers must be told anything about this request (stop strings
+        or an output text setting other than the default)."""
+        return bool(self.stop) or self.include_stop_str_in_output or not self.skip_special_tokens \
+            or not self.spaces_between_special_tokens
 
     def for_choice(self, i: int) -> "SamplingParams":
         """The settings of sample ``i`` of a prompt's ``n`` (vLLM's rule): a given seed
@@ -260,6 +281,14 @@ class Logprobs(msgspec.Struct, array_like=True, gc=False):
     sampled_rank: int
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """The logprobs of prompt tokens ``start .. start + len(entries) - 1`` of one request,
+    from one prefill chunk (``entries[i]``: index 0 the prompt token, then the top-n)."""
+
+    start: int
+    entries: list[Logprobs]
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Rank 0's answer to one step. ``sampled_token_ids[i]`` is empty for a
     request whose prompt is still being prefilled in chunks.
@@ -281,6 +310,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     incarnation: str = ""
     num_draft_tokens: list[int] = []
     token_logprobs: list[list[Logprobs]] = []
+    # Parallel to req_ids, or empty: the prompt logprobs this step computed (None: none).
+    prompt_logprobs: list[PromptLogprobs | None] = []
 
 
 # --------------------------------------------------------------------------- outputs
@@ -304,11 +335,12 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     new tokens; ``window_offset`` is the index of its first token in the output)
     so that any stateless detokenizer replica can produce the next text delta.
 
-    A request's stop strings do not travel with its step outputs: ``has_stop`` says it
-    has some that the output does not carry, and the detokenizers know them from the
-    scheduler's broadcast (``StopStrings`` on ``llm.detokenize.stops``) or ask for them
-    (``engine_stops_subject``). ``stop`` carries them only in outputs sent again
-    (``ResendOutputs``): those must not depend on a replica's cache.
+    A request's stop strings and output text settings (``RequestStopStrings``) do not
+    travel with its step outputs: ``has_stop`` says it has some that the output does not
+    carry, and the detokenizers know them from the scheduler's broadcast (``StopStrings``
+    on ``llm.detokenize.stops``) or ask for them (``engine_stops_subject``). ``stop`` and
+    ``text_settings`` carry them only in outputs sent again (``ResendOutputs``): those
+    must not depend on a replica's cache.
     """
 
     request_id: str
@@ -323,6 +355,14 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     num_cached_tokens: int = 0
     error: str = ""
     has_stop: bool = False
+    # The stop token id that ended the request (vLLM's ``stop_reason``); None for EOS,
+    # length, or a request still running.
+    stop_reason: int | None = None
+    # Outputs sent again carry the request's stop strings and text settings themselves.
+    text_settings: "RequestStopStrings | None" = None
+    # With the first output token, when asked for: one entry per prompt token; the first
+    # has the prompt's first token and no logprob (nothing predicts it).
+    prompt_logprobs: list[Logprobs] = []
 
 
 # --------------------------------------------------------------------------- service messages
@@ -380,6 +420,39 @@ class TokenizeReply(msgspec.Struct, omit_defaults=True):
     choices: list[EngineRequestReply] = []
 
 
+class TokenizeTextRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """gateway -> tokenizer on ``TOKENIZER_TOKENIZE`` (vLLM's ``/tokenize``): the ids of
+    a prompt, or of chat messages rendered with the template; nothing is scheduled.
+    Exactly one of prompt / messages is set."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeTextReply(msgspec.Struct, omit_defaults=True):
+    """tokenizer -> gateway: the ids (and the vocabulary's token strings, when asked),
+    with the model's max_model_len; or why not."""
+
+    tokens: list[int] = []
+    token_strs: list[str] | None = None
+    max_model_len: int = 0
+    error: ErrorInfo | None = None
+
+
+class DetokenizeTokensRequest(msgspec.Struct, omit_defaults=True):
+    """gateway -> tokenizer on ``TOKENIZER_DETOKENIZE`` (vLLM's ``/detokenize``)."""
+
+    tokens: list[int]
+
+
+class DetokenizeTokensReply(msgspec.Struct, omit_defaults=True):
+    prompt: str = ""
+    error: ErrorInfo | None = None
+
+
 class EngineOutputBatch(msgspec.Struct, array_like=True, gc=False):
     """scheduler -> detokenizer: every request's new tokens of one step."""
 
@@ -388,9 +461,20 @@ class EngineOutputBatch(msgspec.Struct, array_like=True, gc=False):
     engine_id: str = ""
 
 
-class RequestStopStrings(msgspec.Struct, array_like=True, gc=False):
+class RequestStopStrings(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """What the detokenizers must know of one request besides its tokens: its stop
+    strings and its output text settings (``SamplingParams``' meaning)."""
+
     request_id: str
     stop: list[str]
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @classmethod
+    def of(cls, request_id: str, params: SamplingParams) -> "RequestStopStrings":
+        return cls(request_id, params.stop, params.include_stop_str_in_output, params.skip_special_tokens,
+                   params.spaces_between_special_tokens)
 
 
 class StopStrings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -423,6 +507,17 @@ class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: list[TopLogprob]
 
 
+class PromptLogprob(msgspec.Struct, array_like=True, gc=False):
+    """One prompt position for the client: the prompt token first, then the top-n, each
+    with its decoded text; ``rank`` is the prompt token's (1 = the most likely). Empty
+    ``logprobs``: the prompt's first token, which nothing predicts."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+    decoded: list[str]
+
+
 class StreamDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """detokenizer -> gateway: the text of tokens [token_offset, token_offset +
     num_tokens) of one request's output. The gateway writes deltas in offset
@@ -437,6 +532,11 @@ class StreamDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] = []
     error: str = ""
+    # vLLM's ``stop_reason``, with the finish reason: the stop string matched or the
+    # stop token id that ended the request; None for EOS and length.
+    stop_reason: str | int | None = None
+    # With the first output token, when asked for (EngineOutput.prompt_logprobs, decoded).
+    prompt_logprobs: list[PromptLogprob] = []
 
 
 class StreamDeltaBatch(msgspec.Struct, array_like=True, gc=False):
@@ -531,6 +631,10 @@ RESEND_OUTPUTS = Codec(ResendOutputs)
 TOKENIZE_REQUEST = Codec(TokenizeRequest)
 TOKENIZE_REPLY = Codec(TokenizeReply)
 ENGINE_REQUEST_REPLY = Codec(EngineRequestReply)
+TOKENIZE_TEXT_REQUEST = Codec(TokenizeTextRequest)
+TOKENIZE_TEXT_REPLY = Codec(TokenizeTextReply)
+DETOKENIZE_TOKENS_REQUEST = Codec(DetokenizeTokensRequest)
+DETOKENIZE_TOKENS_REPLY = Codec(DetokenizeTokensReply)
 ENGINE_OUTPUT_BATCH = Codec(EngineOutputBatch)
 STOP_STRINGS = Codec(StopStrings)
 STOP_STRINGS_QUERY = Codec(StopStringsQuery)

@@ -3,7 +3,8 @@
 The one way in to a scheduler, for the tokenizer service (requests from the bus)
 and the in-process ``Engine`` alike: sampling settings and prompt checked
 (``request_validation``), chat messages rendered with the model's template, the
-prompt tokenized, ``max_tokens`` resolved against the context, and every
+prompt tokenized (and cut to its last ``truncate_prompt_tokens``), ``max_tokens``
+resolved against the context, and every
 end-of-sequence id of the model made to stop the request. A prompt with ``n``
 samples is prepared once; its samples differ only in request id and seed.
 """
@@ -24,6 +25,7 @@ from shared.request_validation import (
     validate_sampling_params,
 )
 from shared.logit_controls import prepare_logit_controls
+from shared.prompt_truncation import truncate_prompt
 from shared.structured_output.validation import check_structured_outputs
 
 
@@ -61,6 +63,7 @@ class RequestPreparer:
         else:
             prompt_param = "prompt_token_ids"
             prompt_token_ids = list(request.prompt_token_ids)
+        prompt_token_ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
         params = self.stop_at_every_eos(resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len,
                                                            prompt_param))
         arrival_time = time.time()

@@ -60,10 +60,10 @@ def validate_sampling_params(params: SamplingParams, vocab_size: int) -> Samplin
         raise InvalidRequest(
             f"min_tokens ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})", param="min_tokens"
         )
-    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
-        raise InvalidRequest(
-            f"logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}", param="logprobs"
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
     for s in params.stop:
         if not s:
             raise InvalidRequest("stop strings must not be empty", param="stop")

@@ -15,7 +15,12 @@ What the client sees after ``n`` output tokens is defined once, globally::
                  clean(n)[: len(clean(n)) - H] otherwise (H = longest stop - 1:
                  no part of a stop string that may still complete is streamed)
 
-and the delta of a step is ``emitted(n)`` minus ``emitted(n - len(new))``. Both are
+and the delta of a step is ``emitted(n)`` minus ``emitted(n - len(new))``. The
+request's text settings (``RequestStopStrings``, vLLM's meaning) change ``decode``
+(``skip_special_tokens``, ``spaces_between_special_tokens``), drop the text of the EOS
+or stop token that ended the request, and with ``include_stop_str_in_output`` cut after
+the stop string instead of before it (then H = 0: nothing need be held back, since the
+stop string is kept anyway). Both are
 computed inside the window: its text and the global text agree after the window's
 first whole character, so differences of positions measured from there are the
 same. The window start may cut a character (its leading bytes then decode to
@@ -34,13 +39,22 @@ import re
 
 import msgspec
 
-from shared.protocol import EngineOutput, FinishReason, Logprobs, TokenLogprob, TopLogprob
+from shared.protocol import (
+    EngineOutput,
+    FinishReason,
+    Logprobs,
+    PromptLogprob,
+    RequestStopStrings,
+    TokenLogprob,
+    TopLogprob,
+)
 from shared.token_window import holdback_chars
 from shared.tokenizer import byte_alphabet
 
 logger = logging.getLogger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
+DEFAULT_SETTINGS = RequestStopStrings("", [])
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -58,6 +72,10 @@ class DetokenizedOutput(msgspec.Struct, gc=False):
     already_stopped: bool = False
     window_too_short: bool = False
     logprobs: list[TokenLogprob] = []
+    # vLLM's stop_reason: the stop string that ended the request here, else the stop
+    # token id the scheduler reported (None: EOS, length, still running).
+    stop_reason: str | int | None = None
+    prompt_logprobs: list[PromptLogprob] = []
 
 
 class IncrementalDetokenizer:
@@ -76,25 +94,44 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------ text
 
-    def decode_window(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode_window(self, token_ids: list[int], settings: RequestStopStrings = DEFAULT_SETTINGS) -> str:
+        """The text of ``token_ids`` under the request's settings. Without
+        ``spaces_between_special_tokens`` (and keeping special tokens), consecutive added
+        tokens are decoded apart, so no space the decoder would put between them remains
+        (vLLM's fast detokenizer: a special token after a special token is its raw text)."""
+        if settings.skip_special_tokens or settings.spaces_between_special_tokens:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=settings.skip_special_tokens)
+        parts, start = [], 0
+        for i in range(1, len(token_ids)):
+            if token_ids[i] in self._added and token_ids[i - 1] in self._added:
+                parts.append(token_ids[start:i])
+                start = i
+        parts.append(token_ids[start:])
+        return "".join(self.tokenizer.decode(part, skip_special_tokens=False) for part in parts)
 
-    def process(self, output: EngineOutput, stop: list[str] | None = None) -> DetokenizedOutput:
-        """The text delta of ``output``'s new tokens (see the module docstring); ``stop``:
-        the request's stop strings (None: those ``output`` carries)."""
+    def process(self, output: EngineOutput, settings: RequestStopStrings | None = None) -> DetokenizedOutput:
+        """The text delta of ``output``'s new tokens (see the module docstring);
+        ``settings``: the request's stop strings and text settings (None: the stop
+        strings ``output`` carries, default settings)."""
+        if settings is None:
+            settings = output.text_settings or RequestStopStrings(output.request_id, output.stop)
         window = output.window_token_ids
         num_new = len(output.new_token_ids)
         num_prev = len(window) - num_new
         if num_prev < 0:
             raise ValueError(f"window of {len(window)} tokens does not hold the {num_new} new ones")
-        stop = [s for s in (output.stop if stop is None else stop) if s]
+        stop = [s for s in settings.stop if s]
         holdback = holdback_chars(stop)
         if num_new == 0:
             # An error report without tokens: nothing to decode.
-            return DetokenizedOutput("", output.finish_reason, logprobs=self.token_logprobs(output.logprobs))
+            return DetokenizedOutput("", output.finish_reason, logprobs=self.token_logprobs(output.logprobs),
+                                     stop_reason=output.stop_reason)
+        if output.finish_reason == FinishReason.STOP and not settings.include_stop_str_in_output:
+            # vLLM: the EOS or stop token that ended the request adds no text.
+            window = window[:-1]
 
-        prev_full = self.decode_window(window[:num_prev])
-        cur_full = self.decode_window(window)
+        prev_full = self.decode_window(window[:num_prev], settings)
+        cur_full = self.decode_window(window, settings)
         # Leading U+FFFD from bytes of a character that began before the window. Counting
         # a genuine U+FFFD after them too only shifts both texts alike.
         garbage = 0 if output.window_offset == 0 else _count_leading(cur_full, REPLACEMENT_CHAR)
@@ -110,6 +147,7 @@ class IncrementalDetokenizer:
             )
 
         finish_reason = output.finish_reason
+        stop_reason = output.stop_reason
         stopped = False
         if stop:
             if _find_stop(prev, stop, 0) is not None:
@@ -117,18 +155,22 @@ class IncrementalDetokenizer:
                     "", FinishReason.STOP, already_stopped=True, window_too_short=window_too_short
                 )
             # Only a stop string that ends in the new text can be new.
-            cut = _find_stop(cur, stop, max(0, len(prev) - holdback))
-            if cut is not None:
-                cur = cur[:cut]
+            found = _find_stop(cur, stop, max(0, len(prev) - holdback))
+            if found is not None:
+                cut, stop_reason = found
+                cur = cur[:cut + len(stop_reason)] if settings.include_stop_str_in_output else cur[:cut]
                 finish_reason = FinishReason.STOP
                 stopped = True
 
-        emitted_before = max(0, len(prev) - holdback)
-        emitted_now = len(cur) if finish_reason != FinishReason.NONE else max(0, len(cur) - holdback)
+        # Text kept in the output anyway (include_stop_str_in_output) need not wait.
+        held = 0 if settings.include_stop_str_in_output else holdback
+        emitted_before = max(0, len(prev) - held)
+        emitted_now = len(cur) if finish_reason != FinishReason.NONE else max(0, len(cur) - held)
         text = cur[emitted_before:emitted_now] if emitted_now > emitted_before else ""
         return DetokenizedOutput(
             text, finish_reason, stopped=stopped, window_too_short=window_too_short,
-            logprobs=self.token_logprobs(output.logprobs),
+            logprobs=self.token_logprobs(output.logprobs), stop_reason=stop_reason,
+            prompt_logprobs=self.prompt_logprobs(output.prompt_logprobs),
         )
 
     # ------------------------------------------------------------------ logprobs
@@ -148,6 +190,11 @@ class IncrementalDetokenizer:
                 TokenLogprob(self.token_text(sampled), float(lp.logprobs[0]), list(self.token_bytes(sampled)), tops)
             )
         return result
+
+    def prompt_logprobs(self, entries: list[Logprobs]) -> list[PromptLogprob]:
+        """Prompt logprobs with each token's text (vLLM's ``decoded_token``)."""
+        return [PromptLogprob(lp.token_ids, lp.logprobs, lp.sampled_rank, [self.token_text(t) for t in lp.token_ids])
+                for lp in entries]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (part of a character for some tokens)."""
@@ -184,12 +231,13 @@ def _count_leading(text: str, char: str) -> int:
     return len(text) - len(text.lstrip(char))
 
 
-def _find_stop(text: str, stop: list[str], start: int) -> int | None:
-    """Index of the earliest stop string occurrence in ``text[start:]``, or None."""
+def _find_stop(text: str, stop: list[str], start: int) -> tuple[int, str] | None:
+    """The earliest stop string occurrence in ``text[start:]`` (its index and the stop
+    string; the first listed of those starting there), or None."""
     best = None
     for s in stop:
         i = text.find(s, start)
-        if i != -1 and (best is None or i < best):
-            best = i
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
     return best
 

@@ -39,8 +39,10 @@ from shared.protocol import (
     STOP_STRINGS_QUERY,
     STREAM_DELTA_BATCH,
     AbortRequest,
+    EngineOutput,
     EngineOutputBatch,
     FinishReason,
+    RequestStopStrings,
     StopStringsQuery,
     StreamDelta,
     StreamDeltaBatch,
@@ -83,7 +85,7 @@ class DetokenizerService(Service):
     async def _on_stop_strings(self, msg: Msg) -> None:
         update = STOP_STRINGS.decode(msg.data)
         for entry in update.added:
-            self.stop_strings.put(entry.request_id, entry.stop)
+            self.stop_strings.put(entry)
         for request_id in update.finished:
             self.stop_strings.forget(request_id)
 
@@ -105,17 +107,17 @@ class DetokenizerService(Service):
                 gateway_stream_subject(gateway_id), STREAM_DELTA_BATCH.encode(StreamDeltaBatch(gateway_deltas))
             )
 
-    async def _stop_strings_of(self, batch: EngineOutputBatch) -> tuple[list[list[str] | None], str]:
-        """Each output's stop strings (None: unknown here), and why some are unknown.
+    async def _stop_strings_of(self, batch: EngineOutputBatch) -> tuple[list[RequestStopStrings | None], str]:
+        """Each output's stop strings and text settings (None: unknown here), and why some
+        are unknown.
 
-        Carried by the output, or cached; those the cache lacks are asked of the batch's
-        scheduler (within ``stop_strings_timeout``). On the event loop: the cache is
-        not shared with the decoding thread."""
-        stops = [o.stop if o.stop or not o.has_stop else self.stop_strings.get(o.request_id)
-                 for o in batch.outputs]
-        unknown = [o.request_id for o, stop in zip(batch.outputs, stops) if stop is None]
+        Carried by the output, default (it has none), or cached; those the cache lacks
+        are asked of the batch's scheduler (within ``stop_strings_timeout``). On the event
+        loop: the cache is not shared with the decoding thread."""
+        settings = [self._settings_of(o) for o in batch.outputs]
+        unknown = [o.request_id for o, entry in zip(batch.outputs, settings) if entry is None]
         missing = ""
-        answered: dict[str, list[str]] = {}
+        answered: dict[str, RequestStopStrings] = {}
         deadline = time.monotonic() + self.stop_strings_timeout
         while unknown:  # a scheduler answers as many as fit one message: ask for the rest
             self.num_stop_queries += 1
@@ -130,20 +132,28 @@ class DetokenizerService(Service):
                            f"{batch.engine_id!r} within {self.stop_strings_timeout:g}s")
                 break
             for entry in added:
-                answered[entry.request_id] = entry.stop
-                self.stop_strings.put(entry.request_id, entry.stop)
+                answered[entry.request_id] = entry
+                self.stop_strings.put(entry)
             if not added:
                 missing = f"engine {batch.engine_id!r} does not know this request's stop strings"
                 break
             unknown = [r for r in unknown if r not in answered]
-        stops = [answered.get(o.request_id) if stop is None else stop for o, stop in zip(batch.outputs, stops)]
-        return stops, missing
+        settings = [answered.get(o.request_id) if entry is None else entry
+                    for o, entry in zip(batch.outputs, settings)]
+        return settings, missing
 
-    def detokenize(self, batch: EngineOutputBatch, stops: list[list[str] | None],
+    def _settings_of(self, output: EngineOutput) -> RequestStopStrings | None:
+        if output.text_settings is not None:
+            return output.text_settings
+        if output.stop or not output.has_stop:
+            return RequestStopStrings(output.request_id, output.stop)
+        return self.stop_strings.get(output.request_id)
+
+    def detokenize(self, batch: EngineOutputBatch, stops: list[RequestStopStrings | None],
                    missing: str = "") -> tuple[dict[str, list[StreamDelta]], dict[str, list[str]]]:
         """Deltas, and the requests a stop string ended (to abort), grouped by gateway.
-        ``stops[i]``: output i's stop strings; None (unknown, ``missing`` says why) makes
-        its delta an error and aborts the request."""
+        ``stops[i]``: output i's stop strings and text settings; None (unknown,
+        ``missing`` says why) makes its delta an error and aborts the request."""
         deltas: dict[str, list[StreamDelta]] = defaultdict(list)
         aborts: dict[str, list[str]] = defaultdict(list)
         for output, stop in zip(batch.outputs, stops):
@@ -180,6 +190,8 @@ class DetokenizerService(Service):
                     num_cached_tokens=output.num_cached_tokens,
                     logprobs=result.logprobs,
                     error=output.error,
+                    stop_reason=result.stop_reason if result.finish_reason == FinishReason.STOP else None,
+                    prompt_logprobs=result.prompt_logprobs,
                 )
             )
         return deltas, aborts

@@ -1,4 +1,4 @@
-"""The detokenizer replica's cache of stop strings, by request id.
+"""The detokenizer replica's cache of stop strings (and text settings), by request id.
 
 Schedulers broadcast each request's stop strings once (``llm.detokenize.stops``) and
 later the ids of those that ended; step outputs only flag that a request has some.
@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 
+from shared.protocol import RequestStopStrings
+
 # Seconds a finished request's stop strings are kept for its outputs still in flight.
 FORGET_DELAY = 5.0
 # Characters one entry costs besides its strings (bounds many tiny entries too).
@@ -22,12 +24,12 @@ ENTRY_OVERHEAD = 64
 
 
 class StopStringsCache:
-    """request id -> stop strings, at most ``max_chars`` characters in all (LRU)."""
+    """request id -> its ``RequestStopStrings``, at most ``max_chars`` characters in all (LRU)."""
 
     def __init__(self, max_chars: int, clock=time.monotonic) -> None:
         self.max_chars = max_chars
         self._clock = clock
-        self._entries: OrderedDict[str, list[str]] = OrderedDict()
+        self._entries: OrderedDict[str, RequestStopStrings] = OrderedDict()
         self._chars = 0
         self._forget_at: deque[tuple[float, str]] = deque()
         self.num_evicted = 0
@@ -43,32 +45,34 @@ class StopStringsCache:
         return request_id in self._entries
 
     @staticmethod
-    def cost(request_id: str, stop: list[str]) -> int:
-        return ENTRY_OVERHEAD + len(request_id) + sum(len(s) for s in stop)
+    def cost(entry: RequestStopStrings) -> int:
+        return ENTRY_OVERHEAD + len(entry.request_id) + sum(len(s) for s in entry.stop)
 
-    def put(self, request_id: str, stop: list[str]) -> None:
-        """Remember ``request_id``'s stop strings (again: no change but its recency). An
-        entry larger than the whole cache is not kept (its outputs ask each time)."""
+    def put(self, entry: RequestStopStrings) -> None:
+        """Remember a request's stop strings and settings (again: no change but its
+        recency). An entry larger than the whole cache is not kept (its outputs ask each
+        time)."""
         self._expire()
+        request_id = entry.request_id
         if request_id in self._entries:
             self._entries.move_to_end(request_id)
             return
-        cost = self.cost(request_id, stop)
+        cost = self.cost(entry)
         if cost > self.max_chars:
             return
-        self._entries[request_id] = stop
+        self._entries[request_id] = entry
         self._chars += cost
         while self._chars > self.max_chars:
-            old_id, old_stop = self._entries.popitem(last=False)
-            self._chars -= self.cost(old_id, old_stop)
+            _, old = self._entries.popitem(last=False)
+            self._chars -= self.cost(old)
             self.num_evicted += 1
 
-    def get(self, request_id: str) -> list[str] | None:
+    def get(self, request_id: str) -> RequestStopStrings | None:
         self._expire()
-        stop = self._entries.get(request_id)
-        if stop is not None:
+        entry = self._entries.get(request_id)
+        if entry is not None:
             self._entries.move_to_end(request_id)
-        return stop
+        return entry
 
     def forget(self, request_id: str) -> None:
         """The request ended: drop its entry after ``FORGET_DELAY`` seconds."""
@@ -80,6 +84,6 @@ class StopStringsCache:
         now = self._clock()
         while self._forget_at and self._forget_at[0][0] <= now:
             _, request_id = self._forget_at.popleft()
-            stop = self._entries.pop(request_id, None)
-            if stop is not None:
-                self._chars -= self.cost(request_id, stop)
+            entry = self._entries.pop(request_id, None)
+            if entry is not None:
+                self._chars -= self.cost(entry)

@@ -2,13 +2,15 @@
 
     POST /v1/chat/completions   chat, streamed (SSE) or not
     POST /v1/completions        completions, streamed (SSE) or not
+    POST /tokenize              vLLM's: a prompt or messages -> token ids (tokens_endpoints.py)
+    POST /detokenize            vLLM's: token ids -> text
     GET  /v1/models             the served model name(s)
     GET  /v1/models/{model}
     GET  /health                200 when a tokenizer answers a ping and an engine is ready, else 503
     GET  /ping                  the same (vLLM's alias; POST too)
     GET  /metrics               Prometheus text
 
-With an API key set, every ``/v1`` route and ``/metrics`` (unless
+With an API key set, every ``/v1`` route, ``/tokenize``, ``/detokenize`` and ``/metrics`` (unless
 ``--metrics-public``) need ``Authorization: Bearer <key>``.
 Every error answer has OpenAI's shape.
 """
@@ -30,9 +32,14 @@ from starlette.routing import Route
 
 from .errors import ApiError, error_response, json_response
 from .http_endpoints import GenerationEndpoint
+from .tokens_endpoints import TokenEndpoints
 from .bus_client import GatewayService
 
 logger = logging.getLogger(__name__)
+
+
+# Guarded like /v1 (vLLM leaves them open): they expose the served model's tokenizer.
+TOKEN_ROUTES = ("/tokenize", "/detokenize")
 
 
 class ApiKeyMiddleware:
@@ -47,7 +54,7 @@ class ApiKeyMiddleware:
     def _guarded(self, path: str) -> bool:
         if path == "/metrics":
             return not self.metrics_public
-        return path == "/v1" or path.startswith("/v1/")
+        return path == "/v1" or path.startswith("/v1/") or path in TOKEN_ROUTES
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and self._guarded(scope["path"]):
@@ -113,9 +120,12 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def build_app(gateway: GatewayService) -> Starlette:
     info = InfoRoutes(gateway)
+    tokens = TokenEndpoints(gateway)
     routes = [
         Route("/v1/chat/completions", GenerationEndpoint(gateway, "chat").endpoint, methods=["POST"]),
         Route("/v1/completions", GenerationEndpoint(gateway, "completion").endpoint, methods=["POST"]),
+        Route("/tokenize", tokens.tokenize, methods=["POST"]),
+        Route("/detokenize", tokens.detokenize, methods=["POST"]),
         Route("/v1/models", info.models, methods=["GET"]),
         Route("/v1/models/{model:path}", info.model, methods=["GET"]),
         Route("/health", info.health, methods=["GET"]),

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from shared.protocol import SamplingParams
 
 from .errors import ApiError, invalid
+from .echo import echo_params
 from .logit_controls import logit_controls
+from .output_fields import output_text_settings, prompt_logprobs, prompt_settings
 from .structured_outputs import structured_outputs
 
 MAX_N = 128
@@ -58,6 +60,10 @@ class GenerationRequest:
     logprobs: bool = False
     add_generation_prompt: bool = True
     cache_salt: str = ""
+    # The client asked for prompt_logprobs (they are in the response).
+    prompt_logprobs: bool = False
+    # Completions: the prompt's text (and logprobs) before the completion's.
+    echo: bool = False
 
     def __post_init__(self) -> None:
         # A non-streamed answer is built whole in the gateway's memory: bound its size.
@@ -194,6 +200,9 @@ def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> Sampli
         logprobs=logprobs,
         structured_outputs=structured_outputs(f.body),
         **logit_controls(f),
+        **output_text_settings(f),
+        **prompt_settings(f),
+        prompt_logprobs=prompt_logprobs(f),
     )
 
 
@@ -205,13 +214,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "echo": (None, False),
-    "prompt_logprobs": (None,),
-    "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True),
     "chat_template_kwargs": (None, {}),
-    "truncate_prompt_tokens": (None,),
 }
 
 
@@ -249,7 +252,8 @@ def _common(f: Fields) -> dict:
             raise invalid("stream_options must be an object", param="stream_options")
         include_usage = Fields(options).bool("include_usage", False)
     f.str("user", "")
-    return {"n": n, "stream": stream, "include_usage": include_usage, "cache_salt": f.str("cache_salt", "")}
+    return {"n": n, "stream": stream, "include_usage": include_usage, "cache_salt": f.str("cache_salt", ""),
+            "prompt_logprobs": f.has("prompt_logprobs")}
 
 
 def _max_tokens(f: Fields, names: tuple[str, ...], absent: int) -> int:
@@ -274,6 +278,8 @@ def parse_chat(body, served_model_names: tuple[str, ...]) -> GenerationRequest:
     top_logprobs = f.int("top_logprobs", None, minimum=0)
     if top_logprobs is not None and not logprobs:
         raise invalid("when top_logprobs is given, logprobs must be true", param="top_logprobs")
+    if f.bool("echo", False):  # vLLM's chat echo (the last message) is another thing
+        raise invalid("echo is not supported on chat completions by this server (only null or false)", param="echo")
     common = _common(f)
     max_tokens = _max_tokens(f, ("max_completion_tokens", "max_tokens"), MAX_TOKENS_NOT_GIVEN)
     params = _sampling_params(f, max_tokens, (top_logprobs or 0) if logprobs else None)
@@ -329,12 +335,17 @@ def parse_completion(body, served_model_names: tuple[str, ...]) -> GenerationReq
             param="n",
         )
     max_tokens = _max_tokens(f, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
+    params = _sampling_params(f, max_tokens, logprobs)
+    echo = f.bool("echo", False)
+    if echo:
+        params = echo_params(prompts, params)
     return GenerationRequest(
         kind="completion",
         model=model,
         prompts=tuple(prompts),
-        sampling_params=_sampling_params(f, max_tokens, logprobs),
+        sampling_params=params,
         logprobs=logprobs is not None,
+        echo=echo,
         **common,
     )
 

@@ -10,9 +10,11 @@ completions. ``-inf`` logprobs are clamped to -9999.0 (JSON has no infinity).
 
 from __future__ import annotations
 
-from shared.protocol import FinishReason, StreamDelta, TokenLogprob
+from shared.protocol import FinishReason, PromptLogprob, StreamDelta, TokenLogprob
 
+from .echo import echo_logprobs, with_echo
 from .openai_requests import GenerationRequest
+from .prompt_logprobs import prompt_logprobs_json
 
 MIN_LOGPROB = -9999.0
 
@@ -28,18 +30,22 @@ def _finish_reason(delta: StreamDelta) -> str | None:
 class ChoiceResult:
     """One choice of a non-streamed response, accumulated from its deltas."""
 
-    __slots__ = ("text_parts", "logprobs", "finish_reason")
+    __slots__ = ("text_parts", "logprobs", "finish_reason", "stop_reason", "prompt_logprobs")
 
     def __init__(self) -> None:
         self.text_parts: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.prompt_logprobs: list[PromptLogprob] = []
 
     def add(self, delta: StreamDelta) -> None:
+        self.prompt_logprobs.extend(delta.prompt_logprobs)
         self.text_parts.append(delta.text)
         self.logprobs.extend(delta.logprobs)
         if delta.finish_reason != FinishReason.NONE:
             self.finish_reason = _finish_reason(delta)
+            self.stop_reason = delta.stop_reason
 
     @property
     def text(self) -> str:
@@ -108,6 +114,12 @@ class ChatFormat(ResponseFormat):
             for i in range(num_choices)
         ]
 
+    def response(self, results: list[ChoiceResult], usage: dict) -> dict:
+        body = super().response(results, usage)
+        if self.request.prompt_logprobs:  # vLLM: chat's (one prompt) at the top
+            body["prompt_logprobs"] = prompt_logprobs_json(results[0].prompt_logprobs)
+        return body
+
     def _logprobs(self, logprobs: list[TokenLogprob]) -> dict | None:
         if not self.request.logprobs:
             return None
@@ -132,7 +144,7 @@ class ChatFormat(ResponseFormat):
             "message": {"role": "assistant", "content": result.text},
             "logprobs": self._logprobs(result.logprobs),
             "finish_reason": result.finish_reason,
-            "stop_reason": None,
+            "stop_reason": result.stop_reason,
         }
 
     def _chunk_choice(self, index: int, delta: StreamDelta) -> dict:
@@ -141,6 +153,7 @@ class ChatFormat(ResponseFormat):
             "delta": {"content": delta.text} if delta.text else {},
             "logprobs": self._logprobs(delta.logprobs),
             "finish_reason": _finish_reason(delta),
+            "stop_reason": delta.stop_reason,
         }
 
 
@@ -169,23 +182,44 @@ class CompletionFormat(ResponseFormat):
                 "text_offset": text_offset}
 
     def _choice(self, index: int, result: ChoiceResult) -> dict:
-        return {
+        text, logprobs = self._echoed(index, result.text, result.logprobs, result.prompt_logprobs, 0)
+        choice = {
             "index": index,
-            "text": result.text,
-            "logprobs": self._logprobs(result.logprobs, 0),
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": result.finish_reason,
-            "stop_reason": None,
+            "stop_reason": result.stop_reason,
         }
+        if self.request.prompt_logprobs:
+            choice["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs)
+        return choice
+
+    def chunk(self, index: int, delta: StreamDelta) -> dict | None:
+        if self.request.echo and index not in self._text_len:  # the first chunk echoes the prompt
+            return self._chunk([self._chunk_choice(index, delta)])
+        return super().chunk(index, delta)
+
+    def _echoed(self, index: int, text: str, logprobs: list[TokenLogprob], prompt_logprobs, start: int):
+        """The text and logprobs, with the prompt's before them when echoing (``start``:
+        characters of this choice already sent; echo goes only before the first)."""
+        if not self.request.echo or start:
+            return text, self._logprobs(logprobs, start)
+        prompt = self.request.prompts[index // self.request.n]["prompt"]
+        completion_logprobs = self._logprobs(logprobs, len(prompt))
+        if completion_logprobs is None:
+            return prompt + text, None
+        return prompt + text, with_echo(echo_logprobs(prompt_logprobs), completion_logprobs)
 
     def _chunk_choice(self, index: int, delta: StreamDelta) -> dict:
         start = self._text_len.get(index, 0)
-        self._text_len[index] = start + len(delta.text)
+        text, logprobs = self._echoed(index, delta.text, delta.logprobs, delta.prompt_logprobs, start)
+        self._text_len[index] = start + len(text)
         return {
             "index": index,
-            "text": delta.text,
-            "logprobs": self._logprobs(delta.logprobs, start),
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": _finish_reason(delta),
-            "stop_reason": None,
+            "stop_reason": delta.stop_reason,
         }
 
 

@@ -99,7 +99,8 @@ class RequestStream:
             # covers no unwritten token) still counts.
             if delta.finish_reason != FinishReason.NONE and delta.token_offset + delta.num_tokens <= self.next_offset:
                 self._emit(StreamDelta(delta.request_id, self.next_offset, 0, "", delta.finish_reason,
-                                       delta.num_prompt_tokens, delta.num_cached_tokens))
+                                       delta.num_prompt_tokens, delta.num_cached_tokens,
+                                       stop_reason=delta.stop_reason))
             return
         if delta.num_tokens == 0 and delta.finish_reason == FinishReason.NONE and not delta.text:
             return

@@ -57,9 +57,11 @@ class KVCacheManager:
         """Longest run of leading full blocks already in the cache, and its token count.
 
         At least the last token is always left to compute, since the step must
-        produce its logits: a hit on the whole prompt drops the last block.
+        produce its logits: a hit on the whole prompt drops the last block. A request
+        that wants prompt logprobs gets no hit.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position computed (vLLM does the same).
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

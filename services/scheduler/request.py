@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from shared.protocol import EngineRequest, FinishReason, SamplingParams
+from shared.protocol import EngineRequest, FinishReason, Logprobs, PromptLogprobs, SamplingParams
 
 from .block_hash import extend_block_hashes
 
@@ -53,8 +53,35 @@ class Request:
         self.num_resumes = 0  # engine failures survived (the scheduler service resumes it)
         self.status = RequestStatus.WAITING
         self.finish_reason = FinishReason.NONE
+        self.stop_reason: int | None = None  # the stop token id that ended it
+        # Prompt logprobs (when asked for): one entry per prompt token, gathered over the
+        # prefill chunks (a recomputed chunk adds nothing), sent with the first output.
+        self.prompt_logprobs: list[Logprobs] = []
+        self.prompt_logprobs_sent = False
         self.block_hashes: list[bytes] = []
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """A prefill chunk's prompt logprobs (tokens ``chunk.start ..``): kept where they
+        continue those gathered so far; a chunk computed again (after a preemption) adds
+        only what is new."""
+        self._start_prompt_logprobs()
+        skip = len(self.prompt_logprobs) - chunk.start
+        if 0 <= skip < len(chunk.entries):
+            self.prompt_logprobs.extend(chunk.entries[skip:])
+
+    def take_prompt_logprobs(self) -> list[Logprobs]:
+        """The prompt logprobs, once (with the first output)."""
+        if self.prompt_logprobs_sent or self.sampling_params.prompt_logprobs is None:
+            return []
+        self.prompt_logprobs_sent = True
+        self._start_prompt_logprobs()
+        return self.prompt_logprobs
+
+    def _start_prompt_logprobs(self) -> None:
+        if not self.prompt_logprobs:
+            # The first token: nothing predicts it, no logprob (vLLM's null entry).
+            self.prompt_logprobs.append(Logprobs([self.prompt_token_ids[0]], [], 0))
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, block_size: int) -> "Request":

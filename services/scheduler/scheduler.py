@@ -32,6 +32,7 @@ from shared.protocol import (
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
+    RequestStopStrings,
     SchedulerOutput,
 )
 from shared.token_window import window_tokens
@@ -363,6 +364,10 @@ class Scheduler:
             logprobs = [[lp] if lp else [] for lp in runner_output.logprobs or [None] * num_reqs]
         num_drafts = runner_output.num_draft_tokens or [0] * num_reqs
         num_spec_of = dict(zip(scheduler_output.scheduled_req_ids, scheduler_output.num_spec_tokens))
+        for req_id, chunk in zip(runner_output.req_ids, runner_output.prompt_logprobs):
+            request = self.requests.get(req_id)
+            if chunk is not None and request is not None:
+                request.add_prompt_logprobs(chunk)
         for req_id, token_ids, lps, num_proposed in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, logprobs, num_drafts
         ):
@@ -384,7 +389,9 @@ class Scheduler:
                     self.running.remove(request)
                     self._finish(request, reason)
                     break
-            outputs.append(self._engine_output(request, new_token_ids, lps[: len(new_token_ids)]))
+            output = self._engine_output(request, new_token_ids, lps[: len(new_token_ids)])
+            output.prompt_logprobs = request.take_prompt_logprobs()
+            outputs.append(output)
         return outputs
 
     def _rollback_rejected(self, request: Request, num_spec: int, num_accepted: int) -> None:
@@ -404,6 +411,7 @@ class Scheduler:
             if not params.ignore_eos and last == request.eos_token_id:
                 return FinishReason.STOP
             if last in params.stop_token_ids:
+                request.stop_reason = last  # vLLM: the stop token id; EOS leaves it None
                 return FinishReason.STOP
         if request.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
@@ -440,21 +448,24 @@ class Scheduler:
             return None
         return finished.output_from(token_offset)
 
-    def stop_strings(self, request_id: str) -> list[str] | None:
-        """The stop strings of a request running or finished lately, for a detokenizer
-        that missed their broadcast; None if unknown here."""
+    def stop_strings(self, request_id: str) -> RequestStopStrings | None:
+        """The stop strings and text settings of a request running or finished lately, for
+        a detokenizer that missed their broadcast; None if unknown here."""
         request = self.requests.get(request_id)
         if request is not None:
-            return request.sampling_params.stop
+            return RequestStopStrings.of(request_id, request.sampling_params)
         finished = self._recently_finished.get(request_id)
-        return None if finished is None else finished.end.stop
+        if finished is None:
+            return None
+        return finished.end.text_settings or RequestStopStrings(request_id, finished.end.stop)
 
     def _engine_output(self, request: Request, new_token_ids, logprobs, carry_stop: bool = False) -> EngineOutput:
         """``carry_stop``: the output carries the stop strings itself (resent outputs);
         else it only says the request has some (the detokenizers hold them)."""
         # The tokens before the new ones that a stateless detokenizer needs to finish
         # UTF-8 characters and stop strings that span tokens.
-        stop = request.sampling_params.stop
+        params = request.sampling_params
+        stop = params.stop
         window = window_tokens(stop)
         start = max(0, request.num_output_tokens - len(new_token_ids) - window)
         return EngineOutput(
@@ -468,7 +479,10 @@ class Scheduler:
             logprobs=logprobs,
             stop=stop if carry_stop else [],
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            has_stop=bool(stop) and not carry_stop,
+            has_stop=params.has_text_settings and not carry_stop,
+            stop_reason=request.stop_reason,
+            text_settings=RequestStopStrings.of(request.request_id, params)
+            if carry_stop and params.has_text_settings else None,
         )
 
     # ------------------------------------------------------------------ stats

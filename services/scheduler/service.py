@@ -299,7 +299,7 @@ class SchedulerService(Service):
     # ------------------------------------------------------------------ stop strings
 
     def _stop_strings_finished(self, requests: list[Request]) -> None:
-        self._stops_finished.extend(r.request_id for r in requests if r.sampling_params.stop)
+        self._stops_finished.extend(r.request_id for r in requests if r.sampling_params.has_text_settings)
 
     async def _broadcast_stop_strings(self) -> None:
         """Tell every detokenizer replica the stop strings of the requests accepted since
@@ -330,15 +330,14 @@ class SchedulerService(Service):
         message (it asks again for the rest)."""
         self.num_stop_queries += 1
         request_ids = STOP_STRINGS_QUERY.decode(msg.data).request_ids
-        resumable = {r.request_id: r.sampling_params.stop for r in self._resumable}
+        resumable = {r.request_id: r.sampling_params for r in self._resumable}
         found, chars = [], 0
         for request_id in request_ids:
-            stop = self.scheduler.stop_strings(request_id) if self.scheduler is not None else None
-            if stop is None:
-                stop = resumable.get(request_id)
-            if stop is None:
+            entry = self.scheduler.stop_strings(request_id) if self.scheduler is not None else None
+            if entry is None and request_id in resumable:
+                entry = RequestStopStrings.of(request_id, resumable[request_id])
+            if entry is None:
                 continue
-            entry = RequestStopStrings(request_id, stop)
             if found and chars + stop_strings_chars(entry) > STOP_STRINGS_MESSAGE_CHARS:
                 break
             chars += stop_strings_chars(entry)
@@ -368,8 +367,8 @@ class SchedulerService(Service):
         else:
             try:
                 self.scheduler.add_request(Request.from_engine_request(request, self.cache_config.block_size))
-                if request.sampling_params.stop:
-                    self._stops_added.append(RequestStopStrings(request.request_id, request.sampling_params.stop))
+                if request.sampling_params.has_text_settings:
+                    self._stops_added.append(RequestStopStrings.of(request.request_id, request.sampling_params))
                 self.prompt_tokens_total += len(request.prompt_token_ids)
                 self._work.set()
             except RequestRejected as e:

@@ -28,18 +28,27 @@ from shared.protocol import (
     ENGINE_REQUEST,
     ENGINE_REQUEST_REPLY,
     ENGINE_REQUESTS,
+    DETOKENIZE_TOKENS_REPLY,
+    DETOKENIZE_TOKENS_REQUEST,
     TOKENIZE,
     TOKENIZE_REPLY,
     TOKENIZE_REQUEST,
+    TOKENIZE_TEXT_REPLY,
+    TOKENIZE_TEXT_REQUEST,
+    TOKENIZER_DETOKENIZE,
+    TOKENIZER_TOKENIZE,
+    DetokenizeTokensReply,
     EngineRequest,
     EngineRequestReply,
     ErrorInfo,
     TokenizeReply,
+    TokenizeTextReply,
 )
 from shared.request_preparation import RequestPreparer
 from shared.request_validation import InvalidRequest
 
 from .config import TokenizerConfig
+from .tokens import detokenize_tokens, tokenize_text
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +92,31 @@ class TokenizerService(Service):
 
     async def setup(self) -> None:
         await self.subscribe(TOKENIZE, self._on_tokenize, queue="tokenizer")
+        await self.subscribe(TOKENIZER_TOKENIZE, self._on_tokenize_text, queue="tokenizer")
+        await self.subscribe(TOKENIZER_DETOKENIZE, self._on_detokenize_tokens, queue="tokenizer")
+
+    async def _on_tokenize_text(self, msg: Msg) -> None:
+        """vLLM's /tokenize (``tokens.py``): ids only, nothing scheduled."""
+        self.spawn(self._answer(msg, TOKENIZE_TEXT_REQUEST, TOKENIZE_TEXT_REPLY, TokenizeTextReply,
+                                lambda request: tokenize_text(self.preparer, self.tokenizer, request)))
+
+    async def _on_detokenize_tokens(self, msg: Msg) -> None:
+        """vLLM's /detokenize (``tokens.py``)."""
+        self.spawn(self._answer(msg, DETOKENIZE_TOKENS_REQUEST, DETOKENIZE_TOKENS_REPLY, DetokenizeTokensReply,
+                                lambda request: detokenize_tokens(self.preparer.vocab_size, self.tokenizer, request)))
+
+    async def _answer(self, msg: Msg, request_codec, reply_codec, reply_type, work) -> None:
+        """Decode, run ``work`` off the event loop, reply; a bad message or a failure is an
+        error reply, never a dead handler."""
+        try:
+            reply = await asyncio.to_thread(work, request_codec.decode(msg.data))
+        except msgspec.DecodeError as e:
+            reply = reply_type(error=ErrorInfo(f"malformed request: {e}"))
+        except Exception as e:
+            logger.exception("%s failed", msg.subject)
+            reply = reply_type(error=ErrorInfo(f"tokenizing failed: {e}", type="internal_error", status=500))
+        if msg.reply:
+            await msg.respond(reply_codec.encode(reply))
 
     async def _on_tokenize(self, msg: Msg) -> None:
         # One task per request: a long prompt never holds up the subject.

@@ -35,6 +35,7 @@ from .input_batch import CachedRequestState, InputBatch
 from .linear import can_prepack
 from .models.llama import LlamaForCausalLM
 from .parallel import ShardLayout, init_distributed, tp_device
+from .prompt_logprobs import compute_prompt_logprobs, wanted
 from .sampler import Sampler
 from .spec_decode import SpecDecoder
 from .structured_output import StructuredOutputRunner
@@ -263,6 +264,7 @@ class ModelRunner:
         inputs = self._prepare_inputs(num_scheduled)
         clock.lap("prepare_inputs")
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        prompt_logprobs = self._prompt_logprobs(hidden, num_scheduled)
 
         # Only requests whose every known token is now computed get a sample; a
         # prompt chunk gets none (and draws no randomness from a seeded generator).
@@ -308,8 +310,22 @@ class ModelRunner:
                 output.token_logprobs = out_logprobs
         elif any(out_logprobs):
             output.logprobs = [lps[0] if lps else None for lps in out_logprobs]
+        if prompt_logprobs:
+            output.prompt_logprobs = [prompt_logprobs.get(i) for i in range(num_reqs)]
         clock.lap("output")
         return output
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, num_scheduled: np.ndarray) -> dict:
+        """Row -> the prompt logprobs this step's chunk yields, for requests that want them
+        (``prompt_logprobs.py``); before the states advance."""
+        batch = self.input_batch
+        states = batch.states[:batch.num_reqs]
+        num_computed = batch.num_computed_tokens[:batch.num_reqs]
+        rows = wanted(states, num_computed, num_scheduled)
+        if not rows:
+            return {}
+        return compute_prompt_logprobs(self.model.compute_logits, hidden, rows, states, num_computed, num_scheduled,
+                                       want_logprobs=self.is_driver)
 
     def _mask_by_grammars(self, logits: torch.Tensor, states: list[CachedRequestState]) -> torch.Tensor:
         """The logits with each constrained row's disallowed tokens at -inf."""

@@ -10,38 +10,15 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
-from services.detokenizer.incremental import IncrementalDetokenizer
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from shared.config import CacheConfig, SchedulerConfig
-from shared.protocol import EngineOutput, FinishReason, Logprobs, SamplingParams
+from shared.protocol import EngineOutput, FinishReason, Logprobs, RequestStopStrings, SamplingParams
 from shared.token_window import BASE_WINDOW, window_tokens
 
-TEXTS = [
-    "héllo wörld, 你好世界！ 😀👍🏽 👨‍👩‍👧 family\n\nnext: Ελληνικά ✓ done. ",
-    "日本語のテキストと絵文字🎉🎊が混ざった文章です。終わり。",
-    "def f(x):\n    return x ** 2  # 🐍\n\n\nprint(f(3))",
-    "🇫🇷🇯🇵 flags, ZWJ 🏳️‍🌈, skin 👋🏿 and math ∑∫√ ≠ ≤.",
-]
+from .conftest import TEXTS
+
 STOPS = ["\n\n", "done", "😀👍", "世界", "ok", ". ", "終わり", "🐍\n", "∫√", "Ελλ", "zzz", "f(3)"]
-
-
-@pytest.fixture(scope="module")
-def detok(smollm_tokenizer):
-    return IncrementalDetokenizer(smollm_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def real_sequences(smollm_tokenizer):
-    eos = smollm_tokenizer.eos_token_id
-    im_start = smollm_tokenizer.backend.token_to_id("<|im_start|>")
-    seqs = [smollm_tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
-    # Special tokens inside the text (skipped by decode), and text after them.
-    encode = lambda text: smollm_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    seqs.append(encode("héllo wörld") + [eos] + encode("你好 😀") + [im_start, im_start] + seqs[3])
-    return seqs
 
 
 def engine_output(out, n, num_new, window, finish=FinishReason.NONE, stop=(), logprobs=()):
@@ -54,9 +31,11 @@ def engine_output(out, n, num_new, window, finish=FinishReason.NONE, stop=(), lo
     )
 
 
-def stream(detok, out, rng, stop=(), window=None, finish=FinishReason.LENGTH, make_output=None):
+def stream(detok, out, rng, stop=(), window=None, finish=FinishReason.LENGTH, make_output=None, settings=None):
     """Feed ``out`` in steps of 1-3 tokens: (deltas, the result that finished the stream,
-    [(tokens after the finish, result)] for outputs made before the abort took effect)."""
+    [(tokens after the finish, result)] for outputs made before the abort took effect).
+    ``settings``: the request's text settings (default: its stop strings only)."""
+    settings = settings or RequestStopStrings("r", list(stop))
     window = window_tokens(list(stop)) if window is None else window
     make_output = make_output or (lambda n, k, reason: engine_output(out, n, k, window, reason, stop))
     deltas, final, late = [], None, []
@@ -65,7 +44,7 @@ def stream(detok, out, rng, stop=(), window=None, finish=FinishReason.LENGTH, ma
         k = min(rng.randint(1, 3), len(out) - n)
         n += k
         # The stop strings as the service gives them (from the output or its cache).
-        result = detok.process(make_output(n, k, finish if n == len(out) else FinishReason.NONE), list(stop))
+        result = detok.process(make_output(n, k, finish if n == len(out) else FinishReason.NONE), settings)
         assert not result.window_too_short
         if final is not None:
             late.append((n - finished_at, result))

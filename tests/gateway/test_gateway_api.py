@@ -299,7 +299,9 @@ async def test_engine_error_ends_the_request(http):
         ("/v1/completions", {"model": MODEL, "prompt": []}, "prompt", "prompt must be"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, "a"]}, "prompt", "prompt must be"),
         ("/v1/completions", {"model": MODEL}, "prompt", "required"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, "echo", "not supported"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "echo": True},
+         "echo", "not supported"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "echo": True}, "echo", "text prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True}, "logprobs", "integer"),
     ],
 )

@@ -93,9 +93,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 @pytest.mark.parametrize("field, value", [
     ("tools", [TOOL]), ("tool_choice", "required"), ("functions", [TOOL["function"]]), ("function_call", "auto"),
-    ("echo", True), ("prompt_logprobs", 1), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
-    ("spaces_between_special_tokens", False), ("chat_template_kwargs", {"enable_thinking": True}),
-    ("truncate_prompt_tokens", 8), ("best_of", 3),
+    ("chat_template_kwargs", {"enable_thinking": True}),
+    ("best_of", 3),
 ])
 def test_fields_we_cannot_honour_are_refused_by_name(field, value):
     for parse, body in ((parse_chat, {"messages": USER}), (parse_completion, {"prompt": "x"})):
@@ -106,8 +105,33 @@ def test_fields_we_cannot_honour_are_refused_by_name(field, value):
 
 
 def test_their_inert_values_pass():
-    inert = {"tools": [], "tool_choice": "none", "echo": False, "include_stop_str_in_output": False,
-             "skip_special_tokens": True, "spaces_between_special_tokens": True, "chat_template_kwargs": {},
-             "prompt_logprobs": None, "truncate_prompt_tokens": None, "best_of": 2, "n": 2}
+    inert = {"tools": [], "tool_choice": "none", "echo": False, "chat_template_kwargs": {},
+             "best_of": 2, "n": 2}
     assert parse_chat({"messages": USER, **inert}, NAMES).n == 2
     assert parse_completion({"prompt": "x", **inert}, NAMES).n == 2
+
+
+def test_output_text_settings_reach_the_sampling_params():
+    fields = {"include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False}
+    for parse, body in ((parse_chat, {"messages": USER}), (parse_completion, {"prompt": "x"})):
+        params = parse({**body, **fields}, NAMES).sampling_params
+        assert (params.include_stop_str_in_output, params.skip_special_tokens,
+                params.spaces_between_special_tokens) == (True, False, False)
+        default = parse({**body, "skip_special_tokens": None}, NAMES).sampling_params
+        assert (default.include_stop_str_in_output, default.skip_special_tokens,
+                default.spaces_between_special_tokens) == (False, True, True)
+        for name in fields:
+            with pytest.raises(ApiError) as info:
+                parse({**body, name: "yes"}, NAMES)
+            assert info.value.status == 400 and info.value.info.param == name
+
+
+def test_truncate_prompt_tokens_is_checked_at_the_edge():
+    for parse, body in ((parse_chat, {"messages": USER}), (parse_completion, {"prompt": "x"})):
+        assert parse({**body, "truncate_prompt_tokens": 5}, NAMES).sampling_params.truncate_prompt_tokens == 5
+        assert parse({**body, "truncate_prompt_tokens": -1}, NAMES).sampling_params.truncate_prompt_tokens == -1
+        assert parse(body, NAMES).sampling_params.truncate_prompt_tokens is None
+        for bad in (0, -2, 1.5, "3"):
+            with pytest.raises(ApiError) as info:
+                parse({**body, "truncate_prompt_tokens": bad}, NAMES)
+            assert info.value.status == 400 and info.value.info.param == "truncate_prompt_tokens"

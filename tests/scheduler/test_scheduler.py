@@ -159,17 +159,18 @@ def test_output_of_an_aborted_request_is_dropped():
 
 
 @pytest.mark.parametrize(
-    "params, tokens, n_out, reason",
+    "params, tokens, n_out, reason, stop_reason",
     [
-        ({}, [5, EOS, 5], 2, FinishReason.STOP),
-        ({"ignore_eos": True, "max_tokens": 3}, [5, EOS, 5], 3, FinishReason.LENGTH),
-        ({"stop_token_ids": [9]}, [5, 9, 5], 2, FinishReason.STOP),
-        ({"max_tokens": 2}, [5, 5, 5], 2, FinishReason.LENGTH),
-        ({"min_tokens": 3}, [EOS, 9, 5, EOS], 4, FinishReason.STOP),
-        ({"min_tokens": 2, "stop_token_ids": [9]}, [9, 9], 2, FinishReason.STOP),
+        ({}, [5, EOS, 5], 2, FinishReason.STOP, None),
+        ({"ignore_eos": True, "max_tokens": 3}, [5, EOS, 5], 3, FinishReason.LENGTH, None),
+        ({"stop_token_ids": [9]}, [5, 9, 5], 2, FinishReason.STOP, 9),
+        ({"max_tokens": 2}, [5, 5, 5], 2, FinishReason.LENGTH, None),
+        ({"min_tokens": 3}, [EOS, 9, 5, EOS], 4, FinishReason.STOP, None),
+        ({"min_tokens": 2, "stop_token_ids": [9]}, [9, 9], 2, FinishReason.STOP, 9),
+        ({"stop_token_ids": [EOS]}, [5, EOS], 2, FinishReason.STOP, None),  # vLLM: EOS first
     ],
 )
-def test_stop_conditions(params, tokens, n_out, reason):
+def test_stop_conditions(params, tokens, n_out, reason, stop_reason):
     sched = make_scheduler()
     sched.add_request(make_request("a", 3, **{"max_tokens": 100, **params}))
     stream = iter(tokens)
@@ -182,6 +183,8 @@ def test_stop_conditions(params, tokens, n_out, reason):
     generated = [t for r in results for t in r.new_token_ids]
     assert generated == tokens[:n_out]
     assert results[-1].finish_reason == reason
+    assert results[-1].stop_reason == stop_reason  # vLLM's: the stop token id, None for EOS / length
+    assert all(r.stop_reason is None for r in results[:-1])
     assert sched.kv_cache_manager.num_free_blocks == 64
 
 
@@ -353,12 +356,27 @@ def test_nothing_is_preempted_while_a_step_is_in_flight():
 def test_outputs_flag_stop_strings_which_a_resend_and_a_query_still_get():
     sched = make_scheduler()
     sched.add_request(make_request("s", 4, max_tokens=2, stop=["ab", "cde"]))
-    assert sched.stop_strings("s") == ["ab", "cde"] and sched.stop_strings("other") is None
+    assert sched.stop_strings("s").stop == ["ab", "cde"] and sched.stop_strings("other") is None
     _, [first] = run_step(sched)
     assert first.has_stop and first.stop == []
     assert sched.resend_output("s", 0).stop == ["ab", "cde"]
     _, [last] = run_step(sched)
     assert last.finish_reason == FinishReason.LENGTH and last.has_stop
-    assert sched.stop_strings("s") == ["ab", "cde"]  # finished lately
+    assert sched.stop_strings("s").stop == ["ab", "cde"]  # finished lately
     resent = sched.resend_output("s", 0)
     assert resent.stop == ["ab", "cde"] and not resent.has_stop and resent.new_token_ids == [7, 7]
+
+
+def test_output_text_settings_travel_like_stop_strings():
+    """Settings other than the default are flagged on step outputs (the detokenizers hold
+    them) and carried by resent outputs; a request with none is not flagged."""
+    sched = make_scheduler()
+    sched.add_request(make_request("k", 4, max_tokens=2, skip_special_tokens=False, include_stop_str_in_output=True))
+    sched.add_request(make_request("plain", 4, max_tokens=2))
+    _, outputs = run_step(sched)
+    flagged = {o.request_id: o.has_stop for o in outputs}
+    assert flagged == {"k": True, "plain": False}
+    entry = sched.stop_strings("k")
+    assert (entry.stop, entry.skip_special_tokens, entry.include_stop_str_in_output) == ([], False, True)
+    assert sched.resend_output("k", 0).text_settings == entry
+    assert sched.resend_output("plain", 0).text_settings is None

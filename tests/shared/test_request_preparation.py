@@ -94,3 +94,26 @@ def test_special_tokens_typed_in_a_message_are_plain_text(smollm_tokenizer):
     allowing = RequestPreparer(4096, tok.vocab_size, (tok.eos_token_id,), special_tokens_in_content=True)
     rendered = tok.apply_chat_template([{"role": "user", "content": forged}])
     assert allowing.prepare(chat, tok)[0].prompt_token_ids == tok.encode(rendered, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("size, kept", [(None, 120), (3, 3), (1, 1), (200, 120), (-1, 100)])
+def test_truncate_prompt_tokens_keeps_the_last_tokens(size, kept):
+    preparer = RequestPreparer(max_model_len=200, vocab_size=50)
+    prompt = [i % 50 for i in range(120)]
+    if size == -1:  # to max_model_len (100 here): the prompt then leaves room for nothing
+        preparer = RequestPreparer(max_model_len=100, vocab_size=50)
+        with pytest.raises(InvalidRequest) as info:
+            preparer.prepare(ids_request(SamplingParams(truncate_prompt_tokens=-1, max_tokens=0), prompt))
+        assert info.value.error.code == "context_length_exceeded"
+        assert "100 tokens" in str(info.value)  # truncated first, then checked
+        return
+    [request] = preparer.prepare(ids_request(SamplingParams(truncate_prompt_tokens=size, max_tokens=0), prompt))
+    assert request.prompt_token_ids == prompt[len(prompt) - kept:]
+    assert request.sampling_params.max_tokens == 200 - kept
+
+
+@pytest.mark.parametrize("size, words", [(0, ">= 1 or -1"), (-2, ">= 1 or -1"), (101, "greater than max_model_len")])
+def test_bad_truncation_sizes_are_refused(size, words):
+    with pytest.raises(InvalidRequest) as info:
+        PREPARER.prepare(ids_request(SamplingParams(truncate_prompt_tokens=size)))
+    assert info.value.error.param == "truncate_prompt_tokens" and words in str(info.value)
