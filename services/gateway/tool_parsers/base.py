@@ -37,13 +37,22 @@ Event = Content | CallName | CallArguments
 
 
 class ToolParser:
-    """Reads one choice's text; subclasses implement ``feed`` and ``end``."""
+    """Reads one choice's text: subclasses implement ``_advance`` (one step over the
+    pending text; False when it must wait for more) and ``end``."""
 
     def __init__(self) -> None:
         self.failed = False
         self.num_calls = 0
+        self._pending = ""  # text read but not yet told
 
     def feed(self, text: str) -> list[Event]:
+        self._pending += text
+        events: list[Event] = []
+        while self._pending and self._advance(events):
+            pass
+        return events
+
+    def _advance(self, events: list[Event]) -> bool:
         raise NotImplementedError
 
     def end(self) -> list[Event]:

@@ -44,18 +44,12 @@ class RequiredCallsOutput(ToolParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self._pending = ""
         self._mode = "open"  # "open" ([), "item" ({ or ]), "call", "next" (, or ]), "closed"
         self._call: CallReader | None = None
 
-    def feed(self, text: str) -> list[Event]:
-        self._pending += text
-        events: list[Event] = []
-        while self._pending and not self.failed and self._advance(events):
-            pass
-        return events
-
     def _advance(self, events: list[Event]) -> bool:
+        if self.failed:
+            return False
         if self._mode == "call":
             used, news = self._call.feed(self._pending)
             self._pending = self._pending[used:]

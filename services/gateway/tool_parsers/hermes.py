@@ -15,19 +15,10 @@ START, END = "<tool_call>", "</tool_call>"
 class HermesToolParser(ToolParser):
     def __init__(self) -> None:
         super().__init__()
-        self._pending = ""
         self._mode = "text"  # "text", "call", "close" (after a call's object), "failed"
         self._call: CallReader | None = None
 
-    def feed(self, text: str) -> list[Event]:
-        self._pending += text
-        events: list[Event] = []
-        while self._pending and self._advance(events):
-            pass
-        return events
-
     def _advance(self, events: list[Event]) -> bool:
-        """One step over the pending text; False when it must wait for more."""
         if self._mode == "failed":
             events.append(Content(self._pending))
             self._pending = ""

@@ -16,17 +16,9 @@ _SEPARATORS = " \t\r\n;"
 class Llama3JsonToolParser(ToolParser):
     def __init__(self) -> None:
         super().__init__()
-        self._pending = ""
         self._mode = "start"  # "start", "text", "calls", "call", "failed"
         self._call: CallReader | None = None
         self._calls_text = ""  # the calls' text so far, for a failure's content
-
-    def feed(self, text: str) -> list[Event]:
-        self._pending += text
-        events: list[Event] = []
-        while self._pending and self._advance(events):
-            pass
-        return events
 
     def _advance(self, events: list[Event]) -> bool:
         if self._mode in ("text", "failed"):
