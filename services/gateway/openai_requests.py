@@ -294,6 +294,9 @@ def parse_chat(body, served_model_names: tuple[str, ...]) -> GenerationRequest:
         params = msgspec.structs.replace(params, structured_outputs=constraint)
     prompt = {"messages": messages, "tools": list(tools.tools) if tools and tools.tools else None,
               "chat_template_kwargs": chat_template_kwargs(f.body)}
+    for name in ("tools", "chat_template_kwargs"):
+        if not _fits_bus(prompt[name]):
+            raise invalid(f"{name} has an integer outside the signed 64-bit range", param=name)
     return GenerationRequest(
         kind="chat",
         model=model,
@@ -327,7 +330,7 @@ def _fits_bus(value) -> bool:
         return all(_fits_bus(v) for v in value.values())
     if isinstance(value, list):
         return all(_fits_bus(v) for v in value)
-    return _is_int(value) or not isinstance(value, int)
+    return isinstance(value, bool) or _is_int(value) or not isinstance(value, int)
 
 
 # --------------------------------------------------------------------------- completions

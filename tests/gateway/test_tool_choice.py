@@ -79,6 +79,9 @@ def test_auto_and_none_do_not_constrain_and_the_tools_reach_the_tokenizer():
      "cannot be combined"),
     ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "must be an object"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "may not set tools"),
+    ({"chat_template_kwargs": {"n": 2**70}}, "chat_template_kwargs", "64-bit"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"maximum": 2**64}}}]}, "tools",
+     "64-bit"),
 ])
 def test_bad_tool_fields_are_400s_naming_what_is_wrong(fields, param, words):
     with pytest.raises(ApiError) as info:
