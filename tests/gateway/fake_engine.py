@@ -71,6 +71,8 @@ SCRIPTS = {
     "HERMESCALLS": ["Let", " me", " check", ".", "\n", "<", "tool", "_call", ">", "\n", '{"name": "get_weather", ',
                     '"arguments": {"city": ', '"Paris', '", "unit": "celsius"}}', "\n", "</", "tool_call", ">", "\n",
                     "<tool_call>", '\n{"name": "get_time", "arguments": {"zone": "CET"}}\n', "</tool_call>"],
+    "LLAMACALLS": ['{"name": "get_weather", "param', 'eters": {"city": "Par', 'is", "unit": "celsius"}}', "; ",
+                   '{"name": "get_time", ', '"parameters": {"zone": "CET"}}'],
 }
 REJECTION = ErrorInfo(
     "This model's maximum context length is 64 tokens. However, you requested 100 tokens.",

@@ -135,3 +135,22 @@ async def test_auto_without_the_flags_is_a_400(nats_server, fake):
         async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0) as client:
             with pytest.raises(openai.BadRequestError):
                 await client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+
+
+async def test_llama3_json_parser_whole_and_streamed(nats_server, fake):
+    config = gateway_config(enable_auto_tool_choice=True, tool_call_parser="llama3_json")
+    ask = [{"role": "user", "content": "LLAMACALLS weather?"}]
+    async with GatewayServer(config, nats_url=nats_server.url) as server:
+        await until_engine_ready(server)
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0) as client:
+            response = await client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS)
+            assert response.choices[0].finish_reason == "tool_calls"
+            assert response.choices[0].message.content is None
+            assert calls_of(response.choices[0].message.tool_calls) == EXPECTED_CALLS
+            stream = await client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, stream=True)
+            calls: dict[int, list[str]] = {}
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    for entry in choice.delta.tool_calls or ():
+                        calls.setdefault(entry.index, [entry.function.name, ""])[1] += entry.function.arguments
+            assert [(name, json.loads(arguments)) for name, arguments in calls.values()] == EXPECTED_CALLS
