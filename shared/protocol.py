@@ -407,6 +407,10 @@ class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     sampling_params: SamplingParams = SamplingParams()
     add_generation_prompt: bool = True
     cache_salt: str = ""
+    # Chat only: the request's tools (OpenAI's {"type": "function", "function": {...}}
+    # objects) and chat_template_kwargs, both handed to the chat template.
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
 
 
 class TokenizeReply(msgspec.Struct, omit_defaults=True):

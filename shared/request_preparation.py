@@ -56,7 +56,8 @@ class RequestPreparer:
         if request.messages is not None:
             prompt_param = "messages"
             prompt_token_ids = tokenize_chat(tokenizer, request.messages, request.add_generation_prompt,
-                                             self.special_tokens_in_content)
+                                             self.special_tokens_in_content, request.tools,
+                                             request.chat_template_kwargs)
         elif request.prompt is not None:
             prompt_param = "prompt"
             prompt_token_ids = tokenizer.encode(request.prompt, add_special_tokens=True)
@@ -89,13 +90,20 @@ class RequestPreparer:
 
 
 def tokenize_chat(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True, special_tokens_in_content: bool = False
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    special_tokens_in_content: bool = False,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> list[int]:
     """The chat prompt's ids, as transformers' ``apply_chat_template(tokenize=True)``
     (the rendered text already holds the special tokens, so none are added), except that
-    special-token texts inside message contents stay text unless allowed."""
+    special-token texts inside the client's strings stay text unless allowed. ``tools``
+    and ``chat_template_kwargs`` reach the template (the gateway checked their shape)."""
     messages = chat_messages(messages)
     try:
-        return tokenizer.encode_chat(messages, add_generation_prompt, special_tokens_in_content)
+        return tokenizer.encode_chat(messages, add_generation_prompt, special_tokens_in_content, tools,
+                                     chat_template_kwargs)
     except Exception as e:  # the template's raise_exception, or a template that needs fields we lack
         raise InvalidRequest(f"the chat template cannot render these messages: {e}", param="messages") from e

@@ -8,6 +8,7 @@ named) that the gateway hands to the client as is.
 
 from __future__ import annotations
 
+import json
 import math
 
 import msgspec
@@ -79,7 +80,7 @@ def validate_sampling_params(params: SamplingParams, vocab_size: int) -> Samplin
 
 def chat_messages(messages: list[dict]) -> list[dict]:
     """The messages as the chat template takes them: a known role, string content, and
-    the optional ``name`` and ``tool_call_id``.
+    the optional ``name``, ``tool_call_id`` and (assistant) ``tool_calls``.
 
     Null content is empty (an assistant turn that only called tools); content given as
     OpenAI text parts (``[{"type": "text", "text": ...}]``) is joined by newlines, as
@@ -98,8 +99,42 @@ def chat_messages(messages: list[dict]) -> list[dict]:
         for key in ("name", "tool_call_id"):
             if isinstance(message.get(key), str):
                 clean[key] = message[key]
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise InvalidRequest(f"messages[{i}]: only assistant messages have tool_calls", param="messages")
+            clean["tool_calls"] = [_tool_call(call, i, j) for j, call in enumerate(_list(message["tool_calls"], i))]
         result.append(clean)
     return result
+
+
+def _list(value, i: int) -> list:
+    if not isinstance(value, list):
+        raise InvalidRequest(f"messages[{i}].tool_calls must be a list", param="messages")
+    return value
+
+
+def _tool_call(call, i: int, j: int) -> dict:
+    """An assistant's earlier tool call as templates take it: ``{"id", "type": "function",
+    "function": {"name", "arguments"}}`` with the arguments as an object (transformers'
+    convention, which vLLM follows: OpenAI sends them as a JSON string)."""
+    where = f"messages[{i}].tool_calls[{j}]"
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidRequest(f"{where} must be an object with a function {{name, arguments}}", param="messages")
+    if call.get("type", "function") != "function":
+        raise InvalidRequest(f"{where}.type must be 'function', got {call.get('type')!r}", param="messages")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as e:
+            raise InvalidRequest(f"{where}.function.arguments is not valid JSON: {e}", param="messages") from e
+    if not isinstance(arguments, dict):
+        raise InvalidRequest(f"{where}.function.arguments must be a JSON object", param="messages")
+    clean = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        clean["id"] = call["id"]
+    return clean
 
 
 def _message_content(content, i: int) -> str:

@@ -153,25 +153,33 @@ class Tokenizer:
     # ---------------------------------------------------------------- chat
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, special_in_content: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        special_in_content: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The chat prompt's ids. Special-token texts inside message contents are encoded
+        """The chat prompt's ids. Special-token texts inside the messages and tools (their
+        contents, tool calls, tool descriptions: every string the client sent) are encoded
         as plain text (a user cannot forge the template's control tokens) unless
         ``special_in_content``; the template's own special tokens stay control tokens."""
-        contents = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
-        found = [t for t in self.special_token_texts if any(t in c for c in contents)]
+        template_kwargs = template_kwargs or {}
+        texts = _strings([messages, tools])
+        found = [t for t in self.special_token_texts if any(t in c for c in texts)]
         if special_in_content or not found:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
-        # Each special text in a content becomes a private-use sentinel character; the
-        # rendered prompt is encoded piece by piece around the sentinels.
+            rendered = self.apply_chat_template(messages, add_generation_prompt, tools=tools, **template_kwargs)
+            return self.encode(rendered, add_special_tokens=False)
+        # Each special text in a client's string becomes a private-use sentinel character;
+        # the rendered prompt is encoded piece by piece around the sentinels.
         sentinel = {text: chr(_SENTINEL_BASE + i) for i, text in enumerate(found)}
         pattern = re.compile("|".join(re.escape(t) for t in found))
-        guarded = [
-            {**m, "content": pattern.sub(lambda mt: sentinel[mt.group(0)], m["content"])}
-            if isinstance(m.get("content"), str) else m
-            for m in messages
-        ]
-        rendered = self.apply_chat_template(guarded, add_generation_prompt)
+
+        def guard(text: str) -> str:
+            return pattern.sub(lambda mt: sentinel[mt.group(0)], text)
+
+        rendered = self.apply_chat_template(_map_strings(messages, guard), add_generation_prompt,
+                                            tools=_map_strings(tools, guard), **template_kwargs)
         text_of = {v: k for k, v in sentinel.items()}
         ids: list[int] = []
         for piece in re.split(f"([{''.join(text_of)}])", rendered):
@@ -182,11 +190,21 @@ class Tokenizer:
         return ids
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> str:
-        """The prompt text for ``messages``, rendered as transformers renders it."""
+        """The prompt text for ``messages`` (and ``tools``), rendered as transformers
+        renders it; ``kwargs`` reach the template as variables. A template that knows
+        nothing of tools gets them through the built-in fallback (``shared.tool_template``)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template")
+        from shared.tool_template import template_handles_tools, tools_in_messages
+
+        if not template_handles_tools(self.chat_template):
+            messages, tools = tools_in_messages(messages, tools), None
         context = {
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
@@ -194,13 +212,38 @@ class Tokenizer:
             "pad_token": self.pad_token or "",
         }
         context.update(kwargs)
-        return _compile_template(self.chat_template).render(
+        if tools is not None:
+            context["tools"] = tools
+        return compile_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **context
         )
 
 
+def _strings(value) -> list[str]:
+    """Every string inside a JSON value (not the keys)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _map_strings(value, fn):
+    """A JSON value with ``fn`` applied to every string inside it (not the keys)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
+    return value
+
+
 @functools.lru_cache(maxsize=8)
-def _compile_template(source: str):
+def compile_template(source: str):
+    """A chat template compiled as transformers compiles it (sandboxed, its filters and globals)."""
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -220,6 +263,25 @@ def _compile_template(source: str):
 
 
 # --------------------------------------------------------------------------- loading
+
+
+def read_chat_template(path_or_template: str) -> str:
+    """``--chat-template``'s value as vLLM reads it: a file's text, or the template itself
+    when no such file exists and it looks like one (it has braces or a newline)."""
+    from shared.config import ConfigError
+
+    path = Path(path_or_template)
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    elif any(c in path_or_template for c in "{}\n"):
+        template = path_or_template
+    else:
+        raise ConfigError(f"chat template {path_or_template!r} is neither a readable file nor a template")
+    try:
+        compile_template(template)
+    except Exception as e:  # jinja2's TemplateSyntaxError
+        raise ConfigError(f"chat template {path_or_template!r} does not compile: {e}") from e
+    return template
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from shared.config import ConfigError, setting
 
+from .tool_parsers import TOOL_PARSERS
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -43,8 +45,16 @@ class GatewayConfig:
         5.0, "seconds of engine silence after which its open requests fail with 503 (engine_lost)")
     stream_idle_timeout: float = setting(
         0.0, "a stream that got no token for this many seconds ends with 504 (0: only --request-timeout)")
+    enable_auto_tool_choice: bool = setting(
+        False, 'tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)')
+    tool_call_parser: str = setting(
+        "", f"how the model's text is read as tool calls under tool_choice auto: {', '.join(TOOL_PARSERS)}")
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_PARSERS:
+            raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ConfigError("enable_auto_tool_choice needs a tool_call_parser")
         if self.stream_idle_timeout < 0:
             raise ConfigError(f"stream_idle_timeout must be >= 0 seconds, got {self.stream_idle_timeout}")
         if not self.served_model_names or not all(self.served_model_names):

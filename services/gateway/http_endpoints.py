@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +28,7 @@ from .generation import Generation
 from .json_body import ClientGone, read_json
 from .openai_requests import GenerationRequest, parse_chat, parse_completion
 from .openai_responses import ChoiceResult, ResponseFormat, response_format
+from .tool_choice import require_tool_parser
 from .bus_client import GatewayService
 
 logger = logging.getLogger(__name__)
@@ -101,7 +103,11 @@ class GenerationEndpoint:
 
     async def handle(self, request: Request) -> Response:
         body = await read_json(request, self.gateway.config.max_request_body_bytes)
-        parsed = self.parse(body, self.gateway.config.served_model_names)
+        config = self.gateway.config
+        parsed = self.parse(body, config.served_model_names)
+        if parsed.tool_calling is not None:
+            calling = require_tool_parser(parsed.tool_calling, config.enable_auto_tool_choice, config.tool_call_parser)
+            parsed = dataclasses.replace(parsed, tool_calling=calling)
         generation = Generation(self.gateway, parsed, f"{self.id_prefix}-{uuid.uuid4().hex}")
         fmt = response_format(self.kind, generation.request_id, generation.created, parsed)
         try:

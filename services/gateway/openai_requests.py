@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import msgspec
+
 from shared.protocol import SamplingParams
 
 from .errors import ApiError, invalid
@@ -22,6 +24,7 @@ from .echo import echo_params
 from .logit_controls import logit_controls
 from .output_fields import output_text_settings, prompt_logprobs, prompt_settings
 from .structured_outputs import structured_outputs
+from .tool_choice import ToolCalling, chat_template_kwargs, tool_calling, tool_constraint
 
 MAX_N = 128
 # Stop strings size every step output's token window, fill the detokenizers' caches and
@@ -64,6 +67,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False
     # Completions: the prompt's text (and logprobs) before the completion's.
     echo: bool = False
+    tool_calling: ToolCalling | None = None  # chat: tools, tool_choice (services/gateway/tool_choice.py)
 
     def __post_init__(self) -> None:
         # A non-streamed answer is built whole in the gateway's memory: bound its size.
@@ -210,16 +214,20 @@ def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> Sampli
 # the values that ask for nothing (those pass): any other value is a 400 naming the
 # field, never an answer that silently differs from what was asked.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
+}
+# Chat's fields that /v1/completions has no use for: refused there unless inert.
+CHAT_ONLY_FIELDS: dict[str, tuple] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
     "chat_template_kwargs": (None, {}),
 }
 
 
-def _refuse_unsupported(f: Fields, n: int) -> None:
-    for name, inert in UNSUPPORTED_FIELDS.items():
+def _refuse_unsupported(f: Fields, n: int, fields: dict[str, tuple] = UNSUPPORTED_FIELDS) -> None:
+    for name, inert in fields.items():
         value = f.body.get(name)
         if not any(type(value) is type(ok) and value == ok for ok in inert):
             raise invalid(f"{name} is not supported by this server (only {_inert_text(inert)})", param=name)
@@ -283,13 +291,26 @@ def parse_chat(body, served_model_names: tuple[str, ...]) -> GenerationRequest:
     common = _common(f)
     max_tokens = _max_tokens(f, ("max_completion_tokens", "max_tokens"), MAX_TOKENS_NOT_GIVEN)
     params = _sampling_params(f, max_tokens, (top_logprobs or 0) if logprobs else None)
+    tools = tool_calling(f.body)
+    constraint = tool_constraint(tools)
+    if constraint is not None:
+        if params.structured_outputs is not None:
+            raise invalid("tool_choice 'required' or a named function cannot be combined with structured output",
+                          param="tool_choice")
+        params = msgspec.structs.replace(params, structured_outputs=constraint)
+    prompt = {"messages": messages, "tools": list(tools.tools) if tools and tools.tools else None,
+              "chat_template_kwargs": chat_template_kwargs(f.body)}
+    for name in ("tools", "chat_template_kwargs"):
+        if not _fits_bus(prompt[name]):
+            raise invalid(f"{name} has an integer outside the signed 64-bit range", param=name)
     return GenerationRequest(
         kind="chat",
         model=model,
-        prompts=({"messages": messages},),
+        prompts=(prompt,),
         sampling_params=params,
         logprobs=logprobs,
         add_generation_prompt=f.bool("add_generation_prompt", True),
+        tool_calling=tools,
         **common,
     )
 
@@ -315,7 +336,7 @@ def _fits_bus(value) -> bool:
         return all(_fits_bus(v) for v in value.values())
     if isinstance(value, list):
         return all(_fits_bus(v) for v in value)
-    return _is_int(value) or not isinstance(value, int)
+    return isinstance(value, bool) or _is_int(value) or not isinstance(value, int)
 
 
 # --------------------------------------------------------------------------- completions
@@ -329,6 +350,7 @@ def parse_completion(body, served_model_names: tuple[str, ...]) -> GenerationReq
         raise invalid("suffix is not supported", param="suffix")
     logprobs = f.int("logprobs", None, minimum=0)
     common = _common(f)
+    _refuse_unsupported(f, common["n"], CHAT_ONLY_FIELDS)
     if len(prompts) * common["n"] > MAX_SUB_REQUESTS:
         raise invalid(
             f"at most {MAX_SUB_REQUESTS} choices per request (prompts x n), got {len(prompts) * common['n']}",

@@ -15,6 +15,7 @@ from shared.protocol import FinishReason, PromptLogprob, StreamDelta, TokenLogpr
 from .echo import echo_logprobs, with_echo
 from .openai_requests import GenerationRequest
 from .prompt_logprobs import prompt_logprobs_json
+from .tool_calls import ToolCallOutput, whole_answer
 
 MIN_LOGPROB = -9999.0
 
@@ -105,6 +106,20 @@ class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, response_id: str, created: int, request: GenerationRequest) -> None:
+        super().__init__(response_id, created, request)
+        calling = request.tool_calling
+        self.tool_calling = calling if calling is not None and calling.reads_calls else None
+        self._tool_outputs: dict[int, ToolCallOutput] = {}  # per streamed choice
+
+    def chunk(self, index: int, delta: StreamDelta) -> dict | None:
+        if self.tool_calling is None:
+            return super().chunk(index, delta)
+        choice = self._chunk_choice(index, delta)
+        if not choice["delta"] and not delta.logprobs and choice["finish_reason"] is None:
+            return None  # the parser holds the text back for now
+        return self._chunk([choice])
+
     def opening(self) -> list[dict]:
         """vLLM's (and OpenAI's) first chunk per choice: the role, empty content."""
         num_choices = len(self.request.prompts) * self.request.n
@@ -139,20 +154,30 @@ class ChatFormat(ResponseFormat):
         }
 
     def _choice(self, index: int, result: ChoiceResult) -> dict:
+        message = {"role": "assistant", "content": result.text}
+        finish_reason = result.finish_reason
+        if self.tool_calling is not None:
+            message, finish_reason = whole_answer(self.tool_calling, result.text, finish_reason)
         return {
             "index": index,
-            "message": {"role": "assistant", "content": result.text},
+            "message": message,
             "logprobs": self._logprobs(result.logprobs),
-            "finish_reason": result.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": result.stop_reason,
         }
 
     def _chunk_choice(self, index: int, delta: StreamDelta) -> dict:
+        message = {"content": delta.text} if delta.text else {}
+        finish_reason = _finish_reason(delta)
+        if self.tool_calling is not None:
+            output = self._tool_outputs.setdefault(index, ToolCallOutput(self.tool_calling))
+            message = output.feed(delta.text, finished=finish_reason is not None)
+            finish_reason = output.finish_reason(finish_reason)
         return {
             "index": index,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": message,
             "logprobs": self._logprobs(delta.logprobs),
-            "finish_reason": _finish_reason(delta),
+            "finish_reason": finish_reason,
             "stop_reason": delta.stop_reason,
         }
 

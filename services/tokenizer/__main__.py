@@ -14,14 +14,17 @@ def build_parser():
 
 def build_service(config: TokenizerConfig, nats_url: str):
     from shared.model_config import default_model_path, load_model_config, resolve_max_model_len
-    from shared.tokenizer import load_tokenizer
+    from shared.tokenizer import load_tokenizer, read_chat_template
 
     from .service import TokenizerService
 
     model = config.model or default_model_path()
     model_config = load_model_config(model)
+    tokenizer = load_tokenizer(model)
+    if config.chat_template:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
     return TokenizerService(
-        load_tokenizer(model),
+        tokenizer,
         max_model_len=resolve_max_model_len(model_config, config.max_model_len),
         vocab_size=model_config.vocab_size,
         extra_eos_token_ids=model_config.eos_token_ids,

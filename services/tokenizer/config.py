@@ -15,6 +15,8 @@ class TokenizerConfig:
     scheduler_timeout: float = setting(5.0, "seconds to wait for a scheduler to take a request")
     special_tokens_in_content: bool = setting(
         False, "special-token texts typed in chat message contents become control tokens (default: plain text)")
+    chat_template: str = setting(
+        "", "chat template (a Jinja file, or the template itself) used instead of the model's ('' = the model's)")
 
     def __post_init__(self) -> None:
         check_max_model_len(self.max_model_len)

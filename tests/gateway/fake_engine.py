@@ -14,7 +14,8 @@ Control words in the prompt: ``REJECT`` (a 400 from the "tokenizer"),
 ``SILENT`` (no tokenize reply at all), ``GAP`` / ``LASTLOST`` (the second / the
 last delta is lost until the gateway asks for a resend), ``SILENTONCE`` (no reply to the first
 attempt: a tokenizer that died), ``GHOST`` (queued by engine "ghost", which
-never sends stats). Other requests are queued by engine ``FAKE_ENGINE_ID`` under
+never sends stats), a word of ``SCRIPTS`` (the output is that script's tokens: a model's
+tool calls, say). Other requests are queued by engine ``FAKE_ENGINE_ID`` under
 the fake's current ``incarnation`` (a test changes it to play a restarted scheduler).
 Chat messages are checked and normalised as the real tokenizer does; a refused one
 is not recorded. Each ``TokenizeRequest`` (one prompt, its n samples) is recorded in
@@ -65,6 +66,14 @@ from shared.request_validation import InvalidRequest, chat_messages
 FAKE_ENGINE_ID = "fake"
 STATS_INTERVAL = 0.5
 WORDS = "The quick brown fox jumps over the lazy dog .".split()
+# Scripted outputs, by control word: the tokens a model would write.
+SCRIPTS = {
+    "HERMESCALLS": ["Let", " me", " check", ".", "\n", "<", "tool", "_call", ">", "\n", '{"name": "get_weather", ',
+                    '"arguments": {"city": ', '"Paris', '", "unit": "celsius"}}', "\n", "</", "tool_call", ">", "\n",
+                    "<tool_call>", '\n{"name": "get_time", "arguments": {"zone": "CET"}}\n', "</tool_call>"],
+    "LLAMACALLS": ['{"name": "get_weather", "param', 'eters": {"city": "Par', 'is", "unit": "celsius"}}', "; ",
+                   '{"name": "get_time", ', '"parameters": {"zone": "CET"}}'],
+}
 REJECTION = ErrorInfo(
     "This model's maximum context length is 64 tokens. However, you requested 100 tokens.",
     param="max_tokens",
@@ -245,6 +254,9 @@ class FakeEngine(Service):
     def deltas(self, request: Sample, words: list[str], num_prompt_tokens: int) -> list[StreamDelta]:
         params = request.sampling_params
         tokens = output_tokens(words[0] if words else "", params.seed)
+        scripts = [SCRIPTS[w] for w in words if w in SCRIPTS]
+        if scripts:
+            tokens = scripts[0]
         texts = list(tokens)
         finish = FinishReason.STOP
         error = ""

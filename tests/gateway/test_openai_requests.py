@@ -92,9 +92,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [TOOL]), ("tool_choice", "required"), ("functions", [TOOL["function"]]), ("function_call", "auto"),
-    ("chat_template_kwargs", {"enable_thinking": True}),
-    ("best_of", 3),
+    ("functions", [TOOL["function"]]), ("function_call", "auto"), ("best_of", 3),
 ])
 def test_fields_we_cannot_honour_are_refused_by_name(field, value):
     for parse, body in ((parse_chat, {"messages": USER}), (parse_completion, {"prompt": "x"})):
@@ -102,6 +100,17 @@ def test_fields_we_cannot_honour_are_refused_by_name(field, value):
             parse({**body, field: value}, NAMES)
         assert info.value.status == 400 and info.value.info.param == field
         assert "not supported" in info.value.info.message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [TOOL]), ("tool_choice", "required"), ("parallel_tool_calls", False),
+    ("chat_template_kwargs", {"enable_thinking": True}),
+])
+def test_chat_fields_are_refused_on_completions(field, value):
+    with pytest.raises(ApiError) as info:
+        parse_completion({"prompt": "x", field: value}, NAMES)
+    assert info.value.status == 400 and info.value.info.param == field
+    assert "not supported" in info.value.info.message
 
 
 def test_their_inert_values_pass():

@@ -28,6 +28,8 @@ def test_each_flag_goes_to_the_services_that_take_it():
     assert takers(["--scheduler-timeout", "9"]) == {"tokenizer"}
     assert takers(["--max-model-len", "64"]) == {"worker", "scheduler", "tokenizer"}
     assert takers(["--log-level", "DEBUG"]) == set(SERVICES)
+    assert takers(["--chat-template", "t.jinja"]) == {"tokenizer"}
+    assert takers(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == {"gateway"}
 
 
 def test_a_share_keeps_the_flags_values_and_order():

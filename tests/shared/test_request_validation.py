@@ -80,14 +80,31 @@ def test_text_parts_are_joined_and_roles_accepted():
 
 
 def test_null_content_is_empty_and_only_template_fields_are_kept():
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"x": [1, 2]}'}, "extra": 1}
     messages = [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "calc", "extra": 1},
     ]
+    # The arguments' JSON string becomes an object, as templates (and vLLM) take it.
     assert chat_messages(messages) == [
-        {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": {"x": [1, 2]}}}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "calc"},
     ]
+
+
+@pytest.mark.parametrize("message, words", [
+    ({"role": "user", "content": "x", "tool_calls": []}, "only assistant"),
+    ({"role": "assistant", "tool_calls": {"id": "c1"}}, "must be a list"),
+    ({"role": "assistant", "tool_calls": [{"id": "c1"}]}, "function {name, arguments}"),
+    ({"role": "assistant", "tool_calls": [{"type": "x", "function": {"name": "f"}}]}, "type must be"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}, "not valid JSON"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}, "JSON object"),
+])
+def test_bad_tool_calls_in_messages_are_refused(message, words):
+    with pytest.raises(InvalidRequest, match=words) as info:
+        chat_messages([message])
+    assert info.value.error.param == "messages" and info.value.error.status == 400
 
 
 @pytest.mark.parametrize("fields, param", [
