@@ -68,3 +68,29 @@ def write_draft_model(source: str, folder: Path, layers: list[int], noise: float
         "pad_token": tokenizer.pad_token, "chat_template": tokenizer.chat_template,
     }, indent=2))
     return folder
+
+
+def write_small_vocab_llama(folder: Path, seed: int = 0, vocab_size: int = 32, logit_scale: float = 1.0) -> Path:
+    """A random tiny Llama over ``vocab_size`` word tokens ``t0 t1 ...`` (EOS ``t2``), small
+    enough a vocabulary for a chi-square over its next-token distribution."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, initializer_range=0.2, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    model.save_pretrained(folder, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "t0", "eos_token": "t2", "unk_token": "t1", "pad_token": "t0"}))
+    return folder
