@@ -45,6 +45,7 @@ from shared.model_files import load_model_config
 from shared.tokenizer import load_tokenizer
 
 from .input_batch import InputBatch
+from .kv_cache import allocate_kv_caches, kv_block_bytes
 from .models.llama import LlamaForCausalLM
 from .sampler import draw, to_probs
 
@@ -102,8 +103,8 @@ class DraftModel:
 
     def kv_block_bytes(self) -> int:
         cfg = self.model_config
-        per_layer = 2 * self.block_size * cfg.num_key_value_heads * cfg.head_dim
-        return per_layer * cfg.num_hidden_layers * torch.finfo(self.dtype).bits // 8
+        return kv_block_bytes(self.block_size, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers,
+                              self.dtype)
 
     def scratch_bytes(self) -> int:
         return self.max_num_seqs * self.scratch_per_row * self.kv_block_bytes()
@@ -114,12 +115,8 @@ class DraftModel:
         cfg = self.model_config
         self.num_blocks = num_blocks
         total = num_blocks + self.max_num_seqs * self.scratch_per_row
-        shape = (total, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(total, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                                            cfg.num_hidden_layers, self.dtype, self.device)
 
     # ------------------------------------------------------------------ proposing
 

@@ -33,6 +33,7 @@ from shared.step_profile import NULL_CLOCK
 
 from .draft_model import DraftModel
 from .input_batch import CachedRequestState, InputBatch
+from .kv_cache import allocate_kv_caches, kv_block_bytes
 from .linear import can_prepack
 from .models.llama import LlamaForCausalLM
 from .parallel import ShardLayout, TensorParallel, init_distributed, tp_device
@@ -172,8 +173,8 @@ class ModelRunner:
         """Bytes of one KV block on this rank (its KV heads only), the draft model's block
         included."""
         cfg = self.model_config
-        per_layer = 2 * self.block_size * self.shard.num_kv_heads * cfg.head_dim
-        target = per_layer * cfg.num_hidden_layers * torch.finfo(self.dtype).bits // 8
+        target = kv_block_bytes(self.block_size, self.shard.num_kv_heads, cfg.head_dim, cfg.num_hidden_layers,
+                                self.dtype)
         return target + (self.draft_model.kv_block_bytes() if self.draft_model is not None else 0)
 
     def _num_kv_blocks(self) -> int:
@@ -198,14 +199,8 @@ class ModelRunner:
 
     def _allocate_kv_caches(self, num_blocks: int):
         cfg = self.model_config
-        shape = (num_blocks, self.block_size, self.shard.num_kv_heads, cfg.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        return allocate_kv_caches(num_blocks, self.block_size, self.shard.num_kv_heads, cfg.head_dim,
+                                  cfg.num_hidden_layers, self.dtype, self.device)
 
     # ------------------------------------------------------------------ state
 
