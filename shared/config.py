@@ -153,7 +153,8 @@ class SchedulerConfig:
     async_scheduling: bool = setting(True, "schedule and send step N+1 while step N runs")
     speculative_config: str = setting(
         "", 'speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
-            '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (turns async scheduling off)'
+            '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", "model": PATH, '
+            '"num_speculative_tokens": 4} (turns async scheduling off)'
     )
     # The parsed speculative_config (None: no speculative decoding).
     speculative: SpeculativeConfig | None = field(init=False, default=None, compare=False, repr=False)
