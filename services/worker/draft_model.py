@@ -73,8 +73,9 @@ class DraftModel:
         generator: torch.Generator, block_size: int, max_num_seqs: int, max_model_len: int,
     ) -> None:
         if model_config.max_position_embeddings < max_model_len:
-            raise ConfigError(f"speculative_config: the draft model {config.model} has {model_config.max_position_embeddings}"
-                              f" positions, fewer than max_model_len {max_model_len}; lower --max-model-len")
+            raise ConfigError(f"speculative_config: the draft model {config.model} has "
+                              f"{model_config.max_position_embeddings} positions, fewer than max_model_len "
+                              f"{max_model_len}; lower --max-model-len")
         self.path = config.model
         self.k = config.num_speculative_tokens
         self.model = model

@@ -12,7 +12,9 @@ its shard of the model and of the KV cache (its KV heads only), receives the sam
 step diffs and runs the same code: the LM head all-gathers the full logits onto every
 rank, and the shared and per-request generators are seeded alike on every rank, so
 every rank samples the same tokens and keeps the same request state. Only the driver
-(rank 0) computes logprobs, which draw no randomness.
+(rank 0) computes logprobs, which draw no randomness. A draft model (speculative
+decoding's draft_model method, ``draft_model.py``) is not sharded: every rank holds it
+whole, with its own KV cache under the target's block ids.
 """
 
 from __future__ import annotations
