@@ -166,3 +166,27 @@ def test_a_draft_model_with_another_vocabulary_is_refused_at_start_up(tiny_llama
     (renamed / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(ConfigError, match="another tokenizer"):
         runner.use_speculative(SchedulerConfig(speculative_config=draft_config(renamed, 2)).speculative)
+
+
+def test_a_prefix_cache_hit_reuses_the_draft_models_cache_too(small_vocab_models):
+    """The draft writes every position the target computes, so blocks found in the prefix
+    cache hold its keys and values as well: a prompt run again (its first blocks hit)
+    gets the same drafts, accepted alike, as the first time."""
+    runner, config = small_vocab_models
+    engine = Engine(cache_config=CacheConfig(num_gpu_blocks=runner.num_blocks),
+                    scheduler_config=SchedulerConfig(max_num_seqs=4, speculative_config=config), worker=runner)
+    prompt = [(7 * i + 3) % VOCAB for i in range(40)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    stats = engine.scheduler.spec_decode_stats
+    runs = []
+    for _ in range(2):
+        before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+        [result] = engine.generate([prompt], params)
+        runs.append((result.token_ids, result.num_cached_tokens,
+                     stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]))
+    (first, cached_first, drafts_first, accepted_first), (again, cached_again, drafts_again, accepted_again) = runs
+    assert cached_first == 0 and cached_again == 32
+    assert again == first
+    assert 0 < accepted_first < drafts_first
+    assert (drafts_again, accepted_again) == (drafts_first, accepted_first)
+    assert_no_leaks(engine)
