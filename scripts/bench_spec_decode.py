@@ -1,14 +1,22 @@
-"""Speculative decoding (n-gram): output tok/s with and without, and the acceptance.
+"""Speculative decoding (n-gram or a draft model): output tok/s with and without, and the acceptance.
 
 The in-process engine (scheduler + one worker, every step a msgpack round trip) on the
-default model, greedy (answers end at EOS or max_tokens), the same prompts with ``--speculative-config`` n-gram and
-without, at concurrency 1 (one request at a time) and concurrency C (C requests at
-once); each setting runs ``--rounds`` times, alternating without and with, and its
-tok/s is all its tokens over all its seconds. Two workloads: a repetitive one (chat requests to repeat a code snippet with one
-change, whose answers copy their prompts) and a non-repetitive one (open questions).
+default model, greedy (answers end at EOS or max_tokens), the same prompts with
+``--speculative-config`` (``--method ngram``, or ``--method draft_model --draft-model PATH``)
+and without, at concurrency 1 (one request at a time) and concurrency C (C requests at
+once); each setting runs ``--rounds`` times, alternating without and with, and its tok/s
+is all its tokens over all its seconds. Two workloads: a repetitive one (chat requests to
+repeat a code snippet with one change, whose answers copy their prompts) and a
+non-repetitive one (open questions).
 Greedy output with and without must be the same tokens; the script says so.
 
     .venv/bin/python scripts/bench_spec_decode.py [--output-len 128] [--num-speculative-tokens 4]
+    .venv/bin/python scripts/bench_spec_decode.py --method draft_model --draft-model PATH
+
+A draft model for the default model (the same tokenizer), SmolLM2 without 4 of its 30 layers:
+``python -c "from tests.draft_models import write_draft_model as w; from shared.model_config import
+default_model_path as d; from pathlib import Path; w(d(), Path('/tmp/smollm2-26'), [i for i in range(30)
+if i not in (10, 13, 16, 19)])"``.
 
 Prints a table; the LAST line is one JSON object with every figure.
 """
@@ -66,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="", help="default: the default SmolLM2 model")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request (answers end at EOS)")
+    p.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
+    p.add_argument("--draft-model", default="", help="draft_model: its GGUF file or Hugging Face folder")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
@@ -120,8 +130,18 @@ def main(argv=None) -> None:
     from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
 
     torch.set_num_threads(args.threads)
+    if args.method == "ngram":
+        speculative = json.dumps({"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                                  "prompt_lookup_min": args.prompt_lookup_min,
+                                  "prompt_lookup_max": args.prompt_lookup_max})
+    elif not args.draft_model:
+        raise SystemExit("--method draft_model needs --draft-model")
+    else:
+        speculative = json.dumps({"method": "draft_model", "model": args.draft_model,
+                                  "num_speculative_tokens": args.num_speculative_tokens})
+    # The draft model (if any) loads at start-up, so its KV cache is sized with the target's.
     worker = ModelRunner(ModelRunConfig(model=args.model, dtype=args.dtype), CacheConfig(num_gpu_blocks=1024),
-                         SchedulerConfig(max_num_seqs=max(args.concurrency)))
+                         SchedulerConfig(max_num_seqs=max(args.concurrency), speculative_config=speculative))
     from shared.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(worker.model_path)
@@ -130,23 +150,21 @@ def main(argv=None) -> None:
         return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]),
                                 add_special_tokens=False)
 
-    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-                        "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max})
     run(worker, [chat("Hello!")], 1, 8, "")  # warm-up
-    run(worker, [chat("Hello!")], 1, 8, ngram)
+    run(worker, [chat("Hello!")], 1, 8, speculative)
     results = {}
-    print(f"{'workload':<16}{'conc':>5}{'off tok/s':>11}{'ngram tok/s':>13}{'ratio':>7}{'accept':>8}{'mean len':>9}"
-          f"  same tokens")
+    print(f"{'workload':<16}{'conc':>5}{'off tok/s':>11}{args.method + ' tok/s':>18}{'ratio':>7}{'accept':>8}"
+          f"{'mean len':>9}  same tokens")
     for name, texts in workloads().items():
         prompts = [chat(t) for t in (texts * args.num_requests)[: args.num_requests]]
         for concurrency in args.concurrency:
             rounds = [(run(worker, prompts, concurrency, args.output_len, ""),
-                       run(worker, prompts, concurrency, args.output_len, ngram)) for _ in range(args.rounds)]
+                       run(worker, prompts, concurrency, args.output_len, speculative)) for _ in range(args.rounds)]
             same = all(off["tokens"] == on["tokens"] for off, on in rounds)
             off, on = (_combined([r[i] for r in rounds]) for i in (0, 1))
             ratio = on["tok_s"] / off["tok_s"]
-            results[f"{name}@{concurrency}"] = {"off": off, "ngram": on, "ratio": ratio, "same_tokens": same}
-            print(f"{name:<16}{concurrency:>5}{off['tok_s']:>11.1f}{on['tok_s']:>13.1f}{ratio:>7.2f}"
+            results[f"{name}@{concurrency}"] = {"off": off, args.method: on, "ratio": ratio, "same_tokens": same}
+            print(f"{name:<16}{concurrency:>5}{off['tok_s']:>11.1f}{on['tok_s']:>18.1f}{ratio:>7.2f}"
                   f"{on['acceptance_rate']:>8.2f}{on['mean_acceptance_length']:>9.2f}  {same}", flush=True)
     print(json.dumps({"args": vars(args), "results": results}))
 

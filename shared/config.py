@@ -71,7 +71,10 @@ class CacheConfig:
 _SPECULATIVE_KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
               "disable_by_batch_size"},
+    "draft_model": {"method", "model", "num_speculative_tokens", "disable_by_batch_size"},
 }
+# Keys whose value is a string; every other key but "method" takes an integer.
+_SPECULATIVE_STRING_KEYS = {"method", "model"}
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,10 @@ class SpeculativeConfig:
 
     ngram (prompt lookup): the last n tokens of the request (n from ``prompt_lookup_max``
     down to ``prompt_lookup_min``) are looked up earlier in its tokens, and the tokens that
-    followed there are the drafts. ``disable_by_batch_size``: no drafts are scheduled while
-    more requests than this run or wait (0: no limit), as in vLLM.
+    followed there are the drafts. draft_model: ``model`` (a GGUF file or Hugging Face
+    folder with the target's tokenizer) runs beside the target on every worker rank and
+    proposes the drafts autoregressively. ``disable_by_batch_size``: no drafts are
+    scheduled while more requests than this run or wait (0: no limit), as in vLLM.
     """
 
     method: str
@@ -89,6 +94,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 0
+    model: str = ""
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
@@ -110,10 +116,15 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
         raise ConfigError(f"speculative_config: method {method!r} takes no key(s) {', '.join(unknown)}; "
                           f"it takes {', '.join(sorted(_SPECULATIVE_KEYS[method]))}")
     for key, value in values.items():
-        if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+        if key in _SPECULATIVE_STRING_KEYS:
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"speculative_config: {key} must be a non-empty string, got {value!r}")
+        elif not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(f"speculative_config: {key} must be an integer, got {value!r}")
     if "num_speculative_tokens" not in values:
         raise ConfigError("speculative_config: num_speculative_tokens is required")
+    if method == "draft_model" and "model" not in values:
+        raise ConfigError("speculative_config: method 'draft_model' needs model (a GGUF file or Hugging Face folder)")
     config = SpeculativeConfig(**values)
     if not 1 <= config.num_speculative_tokens <= 16:
         raise ConfigError(f"speculative_config: num_speculative_tokens must be in [1, 16], "
@@ -142,7 +153,8 @@ class SchedulerConfig:
     async_scheduling: bool = setting(True, "schedule and send step N+1 while step N runs")
     speculative_config: str = setting(
         "", 'speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
-            '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (turns async scheduling off)'
+            '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "draft_model", "model": PATH, '
+            '"num_speculative_tokens": 4} (turns async scheduling off)'
     )
     # The parsed speculative_config (None: no speculative decoding).
     speculative: SpeculativeConfig | None = field(init=False, default=None, compare=False, repr=False)

@@ -39,6 +39,8 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     # Draft tokens proposed after its last sampled token (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Their draft distributions q, [drafts, vocab] (draft_model; None: one-hot drafts).
+    spec_token_probs: torch.Tensor | None = None
     # The request's structured-output grammar and matcher (structured_output.RequestGrammar).
     grammar: object | None = None
 

@@ -12,12 +12,13 @@ its shard of the model and of the KV cache (its KV heads only), receives the sam
 step diffs and runs the same code: the LM head all-gathers the full logits onto every
 rank, and the shared and per-request generators are seeded alike on every rank, so
 every rank samples the same tokens and keeps the same request state. Only the driver
-(rank 0) computes logprobs, which draw no randomness.
+(rank 0) computes logprobs, which draw no randomness. A draft model (speculative
+decoding's draft_model method, ``draft_model.py``) is not sharded: every rank holds it
+whole, with its own KV cache under the target's block ids.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -31,10 +32,12 @@ from shared.model_files import default_model_path, load_model_config, open_weigh
 from shared.protocol import ModelRunnerOutput, SchedulerOutput
 from shared.step_profile import NULL_CLOCK
 
+from .draft_model import DraftModel
 from .input_batch import CachedRequestState, InputBatch
+from .kv_cache import allocate_kv_caches, kv_block_bytes
 from .linear import can_prepack
 from .models.llama import LlamaForCausalLM
-from .parallel import ShardLayout, init_distributed, tp_device
+from .parallel import ShardLayout, TensorParallel, init_distributed, tp_device
 from .prompt_logprobs import compute_prompt_logprobs, wanted
 from .sampler import Sampler
 from .spec_decode import SpecDecoder
@@ -97,29 +100,30 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
         torch.manual_seed(run_config.seed)
-        with torch.device(self.device):
-            self.model = LlamaForCausalLM(self.model_config, self.ops, self.tp)
-        # Each rank reads only its rows / columns of the sharded tensors.
-        with open_weights(self.model_path) as weights:
-            self.model.load_weights_from(weights, dtype=torch.float32)
-        self.model.to(dtype=self.dtype)
-        self.model.cos_sin_cache = self.model.cos_sin_cache.float()
-        self.model.eval()
         self.prepacked = run_config.cpu_prepack and can_prepack(self.device, self.dtype)
-        if self.prepacked:
-            self.model.prepack_linears()
+        # Each rank reads only its rows / columns of the sharded tensors.
+        self.model = self._load_model(self.model_path, self.model_config, self.tp)
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        # Seeded alike on every rank: unseeded random requests draw the same noise everywhere.
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
+        # The draft_model method's model, loaded before the KV cache is sized: its cache
+        # takes the same number of blocks.
+        self.draft_model: DraftModel | None = None
+        speculative = scheduler_config.speculative
+        if speculative is not None and speculative.method == "draft_model":
+            self.draft_model = self._load_draft_model(speculative)
 
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        if self.draft_model is not None:
+            self.draft_model.allocate_kv_cache(self.num_blocks)
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(
             scheduler_config.max_num_seqs, self.max_model_len, max_blocks_per_req, self.device
         )
         self.requests: dict[str, CachedRequestState] = {}
-        # Seeded alike on every rank: unseeded random requests draw the same noise everywhere.
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
         self.spec_decoder: SpecDecoder | None = None
-        self.use_speculative(scheduler_config.speculative)
+        self.use_speculative(speculative)
         self.structured_output = StructuredOutputRunner(
             self.model_path, self.model_config.vocab_size, scheduler_config.max_num_seqs
         )
@@ -130,17 +134,50 @@ class ModelRunner:
             self.shard.num_heads, self.shard.num_kv_heads, self.num_blocks, self.block_size,
         )
 
+    def _load_model(self, path: str, config: ModelConfig, tp: TensorParallel) -> LlamaForCausalLM:
+        with torch.device(self.device):
+            model = LlamaForCausalLM(config, self.ops, tp)
+        with open_weights(path) as weights:
+            model.load_weights_from(weights, dtype=torch.float32)
+        model.to(dtype=self.dtype)
+        model.cos_sin_cache = model.cos_sin_cache.float()
+        model.eval()
+        if self.prepacked:
+            model.prepack_linears()
+        return model
+
+    def _load_draft_model(self, config: SpeculativeConfig) -> DraftModel:
+        """The draft model, whole on this rank (never sharded), its vocabulary checked."""
+        draft_config = DraftModel.load_config(config, self.model_path, self.model_config)
+        model = self._load_model(config.model, draft_config, TensorParallel.single())
+        logger.info("draft model %s loaded on rank %d: %d layers, %d KV heads", config.model, self.rank,
+                    draft_config.num_hidden_layers, draft_config.num_key_value_heads)
+        return DraftModel(config, model, draft_config, self.ops, self.sampler.generator, self.block_size,
+                          self.max_num_seqs, self.max_model_len)
+
     def use_speculative(self, config: SpeculativeConfig | None) -> None:
-        """Verify and propose draft tokens per ``config`` (None: no speculative decoding)."""
-        self.spec_decoder = None if config is None else SpecDecoder(config, self.sampler.generator, self.device)
+        """Verify and propose draft tokens per ``config`` (None: no speculative decoding).
+        A draft model not loaded at start-up (an engine reusing this runner) gets a cache of
+        this runner's block count, outside its memory sizing."""
+        draft = None
+        if config is not None and config.method == "draft_model":
+            if self.draft_model is None or (self.draft_model.path, self.draft_model.k) != (
+                    config.model, config.num_speculative_tokens):
+                self.draft_model = self._load_draft_model(config)
+                self.draft_model.allocate_kv_cache(self.num_blocks)
+            draft = self.draft_model
+        self.spec_decoder = (None if config is None
+                             else SpecDecoder(config, self.sampler.generator, self.device, draft))
 
     # ------------------------------------------------------------------ KV cache
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block on this rank (its KV heads only)."""
+        """Bytes of one KV block on this rank (its KV heads only), the draft model's block
+        included."""
         cfg = self.model_config
-        per_layer = 2 * self.block_size * self.shard.num_kv_heads * cfg.head_dim
-        return per_layer * cfg.num_hidden_layers * torch.finfo(self.dtype).bits // 8
+        target = kv_block_bytes(self.block_size, self.shard.num_kv_heads, cfg.head_dim, cfg.num_hidden_layers,
+                                self.dtype)
+        return target + (self.draft_model.kv_block_bytes() if self.draft_model is not None else 0)
 
     def _num_kv_blocks(self) -> int:
         if self.cache_config.num_gpu_blocks is not None:
@@ -152,6 +189,8 @@ class ModelRunner:
             budget -= 2 << 30
         else:
             budget = self.cache_config.cpu_kv_cache_gib * (1 << 30)
+        if self.draft_model is not None:
+            budget -= self.draft_model.scratch_bytes()
         num_blocks = int(budget // self.kv_block_bytes())
         if num_blocks < 1:
             raise RuntimeError(
@@ -162,14 +201,8 @@ class ModelRunner:
 
     def _allocate_kv_caches(self, num_blocks: int):
         cfg = self.model_config
-        shape = (num_blocks, self.block_size, self.shard.num_kv_heads, cfg.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        return allocate_kv_caches(num_blocks, self.block_size, self.shard.num_kv_heads, cfg.head_dim,
+                                  cfg.num_hidden_layers, self.dtype, self.device)
 
     # ------------------------------------------------------------------ state
 
@@ -304,7 +337,7 @@ class ModelRunner:
             out_logprobs.append(lps)
         output = ModelRunnerOutput(step_id=out.step_id, req_ids=req_ids, sampled_token_ids=sampled_token_ids)
         if self.spec_decoder is not None:
-            num_drafts = self.spec_decoder.propose(batch, sampled_by_row)
+            num_drafts = self.spec_decoder.propose(batch, sampled_by_row, num_scheduled)
             output.num_draft_tokens = [num_drafts.get(i, 0) for i in range(num_reqs)]
             if any(out_logprobs):
                 output.token_logprobs = out_logprobs

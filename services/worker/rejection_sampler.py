@@ -168,10 +168,11 @@ class RejectionSampler:
 
     def __call__(
         self, logits: torch.Tensor, batch: SamplingMetadata, layout: DraftLayout,
-        request_generators: dict[int, torch.Generator],
+        request_generators: dict[int, torch.Generator], draft_probs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``logits`` [N, V] and ``batch`` over the flat rows; ``request_generators``:
-        request index -> its own generator. Returns ``verify``'s (tokens, counts), on CPU."""
+        request index -> its own generator; ``draft_probs`` [N, V] the drafts' q (None:
+        one-hot). Returns ``verify``'s (tokens, counts), on CPU."""
         logits = apply_bans_and_penalties(logits.float(), batch)
         target_argmax = logits.argmax(dim=-1)
         probs = uniforms = noise = None
@@ -179,7 +180,7 @@ class RejectionSampler:
         if not batch.all_greedy:
             probs = to_probs(logits, batch)
             uniforms, noise = self._draw(layout, probs.shape[1], request_generators, probs.device)
-        tokens, counts = verify(layout, target_argmax, probs, greedy, uniforms, noise)
+        tokens, counts = verify(layout, target_argmax, probs, greedy, uniforms, noise, draft_probs)
         return tokens.cpu(), counts.cpu()
 
     def _draw(self, layout: DraftLayout, vocab: int, request_generators: dict[int, torch.Generator], device):

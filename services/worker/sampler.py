@@ -40,19 +40,25 @@ class Sampler:
         return sampled, logprobs
 
     def _sample(self, logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:
-        greedy_rows = batch.temperature < 1e-5
-        probs = to_probs(logits, batch)
-        noise = torch.empty_like(probs)
-        shared_rows = [i for i in range(probs.shape[0]) if i not in batch.generators]
-        if shared_rows:
-            noise[shared_rows] = torch.empty(
-                len(shared_rows), probs.shape[1], device=probs.device
-            ).exponential_(generator=self.generator)
-        for i, generator in batch.generators.items():
-            noise[i].exponential_(generator=generator)
-        random_tokens = (probs / noise).argmax(dim=-1)
-        greedy_tokens = logits.argmax(dim=-1)
-        return torch.where(greedy_rows.to(logits.device), greedy_tokens, random_tokens)
+        return draw(logits, to_probs(logits, batch), batch, self.generator)
+
+
+def draw(logits: torch.Tensor, probs: torch.Tensor, batch: SamplingMetadata, generator: torch.Generator) -> torch.Tensor:
+    """Each row's token: argmax of ``logits`` for greedy rows, else a draw from ``probs``
+    (``to_probs``) by the exponential race, a seeded row's noise from its own generator
+    and the others' from ``generator``."""
+    greedy_rows = batch.temperature < 1e-5
+    noise = torch.empty_like(probs)
+    shared_rows = [i for i in range(probs.shape[0]) if i not in batch.generators]
+    if shared_rows:
+        noise[shared_rows] = torch.empty(
+            len(shared_rows), probs.shape[1], device=probs.device
+        ).exponential_(generator=generator)
+    for i, row_generator in batch.generators.items():
+        noise[i].exponential_(generator=row_generator)
+    random_tokens = (probs / noise).argmax(dim=-1)
+    greedy_tokens = logits.argmax(dim=-1)
+    return torch.where(greedy_rows.to(logits.device), greedy_tokens, random_tokens)
 
 
 def apply_bans_and_penalties(logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Speculative decoding on the worker: drafts in, verified tokens out, new drafts proposed.
 
-The worker proposes (``NgramProposer``) after a request samples and keeps the drafts in
-the request's state; it reports only how many it holds. The scheduler then schedules
+The worker proposes (``NgramProposer``, or the ``DraftModel`` of the draft_model method)
+after a request samples and keeps the drafts in the request's state (a draft model's
+with their distributions q); it reports only how many it holds. The scheduler then schedules
 up to that many of them as the request's last scheduled tokens (``SchedulerOutput.
 num_spec_tokens``), within its token budget, KV slots, max_tokens and max_model_len.
 Here the step's drafts are written into the batch's token rows after the known
@@ -28,7 +29,8 @@ import torch
 from shared.config import SpeculativeConfig
 from shared.protocol import Logprobs, SchedulerOutput
 
-from .input_batch import InputBatch
+from .draft_model import DraftModel
+from .input_batch import CachedRequestState, InputBatch
 from .logit_controls import has_logit_controls
 from .ngram_proposer import NgramProposer
 from .rejection_sampler import DraftLayout, RejectionSampler
@@ -37,9 +39,15 @@ from .sampling_metadata import SamplingMetadata
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, generator: torch.Generator, device: torch.device) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, generator: torch.Generator, device: torch.device,
+        draft_model: DraftModel | None = None,
+    ) -> None:
+        if (config.method == "draft_model") != (draft_model is not None):
+            raise ValueError(f"method {config.method!r} with draft model {draft_model}")
         self.config = config
         self.proposer = NgramProposer(config)
+        self.draft_model = draft_model
         self.rejection_sampler = RejectionSampler(generator)
         self.device = device
 
@@ -83,13 +91,30 @@ class SpecDecoder:
                                      if num_drafts[i] == 0})
         request_batch = batch.make_sampling_metadata(rows)
         positions_batch = self._per_position(request_batch, batch, rows, layout)
-        tokens, counts = self.rejection_sampler(raw_logits, positions_batch, layout, request_batch.generators)
+        draft_probs = None
+        if self.draft_model is not None and not request_batch.all_greedy:
+            draft_probs = self._draft_probs([batch.states[row] for row in rows.tolist()], layout, raw_logits.shape[1])
+        tokens, counts = self.rejection_sampler(raw_logits, positions_batch, layout, request_batch.generators,
+                                                draft_probs)
 
         tokens, counts = tokens.tolist(), counts.tolist()
         logprobs: list[list[Logprobs]] = [[] for _ in rows]
         if want_logprobs and request_batch.num_logprobs is not None:
             logprobs = self._logprobs(raw_logits, layout, tokens, counts, request_batch.num_logprobs)
         return {row: (tokens[i][: counts[i]], logprobs[i]) for i, row in enumerate(rows.tolist())}
+
+    def _draft_probs(self, states: list[CachedRequestState], layout: DraftLayout, vocab: int) -> torch.Tensor:
+        """q of every flat row: the draft model's distribution of each draft (one-hot
+        where a request holds none), zeros on each request's last row."""
+        q = torch.zeros(len(layout.draft_ids), vocab, device=self.device)
+        for i, (state, start, count) in enumerate(zip(states, layout.row_start.tolist(), layout.num_drafts.tolist())):
+            if not count:
+                continue
+            if state.spec_token_probs is not None:
+                q[start : start + count] = state.spec_token_probs[:count]
+            else:
+                q[torch.arange(start, start + count, device=self.device), layout.draft_ids[start : start + count]] = 1.0
+        return q
 
     def _per_position(
         self, request_batch: SamplingMetadata, batch: InputBatch, rows: np.ndarray, layout: DraftLayout
@@ -152,16 +177,21 @@ class SpecDecoder:
             start += count
         return out
 
-    def propose(self, batch: InputBatch, rows) -> dict[int, int]:
-        """New drafts for the batch rows that just sampled: row -> how many."""
+    def propose(self, batch: InputBatch, rows, num_scheduled: np.ndarray) -> dict[int, int]:
+        """New drafts for the batch rows that just sampled: row -> how many. A draft model
+        also catches up on every row's positions computed this step (``num_scheduled``)."""
+        may_draft = {row: self._may_draft(batch.states[row]) for row in rows}
+        if self.draft_model is not None:
+            return self.draft_model.propose(batch, num_scheduled, list(rows), may_draft)
         counts = {}
-        for row in rows:
+        for row, allowed in may_draft.items():
             state = batch.states[row]
-            if state.grammar is not None or has_logit_controls(state.sampling_params):
-                state.spec_token_ids = []
-                counts[row] = 0
-                continue
-            drafts = self.proposer.propose(batch.token_ids[row, : batch.num_tokens[row]])
-            batch.states[row].spec_token_ids = drafts.tolist()
+            drafts = self.proposer.propose(batch.token_ids[row, : batch.num_tokens[row]]).tolist() if allowed else []
+            state.spec_token_ids = drafts
             counts[row] = len(drafts)
         return counts
+
+    @staticmethod
+    def _may_draft(state: CachedRequestState) -> bool:
+        """Requests with a grammar or logit controls get no drafts (module docstring)."""
+        return state.grammar is None and not has_logit_controls(state.sampling_params)

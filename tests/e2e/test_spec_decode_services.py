@@ -1,6 +1,7 @@
-"""Speculative decoding (n-gram) through the real services, TP=2, on a tiny random Llama.
+"""Speculative decoding through the real services, TP=2, on a tiny random Llama.
 
-Every service a real process; the two worker ranks propose their drafts on their own.
+Every service a real process; the two worker ranks propose their drafts on their own,
+by n-gram lookup or with a draft model (a noisy copy of the target, whole on each rank).
 Greedy output equals the single-process engine's without speculative decoding, token
 for token (the ranks proposed alike, or their collectives would have mixed different
 inputs); streams carry every token once and in order, a stop string inside an accepted
@@ -22,6 +23,7 @@ from services.launch.nats_server import free_port
 from services.launch.stack import StackConfig
 from shared.config import CacheConfig, ModelRunConfig
 from shared.protocol import SamplingParams
+from tests.draft_models import write_draft_model
 from tests.e2e.stacks import running_stack
 from tests.hf_reference import make_tiny_random_llama
 
@@ -35,10 +37,18 @@ def model_path(tmp_path_factory):
     return str(make_tiny_random_llama(tmp_path_factory.mktemp("tiny-spec"), seed=1, num_heads=4, num_kv_heads=2))
 
 
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def speculative_config(request, tmp_path_factory, model_path):
+    if request.param == "ngram":
+        return NGRAM
+    draft = write_draft_model(model_path, tmp_path_factory.mktemp("tiny-draft"), layers=[0, 1], noise=0.3, seed=1)
+    return json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, model_path):
+def stack(tmp_path_factory, model_path, speculative_config):
     config = StackConfig(port=free_port(), model=model_path, tensor_parallel_size=2,
-                         args=["--num-gpu-blocks", "256", "--speculative-config", NGRAM],
+                         args=["--num-gpu-blocks", "256", "--speculative-config", speculative_config],
                          log_dir=str(tmp_path_factory.mktemp("spec-logs")))
     with running_stack(config) as stack:
         yield stack
@@ -74,7 +84,7 @@ def read_metrics(stack) -> dict[str, float]:
             for line in text.splitlines() if line.startswith("natsllm:spec_decode")}
 
 
-def test_tp2_greedy_with_ngram_equals_tp1_without(stack, model_path, reference):
+def test_tp2_greedy_with_speculation_equals_tp1_without(stack, model_path, reference):
     for q in QUESTIONS:
         resp = chat(stack, model_path, q, logprobs=True)
         assert resp.status_code == 200, resp.text

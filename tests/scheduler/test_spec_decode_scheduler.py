@@ -165,6 +165,10 @@ def test_speculative_decoding_turns_scheduling_ahead_off():
     ('{"method": "ngram", "num_speculative_tokens": 0}', "must be in [1, 16]"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}', "prompt_lookup_min <="),
     ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1}', "must be >= 0"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs model"),
+    ('{"method": "draft_model", "model": 3, "num_speculative_tokens": 2}', "model must be a non-empty string"),
+    ('{"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "prompt_lookup_min": 2}',
+     "takes no key(s) prompt_lookup_min"),
 ])
 def test_a_bad_speculative_config_is_refused_at_start_up(text, message):
     with pytest.raises(ConfigError, match="speculative_config") as error:
@@ -177,3 +181,5 @@ def test_a_good_speculative_config_is_parsed():
     assert (config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (
         "ngram", 3, 2, 4)
     assert parse_speculative_config("") is None
+    config = parse_speculative_config('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 5}')
+    assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "/m", 5)

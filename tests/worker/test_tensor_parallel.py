@@ -145,11 +145,14 @@ def _rank_main(rank: int, world_size: int, init_method: str, model_dir: str, out
         destroy_distributed()
 
 
-def run_ranks(model_dir: Path, world_size: int, out_dir: Path) -> list[dict]:
+def run_ranks(model_dir: Path, world_size: int, out_dir: Path, rank_main=None, *extra_args) -> list[dict]:
+    """Run ``rank_main(rank, world_size, init_method, model_dir, out_dir, *extra_args)``
+    (default ``_rank_main``) in one process per rank; each rank's rank{r}.json."""
     ctx = multiprocessing.get_context("spawn")
     init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, init_method, str(model_dir), str(out_dir)))
+        ctx.Process(target=rank_main or _rank_main,
+                    args=(r, world_size, init_method, str(model_dir), str(out_dir), *extra_args))
         for r in range(world_size)
     ]
     for p in procs:
