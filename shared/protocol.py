@@ -163,6 +163,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
         return msgspec.structs.replace(self, seed=self.seed + i)
 
 
+class LoRARequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The LoRA adapter a request runs under (vLLM's name): the workers read it from
+    ``lora_path`` (a PEFT folder) the first time they meet it; ``lora_name`` is the model
+    name clients use. Requests without one run on the base model."""
+
+    lora_name: str
+    lora_path: str
+
+
 class EngineRequest(msgspec.Struct, omit_defaults=True):
     """A tokenized request as the scheduler receives it."""
 
@@ -174,6 +183,7 @@ class EngineRequest(msgspec.Struct, omit_defaults=True):
     # Where outputs go: the detokenizer forwards text to this gateway's subject.
     gateway_id: str = ""
     cache_salt: str = ""
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequest(msgspec.Struct, omit_defaults=True):
@@ -208,6 +218,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Tokens already generated, for a request resumed on restarted workers: they are
     # recomputed with the prompt and count as output (penalties, min_tokens).
     output_token_ids: list[int] = []
+    # Sent once with the request: each worker keeps it in the request's state.
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

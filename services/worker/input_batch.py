@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shared.protocol import SamplingParams
+from shared.protocol import LoRARequest, SamplingParams
 
 from .logit_controls import LogitControls, has_logit_controls
 from .sampling_metadata import SamplingMetadata
@@ -41,6 +41,7 @@ class CachedRequestState:
     spec_token_ids: list[int] = field(default_factory=list)
     # The request's structured-output grammar and matcher (structured_output.RequestGrammar).
     grammar: object | None = None
+    lora_request: LoRARequest | None = None  # None: the base model
 
     @property
     def num_tokens(self) -> int:
