@@ -379,6 +379,7 @@ class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     sampling_params: SamplingParams = SamplingParams()
     add_generation_prompt: bool = True
     cache_salt: str = ""
+    lora_request: LoRARequest | None = None  # the adapter "model" named (None: the base model)
 
 
 class TokenizeReply(msgspec.Struct, omit_defaults=True):

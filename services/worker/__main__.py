@@ -5,7 +5,14 @@ import os
 
 from shared.bus import run_service, setup_logging
 from shared.cli import base_parser, config_from_args
-from shared.config import CacheConfig, EngineServiceConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
+from shared.config import (
+    CacheConfig,
+    EngineServiceConfig,
+    LoRAConfig,
+    ModelRunConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from shared.engine_args import add_engine_args
 
 
@@ -29,6 +36,7 @@ def main() -> None:
         config_from_args(ParallelConfig, args),
         nats_url=args.nats_url,
         profile=engine.profile_steps,
+        lora_config=config_from_args(LoRAConfig, args),
     )
     code = run_service(service)
     # A forward thread may be stuck in a collective with a dead peer (or the bus may be

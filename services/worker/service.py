@@ -21,7 +21,7 @@ import torch
 from nats.aio.msg import Msg
 
 from shared.bus import Service, flush_in_order
-from shared.config import CacheConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
+from shared.config import CacheConfig, LoRAConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
 from shared.protocol import (
     MODEL_RUNNER_OUTPUT,
     SCHEDULER_OUTPUT,
@@ -59,6 +59,7 @@ class WorkerService(Service):
         nats_url: str | None = None,
         profile: bool = False,
         peer_timeout: float = 5.0,
+        lora_config: LoRAConfig = LoRAConfig(),
     ) -> None:
         super().__init__(nats_url)
         self.engine_id = engine_id
@@ -80,7 +81,7 @@ class WorkerService(Service):
             # Tensor parallelism: join the engine's ranks (blocks until all have joined)
             # before building the runner, which then loads only this rank's shard.
             init_distributed(parallel_config, device)
-            return ModelRunner(run_config, cache_config, scheduler_config, parallel_config)
+            return ModelRunner(run_config, cache_config, scheduler_config, parallel_config, lora_config)
 
         # All torch work of this process happens on the forward thread, loading
         # included: a second thread that runs parallel CPU ops gets its own OpenMP

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.worker.lora.adapter import LoRAAdapterError, load_lora_adapter, lora_scaling
+from services.worker.lora.adapter import load_lora_adapter
+from shared.lora import LoRAAdapterError, check_lora_adapter, lora_scaling
 from tests.lora_reference import make_peft_adapter
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -54,25 +55,30 @@ def test_absent_modules_are_absent(tiny_hf, tiny_config, tmp_path):
     assert lora_scaling({"r": 2, "lora_alpha": 4}) == 2
 
 
+def assert_refused(path, model_config, max_rank, match):
+    """Both the gateway's header-only check and the workers' read refuse it, with ``match``."""
+    with pytest.raises(LoRAAdapterError, match=match):
+        check_lora_adapter(path, model_config, max_rank)
+    with pytest.raises(LoRAAdapterError, match=match):
+        load_lora_adapter("x", path, model_config, max_rank)
+
+
 def test_errors_name_what_is_wrong(tiny_hf, tiny_config, smollm_worker, tmp_path):
-    with pytest.raises(LoRAAdapterError, match="is not a directory"):
-        load_lora_adapter("x", tmp_path / "missing", tiny_config, 16)
+    assert_refused(tmp_path / "missing", tiny_config, 16, "is not a directory")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(LoRAAdapterError, match="has no adapter_config.json"):
-        load_lora_adapter("x", tmp_path / "empty", tiny_config, 16)
+    assert_refused(tmp_path / "empty", tiny_config, 16, "has no adapter_config.json")
     folder = make_peft_adapter(tiny_hf, tmp_path / "r8", rank=8, alpha=8, targets=["q_proj"])
-    with pytest.raises(LoRAAdapterError, match="LoRA rank 8 is greater than max_lora_rank 4"):
-        load_lora_adapter("x", folder, tiny_config, 4)
+    assert check_lora_adapter(folder, tiny_config, 8)["r"] == 8
+    assert_refused(folder, tiny_config, 4, "LoRA rank 8 is greater than max_lora_rank 4")
     # Made for the tiny model, served on SmolLM2: the shapes do not fit.
-    with pytest.raises(LoRAAdapterError, match=r"this base model needs A \(8, 576\)"):
-        load_lora_adapter("x", folder, smollm_worker.model_config, 16)
+    assert_refused(folder, smollm_worker.model_config, 16, r"this base model needs A \(8, 576\)")
     config = json.loads((folder / "adapter_config.json").read_text())
     (folder / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
-    with pytest.raises(LoRAAdapterError, match="use_dora"):
-        load_lora_adapter("x", folder, tiny_config, 16)
+    assert_refused(folder, tiny_config, 16, "use_dora")
     (folder / "adapter_config.json").write_text(json.dumps(config))
     weights = load_file(str(folder / "adapter_model.safetensors"))
     weights["base_model.model.lm_head.lora_A.weight"] = torch.zeros(8, 64)
     save_file(weights, str(folder / "adapter_model.safetensors"))
-    with pytest.raises(LoRAAdapterError, match="not in a decoder layer"):
-        load_lora_adapter("x", folder, tiny_config, 16)
+    assert_refused(folder, tiny_config, 16, "not in a decoder layer")
+    (folder / "adapter_model.safetensors").write_bytes(b"junk")
+    assert_refused(folder, tiny_config, 16, "cannot read")

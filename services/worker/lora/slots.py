@@ -20,10 +20,11 @@ import numpy as np
 import torch
 
 from shared.config import LoRAConfig
+from shared.lora import FUSED_PROJECTIONS, ProjectionShapes
 from shared.model_config import ModelConfig
 from shared.protocol import LoRARequest
 
-from .adapter import FUSED_PROJECTIONS, LoRAAdapter, ProjectionShapes, load_lora_adapter
+from .adapter import LoRAAdapter, load_lora_adapter
 from .batched import add_lora
 
 logger = logging.getLogger(__name__)
