@@ -37,6 +37,11 @@ ENGINE_RESEND = f"{SUBJECT_PREFIX}.resend"
 PING = f"{SUBJECT_PREFIX}.ping"
 # The launcher publishes how often it restarted each service (gateways show it in /metrics).
 SERVICE_RESTARTS = f"{SUBJECT_PREFIX}.launcher.restarts"
+# LoRA adapters loaded / unloaded at runtime: a gateway broadcasts each change to every
+# gateway (their registries) and worker (which reads a loaded adapter ahead); a starting
+# gateway asks the others for their adapters (request/reply).
+LORA_ADAPTERS = f"{SUBJECT_PREFIX}.lora.adapters"
+LORA_LIST = f"{SUBJECT_PREFIX}.lora.list"
 
 
 def ping_subject(service: str) -> str:
@@ -382,6 +387,15 @@ class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     lora_request: LoRARequest | None = None  # the adapter "model" named (None: the base model)
 
 
+class LoRAAdapters(msgspec.Struct, omit_defaults=True):
+    """gateway -> every gateway and worker on ``LORA_ADAPTERS``: adapters loaded and names
+    unloaded (idempotent: applying it twice changes nothing); also a gateway's answer on
+    ``LORA_LIST`` (``loaded`` only: all it serves)."""
+
+    loaded: list[LoRARequest] = []
+    unloaded: list[str] = []
+
+
 class TokenizeReply(msgspec.Struct, omit_defaults=True):
     """tokenizer -> gateway. ``error``: the prompt was refused and no sample reached a
     scheduler. Otherwise ``choices[i]`` is the scheduler's answer for ``request_ids[i]``:
@@ -552,4 +566,5 @@ ENGINE_STATS_MSG = Codec(EngineStats)
 WORKER_READY = Codec(WorkerReady)
 WORKER_RETIRE = Codec(WorkerRetire)
 SERVICE_RESTARTS_MSG = Codec(ServiceRestarts)
+LORA_ADAPTERS_MSG = Codec(LoRAAdapters)
 PONG = Codec(Pong)

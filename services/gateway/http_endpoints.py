@@ -25,6 +25,7 @@ from shared.protocol import ErrorInfo
 from .errors import ApiError, error_body, error_response, json_response
 from .generation import Generation
 from .json_body import ClientGone, read_json
+from .lora_routes import with_lora_adapter
 from .openai_requests import GenerationRequest, parse_chat, parse_completion
 from .openai_responses import ChoiceResult, ResponseFormat, response_format
 from .bus_client import GatewayService
@@ -101,7 +102,7 @@ class GenerationEndpoint:
 
     async def handle(self, request: Request) -> Response:
         body = await read_json(request, self.gateway.config.max_request_body_bytes)
-        parsed = self.parse(body, self.gateway.config.served_model_names)
+        parsed = with_lora_adapter(self.gateway, body, self.parse)
         generation = Generation(self.gateway, parsed, f"{self.id_prefix}-{uuid.uuid4().hex}")
         fmt = response_format(self.kind, generation.request_id, generation.created, parsed)
         try:

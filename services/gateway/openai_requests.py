@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from shared.protocol import SamplingParams
+from shared.protocol import LoRARequest, SamplingParams
 
 from .errors import ApiError, invalid
 from .logit_controls import logit_controls
@@ -58,6 +58,7 @@ class GenerationRequest:
     logprobs: bool = False
     add_generation_prompt: bool = True
     cache_salt: str = ""
+    lora_request: LoRARequest | None = None  # "model" named this LoRA adapter
 
     def __post_init__(self) -> None:
         # A non-streamed answer is built whole in the gateway's memory: bound its size.
@@ -143,14 +144,15 @@ def _as_object(body) -> Fields:
 
 
 def check_model(f: Fields, served_model_names: tuple[str, ...]) -> str:
-    """The served name the response reports; an unknown name is a 400 (model_not_found)."""
+    """The served name the response reports; an unknown name is a 404 (model_not_found), as vLLM."""
     if not f.has("model"):
         return served_model_names[0]
     model = f.str("model", "")
     if model not in served_model_names:
         raise ApiError(
             f"The model `{model}` does not exist. Served: {', '.join(served_model_names)}",
-            status=400,
+            status=404,
+            type="not_found_error",
             param="model",
             code="model_not_found",
         )

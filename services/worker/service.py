@@ -23,6 +23,8 @@ from nats.aio.msg import Msg
 from shared.bus import Service, flush_in_order
 from shared.config import CacheConfig, LoRAConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
 from shared.protocol import (
+    LORA_ADAPTERS,
+    LORA_ADAPTERS_MSG,
     MODEL_RUNNER_OUTPUT,
     SCHEDULER_OUTPUT,
     WORKER_READY,
@@ -110,6 +112,8 @@ class WorkerService(Service):
         await self.subscribe(engine_step_subject(self.engine_id), self._on_step)
         await self.subscribe(engine_hello_subject(self.engine_id), self._on_hello)
         await self.subscribe(engine_retire_subject(self.engine_id), self._on_retire)
+        if self.runner.lora is not None:
+            await self.subscribe(LORA_ADAPTERS, self._on_lora_adapters)
         await self._announce()
         self.spawn(self._heartbeat())
         if self.world_size > 1:
@@ -132,6 +136,14 @@ class WorkerService(Service):
         retire = WORKER_RETIRE.decode(msg.data)
         if self.instance_id in retire.instance_ids:
             self.fail("retired by the scheduler: its tensor-parallel group failed")
+
+    async def _on_lora_adapters(self, msg: Msg) -> None:
+        """Read a LoRA adapter loaded at runtime ahead of its first request (a background
+        read, queued on the forward thread only to touch the runner's state there)."""
+        change = LORA_ADAPTERS_MSG.decode(msg.data)
+        loop = asyncio.get_running_loop()
+        for lora in change.loaded:
+            await loop.run_in_executor(self._executor, self.runner.lora.prefetch, lora)
 
     async def _on_step(self, msg: Msg) -> None:
         clock = PhaseClock(self._sync) if self.profile else NULL_CLOCK

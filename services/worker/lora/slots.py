@@ -68,6 +68,8 @@ class LoRASlots:
         self._model = model
         self._originals: list[tuple[object, str, object]] = []
         self._wrap_projections(model)
+        for name, path in config.modules().items():  # --lora-modules: read them now, in the background
+            self.prefetch(LoRARequest(name, path))
 
     # ------------------------------------------------------------------ the model's hook
 
