@@ -5,14 +5,7 @@ import os
 
 from shared.bus import run_service, setup_logging
 from shared.cli import base_parser, config_from_args
-from shared.config import (
-    CacheConfig,
-    EngineServiceConfig,
-    LoRAConfig,
-    ModelRunConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from shared.config import CacheConfig, EngineServiceConfig, LoRAConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
 from shared.engine_args import add_engine_args
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shared.lora import (
@@ -46,37 +47,47 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for layer in self.weights for a, b in layer.values())
 
 
-def load_lora_adapter(
-    name: str, path: str | Path, model_config: ModelConfig, max_rank: int, dtype: torch.dtype = torch.float32
-) -> LoRAAdapter:
+def _float32(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor as a float32 numpy array, converted by numpy (bfloat16 by its bits)."""
+    if tensor.dtype == torch.bfloat16:
+        return (tensor.view(torch.int16).numpy().astype(np.int32) << 16).view(np.float32)
+    return tensor.numpy().astype(np.float32, copy=False)
+
+
+def load_lora_adapter(name: str, path: str | Path, model_config: ModelConfig, max_rank: int) -> LoRAAdapter:
     """Read and check the PEFT folder at ``path`` for a model of ``model_config``; raises
     ``LoRAAdapterError`` (bad path, rank above ``max_rank``, a shape or module the base
-    model does not have)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    model does not have). The weights are float32 on the host; the slots convert them.
+
+    Runs in the workers' loader thread, so every computation here is numpy's: a torch op
+    in a second thread would start a second OpenMP pool, which slows every op of the
+    forward thread (see ``services/worker/service.py``)."""
+    from safetensors import SafetensorError, safe_open
 
     config = read_adapter_config(path, max_rank)
     rank, scaling = config["r"], lora_scaling(config)
     try:
-        tensors = load_file(str(Path(path) / WEIGHTS_FILE))
+        with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
     except (OSError, SafetensorError) as e:
         raise LoRAAdapterError(f"cannot read {WEIGHTS_FILE} of {str(path)!r}: {e}") from None
     shapes = ProjectionShapes.of(model_config)
     num_layers = model_config.num_hidden_layers
-    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(num_layers)]
+    fused: list[dict[str, tuple[np.ndarray, np.ndarray]]] = [{} for _ in range(num_layers)]
     for (layer, module), pair in sorted(module_pairs(tensors.items(), num_layers, path).items()):
         a, b = pair["A"], pair["B"]
         check_module_shapes(layer, module, a.shape, b.shape, rank, shapes)
         projection = MODULE_TO_PROJECTION[module]
         sub = FUSED_PROJECTIONS[projection].index(module)
         outs = shapes.out_features[projection]
-        if projection not in weights[layer]:
+        if projection not in fused[layer]:
             stacked = shapes.stacked_rank(projection, max_rank)
-            weights[layer][projection] = (torch.zeros(stacked, shapes.in_features[projection], dtype=dtype),
-                                          torch.zeros(sum(outs), stacked, dtype=dtype))
-        fused_a, fused_b = weights[layer][projection]
+            fused[layer][projection] = (np.zeros((stacked, shapes.in_features[projection]), np.float32),
+                                        np.zeros((sum(outs), stacked), np.float32))
+        fused_a, fused_b = fused[layer][projection]
         cols = slice(sub * max_rank, sub * max_rank + rank)
         rows = slice(sum(outs[:sub]), sum(outs[: sub + 1]))
-        fused_a[cols] = a.to(dtype)
-        fused_b[rows, cols] = (b.float() * scaling).to(dtype)
+        fused_a[cols] = _float32(a)
+        fused_b[rows, cols] = _float32(b) * np.float32(scaling)
+    weights = [{p: (torch.from_numpy(a), torch.from_numpy(b)) for p, (a, b) in layer.items()} for layer in fused]
     return LoRAAdapter(name=name, path=str(path), rank=rank, scaling=scaling, weights=weights)

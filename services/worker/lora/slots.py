@@ -105,8 +105,7 @@ class LoRASlots:
         if key in self.host_cache or key in self._loading:
             return
         self._loading[key] = self._loader.submit(
-            load_lora_adapter, request.lora_name, request.lora_path, self.model_config,
-            self.config.max_lora_rank, self.dtype,
+            load_lora_adapter, request.lora_name, request.lora_path, self.model_config, self.config.max_lora_rank
         )
 
     def _host_adapter(self, request: LoRARequest) -> LoRAAdapter:
