@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -26,6 +27,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# The worker gives its free heap pages back after 2 s idle (services/worker/heap_trim.py).
+RSS_SETTLE_SECONDS = 5.0
 
 WORDS = "the a sea ship wind stone river light . , and of".split()
 
@@ -163,9 +167,11 @@ def main() -> int:
             result = asyncio.run(soak(base_url, args.model, args.requests, args.concurrency,
                                       args.seed + round_index, args.max_seconds))
             gauges = wait_idle(base_url)
+            time.sleep(RSS_SETTLE_SECONDS)
             rss_after = {n: rss_mib(p.pid) for n, p in stack.processes.items()} if stack else {}
             print(f"round {round_index + 1}: {result.completed} completed, {result.disconnected} clients left "
-                  f"early, {len(result.errors)} errors in {result.seconds:.0f}s", flush=True)
+                  f"early, {len(result.errors)} errors in {result.seconds:.0f}s; load average "
+                  f"{' '.join(f'{v:.1f}' for v in os.getloadavg())} (1, 5, 15 min)", flush=True)
             for error in result.errors[:10]:
                 print("  error:", error)
             print("engine when idle:", gauges)

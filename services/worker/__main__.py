@@ -3,10 +3,21 @@
 import logging
 import os
 
-from shared.bus import run_service, setup_logging
-from shared.cli import base_parser, config_from_args
-from shared.config import CacheConfig, EngineServiceConfig, LoRAConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
-from shared.engine_args import add_engine_args
+from .onednn_caches import bound_onednn_caches
+
+bound_onednn_caches()  # before anything imports torch
+
+from shared.bus import run_service, setup_logging  # noqa: E402
+from shared.cli import base_parser, config_from_args  # noqa: E402
+from shared.config import (  # noqa: E402
+    CacheConfig,
+    EngineServiceConfig,
+    LoRAConfig,
+    ModelRunConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from shared.engine_args import add_engine_args  # noqa: E402
 
 
 def build_parser():

@@ -40,6 +40,7 @@ from shared.protocol import (
 
 from shared.step_profile import NULL_CLOCK, WORKER_PHASES, PhaseClock
 
+from .heap_trim import IDLE_SECONDS_BEFORE_TRIM, trim_heap
 from .model_runner import ModelRunner, resolve_device
 from .parallel import init_distributed
 
@@ -92,6 +93,8 @@ class WorkerService(Service):
         self._sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else None
         self._result_subject = engine_result_subject(engine_id)
         self._incarnation = ""  # of the scheduler whose steps this worker follows
+        self._last_step = time.monotonic()
+        self._heap_trimmed = False
 
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "rank": self.rank}
@@ -116,6 +119,7 @@ class WorkerService(Service):
             await self.subscribe(LORA_ADAPTERS, self._on_lora_adapters)
         await self._announce()
         self.spawn(self._heartbeat())
+        self.spawn(self._trim_heap_when_idle())
         if self.world_size > 1:
             await self.subscribe(engine_ready_subject(self.engine_id), self._watch_peers)
             self.spawn(self._check_peers())
@@ -125,6 +129,15 @@ class WorkerService(Service):
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL)
             await self._announce()
+
+    async def _trim_heap_when_idle(self) -> None:
+        """Once per idle spell, on the forward thread (so never beside a step)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(IDLE_SECONDS_BEFORE_TRIM / 2)
+            if not self._heap_trimmed and time.monotonic() - self._last_step >= IDLE_SECONDS_BEFORE_TRIM:
+                self._heap_trimmed = True
+                await loop.run_in_executor(self._executor, trim_heap)
 
     async def _announce(self) -> None:
         await self.nc.publish(engine_ready_subject(self.engine_id), WORKER_READY.encode(self.ready_message()))
@@ -169,6 +182,7 @@ class WorkerService(Service):
             logger.exception("engine %s rank %d: step %d failed", self.engine_id, self.rank, scheduler_output.step_id)
             output = ModelRunnerOutput(step_id=scheduler_output.step_id, error=f"{type(e).__name__}: {e}")
         output.incarnation = scheduler_output.incarnation
+        self._last_step, self._heap_trimmed = time.monotonic(), False
         if self.rank == 0:
             await self.nc.publish(self._result_subject, MODEL_RUNNER_OUTPUT.encode(output))
         if output.error and self.world_size > 1:

@@ -55,13 +55,14 @@ def test_a_dead_child_is_restarted_with_backoff_and_counted():
         sup.stop()
 
 
-def test_stop_ends_everything_within_its_timeout_even_a_child_ignoring_sigterm():
+def test_stop_ends_everything_within_its_timeout_even_a_child_ignoring_sigterm(tmp_path):
     stubborn = [sys.executable, "-c",
                 "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"]
     sup = Supervisor()
     sup.start("polite", SLEEPER, dict(os.environ), str(ROOT))
-    process = sup.start("stubborn", stubborn, dict(os.environ), str(ROOT))
-    time.sleep(0.5)  # let the stubborn child install its handler
+    log = tmp_path / "stubborn.log"
+    process = sup.start("stubborn", stubborn, dict(os.environ), str(ROOT), log_path=str(log))
+    until(lambda: log.exists() and "up" in log.read_text())  # its SIGTERM handler is installed
     start = time.monotonic()
     sup.stop(timeout=1.0)
     assert time.monotonic() - start < 3.0
