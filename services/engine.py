@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 import uuid
+
+import msgspec
 from dataclasses import dataclass, field
 
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from services.worker.model_runner import ModelRunner
-from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
+from shared.config import CacheConfig, LoRAConfig, ModelRunConfig, SchedulerConfig
 from shared.protocol import (
     MODEL_RUNNER_OUTPUT,
     SCHEDULER_OUTPUT,
@@ -23,6 +25,7 @@ from shared.protocol import (
     EngineRequest,
     FinishReason,
     Logprobs,
+    LoRARequest,
     SamplingParams,
     TokenizeRequest,
 )
@@ -47,14 +50,18 @@ class Engine:
         cache_config: CacheConfig = CacheConfig(),
         scheduler_config: SchedulerConfig = SchedulerConfig(),
         worker: ModelRunner | None = None,
+        lora_config: LoRAConfig = LoRAConfig(),
     ) -> None:
         """``worker``: an already loaded runner to reuse (tests share one model);
         it must hold no request state (every engine that used it has finished)."""
-        self.worker = worker or ModelRunner(run_config, cache_config, scheduler_config)
+        self.worker = worker or ModelRunner(run_config, cache_config, scheduler_config, lora_config=lora_config)
         if worker is not None:
             worker.use_speculative(scheduler_config.speculative)
+            if lora_config.enable_lora:
+                worker.use_lora(lora_config)
         self.scheduler = Scheduler(
-            scheduler_config, cache_config, self.worker.num_blocks, self.worker.max_model_len
+            scheduler_config, cache_config, self.worker.num_blocks, self.worker.max_model_len,
+            max_loras=lora_config.max_loras if lora_config.enable_lora else 0,
         )
         self.cache_config = cache_config
         self.model_config = self.worker.model_config
@@ -74,15 +81,18 @@ class Engine:
         return self._tokenizer
 
     def add_request(
-        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None
+        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Queue a prompt; raises ``InvalidRequest`` where the tokenizer service would refuse it."""
-        request = self._prepare(prompt_token_ids, sampling_params, request_id)
+        """Queue a prompt (under ``lora_request``'s adapter, if any); raises ``InvalidRequest``
+        where the tokenizer service would refuse it."""
+        request = self._prepare(prompt_token_ids, sampling_params, request_id, lora_request)
         self._schedule(request)
         return request.request_id
 
     def _prepare(
-        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str | None = None
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> EngineRequest:
         """The request as the tokenizer service would hand it to a scheduler."""
         prompt_field = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
@@ -95,6 +105,8 @@ class Engine:
         needs_tokenizer = (isinstance(prompt, str) or sampling_params.structured_outputs is not None
                            or bool(sampling_params.bad_words))
         [engine_request] = self.preparer.prepare(request, self.tokenizer if needs_tokenizer else None)
+        if lora_request is not None:
+            engine_request = msgspec.structs.replace(engine_request, lora_request=lora_request)
         return engine_request
 
     def _schedule(self, request: EngineRequest) -> None:
@@ -122,12 +134,17 @@ class Engine:
         self,
         prompts: list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] = SamplingParams(),
+        lora_requests: LoRARequest | None | list[LoRARequest | None] = None,
     ) -> list[GenerationResult]:
-        """Run prompts (text or token ids) to completion, results in prompt order."""
+        """Run prompts (text or token ids) to completion, results in prompt order; each
+        under its ``lora_requests`` adapter (one for all, or one per prompt; None: the base)."""
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(lora_requests, list):
+            lora_requests = [lora_requests] * len(prompts)
         # Every prompt is checked before any is queued: a refusal leaves nothing running.
-        requests = [self._prepare(p, sp) for p, sp in zip(prompts, sampling_params)]
+        requests = [self._prepare(p, sp, lora_request=lora)
+                    for p, sp, lora in zip(prompts, sampling_params, lora_requests)]
         results: dict[str, GenerationResult] = {}
         order = []
         for request in requests:

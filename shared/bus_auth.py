@@ -37,6 +37,8 @@ from shared.protocol import (
     ENGINE_REQUESTS,
     ENGINE_STATS,
     PING,
+    LORA_ADAPTERS,
+    LORA_LIST,
     SERVICE_RESTARTS,
     TOKENIZE,
     TOKENIZER_DETOKENIZE,
@@ -96,7 +98,7 @@ ROLES: dict[str, Permissions] = {
         publish=(engine_ready_subject(ANY), engine_result_subject(ANY)),
         subscribe=(
             engine_step_subject(ANY), engine_hello_subject(ANY), engine_retire_subject(ANY),
-            engine_ready_subject(ANY), ping_subject("worker"),
+            engine_ready_subject(ANY), ping_subject("worker"), LORA_ADAPTERS,
         ),
     ),
     "admin": Permissions(publish=(">",), subscribe=(">",)),  # ">" holds its inbox too
@@ -104,12 +106,14 @@ ROLES: dict[str, Permissions] = {
 
 
 def gateway_permissions(gateway_id: str) -> Permissions:
-    """Gateway ``gateway_id``: tokenize requests (and /tokenize, /detokenize) out, its own aborts and resends; its own
-    streams, stats and restart counts in."""
+    """Gateway ``gateway_id``: tokenize requests (and /tokenize, /detokenize) out, its own
+    aborts and resends; its own streams, stats and restart counts in; LoRA adapter changes
+    and lists both ways."""
     return Permissions(
         publish=(TOKENIZE, engine_abort_subject(gateway_id), engine_resend_subject(gateway_id), f"{PING}.>",
-                 TOKENIZER_TOKENIZE, TOKENIZER_DETOKENIZE),
-        subscribe=(gateway_stream_subject(gateway_id), ENGINE_STATS, SERVICE_RESTARTS, ping_subject("gateway")),
+                 TOKENIZER_TOKENIZE, TOKENIZER_DETOKENIZE, LORA_ADAPTERS, LORA_LIST),
+        subscribe=(gateway_stream_subject(gateway_id), ENGINE_STATS, SERVICE_RESTARTS, ping_subject("gateway"),
+                   LORA_ADAPTERS, LORA_LIST),
         makes_requests=True,
     )
 

@@ -205,6 +205,42 @@ class ModelRunConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's flags): adapters over the base model, mixed in one batch."""
+
+    enable_lora: bool = setting(False, "serve LoRA adapters")
+    max_loras: int = setting(1, "distinct LoRA adapters in one step (the workers' adapter slots)")
+    max_lora_rank: int = setting(16, "largest LoRA rank accepted")
+    max_cpu_loras: int | None = setting(None, "adapters each worker keeps in host memory (default: max_loras)")
+    lora_modules: str = setting("", "adapters served from the start, as 'name=path name2=path2'")
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        self.modules()  # a malformed --lora-modules stops start-up
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    def modules(self) -> dict[str, str]:
+        """``lora_modules`` as name -> path."""
+        modules = {}
+        for entry in self.lora_modules.split():
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"lora_modules entries are name=path, got {entry!r}")
+            if name in modules:
+                raise ConfigError(f"lora_modules names {name!r} twice")
+            modules[name] = path
+        return modules
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism: this process's rank among the engine's workers."""
 

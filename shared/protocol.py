@@ -40,6 +40,11 @@ TOKENIZER_TOKENIZE = f"{SUBJECT_PREFIX}.tokenizer.tokenize"
 TOKENIZER_DETOKENIZE = f"{SUBJECT_PREFIX}.tokenizer.detokenize"
 # The launcher publishes how often it restarted each service (gateways show it in /metrics).
 SERVICE_RESTARTS = f"{SUBJECT_PREFIX}.launcher.restarts"
+# LoRA adapters loaded / unloaded at runtime: a gateway broadcasts each change to every
+# gateway (their registries) and worker (which reads a loaded adapter ahead); a starting
+# gateway asks the others for their adapters (request/reply).
+LORA_ADAPTERS = f"{SUBJECT_PREFIX}.lora.adapters"
+LORA_LIST = f"{SUBJECT_PREFIX}.lora.list"
 
 
 def ping_subject(service: str) -> str:
@@ -184,6 +189,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
         return msgspec.structs.replace(self, seed=self.seed + i)
 
 
+class LoRARequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The LoRA adapter a request runs under (vLLM's name): the workers read it from
+    ``lora_path`` (a PEFT folder) the first time they meet it; ``lora_name`` is the model
+    name clients use. Requests without one run on the base model."""
+
+    lora_name: str
+    lora_path: str
+
+
 class EngineRequest(msgspec.Struct, omit_defaults=True):
     """A tokenized request as the scheduler receives it."""
 
@@ -195,6 +209,7 @@ class EngineRequest(msgspec.Struct, omit_defaults=True):
     # Where outputs go: the detokenizer forwards text to this gateway's subject.
     gateway_id: str = ""
     cache_salt: str = ""
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequest(msgspec.Struct, omit_defaults=True):
@@ -229,6 +244,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Tokens already generated, for a request resumed on restarted workers: they are
     # recomputed with the prompt and count as output (penalties, min_tokens).
     output_token_ids: list[int] = []
+    # Sent once with the request: each worker keeps it in the request's state.
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -411,6 +428,16 @@ class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     # objects) and chat_template_kwargs, both handed to the chat template.
     tools: list[dict] | None = None
     chat_template_kwargs: dict | None = None
+    lora_request: LoRARequest | None = None  # the adapter "model" named (None: the base model)
+
+
+class LoRAAdapters(msgspec.Struct, omit_defaults=True):
+    """gateway -> every gateway and worker on ``LORA_ADAPTERS``: adapters loaded and names
+    unloaded (idempotent: applying it twice changes nothing); also a gateway's answer on
+    ``LORA_LIST`` (``loaded`` only: all it serves)."""
+
+    loaded: list[LoRARequest] = []
+    unloaded: list[str] = []
 
 
 class TokenizeReply(msgspec.Struct, omit_defaults=True):
@@ -647,4 +674,5 @@ ENGINE_STATS_MSG = Codec(EngineStats)
 WORKER_READY = Codec(WorkerReady)
 WORKER_RETIRE = Codec(WorkerRetire)
 SERVICE_RESTARTS_MSG = Codec(ServiceRestarts)
+LORA_ADAPTERS_MSG = Codec(LoRAAdapters)
 PONG = Codec(Pong)

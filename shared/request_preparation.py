@@ -77,6 +77,7 @@ class RequestPreparer:
                 eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
                 gateway_id=request.gateway_id,
                 cache_salt=request.cache_salt,
+                lora_request=request.lora_request,
             )
             for i, request_id in enumerate(request.request_ids)
         ]

@@ -7,6 +7,8 @@ import sys
 from shared.bus import setup_logging
 from shared.cli import add_config_flags, add_flag, base_parser, config_from_args
 
+from shared.config import LoRAConfig
+
 from .config import GatewayConfig, default_served_model_name
 
 logger = logging.getLogger("services.gateway")
@@ -15,6 +17,7 @@ logger = logging.getLogger("services.gateway")
 def build_parser():
     parser = base_parser("Gateway: OpenAI-compatible HTTP API (chat, completions, models, health, metrics)")
     add_config_flags(parser, GatewayConfig)
+    add_config_flags(parser, LoRAConfig)
     add_flag(parser, "--model", "MODEL", "", help="the model path; its base name is the default served name")
     add_flag(parser, "--api-key-file", "API_KEY_FILE", "",
              help="read the API key from this file (a Docker/Kubernetes secret) instead of --api-key")
@@ -26,7 +29,8 @@ def build_parser():
 
 def build_config(args) -> GatewayConfig:
     names = args.served_model_name or default_served_model_name(args.model)
-    overrides = {"served_model_names": tuple(n.strip() for n in names.split(",") if n.strip())}
+    overrides = {"served_model_names": tuple(n.strip() for n in names.split(",") if n.strip()),
+                 "model": args.model, "lora": config_from_args(LoRAConfig, args)}
     if args.api_key_file:
         with open(args.api_key_file) as f:
             overrides["api_key"] = f.read().strip()

@@ -6,6 +6,7 @@
     POST /detokenize            vLLM's: token ids -> text
     GET  /v1/models             the served model name(s)
     GET  /v1/models/{model}
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   (``lora_routes.py``)
     GET  /health                200 when a tokenizer answers a ping and an engine is ready, else 503
     GET  /ping                  the same (vLLM's alias; POST too)
     GET  /metrics               Prometheus text
@@ -33,6 +34,7 @@ from starlette.routing import Route
 from .errors import ApiError, error_response, json_response
 from .http_endpoints import GenerationEndpoint
 from .tokens_endpoints import TokenEndpoints
+from .lora_routes import LoRARoutes
 from .bus_client import GatewayService
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class InfoRoutes:
     def __init__(self, gateway: GatewayService) -> None:
         self.gateway = gateway
         self.started = int(time.time())
+        self.lora = LoRARoutes(gateway)
 
     def _model_card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.started, "owned_by": "natsllm",
@@ -80,10 +83,14 @@ class InfoRoutes:
 
     async def models(self, request: Request) -> Response:
         names = self.gateway.config.served_model_names
-        return json_response({"object": "list", "data": [self._model_card(n) for n in names]})
+        cards = [self._model_card(n) for n in names] + self.lora.model_cards(self._model_card)
+        return json_response({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
+        adapters = {card["id"]: card for card in self.lora.model_cards(self._model_card)}
+        if name in adapters:
+            return json_response(adapters[name])
         if name not in self.gateway.config.served_model_names:
             return error_response(ApiError(f"The model `{name}` does not exist.", status=404, param="model",
                                            code="model_not_found").info)
@@ -127,6 +134,8 @@ def build_app(gateway: GatewayService) -> Starlette:
         Route("/tokenize", tokens.tokenize, methods=["POST"]),
         Route("/detokenize", tokens.detokenize, methods=["POST"]),
         Route("/v1/models", info.models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", info.lora.load, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", info.lora.unload, methods=["POST"]),
         Route("/v1/models/{model:path}", info.model, methods=["GET"]),
         Route("/health", info.health, methods=["GET"]),
         # vLLM's alias (SageMaker's probe path), GET and POST

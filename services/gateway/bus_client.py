@@ -50,6 +50,7 @@ from shared.protocol import (
 
 from .config import GatewayConfig
 from .errors import ApiError, bus_unavailable, engine_lost, no_tokenizer, shutting_down, tokenizer_timeout
+from .lora_routes import LoRARegistry, join_lora_bus
 from .metrics import EngineStatsStore, GatewayMetrics
 from .streams import RequestStream
 
@@ -78,6 +79,7 @@ class GatewayService(Service):
         self.closing = False
         self.num_dropped_deltas = 0
         self.num_resends = 0
+        self.lora = LoRARegistry(config.lora, config.model) if config.lora.enable_lora else None
 
     @property
     def gateway_id(self) -> str:
@@ -91,6 +93,8 @@ class GatewayService(Service):
         await self.subscribe(ENGINE_STATS, self._on_stats)
         await self.subscribe(SERVICE_RESTARTS, self._on_restarts)
         self.spawn(self._watch_engines())
+        if self.lora is not None:
+            await join_lora_bus(self, self.lora)
         # The server has our stream subscription before any tokenize request leaves.
         await flush_in_order(self.nc)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from shared.config import ConfigError, setting
+from shared.config import ConfigError, LoRAConfig, setting
 
 from .tool_parsers import TOOL_PARSERS
 
@@ -30,6 +30,8 @@ class GatewayConfig:
     host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in docker)")
     port: int = setting(8000, "HTTP port")  # 0: any free port (tests)
     served_model_names: tuple[str, ...] = (DEFAULT_MODEL_NAME,)
+    model: str = ""  # the base model's path (--model; "": the default model): adapters are checked against it
+    lora: LoRAConfig = LoRAConfig()  # the --enable-lora, --max-lora-rank and --lora-modules flags
     api_key: str = setting("", "when set, /v1 routes (and /metrics) need 'Authorization: Bearer <key>'")
     metrics_public: bool = setting(False, "with --api-key, serve /metrics without the key")
     request_timeout: float = setting(600.0, "seconds for a whole request")

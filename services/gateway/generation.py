@@ -66,6 +66,7 @@ class Generation:
             sampling_params=r.sampling_params,
             add_generation_prompt=r.add_generation_prompt,
             cache_salt=r.cache_salt,
+            lora_request=r.lora_request,
             **r.prompts[prompt_index],
         )
 

@@ -26,6 +26,7 @@ from shared.protocol import ErrorInfo
 from .errors import ApiError, error_body, error_response, json_response
 from .generation import Generation
 from .json_body import ClientGone, read_json
+from .lora_routes import with_lora_adapter
 from .openai_requests import GenerationRequest, parse_chat, parse_completion
 from .openai_responses import ChoiceResult, ResponseFormat, response_format
 from .tool_choice import require_tool_parser
@@ -104,7 +105,7 @@ class GenerationEndpoint:
     async def handle(self, request: Request) -> Response:
         body = await read_json(request, self.gateway.config.max_request_body_bytes)
         config = self.gateway.config
-        parsed = self.parse(body, config.served_model_names)
+        parsed = with_lora_adapter(self.gateway, body, self.parse)
         if parsed.tool_calling is not None:
             calling = require_tool_parser(parsed.tool_calling, config.enable_auto_tool_choice, config.tool_call_parser)
             parsed = dataclasses.replace(parsed, tool_calling=calling)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from shared.protocol import SamplingParams
+from shared.protocol import LoRARequest, SamplingParams
 
 from .errors import ApiError, invalid
 from .echo import echo_params
@@ -68,6 +68,7 @@ class GenerationRequest:
     # Completions: the prompt's text (and logprobs) before the completion's.
     echo: bool = False
     tool_calling: ToolCalling | None = None  # chat: tools, tool_choice (services/gateway/tool_choice.py)
+    lora_request: LoRARequest | None = None  # "model" named this LoRA adapter
 
     def __post_init__(self) -> None:
         # A non-streamed answer is built whole in the gateway's memory: bound its size.
@@ -153,14 +154,15 @@ def _as_object(body) -> Fields:
 
 
 def check_model(f: Fields, served_model_names: tuple[str, ...]) -> str:
-    """The served name the response reports; an unknown name is a 400 (model_not_found)."""
+    """The served name the response reports; an unknown name is a 404 (model_not_found), as vLLM."""
     if not f.has("model"):
         return served_model_names[0]
     model = f.str("model", "")
     if model not in served_model_names:
         raise ApiError(
             f"The model `{model}` does not exist. Served: {', '.join(served_model_names)}",
-            status=400,
+            status=404,
+            type="not_found_error",
             param="model",
             code="model_not_found",
         )

@@ -2,7 +2,7 @@
 
 from shared.bus import run_service, setup_logging
 from shared.cli import add_config_flags, base_parser, config_from_args
-from shared.config import CacheConfig, EngineServiceConfig, ParallelConfig, SchedulerConfig
+from shared.config import CacheConfig, EngineServiceConfig, LoRAConfig, ParallelConfig, SchedulerConfig
 from shared.engine_args import add_engine_args
 
 from .config import SchedulerServiceConfig
@@ -29,6 +29,7 @@ def main() -> None:
         service_config=config_from_args(SchedulerServiceConfig, args),
         profile=engine.profile_steps,
         nats_url=args.nats_url,
+        lora_config=config_from_args(LoRAConfig, args),
     )
     run_service(service)
 

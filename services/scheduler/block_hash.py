@@ -1,7 +1,7 @@
 """Chained block hashes for prefix caching.
 
 A full block's hash covers its parent's hash, its own token ids and extra keys
-(a cache salt, later a LoRA id), so equal hashes mean equal prefixes. The hash is
+(a cache salt, the LoRA adapter), so equal hashes mean equal prefixes. The hash is
 sha256 over a fixed byte layout: the same in every process and across restarts
 (Python's ``hash()`` is salted per process and must never be used here).
 """
@@ -26,13 +26,20 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids, extra_keys: tuple[st
 
 
 def extend_block_hashes(
-    block_hashes: list[bytes], token_ids: list[int], block_size: int, cache_salt: str = ""
+    block_hashes: list[bytes], token_ids: list[int], block_size: int, cache_salt: str = "",
+    lora_key: tuple[str, ...] = (),
 ) -> None:
-    """Append the hashes of every newly completed full block of ``token_ids``."""
+    """Append the hashes of every newly completed full block of ``token_ids``.
+    ``lora_key``: the request's adapter (name, path); the same tokens under another
+    adapter have other KV, so blocks are never shared across adapters."""
     start = len(block_hashes) * block_size
     while start + block_size <= len(token_ids):
         parent = block_hashes[-1] if block_hashes else None
-        # The salt only enters the first block: the chain carries it onwards.
-        extra = (cache_salt,) if (cache_salt and not block_hashes) else ()
+        # The salt and the adapter only enter the first block: the chain carries them onwards.
+        extra = ()
+        if not block_hashes and lora_key:
+            extra = (cache_salt, *lora_key)
+        elif not block_hashes and cache_salt:
+            extra = (cache_salt,)
         block_hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra))
         start += block_size

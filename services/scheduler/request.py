@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from shared.protocol import EngineRequest, FinishReason, Logprobs, PromptLogprobs, SamplingParams
+from shared.protocol import EngineRequest, FinishReason, Logprobs, LoRARequest, PromptLogprobs, SamplingParams
 
 from .block_hash import extend_block_hashes
 
@@ -29,6 +29,7 @@ class Request:
         block_size: int = 16,
         cache_salt: str = "",
         gateway_id: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -37,6 +38,8 @@ class Request:
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt
         self.gateway_id = gateway_id
+        self.lora_request = lora_request
+        self.lora_key = () if lora_request is None else (lora_request.lora_name, lora_request.lora_path)
         self.block_size = block_size
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -59,7 +62,7 @@ class Request:
         self.prompt_logprobs: list[Logprobs] = []
         self.prompt_logprobs_sent = False
         self.block_hashes: list[bytes] = []
-        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt, self.lora_key)
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
         """A prefill chunk's prompt logprobs (tokens ``chunk.start ..``): kept where they
@@ -94,6 +97,7 @@ class Request:
             block_size=block_size,
             cache_salt=req.cache_salt,
             gateway_id=req.gateway_id,
+            lora_request=req.lora_request,
         )
 
     @property
@@ -115,7 +119,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         if len(self.all_token_ids) % self.block_size == 0:
-            extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+            extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
+                                self.lora_key)
 
     def __repr__(self) -> str:
         return (

@@ -76,7 +76,10 @@ class Scheduler:
         max_model_len: int,
         first_step_id: int = 1,
         vocab_size: int = 0,
+        max_loras: int = 0,
     ) -> None:
+        """``max_loras``: distinct LoRA adapters among the running requests (0: requests
+        with an adapter are refused)."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
@@ -87,6 +90,7 @@ class Scheduler:
         )
         # Token ids must be below this (0: unchecked): the workers index embeddings with them.
         self.vocab_size = vocab_size
+        self.max_loras = max_loras
         self.requests: dict[str, Request] = {}
         # The last outputs of requests that finished lately, for gateways that lost them.
         self._recently_finished: OrderedDict[str, FinishedOutput] = OrderedDict()
@@ -118,6 +122,8 @@ class Scheduler:
             raise RequestRejected("the prompt is empty")
         if self.vocab_size and not 0 <= min(request.prompt_token_ids) <= max(request.prompt_token_ids) < self.vocab_size:
             raise RequestRejected(f"the prompt has token ids outside the vocabulary [0, {self.vocab_size})")
+        if request.lora_request is not None and not self.max_loras:
+            raise RequestRejected("the request names a LoRA adapter, but this engine runs without enable_lora")
         if request.sampling_params.max_tokens < 1:
             raise RequestRejected(f"max_tokens must be >= 1, got {request.sampling_params.max_tokens}")
         if request.num_prompt_tokens >= self.max_model_len:
@@ -225,6 +231,10 @@ class Scheduler:
 
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
+        # The workers hold max_loras adapters: a request of another adapter waits until a
+        # running adapter's requests are done, and the requests behind it wait too (FIFO),
+        # so running adapters cannot keep taking new requests past it.
+        running_loras = {r.lora_key for r in self.running if r.lora_key}
         # After a preemption the pool is full: admitting waiting requests would thrash.
         while (
             not preempted
@@ -234,6 +244,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.lora_key and request.lora_key not in running_loras:
+                if len(running_loras) >= self.max_loras:
+                    break
+                running_loras.add(request.lora_key)
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
             if threshold:
@@ -308,6 +322,7 @@ class Scheduler:
                     num_computed_tokens=request.num_computed_tokens,
                     eos_token_id=request.eos_token_id,
                     output_token_ids=request.output_token_ids,
+                    lora_request=request.lora_request,
                 )
             )
             self._sent_to_workers.add(request.request_id)

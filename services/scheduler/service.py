@@ -41,7 +41,7 @@ from nats.aio.msg import Msg
 
 from shared.aio import wait_for
 from shared.bus import Service
-from shared.config import CacheConfig, SchedulerConfig
+from shared.config import CacheConfig, LoRAConfig, SchedulerConfig
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
@@ -131,9 +131,11 @@ class SchedulerService(Service):
         service_config: SchedulerServiceConfig = SchedulerServiceConfig(),
         profile: bool = False,
         nats_url: str | None = None,
+        lora_config: LoRAConfig = LoRAConfig(),
     ) -> None:
         super().__init__(nats_url)
         self.engine_id = engine_id
+        self.max_loras = lora_config.max_loras if lora_config.enable_lora else 0
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.world_size = world_size
@@ -221,7 +223,7 @@ class SchedulerService(Service):
         and it takes over the requests waiting to resume."""
         self.scheduler = Scheduler(
             self.scheduler_config, self.cache_config, self.workers.num_blocks, self.workers.max_model_len,
-            first_step_id=self._last_step_id + 1, vocab_size=self.workers.vocab_size,
+            first_step_id=self._last_step_id + 1, vocab_size=self.workers.vocab_size, max_loras=self.max_loras,
         )
         resumable, self._resumable = self._resumable, []
         if resumable:

@@ -9,7 +9,14 @@ bound_onednn_caches()  # before anything imports torch
 
 from shared.bus import run_service, setup_logging  # noqa: E402
 from shared.cli import base_parser, config_from_args  # noqa: E402
-from shared.config import CacheConfig, EngineServiceConfig, ModelRunConfig, ParallelConfig, SchedulerConfig  # noqa: E402
+from shared.config import (  # noqa: E402
+    CacheConfig,
+    EngineServiceConfig,
+    LoRAConfig,
+    ModelRunConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from shared.engine_args import add_engine_args  # noqa: E402
 
 
@@ -33,6 +40,7 @@ def main() -> None:
         config_from_args(ParallelConfig, args),
         nats_url=args.nats_url,
         profile=engine.profile_steps,
+        lora_config=config_from_args(LoRAConfig, args),
     )
     code = run_service(service)
     # A forward thread may be stuck in a collective with a dead peer (or the bus may be

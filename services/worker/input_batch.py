@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shared.protocol import SamplingParams
+from shared.protocol import LoRARequest, SamplingParams
 
 from .logit_controls import LogitControls, has_logit_controls
 from .sampling_metadata import SamplingMetadata
@@ -43,6 +43,7 @@ class CachedRequestState:
     spec_token_probs: torch.Tensor | None = None
     # The request's structured-output grammar and matcher (structured_output.RequestGrammar).
     grammar: object | None = None
+    lora_request: LoRARequest | None = None  # None: the base model
 
     @property
     def num_tokens(self) -> int:

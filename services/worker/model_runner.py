@@ -26,7 +26,15 @@ import numpy as np
 import torch
 
 from kernels import AttentionMetadata, get_kernel_ops
-from shared.config import CacheConfig, ModelRunConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from shared.config import (
+    CacheConfig,
+    ConfigError,
+    LoRAConfig,
+    ModelRunConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from shared.model_config import ModelConfig, resolve_max_model_len
 from shared.model_files import default_model_path, load_model_config, open_weights
 from shared.protocol import ModelRunnerOutput, SchedulerOutput
@@ -36,6 +44,7 @@ from .draft_model import DraftModel
 from .input_batch import CachedRequestState, InputBatch
 from .kv_cache import allocate_kv_caches, kv_block_bytes
 from .linear import can_prepack
+from .lora.slots import LoRASlots
 from .models.llama import LlamaForCausalLM
 from .parallel import ShardLayout, TensorParallel, init_distributed, tp_device
 from .prompt_logprobs import compute_prompt_logprobs, wanted
@@ -77,6 +86,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         parallel_config: ParallelConfig = ParallelConfig(),
+        lora_config: LoRAConfig = LoRAConfig(),
     ) -> None:
         self.run_config = run_config
         self.cache_config = cache_config
@@ -124,6 +134,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.spec_decoder: SpecDecoder | None = None
         self.use_speculative(speculative)
+        self.lora: LoRASlots | None = None
+        self.use_lora(lora_config)
         self.structured_output = StructuredOutputRunner(
             self.model_path, self.model_config.vocab_size, scheduler_config.max_num_seqs
         )
@@ -168,6 +180,18 @@ class ModelRunner:
             draft = self.draft_model
         self.spec_decoder = (None if config is None
                              else SpecDecoder(config, self.sampler.generator, self.device, draft))
+
+    def use_lora(self, config: LoRAConfig) -> None:
+        """Serve LoRA adapters per ``config`` (``enable_lora`` off: none)."""
+        if self.lora is not None:
+            self.lora.detach()
+            self.lora = None
+        if not config.enable_lora:
+            return
+        if self.tp.enabled:
+            raise ConfigError("LoRA adapters are not sharded for tensor parallelism yet: "
+                              "enable_lora needs tensor_parallel_size 1")
+        self.lora = LoRASlots(self.model, self.model_config, config, self.device, self.dtype)
 
     # ------------------------------------------------------------------ KV cache
 
@@ -215,6 +239,8 @@ class ModelRunner:
             if block_ids and not (0 <= min(block_ids) and max(block_ids) < self.num_blocks):
                 raise ValueError(f"step {out.step_id} names KV blocks outside this worker's "
                                  f"{self.num_blocks} blocks")
+        if self.lora is None and any(new.lora_request for new in out.scheduled_new_reqs):
+            raise ValueError(f"step {out.step_id} names a LoRA adapter, but this worker runs without enable_lora")
 
     def _update_states(self, out: SchedulerOutput) -> None:
         self._check_step(out)
@@ -244,7 +270,10 @@ class ModelRunner:
                 generator=generator,
                 output_token_ids=list(new.output_token_ids),
                 grammar=self.structured_output.request_grammar(params, new.eos_token_id),
+                lora_request=new.lora_request,
             )
+            if new.lora_request is not None:
+                self.lora.prefetch(new.lora_request)
 
         cached = out.scheduled_cached_reqs
         for req_id, resumed, new_block_ids, num_computed in zip(
@@ -295,6 +324,8 @@ class ModelRunner:
         # Draft tokens are the last scheduled tokens of their requests (speculative decoding).
         num_spec = self.spec_decoder.place_drafts(batch, out) if out.num_spec_tokens else None
         inputs = self._prepare_inputs(num_scheduled)
+        if self.lora is not None:
+            self.lora.set_step([state.lora_request for state in batch.states[:num_reqs]], num_scheduled)
         clock.lap("prepare_inputs")
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
         prompt_logprobs = self._prompt_logprobs(hidden, num_scheduled)

@@ -21,8 +21,10 @@ import torch
 from nats.aio.msg import Msg
 
 from shared.bus import Service, flush_in_order
-from shared.config import CacheConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
+from shared.config import CacheConfig, LoRAConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
 from shared.protocol import (
+    LORA_ADAPTERS,
+    LORA_ADAPTERS_MSG,
     MODEL_RUNNER_OUTPUT,
     SCHEDULER_OUTPUT,
     WORKER_READY,
@@ -60,6 +62,7 @@ class WorkerService(Service):
         nats_url: str | None = None,
         profile: bool = False,
         peer_timeout: float = 5.0,
+        lora_config: LoRAConfig = LoRAConfig(),
     ) -> None:
         super().__init__(nats_url)
         self.engine_id = engine_id
@@ -81,7 +84,7 @@ class WorkerService(Service):
             # Tensor parallelism: join the engine's ranks (blocks until all have joined)
             # before building the runner, which then loads only this rank's shard.
             init_distributed(parallel_config, device)
-            return ModelRunner(run_config, cache_config, scheduler_config, parallel_config)
+            return ModelRunner(run_config, cache_config, scheduler_config, parallel_config, lora_config)
 
         # All torch work of this process happens on the forward thread, loading
         # included: a second thread that runs parallel CPU ops gets its own OpenMP
@@ -112,6 +115,8 @@ class WorkerService(Service):
         await self.subscribe(engine_step_subject(self.engine_id), self._on_step)
         await self.subscribe(engine_hello_subject(self.engine_id), self._on_hello)
         await self.subscribe(engine_retire_subject(self.engine_id), self._on_retire)
+        if self.runner.lora is not None:
+            await self.subscribe(LORA_ADAPTERS, self._on_lora_adapters)
         await self._announce()
         self.spawn(self._heartbeat())
         self.spawn(self._trim_heap_when_idle())
@@ -144,6 +149,14 @@ class WorkerService(Service):
         retire = WORKER_RETIRE.decode(msg.data)
         if self.instance_id in retire.instance_ids:
             self.fail("retired by the scheduler: its tensor-parallel group failed")
+
+    async def _on_lora_adapters(self, msg: Msg) -> None:
+        """Read a LoRA adapter loaded at runtime ahead of its first request (a background
+        read, queued on the forward thread only to touch the runner's state there)."""
+        change = LORA_ADAPTERS_MSG.decode(msg.data)
+        loop = asyncio.get_running_loop()
+        for lora in change.loaded:
+            await loop.run_in_executor(self._executor, self.runner.lora.prefetch, lora)
 
     async def _on_step(self, msg: Msg) -> None:
         clock = PhaseClock(self._sync) if self.profile else NULL_CLOCK

@@ -12,6 +12,16 @@ from .conftest import MODEL
 from .fake_engine import WORDS, expected_text, output_tokens
 
 
+async def test_an_unknown_model_is_404(http, fake):
+    """As vLLM: an unknown model (or a LoRA adapter not loaded) is not found."""
+    before = len(fake.requests)
+    r = await http.post("/v1/chat/completions", json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model" and "gpt-4" in error["message"]
+    assert len(fake.requests) == before
+
+
 async def test_models_lists_served_names(client, http):
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL, "test-alias"]
@@ -274,7 +284,6 @@ async def test_engine_error_ends_the_request(http):
 @pytest.mark.parametrize(
     "path, body, param, words",
     [
-        ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, "model", "gpt-4"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages", "empty"),
         ("/v1/chat/completions", {"model": MODEL}, "messages", "required"),
         ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, "messages", "list"),

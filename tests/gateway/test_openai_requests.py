@@ -28,7 +28,7 @@ def test_model_defaults_to_the_first_served_name():
     assert parse_chat({"messages": USER, "model": "alias"}, NAMES).model == "m"
     with pytest.raises(ApiError) as info:
         parse_chat({"messages": USER, "model": "x"}, NAMES)
-    assert info.value.info.code == "model_not_found" and info.value.status == 400
+    assert info.value.info.code == "model_not_found" and info.value.status == 404
 
 
 def test_seed_plus_i_and_logprobs_mapping():

@@ -1,0 +1,106 @@
+"""Multi-LoRA cost: in-process engine throughput with 0, 1, 4 and 8 distinct adapters.
+
+``--num-prompts`` greedy requests (random token ids, ``--input-len`` prompt tokens,
+``--output-len`` output tokens with ignore_eos) run at once through one engine with
+``--enable-lora --max-loras 8``; request ``i`` uses adapter ``i % k`` for k distinct
+adapters (k = 0: the base model). Adapters are random PEFT folders targeting all seven
+projections, at each ``--ranks`` rank. Only generation is timed (output tokens / s).
+Ratios are against k = 0 in the same run.
+
+    .venv/bin/python scripts/bench_lora.py [--num-prompts 32] [--ranks 8,16]
+
+The LAST line is one JSON object: {"rank": {"k": tok_s}} and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(folder: Path, model_config, rank: int, seed: int) -> Path:
+    """A random PEFT LoRA folder for the model (all seven targets)."""
+    from safetensors.torch import save_file
+
+    from shared.lora import FUSED_PROJECTIONS, MODULE_TO_PROJECTION, ProjectionShapes
+
+    shapes = ProjectionShapes.of(model_config)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(model_config.num_hidden_layers):
+        for module in TARGETS:
+            projection = MODULE_TO_PROJECTION[module]
+            out = shapes.out_features[projection][FUSED_PROJECTIONS[projection].index(module)]
+            block = "self_attn" if projection in ("qkv", "o") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, shapes.in_features[projection], generator=gen) * 0.02
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.02
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS)}))
+    return folder
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--ranks", default="8,16")
+    p.add_argument("--adapters", default="0,1,4,8", help="numbers of distinct adapters to run")
+    args = p.parse_args(argv)
+
+    from services.engine import Engine
+    from shared.config import CacheConfig, LoRAConfig, SchedulerConfig
+    from shared.protocol import LoRARequest, SamplingParams
+
+    counts = [int(k) for k in args.adapters.split(",")]
+    ranks = [int(r) for r in args.ranks.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    results: dict[int, dict[int, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rank in ranks:
+            lora_config = LoRAConfig(enable_lora=True, max_loras=max(max(counts), 1), max_lora_rank=rank,
+                                     max_cpu_loras=max(max(counts), 1))
+            need_blocks = args.num_prompts * ((args.input_len + args.output_len) // 16 + 2)
+            engine = Engine(cache_config=CacheConfig(num_gpu_blocks=need_blocks),
+                            scheduler_config=SchedulerConfig(max_num_seqs=args.num_prompts),
+                            lora_config=lora_config)
+            vocab = engine.model_config.vocab_size
+            loras = [LoRARequest(f"r{rank}-{i}", str(write_adapter(Path(tmp) / f"r{rank}-{i}",
+                                                                   engine.model_config, rank, i)))
+                     for i in range(max(counts))]
+            # Warm-up: every adapter read and put in a slot once.
+            engine.generate([[1, 2, 3]] * max(len(loras), 1), SamplingParams(max_tokens=2), loras or None)
+            results[rank] = {}
+            for k in counts:
+                prompts = [torch.randint(0, vocab, (args.input_len,), generator=gen).tolist()
+                           for _ in range(args.num_prompts)]
+                choices = [loras[i % k] if k else None for i in range(args.num_prompts)]
+                t0 = time.perf_counter()
+                engine.generate(prompts, params, choices)
+                seconds = time.perf_counter() - t0
+                results[rank][k] = args.num_prompts * args.output_len / seconds
+                print(f"rank {rank:3d}  {k} adapter(s): {results[rank][k]:8.1f} output tok/s "
+                      f"({results[rank][k] / results[rank][counts[0]]:.2f}x of {counts[0]})", flush=True)
+    ratios = {r: {k: v / by_k[counts[0]] for k, v in by_k.items()} for r, by_k in results.items()}
+    print(json.dumps({"tok_s": results, "ratio": ratios, "threads": torch.get_num_threads()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""LoRA adapters at the gateway: which ones it serves, and the routes that change that.
+
+    POST /v1/load_lora_adapter    {"lora_name", "lora_path"}   (vLLM's endpoint and fields)
+    POST /v1/unload_lora_adapter  {"lora_name"}
+
+Each gateway keeps a registry, name -> ``LoRARequest`` (name and PEFT folder), filled from
+``--lora-modules`` at start, from the other gateways' registries (asked on ``LORA_LIST``
+at start, with a deadline) and from every change a gateway broadcasts on
+``LORA_ADAPTERS``. A request whose ``model`` is an adapter's name carries that
+``LoRARequest`` to the tokenizer, the scheduler and, once, to the workers, which read the
+folder themselves: no other service keeps a registry. Loading checks the folder against the
+base model (``shared.lora.check_lora_adapter``: bad path, rank above --max-lora-rank, a
+shape the model lacks -> 400) before anything is broadcast. A request already running under
+an adapter that is unloaded finishes; the workers drop it from their slots by LRU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+
+from shared.config import LoRAConfig
+from shared.lora import LoRAAdapterError, check_lora_adapter
+from shared.model_config import ModelConfig
+from shared.protocol import LORA_ADAPTERS, LORA_ADAPTERS_MSG, LORA_LIST, LoRAAdapters, LoRARequest
+
+from .errors import ApiError, error_response
+from .json_body import read_json
+
+logger = logging.getLogger(__name__)
+
+# How long a starting gateway waits for another gateway's list of adapters.
+LIST_TIMEOUT_S = 1.0
+
+
+class LoRARegistry:
+    """The adapters this gateway serves, by name."""
+
+    def __init__(self, config: LoRAConfig, model_path: str) -> None:
+        self.config = config
+        self.model_path = model_path
+        self.adapters: dict[str, LoRARequest] = {}
+        for name, path in config.modules().items():
+            self.check(path)
+            self.adapters[name] = LoRARequest(name, path)
+
+    @functools.cached_property
+    def model_config(self) -> ModelConfig:
+        from shared.model_files import default_model_path, load_model_config
+
+        return load_model_config(self.model_path or default_model_path())
+
+    def check(self, path: str) -> None:
+        """Raises ``LoRAAdapterError`` if the folder cannot be served on the base model."""
+        check_lora_adapter(path, self.model_config, self.config.max_lora_rank)
+
+    def lookup(self, model: object) -> LoRARequest | None:
+        return self.adapters.get(model) if isinstance(model, str) else None
+
+    def apply(self, change: LoRAAdapters) -> None:
+        for name in change.unloaded:
+            self.adapters.pop(name, None)
+        for lora in change.loaded:
+            self.adapters[lora.lora_name] = lora
+
+    def listing(self) -> LoRAAdapters:
+        return LoRAAdapters(loaded=list(self.adapters.values()))
+
+
+async def join_lora_bus(service, registry: LoRARegistry) -> None:
+    """Take the adapters the running gateways serve (none answer: only --lora-modules), then
+    follow every change and answer the next gateway that asks. A lost change message leaves
+    this gateway without that adapter (404) or still listing an unloaded one (its requests
+    then still run: the workers read the folder)."""
+    try:
+        reply = await service.nc.request(LORA_LIST, b"", timeout=LIST_TIMEOUT_S)
+        registry.apply(LORA_ADAPTERS_MSG.decode(reply.data))
+    except (NoRespondersError, NatsTimeoutError):
+        pass
+
+    async def on_change(msg) -> None:
+        registry.apply(LORA_ADAPTERS_MSG.decode(msg.data))
+
+    async def on_list(msg) -> None:
+        await msg.respond(LORA_ADAPTERS_MSG.encode(registry.listing()))
+
+    await service.subscribe(LORA_ADAPTERS, on_change)
+    await service.subscribe(LORA_LIST, on_list)
+
+
+def with_lora_adapter(gateway, body, parse):
+    """``parse(body, served names)``, where ``body``'s model may also name a LoRA adapter: the
+    request then carries its ``LoRARequest`` and the response reports the adapter's name."""
+    names = gateway.config.served_model_names
+    lora = gateway.lora.lookup(body.get("model")) if gateway.lora is not None and isinstance(body, dict) else None
+    if lora is None:
+        return parse(body, names)
+    parsed = parse(body, (*names, lora.lora_name))
+    return dataclasses.replace(parsed, model=lora.lora_name, lora_request=lora)
+
+
+def _name_field(body: dict, name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise ApiError(f"'{name}' must be a non-empty string", param=name)
+    return value
+
+
+class LoRARoutes:
+    """The two endpoints (each change is broadcast on ``LORA_ADAPTERS``) and the model cards."""
+
+    def __init__(self, gateway) -> None:
+        self.gateway = gateway
+
+    def _registry(self) -> LoRARegistry:
+        registry = self.gateway.lora
+        if registry is None:
+            raise ApiError("LoRA adapters are not enabled on this server (start it with --enable-lora)")
+        return registry
+
+    async def _body(self, request: Request) -> dict:
+        body = await read_json(request, self.gateway.config.max_request_body_bytes)
+        if not isinstance(body, dict):
+            raise ApiError("the request body must be a JSON object")
+        return body
+
+    async def _publish(self, change: LoRAAdapters) -> None:
+        await self.gateway.nc.publish(LORA_ADAPTERS, LORA_ADAPTERS_MSG.encode(change))
+
+    def model_cards(self, card) -> list[dict]:
+        """``GET /v1/models`` entries of the adapters: ``card(name)`` with vLLM's root and parent."""
+        registry = self.gateway.lora
+        if registry is None:
+            return []
+        parent = self.gateway.config.model_name
+        return [{**card(lora.lora_name), "root": lora.lora_path, "parent": parent}
+                for lora in registry.adapters.values()]
+
+    async def load(self, request: Request) -> Response:
+        try:
+            registry = self._registry()
+            body = await self._body(request)
+            name, path = _name_field(body, "lora_name"), _name_field(body, "lora_path")
+            if name in registry.adapters or name in self.gateway.config.served_model_names:
+                raise ApiError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+            try:
+                # Reads a config and a header only, but from disk: not on the event loop.
+                await asyncio.get_running_loop().run_in_executor(None, registry.check, path)
+            except LoRAAdapterError as e:
+                raise ApiError(str(e), param="lora_path") from None
+            change = LoRAAdapters(loaded=[LoRARequest(name, path)])
+            registry.apply(change)
+            await self._publish(change)
+        except ApiError as e:
+            return error_response(e.info)
+        logger.info("LoRA adapter %r loaded from %s", name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload(self, request: Request) -> Response:
+        try:
+            registry = self._registry()
+            name = _name_field(await self._body(request), "lora_name")
+            if name not in registry.adapters:
+                raise ApiError(f"The lora adapter '{name}' cannot be found.", status=404, type="not_found_error",
+                               param="lora_name")
+            change = LoRAAdapters(unloaded=[name])
+            registry.apply(change)
+            await self._publish(change)
+        except ApiError as e:
+            return error_response(e.info)
+        logger.info("LoRA adapter %r unloaded", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

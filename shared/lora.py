@@ -1,0 +1,168 @@
+"""LoRA adapter folders (PEFT) checked against a base model, without torch.
+
+The gateway checks an adapter when it is loaded (``check_lora_adapter``: the config and the
+safetensors header only, so a bad path, a rank above ``--max-lora-rank`` or a shape the base
+model lacks is a 400 at once); the workers read the weights with the same checks
+(``services/worker/lora/adapter.py``).
+
+A PEFT folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``,
+``target_modules``) and ``adapter_model.safetensors`` with, per adapted module,
+``...layers.<i>.<block>.<module>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight``
+``[out, r]``; the model adds ``scaling * B @ A @ x`` to the module's output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.model_config import ModelConfig
+
+# Fused projection of our model -> the PEFT module names it holds, in the order of its output rows.
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+MODULE_TO_PROJECTION = {m: p for p, modules in FUSED_PROJECTIONS.items() for m in modules}
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+class LoRAAdapterError(ValueError):
+    """The adapter cannot be served on this model; the message says why (a 400 for clients)."""
+
+
+@dataclass(frozen=True)
+class ProjectionShapes:
+    """Input and per-sub-module output sizes of each fused projection (full model, one rank)."""
+
+    in_features: dict[str, int]
+    out_features: dict[str, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> "ProjectionShapes":
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        hidden, inter = config.hidden_size, config.intermediate_size
+        return cls(
+            in_features={"qkv": hidden, "o": q, "gate_up": hidden, "down": inter},
+            out_features={"qkv": (q, kv, kv), "o": (hidden,), "gate_up": (inter, inter), "down": (hidden,)},
+        )
+
+    def stacked_rank(self, projection: str, max_rank: int) -> int:
+        return len(FUSED_PROJECTIONS[projection]) * max_rank
+
+
+def read_adapter_config(path: str | Path, max_rank: int) -> dict:
+    """``adapter_config.json`` of the folder, checked against what we can serve."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise LoRAAdapterError(f"LoRA adapter path {str(path)!r} is not a directory")
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / name).is_file():
+            raise LoRAAdapterError(f"LoRA adapter folder {str(path)!r} has no {name}")
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoRAAdapterError(f"cannot read {CONFIG_FILE} of {str(path)!r}: {e}") from None
+    if not isinstance(config, dict):
+        raise LoRAAdapterError(f"{CONFIG_FILE} of {str(path)!r} is not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAAdapterError(f"adapter type {config.get('peft_type')!r} is not LoRA")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise LoRAAdapterError(f"adapter_config r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise LoRAAdapterError(f"LoRA rank {rank} is greater than max_lora_rank {max_rank}")
+    refused = {
+        "use_dora": bool(config.get("use_dora")),
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+        "modules_to_save": bool(config.get("modules_to_save")),
+        "rank_pattern": bool(config.get("rank_pattern")),
+        "alpha_pattern": bool(config.get("alpha_pattern")),
+        "bias": config.get("bias", "none") not in (None, "none"),
+    }
+    unsupported = [key for key, present in refused.items() if present]
+    if unsupported:
+        raise LoRAAdapterError(f"LoRA adapters with {', '.join(unsupported)} are not supported")
+    return config
+
+
+def lora_scaling(config: dict) -> float:
+    """PEFT's scaling: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora."""
+    rank = config["r"]
+    alpha = config.get("lora_alpha", 8)
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def parse_weight_name(name: str, num_layers: int) -> tuple[int, str, str]:
+    """``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`` -> (3, "q_proj", "A")."""
+    parts = name.split(".")
+    try:
+        i = parts.index("layers")
+        layer = int(parts[i + 1])
+        module, kind, leaf = parts[-3], parts[-2], parts[-1]
+    except (ValueError, IndexError):
+        raise LoRAAdapterError(f"LoRA weight {name!r} is not in a decoder layer") from None
+    if leaf != "weight" or kind not in ("lora_A", "lora_B"):
+        raise LoRAAdapterError(f"LoRA weight {name!r} is not a lora_A / lora_B weight")
+    if module not in MODULE_TO_PROJECTION:
+        raise LoRAAdapterError(f"LoRA target module {module!r} is not supported "
+                               f"(supported: {', '.join(MODULE_TO_PROJECTION)})")
+    if not 0 <= layer < num_layers:
+        raise LoRAAdapterError(f"LoRA weight {name!r}: the base model has {num_layers} layers")
+    return layer, module, kind[-1]
+
+
+def check_module_shapes(layer: int, module: str, a_shape, b_shape, rank: int, shapes: ProjectionShapes) -> None:
+    projection = MODULE_TO_PROJECTION[module]
+    in_features = shapes.in_features[projection]
+    out_features = shapes.out_features[projection][FUSED_PROJECTIONS[projection].index(module)]
+    if tuple(a_shape) != (rank, in_features) or tuple(b_shape) != (out_features, rank):
+        raise LoRAAdapterError(
+            f"LoRA module layers.{layer}.{module} has A {tuple(a_shape)} and B {tuple(b_shape)}; "
+            f"this base model needs A ({rank}, {in_features}) and B ({out_features}, {rank})"
+        )
+
+
+def module_pairs(names_and_values, num_layers: int, path) -> dict[tuple[int, str], dict[str, object]]:
+    """(layer, module) -> {"A": value, "B": value} from (weight name, value) pairs; both required."""
+    pairs: dict[tuple[int, str], dict[str, object]] = {}
+    for name, value in names_and_values:
+        layer, module, kind = parse_weight_name(name, num_layers)
+        pairs.setdefault((layer, module), {})[kind] = value
+    if not pairs:
+        raise LoRAAdapterError(f"LoRA adapter {str(path)!r} has no weights")
+    for (layer, module), pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise LoRAAdapterError(f"LoRA module layers.{layer}.{module} lacks lora_A or lora_B")
+    return pairs
+
+
+def _safetensors_header(file: Path) -> dict:
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 100 << 20:
+                raise ValueError("header too large")
+            header = json.loads(f.read(length))
+    except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
+        raise LoRAAdapterError(f"cannot read {file}: {e}") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def check_lora_adapter(path: str | Path, model_config: ModelConfig, max_rank: int) -> dict:
+    """Check the folder for a model of ``model_config`` from its config and safetensors header
+    (no weights read); returns the adapter config. Raises ``LoRAAdapterError``."""
+    config = read_adapter_config(path, max_rank)
+    header = _safetensors_header(Path(path) / WEIGHTS_FILE)
+    shape_of = ((name, entry.get("shape", ()) if isinstance(entry, dict) else ()) for name, entry in header.items())
+    shapes = ProjectionShapes.of(model_config)
+    for (layer, module), pair in module_pairs(shape_of, model_config.num_hidden_layers, path).items():
+        check_module_shapes(layer, module, pair["A"], pair["B"], config["r"], shapes)
+    return config

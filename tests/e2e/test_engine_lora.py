@@ -1,0 +1,117 @@
+"""Multi-LoRA through the in-process engine against Hugging Face + PEFT, token for token.
+
+Three adapters made with ``peft`` on the default model (random, non-zero B; different
+ranks, targets, rsLoRA) and the base model, mixed in one batch with chunked prefill and
+preemption forced and more adapters than ``max_loras`` slots (so requests of a third
+adapter wait and slots are evicted and refilled): every request's greedy tokens equal
+HF + PEFT's for its prompt and adapter alone. Also: the prefix cache keys blocks by adapter.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engine import Engine
+from services.worker.model_runner import ModelRunner
+from shared.config import CacheConfig, LoRAConfig, ModelRunConfig, SchedulerConfig
+from shared.protocol import FinishReason, LoRARequest, SamplingParams
+from tests.e2e.test_engine_greedy import PARAGRAPH, SEEDS, assert_no_leaks
+from tests.greedy_compare import assert_greedy_matches
+from tests.hf_reference import hf_greedy
+from tests.lora_reference import hf_with_adapter, make_peft_adapter
+
+NUM_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+LORA_CONFIG = LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2)
+ADAPTERS = {
+    "all-r8": dict(rank=8, alpha=16, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj"], seed=1),
+    "qv-gate-down-r16-rslora": dict(rank=16, alpha=8, targets=["q_proj", "v_proj", "gate_proj", "down_proj"],
+                                    use_rslora=True, seed=2),
+    "k-o-up-r4": dict(rank=4, alpha=8, targets=["k_proj", "o_proj", "up_proj"], seed=3, b_std=0.05),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_smollm, tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    return {name: LoRARequest(name, str(make_peft_adapter(hf_smollm, root / name, **spec)))
+            for name, spec in ADAPTERS.items()}
+
+
+@pytest.fixture(scope="module")
+def lora_worker(smollm_path):
+    return ModelRunner(ModelRunConfig(model=smollm_path, kernel_backend="torch"), CacheConfig(num_gpu_blocks=48),
+                       SchedulerConfig(max_num_seqs=16), lora_config=LORA_CONFIG)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm_tokenizer):
+    return [smollm_tokenizer.encode(text) for text in SEEDS]
+
+
+def lora_engine(worker, max_num_batched_tokens=64):
+    return Engine(cache_config=CacheConfig(num_gpu_blocks=worker.num_blocks),
+                  scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16),
+                  worker=worker, lora_config=LORA_CONFIG)
+
+
+def hf_refs(hf_smollm, prompts, lora: LoRARequest | None):
+    model = hf_smollm if lora is None else hf_with_adapter(hf_smollm, lora.lora_path)
+    return hf_greedy(model, prompts, NUM_TOKENS, stop_at_eos=False)
+
+
+def test_one_adapter_equals_hf_peft(lora_worker, hf_smollm, adapters, prompts):
+    lora = adapters["all-r8"]
+    few = prompts[:3]
+    refs = hf_refs(hf_smollm, few, lora)
+    base = hf_refs(hf_smollm, few, None)
+    assert [r[0] for r in refs] != [b[0] for b in base]  # the adapter changes the output
+    engine = lora_engine(lora_worker, max_num_batched_tokens=512)
+    results = engine.generate(few, GREEDY, lora)
+    assert_greedy_matches([r.token_ids for r in results], refs, NUM_TOKENS)
+    assert_no_leaks(engine)
+
+
+def test_mixed_adapters_and_base_equal_each_alone(lora_worker, hf_smollm, adapters, prompts):
+    """Eight prompts, each under one of three adapters or none, in one batch: chunked
+    prefill (64-token budget), preemption (48 blocks), three adapters over two slots."""
+    choices = [adapters["all-r8"], adapters["qv-gate-down-r16-rslora"], adapters["k-o-up-r4"], None] * 2
+    refs = []
+    for prompt, lora in zip(prompts, choices):
+        refs += hf_refs(hf_smollm, [prompt], lora)
+    engine = lora_engine(lora_worker)
+    slots = lora_worker.lora
+    writes = []
+    write_slot = slots._write_slot
+    slots._write_slot = lambda slot, adapter: (writes.append(adapter.name), write_slot(slot, adapter))
+    try:
+        results = engine.generate(prompts, GREEDY, choices)
+    finally:
+        del slots._write_slot
+    assert engine.scheduler.num_preemptions > 0
+    assert all(r.finish_reason == FinishReason.LENGTH for r in results)
+    assert_greedy_matches([r.token_ids for r in results], refs, NUM_TOKENS)
+    assert set(writes) == set(adapters) and len(writes) > len(adapters)  # evicted and loaded again
+    assert_no_leaks(engine)
+
+
+def test_prefix_cache_keys_blocks_by_adapter(lora_worker, adapters, smollm_tokenizer):
+    prompt = smollm_tokenizer.encode(PARAGRAPH * 2)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine = lora_engine(lora_worker, max_num_batched_tokens=512)
+    first, second = adapters["all-r8"], adapters["k-o-up-r4"]
+    assert engine.generate([prompt], params, first)[0].num_cached_tokens == 0
+    assert engine.generate([prompt], params, second)[0].num_cached_tokens == 0
+    assert engine.generate([prompt], params, None)[0].num_cached_tokens == 0
+    again = engine.generate([prompt], params, first)[0]
+    assert again.num_cached_tokens == (len(prompt) - 1) // 16 * 16
+    assert_no_leaks(engine)
+
+
+def test_engine_without_lora_refuses_adapter_requests(smollm_worker, adapters):
+    from services.scheduler.scheduler import RequestRejected
+
+    engine = Engine(cache_config=CacheConfig(num_gpu_blocks=smollm_worker.num_blocks), worker=smollm_worker)
+    with pytest.raises(RequestRejected, match="without enable_lora"):
+        engine.add_request([1, 2, 3], GREEDY, lora_request=adapters["all-r8"])
