@@ -13,7 +13,6 @@ from .conftest import MODEL
 
 
 @pytest.mark.parametrize("path, body, param", [
-    ("/tokenize", {"model": "nope", "prompt": "x"}, "model"),
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"prompt": "x", "messages": []}, "prompt"),
@@ -29,6 +28,11 @@ async def test_bad_bodies_are_400_naming_the_field(http, path, body, param):
     r = await http.post(path, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+async def test_an_unknown_model_is_404(http):
+    r = await http.post("/tokenize", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
 
 
 @pytest.mark.parametrize("path, body", [
