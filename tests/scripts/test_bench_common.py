@@ -9,8 +9,11 @@ import pytest
 
 from bench_common import (
     PARAGRAPHS,
+    best_of_configurations,
     check_loopback_url,
+    check_targets,
     compare_peers,
+    describe_cpu,
     draw_lengths,
     format_peer_table,
     load_sentences,
@@ -150,3 +153,37 @@ def test_compare_peers_ratios_and_table():
     assert math.isnan(by["other", 32]["output_tok_s_ratio"])  # we have no run at 32
     table = format_peer_table(rows)
     assert table.count("\n") == 1 + len(rows) and "| peer | 8 | 60.0 | 30.0 | 2.00 |" in table
+
+
+def test_best_of_configurations_takes_the_faster_run_at_each_concurrency():
+    results = {
+        "ours": {1: _metrics(10.0, 100.0, 50.0)},
+        "vllm-cpu-float32": {1: _metrics(8.0, 90.0, 40.0), 32: _metrics(100.0, 900.0, 200.0)},
+        "vllm-cpu-bfloat16": {1: _metrics(9.0, 80.0, 45.0), 32: _metrics(50.0, 950.0, 400.0)},
+    }
+    merged = best_of_configurations(results, "vllm-cpu")
+    assert merged["vllm-cpu"][1]["configuration"] == "vllm-cpu-bfloat16"
+    assert merged["vllm-cpu"][32]["configuration"] == "vllm-cpu-float32"
+    assert merged["vllm-cpu"][32]["output_throughput"] == 100.0
+    assert "vllm-cpu-float32" in merged and "vllm-cpu" not in results
+    assert best_of_configurations(results, "llama-server") is results
+
+
+def test_check_targets_reports_met_and_missed():
+    results = {
+        "ours": {1: _metrics(13.0, 100.0, 50.0), 32: _metrics(140.0, 500.0, 80.0)},
+        "vllm-cpu": {1: _metrics(10.0, 90.0, 40.0), 32: _metrics(100.0, 600.0, 200.0)},
+    }
+    lines = check_targets(compare_peers(results))
+    assert "met: vllm-cpu c1 output_tok_s_ratio 1.30 (target >= 1.3)" in lines
+    assert "MISSED: vllm-cpu c32 output_tok_s_ratio 1.40 (target >= 1.5)" in lines
+    assert "MISSED: vllm-cpu c1 ttft_ratio 1.11 (target <= 1.0)" in lines
+    assert "met: vllm-cpu c32 ttft_ratio 0.83 (target <= 1.0)" in lines
+    assert len(lines) == 4  # no llama-server rows, no run at concurrency 8
+
+
+def test_describe_cpu_names_the_model_and_the_flags_that_matter():
+    cpuinfo = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse avx2 avx512f avx512_vnni\n"
+    text = describe_cpu(cpuinfo)
+    assert text.startswith("AMD EPYC 7B13, ")
+    assert "avx2 yes, avx512f yes, avx512_bf16 no, avx512_vnni yes, amx_bf16 no" in text
