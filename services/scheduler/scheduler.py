@@ -183,9 +183,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def has_connector_work(self) -> bool:
-        """P/D: steps must go on without requests to run: loads to poll, holds to serve or
-        release (their metadata travels with a step)."""
+        """P/D: loads or holds whose deadlines ``schedule()`` must check now and then."""
         return self.connector is not None and bool(self.connector.loads or self.connector.holds)
+
+    def is_loading_remote_kv(self) -> bool:
+        """P/D: requests wait for their KV: steps go on (empty ones too), as only a step's
+        result tells which loads have finished."""
+        return self.connector is not None and bool(self.connector.loads)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -450,7 +454,7 @@ class Scheduler:
         self._finished_req_ids.clear()
         reset_state = False
         meta = self.connector.build_connector_meta() if self.connector is not None else None
-        if order or finished or meta is not None or self.has_connector_work():
+        if order or finished or meta is not None or self.is_loading_remote_kv():
             self._step_id += 1
             reset_state, self._reset_pending = self._reset_pending, False
         return SchedulerOutput(
@@ -470,7 +474,7 @@ class Scheduler:
         """Whether ``step`` has anything for the workers (work, state to drop, connector
         metadata, or loads whose end a step's result reports)."""
         return bool(step.total_num_scheduled_tokens or step.finished_req_ids or step.kv_connector_metadata
-                    or self.has_connector_work())
+                    or self.is_loading_remote_kv())
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

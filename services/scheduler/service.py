@@ -568,9 +568,9 @@ class SchedulerService(Service):
         if self.profile is not None:
             num_reqs = len(step.scheduled_req_ids)
             self.profile.end_step(num_reqs, clock.durations, result.timings, result_decode, more_work)
-        if not more_work and not scheduler.has_connector_work():
+        if not more_work and not scheduler.is_loading_remote_kv():
             self._work.clear()
-        if not step.total_num_scheduled_tokens and scheduler.connector is not None and scheduler.connector.loads:
+        if not step.total_num_scheduled_tokens and scheduler.is_loading_remote_kv():
             await asyncio.sleep(KV_POLL_INTERVAL)  # a step only to learn of finished loads
 
     async def _on_profile(self, msg: Msg) -> None:

@@ -62,8 +62,9 @@ async def stream_completion(client: AsyncOpenAI, prompt: list[int], **params) ->
 
 def run_all(stack, prompts: list[list[int]], **params) -> list[str]:
     async def go():
-        client = AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        return await asyncio.gather(*(stream_completion(client, p, **params) for p in prompts))
+        async with AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0,
+                               timeout=300) as client:
+            return await asyncio.gather(*(stream_completion(client, p, **params) for p in prompts))
 
     return asyncio.run(go())
 
@@ -97,3 +98,24 @@ def kv_idle(stack) -> bool:
     return set(stats) >= {"prefill-0", "decode-0"} and all(
         s.kv_cache_usage_perc == 0 and not s.num_requests_running and not s.num_requests_waiting
         for s in stats.values())
+
+
+async def stream_or_error(http, path: str, body: dict, started: asyncio.Event | None = None):
+    """The streamed text of a completions or chat request, or the error event that ended it;
+    ``started`` is set at the first text."""
+    import json
+
+    text = []
+    async with http.stream("POST", path, json={"model": MODEL, "stream": True, **body}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                return event["error"]
+            choice = event["choices"][0]
+            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+            if started is not None and text[-1]:
+                started.set()
+    return "".join(text)

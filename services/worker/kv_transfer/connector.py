@@ -145,8 +145,8 @@ class KVConnectorWorker:
         pull = KV_PULL.decode(msg.data)
         if self.faults.drops_chunk(pull.req_id):
             return  # test-only fault: the decode side times out
-        if self.faults.slow_chunks:
-            await asyncio.sleep(self.faults.slow_chunks)
+        if self.faults.chunk_delay(pull.req_id):
+            await asyncio.sleep(self.faults.chunk_delay(pull.req_id))
         loop = asyncio.get_running_loop()
         chunk = await loop.run_in_executor(self._executor, self._serve, pull)
         await msg.respond(KV_CHUNK.encode(chunk))
