@@ -274,7 +274,10 @@ class Scheduler:
                 computed_blocks, num_computed = [], request.num_computed_tokens
             else:
                 computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
-                if self._start_remote_load(request, computed_blocks, num_computed):
+                loading = self._start_remote_load(request, computed_blocks, num_computed)
+                if loading is None:
+                    break  # no room for its blocks yet
+                if loading:
                     skipped.append(self.waiting.popleft())
                     continue
             num_new = request.num_tokens - num_computed
@@ -313,10 +316,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ P/D
 
-    def _start_remote_load(self, request: Request, computed_blocks, num_computed: int) -> bool:
+    def _start_remote_load(self, request: Request, computed_blocks, num_computed: int) -> bool | None:
         """Decode side: if the request's prompt KV past its local prefix-cache hits lies on a
         prefill engine, allocate blocks for it (cached once loaded) and park the request
-        until the workers have pulled it. False: it computes as any other request."""
+        until the workers have pulled it. False: it computes as any other request; None:
+        the pool has no room for its blocks now."""
         if self.connector is None:
             return False
         num_external, _ = self.connector.get_num_new_matched_tokens(request, num_computed)
@@ -324,7 +328,7 @@ class Scheduler:
             return False
         kv = self.kv_cache_manager
         if kv.allocate_slots(request, num_external, computed_blocks, num_computed, delay_cache_blocks=True) is None:
-            return False  # no room now: admitted (and recomputed) as any other, or waits
+            return None
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         if request.num_cached_tokens < 0:
