@@ -56,7 +56,7 @@ def colocated_texts(prompts: list[list[int]], tokenizer) -> list[str]:
 
 
 async def stream_completion(client: AsyncOpenAI, prompt: list[int], **params) -> str:
-    stream = await client.completions.create(model=MODEL, prompt=prompt, stream=True, **{**GREEDY, **params})
+    stream = await client.completions.create(prompt=prompt, stream=True, **{"model": MODEL, **GREEDY, **params})
     return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
 
@@ -99,23 +99,3 @@ def kv_idle(stack) -> bool:
         s.kv_cache_usage_perc == 0 and not s.num_requests_running and not s.num_requests_waiting
         for s in stats.values())
 
-
-async def stream_or_error(http, path: str, body: dict, started: asyncio.Event | None = None):
-    """The streamed text of a completions or chat request, or the error event that ended it;
-    ``started`` is set at the first text."""
-    import json
-
-    text = []
-    async with http.stream("POST", path, json={"model": MODEL, "stream": True, **body}) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                return event["error"]
-            choice = event["choices"][0]
-            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-            if started is not None and text[-1]:
-                started.set()
-    return "".join(text)

@@ -16,13 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.pd_stacks import engine_stats, kv_idle, pd_config, run_all, stream_or_error
-from tests.e2e.stacks import running_stack, wait_until
+from tests.e2e.pd_stacks import MODEL, engine_stats, kv_idle, pd_config, run_all
+from tests.e2e.stacks import running_stack, stream_or_error, wait_until
 
 FAULTS = "drop_chunks=chatcmpl,drop_release=-1-0,slow_chunks=-2-0"
 ARGS = ["--kv-chunk-timeout", "1", "--kv-hold-timeout", "6", "--worker-timeout", "3"]
 QUESTION = "Tell me about the moon."
-BODY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+BODY = {"model": MODEL, "temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_a_lost_release_frees_the_prefill_blocks_at_the_hold_timeout(pd_stack, s
 
     async def both():
         async with httpx.AsyncClient(base_url=pd_stack.base_url, timeout=120) as http:
-            r = await http.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": prompts, **BODY})
+            r = await http.post("/v1/completions", json={"prompt": prompts, **BODY})
             return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
 
     assert asyncio.run(both()) == want
@@ -84,7 +84,7 @@ def test_killing_the_prefill_worker_mid_transfer_costs_a_recompute(pd_stack, smo
     async def run_and_kill():
         async with httpx.AsyncClient(base_url=pd_stack.base_url, timeout=180) as http:
             task = asyncio.ensure_future(
-                http.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": prompts, **BODY}))
+                http.post("/v1/completions", json={"prompt": prompts, **BODY}))
             deadline = time.monotonic() + 60
             while not (await asyncio.to_thread(decode_stats, pd_stack, 1.2)).num_requests_waiting_for_remote_kv:
                 assert time.monotonic() < deadline, "the slow transfer never started"
