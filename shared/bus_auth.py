@@ -49,6 +49,7 @@ from shared.protocol import (
     engine_kv_pull_subject,
     engine_kv_recvd_subject,
     engine_kv_release_subject,
+    engine_kv_serve_subject,
     engine_profile_subject,
     engine_ready_subject,
     engine_resend_subject,
@@ -92,7 +93,7 @@ ROLES: dict[str, Permissions] = {
             engine_step_subject(ANY), engine_hello_subject(ANY), engine_retire_subject(ANY),
             DETOKENIZE, ENGINE_STATS, DETOKENIZE_STOPS,
             # P/D: hand-offs to decode engines, releases to prefill engines.
-            engine_kv_handoff_subject(ANY), engine_kv_release_subject(ANY),
+            engine_kv_handoff_subject(ANY), engine_kv_release_subject(ANY), engine_kv_serve_subject(ANY),
         ),
         subscribe=(
             engine_ready_subject(ANY), engine_result_subject(ANY), ENGINE_REQUESTS,
@@ -109,7 +110,7 @@ ROLES: dict[str, Permissions] = {
         subscribe=(
             engine_step_subject(ANY), engine_hello_subject(ANY), engine_retire_subject(ANY),
             engine_ready_subject(ANY), ping_subject("worker"), LORA_ADAPTERS,
-            engine_kv_pull_subject(ANY, ANY), engine_kv_recvd_subject(ANY),
+            engine_kv_pull_subject(ANY, ANY), engine_kv_recvd_subject(ANY), engine_kv_serve_subject(ANY),
         ),
         makes_requests=True,
     ),

@@ -105,6 +105,13 @@ def engine_kv_pull_subject(engine_id: str, rank: int | str) -> str:
     return f"{SUBJECT_PREFIX}.engine.{engine_id}.kv.pull.{rank}"
 
 
+def engine_kv_serve_subject(engine_id: str) -> str:
+    """P/D: a prefill engine's scheduler tells every worker rank at once which held requests
+    they may serve (``KVConnectorMetadata`` with ``reqs_to_send`` only), not waiting for the
+    next step to reach them behind a long prefill; the step carries it too."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.kv.serve"
+
+
 def engine_kv_recvd_subject(engine_id: str) -> str:
     """P/D under TP: a decode worker rank tells rank 0 of its engine which loads it ended
     (``KVRecvDone``); rank 0 reports a load once every rank ended it."""
@@ -848,3 +855,4 @@ KV_RELEASE = Codec(KVRelease)
 KV_PULL = Codec(KVPull)
 KV_CHUNK = Codec(KVChunk)
 KV_RECV_DONE = Codec(KVRecvDone)
+KV_CONNECTOR_METADATA = Codec(KVConnectorMetadata)

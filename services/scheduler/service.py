@@ -53,6 +53,7 @@ from shared.protocol import (
     ENGINE_REQUESTS,
     ENGINE_STATS,
     ENGINE_STATS_MSG,
+    KV_CONNECTOR_METADATA,
     KV_HANDOFF,
     KV_HANDOFF_REPLY,
     KV_RELEASE,
@@ -70,9 +71,11 @@ from shared.protocol import (
     EngineStats,
     ErrorInfo,
     FinishReason,
+    KVConnectorMetadata,
     KVHandoff,
     KVHandoffReply,
     KVRelease,
+    KVSendSpec,
     RequestStopStrings,
     SchedulerOutput,
     StopStrings,
@@ -81,6 +84,7 @@ from shared.protocol import (
     engine_hello_subject,
     engine_kv_handoff_subject,
     engine_kv_release_subject,
+    engine_kv_serve_subject,
     engine_profile_subject,
     engine_ready_subject,
     engine_resend_subject,
@@ -587,10 +591,15 @@ class SchedulerService(Service):
             return outputs
         ids = {request.request_id for request, _ in handoffs}
         held = {o.request_id: o for o in outputs if o.request_id in ids}
-        self.spawn(self._hand_off(scheduler, handoffs, held))
+        serve = KVConnectorMetadata(reqs_to_send=[
+            KVSendSpec(r.request_id, scheduler.kv_cache_manager.get_block_ids(r.request_id)) for r, _ in handoffs])
+        self.spawn(self._hand_off(scheduler, handoffs, held, serve))
         return [o for o in outputs if o.request_id not in ids]
 
-    async def _hand_off(self, scheduler: Scheduler, handoffs, outputs: dict[str, EngineOutput]) -> None:
+    async def _hand_off(self, scheduler: Scheduler, handoffs, outputs: dict[str, EngineOutput],
+                        serve: KVConnectorMetadata) -> None:
+        # The workers may serve the held blocks at once, not after the step now running.
+        await self.nc.publish(engine_kv_serve_subject(self.engine_id), KV_CONNECTOR_METADATA.encode(serve))
         results = await asyncio.gather(*(self._hand_off_one(request, params, outputs[request.request_id])
                                          for request, params in handoffs))
         for (request, _), taken in zip(handoffs, results):

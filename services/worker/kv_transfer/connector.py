@@ -36,6 +36,7 @@ from shared.config import KVTransferConfig
 from shared.kv_transfer_faults import KVTransferFaults
 from shared.protocol import (
     KV_CHUNK,
+    KV_CONNECTOR_METADATA,
     KV_PULL,
     KV_RECV_DONE,
     KVChunk,
@@ -45,6 +46,7 @@ from shared.protocol import (
     KVRecvSpec,
     engine_kv_pull_subject,
     engine_kv_recvd_subject,
+    engine_kv_serve_subject,
 )
 
 from .block_io import KVBlockIO
@@ -86,6 +88,7 @@ class KVConnectorWorker:
 
     async def setup(self) -> None:
         await self.service.subscribe(engine_kv_pull_subject(self.engine_id, self.rank), self._on_pull)
+        await self.service.subscribe(engine_kv_serve_subject(self.engine_id), self._on_serve)
         if self.rank == 0 and self.world_size > 1:
             await self.service.subscribe(engine_kv_recvd_subject(self.engine_id), self._on_recv_done)
 
@@ -112,12 +115,22 @@ class KVConnectorWorker:
                 flag = self._loads.pop(req_id, None)
                 if flag is not None:
                     flag["cancelled"] = True
-            for spec in meta.reqs_to_send:
-                self._sending[spec.req_id] = spec.block_ids
+            self._start_serving(meta.reqs_to_send)
         for spec in meta.reqs_to_recv:
             flag = {"cancelled": False}
             self._loads[spec.req_id] = flag
             self.service.spawn(self._load(spec, flag))
+
+    async def _on_serve(self, msg) -> None:
+        """Serve held requests now, ahead of the step that says so too (the forward thread
+        may be in a long prefill): only ever adds blocks that are held, never reused ones."""
+        with self._lock:
+            self._start_serving(KV_CONNECTOR_METADATA.decode(msg.data).reqs_to_send)
+
+    def _start_serving(self, specs) -> None:
+        for spec in specs:
+            if spec.req_id not in self._released:  # a late announcement of a released hold
+                self._sending[spec.req_id] = spec.block_ids
 
     def _forget_sends(self, request_ids) -> None:
         for req_id in request_ids:
