@@ -103,22 +103,25 @@ def test_killing_the_prefill_worker_mid_transfer_costs_a_recompute(pd_stack, smo
 def test_killing_the_decode_scheduler_fails_its_streams_with_a_clear_error_within_seconds(pd_stack, smollm_tokenizer):
     prompts = [smollm_tokenizer.encode(q) for q in ("Write a long story.", "Describe a city.", "List animals.")]
 
+    async def timed(coro):
+        outcome = await coro
+        return outcome, time.monotonic()
+
     async def run_and_kill():
-        started = asyncio.Event()
+        started = [asyncio.Event() for _ in prompts]
         body = {**BODY, "max_tokens": 400}
-        async with httpx.AsyncClient(base_url=pd_stack.base_url, timeout=120) as http:
-            tasks = [asyncio.ensure_future(stream_or_error(http, "/v1/completions", {"prompt": p, **body}, started))
-                     for p in prompts]
-            await asyncio.wait_for(started.wait(), 60)
-            await asyncio.sleep(1.0)  # the decode engine holds them now
+        async with httpx.AsyncClient(base_url=pd_stack.base_url, timeout=180) as http:
+            tasks = [asyncio.ensure_future(timed(stream_or_error(http, "/v1/completions", {"prompt": p, **body}, e)))
+                     for p, e in zip(prompts, started)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            await asyncio.sleep(1.0)  # every stream's first token is out: the decode engine holds them
             killed_at = time.monotonic()
             pd_stack.supervisor.kill("decode-0-scheduler")
-            outcomes = await asyncio.gather(*tasks)
-            return outcomes, time.monotonic() - killed_at
+            return await asyncio.gather(*tasks), killed_at
 
-    outcomes, ended_after = asyncio.run(run_and_kill())
-    errors = [o for o in outcomes if isinstance(o, dict)]
-    assert errors, outcomes
-    assert all(e["code"] == "engine_lost" and "decode-0" in e["message"] for e in errors), errors
-    assert ended_after < 10
+    results, killed_at = asyncio.run(run_and_kill())
+    errors = [(outcome, ended) for outcome, ended in results if isinstance(outcome, dict)]
+    assert errors, results
+    assert all(e["code"] == "engine_lost" and "decode-0" in e["message"] for e, _ in errors), errors
+    assert max(ended for _, ended in errors) - killed_at < 10
     wait_until(lambda: kv_idle(pd_stack), 120, "not idle again after the decode scheduler's restart")
