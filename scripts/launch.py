@@ -26,6 +26,10 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel worker processes")
     parser.add_argument("--tokenizers", type=int, default=1)
     parser.add_argument("--detokenizers", type=int, default=1)
+    parser.add_argument("--prefill-engines", type=int, default=0,
+                        help="P/D: prefill engines (kv_producer), each with --tp worker ranks")
+    parser.add_argument("--decode-engines", type=int, default=0,
+                        help="P/D: decode engines (kv_consumer), each with --tp worker ranks")
     args, service_args = parser.parse_known_args()
     try:
         stack = Stack(
@@ -37,6 +41,8 @@ def main() -> int:
                 num_tokenizers=args.tokenizers,
                 num_detokenizers=args.detokenizers,
                 args=service_args,
+                prefill_engines=args.prefill_engines,
+                decode_engines=args.decode_engines,
             )
         )
     except ConfigError as e:

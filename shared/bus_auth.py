@@ -45,6 +45,11 @@ from shared.protocol import (
     TOKENIZER_TOKENIZE,
     engine_abort_subject,
     engine_hello_subject,
+    engine_kv_handoff_subject,
+    engine_kv_pull_subject,
+    engine_kv_recvd_subject,
+    engine_kv_release_subject,
+    engine_kv_serve_subject,
     engine_profile_subject,
     engine_ready_subject,
     engine_resend_subject,
@@ -87,19 +92,27 @@ ROLES: dict[str, Permissions] = {
         publish=(
             engine_step_subject(ANY), engine_hello_subject(ANY), engine_retire_subject(ANY),
             DETOKENIZE, ENGINE_STATS, DETOKENIZE_STOPS,
+            # P/D: hand-offs to decode engines, releases to prefill engines.
+            engine_kv_handoff_subject(ANY), engine_kv_release_subject(ANY), engine_kv_serve_subject(ANY),
         ),
         subscribe=(
             engine_ready_subject(ANY), engine_result_subject(ANY), ENGINE_REQUESTS,
             engine_abort_subject(ANY), engine_resend_subject(ANY), engine_profile_subject(ANY),
             ping_subject("scheduler"), engine_stops_subject(ANY),
+            engine_kv_handoff_subject(ANY), engine_kv_release_subject(ANY), ENGINE_STATS,
         ),
+        makes_requests=True,
     ),
     "worker": Permissions(
-        publish=(engine_ready_subject(ANY), engine_result_subject(ANY)),
+        publish=(engine_ready_subject(ANY), engine_result_subject(ANY),
+                 # P/D: KV chunks pulled from prefill ranks; load ends told to rank 0.
+                 engine_kv_pull_subject(ANY, ANY), engine_kv_recvd_subject(ANY)),
         subscribe=(
             engine_step_subject(ANY), engine_hello_subject(ANY), engine_retire_subject(ANY),
             engine_ready_subject(ANY), ping_subject("worker"), LORA_ADAPTERS,
+            engine_kv_pull_subject(ANY, ANY), engine_kv_recvd_subject(ANY), engine_kv_serve_subject(ANY),
         ),
+        makes_requests=True,
     ),
     "admin": Permissions(publish=(">",), subscribe=(">",)),  # ">" holds its inbox too
 }

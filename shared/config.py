@@ -257,3 +257,43 @@ class ParallelConfig:
             raise ConfigError(
                 f"rank must be in [0, {self.tensor_parallel_size}), got {self.rank}"
             )
+
+
+# P/D disaggregation roles (vLLM's kv_role values).
+KV_PRODUCER = "kv_producer"  # a prefill engine: takes new requests, hands them off after the first token
+KV_CONSUMER = "kv_consumer"  # a decode engine: takes hand-offs only, pulls their prompt KV
+KV_BOTH = "kv_both"  # takes new requests and decodes them itself, and takes hand-offs
+KV_ROLES = ("", KV_PRODUCER, KV_CONSUMER, KV_BOTH)
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation through the NATS KV connector (docs/ARCHITECTURE.md)."""
+
+    kv_role: str = setting("", "P/D role: kv_producer (prefill engine) | kv_consumer (decode engine) | "
+                               "kv_both; '' = no KV transfer")
+    kv_transfer_timeout: float = setting(
+        10.0, "seconds a decode engine waits for a hand-off's prompt KV before it recomputes the prompt")
+    kv_hold_timeout: float = setting(
+        30.0, "seconds a prefill engine holds a handed-off request's blocks when no release comes")
+    kv_chunk_timeout: float = setting(2.0, "seconds a decode worker waits for one chunk of KV blocks")
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ConfigError(f"kv_role must be one of kv_producer|kv_consumer|kv_both or '', got {self.kv_role!r}")
+        for name in ("kv_transfer_timeout", "kv_hold_timeout", "kv_chunk_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def takes_new_requests(self) -> bool:
+        """Tokenizers reach this engine (every engine but a decode-only one)."""
+        return self.kv_role != KV_CONSUMER
+
+    @property
+    def hands_off(self) -> bool:
+        return self.kv_role == KV_PRODUCER
+
+    @property
+    def takes_handoffs(self) -> bool:
+        return self.kv_role in (KV_CONSUMER, KV_BOTH)

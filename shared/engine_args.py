@@ -10,9 +10,18 @@ from __future__ import annotations
 import argparse
 
 from shared.cli import add_config_flags
-from shared.config import CacheConfig, EngineServiceConfig, LoRAConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
+from shared.config import (
+    CacheConfig,
+    EngineServiceConfig,
+    KVTransferConfig,
+    LoRAConfig,
+    ModelRunConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
-ENGINE_CONFIGS = (EngineServiceConfig, ModelRunConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig)
+ENGINE_CONFIGS = (EngineServiceConfig, ModelRunConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig,
+                  KVTransferConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

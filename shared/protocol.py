@@ -87,6 +87,37 @@ def engine_retire_subject(engine_id: str) -> str:
     return f"{SUBJECT_PREFIX}.engine.{engine_id}.retire"
 
 
+def engine_kv_handoff_subject(engine_id: str) -> str:
+    """P/D: a prefill engine's scheduler hands a prefilled request to this decode engine's
+    scheduler (request/reply, ``KVHandoff``)."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.kv.handoff"
+
+
+def engine_kv_release_subject(engine_id: str) -> str:
+    """P/D: a decode engine's scheduler tells this prefill engine's scheduler that it may
+    free a request's held blocks (``KVRelease``, no reply)."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.kv.release"
+
+
+def engine_kv_pull_subject(engine_id: str, rank: int | str) -> str:
+    """P/D: a decode worker rank asks prefill worker rank ``rank`` of this engine for a chunk
+    of a held request's KV blocks (request/reply, ``KVPull`` -> ``KVChunk``)."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.kv.pull.{rank}"
+
+
+def engine_kv_serve_subject(engine_id: str) -> str:
+    """P/D: a prefill engine's scheduler tells every worker rank at once which held requests
+    they may serve (``KVConnectorMetadata`` with ``reqs_to_send`` only), not waiting for the
+    next step to reach them behind a long prefill; the step carries it too."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.kv.serve"
+
+
+def engine_kv_recvd_subject(engine_id: str) -> str:
+    """P/D under TP: a decode worker rank tells rank 0 of its engine which loads it ended
+    (``KVRecvDone``); rank 0 reports a load once every rank ended it."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.kv.recvd"
+
+
 def gateway_stream_subject(gateway_id: str) -> str:
     """Text deltas for the requests one gateway replica owns."""
     return f"{SUBJECT_PREFIX}.stream.{gateway_id}"
@@ -264,6 +295,43 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     num_computed_tokens: list[int] = []
 
 
+class KVRecvSpec(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """P/D, decode side: one request whose prompt KV the workers pull into ``block_ids``
+    (the local blocks to fill, in order): blocks ``first_block ..`` of the request held by
+    engine ``remote_engine_id`` (its scheduler incarnation ``remote_incarnation``); each
+    rank pulls its own shard from the same rank there."""
+
+    req_id: str
+    block_ids: list[int]
+    first_block: int
+    remote_engine_id: str
+    remote_incarnation: str
+
+
+class KVSendSpec(msgspec.Struct, array_like=True, gc=False):
+    """P/D, prefill side: a finished request whose blocks the workers may serve to the
+    decode side until told to stop (``KVConnectorMetadata.reqs_not_to_send``)."""
+
+    req_id: str
+    block_ids: list[int]
+
+
+class KVConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The scheduler's connector role -> the workers' (vLLM's ``KVConnectorMetadata``),
+    carried by the step diff. Workers apply it before the step's forward pass, in this
+    order: stop serving, cancel loads, start serving, start loads."""
+
+    reqs_to_recv: list[KVRecvSpec] = []
+    reqs_to_send: list[KVSendSpec] = []
+    # Released or timed out: the blocks are free again, never serve them after this step.
+    reqs_not_to_send: list[str] = []
+    # Loads given up (timed out, aborted): never write into their blocks after this step.
+    reqs_to_cancel: list[str] = []
+
+    def is_empty(self) -> bool:
+        return not (self.reqs_to_recv or self.reqs_to_send or self.reqs_not_to_send or self.reqs_to_cancel)
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One engine step, as a diff against what the workers already hold.
 
@@ -288,6 +356,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # with each one, so a result is matched by (incarnation, step_id).
     incarnation: str = ""
     num_spec_tokens: list[int] = []
+    # P/D (docs/ARCHITECTURE.md): what the workers' KV connector must load, serve or stop.
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
@@ -329,6 +399,12 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     token_logprobs: list[list[Logprobs]] = []
     # Parallel to req_ids, or empty: the prompt logprobs this step computed (None: none).
     prompt_logprobs: list[PromptLogprobs | None] = []
+    # P/D: loads every rank finished since the last step (their blocks hold the prompt's
+    # KV), loads some rank failed (the scheduler recomputes those), and the bytes rank 0
+    # pulled meanwhile (each rank pulls an equal shard).
+    finished_recving: list[str] = []
+    failed_recving: list[str] = []
+    kv_bytes_recvd: int = 0
 
 
 # --------------------------------------------------------------------------- outputs
@@ -380,6 +456,10 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # With the first output token, when asked for: one entry per prompt token; the first
     # has the prompt's first token and no logprob (nothing predicts it).
     prompt_logprobs: list[Logprobs] = []
+    # P/D: the engine now holding the request (it was handed from a prefill engine to this
+    # decode engine): the gateway watches this one from now on.
+    owner_engine_id: str = ""
+    owner_incarnation: str = ""
 
 
 # --------------------------------------------------------------------------- service messages
@@ -568,6 +648,9 @@ class StreamDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     stop_reason: str | int | None = None
     # With the first output token, when asked for (EngineOutput.prompt_logprobs, decoded).
     prompt_logprobs: list[PromptLogprob] = []
+    # P/D: the engine that holds the request from now on (EngineOutput.owner_engine_id).
+    engine_id: str = ""
+    incarnation: str = ""
 
 
 class StreamDeltaBatch(msgspec.Struct, array_like=True, gc=False):
@@ -595,6 +678,16 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # P/D (KVTransferConfig): the engine's role, requests whose prompt KV is being pulled,
+    # and the KV transfers so far (decode side: bytes pulled by every rank, seconds from
+    # hand-off to loaded summed over requests, loads, failed loads, recomputed prompts).
+    kv_role: str = ""
+    num_requests_waiting_for_remote_kv: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_requests: int = 0
+    kv_transfer_failures: int = 0
+    kv_transfer_fallbacks: int = 0
 
 
 class WorkerReady(msgspec.Struct, omit_defaults=True):
@@ -615,6 +708,86 @@ class WorkerRetire(msgspec.Struct, omit_defaults=True):
 
     engine_id: str
     instance_ids: list[str]
+
+
+# --------------------------------------------------------------------------- P/D disaggregation
+
+
+class KVTransferParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """Where a handed-off request's prompt KV lies (vLLM's ``kv_transfer_params``): the
+    first ``num_remote_tokens`` tokens, in ``num_remote_blocks`` blocks held by engine
+    ``remote_engine_id`` (scheduler incarnation ``remote_incarnation``) with ``remote_world_size``
+    TP ranks and ``remote_block_size`` tokens per block."""
+
+    remote_engine_id: str
+    remote_incarnation: str
+    num_remote_tokens: int
+    num_remote_blocks: int
+    remote_world_size: int = 1
+    remote_block_size: int = 16
+
+
+class KVHandoff(msgspec.Struct, omit_defaults=True):
+    """prefill scheduler -> decode scheduler (``engine_kv_handoff_subject``, request/reply):
+    go on with this request; its prompt's KV is held for you (``kv_transfer_params``) and its
+    first output token(s) are already sent to the client. Idempotent: a known id is taken
+    as accepted."""
+
+    request: EngineRequest
+    output_token_ids: list[int]
+    kv_transfer_params: KVTransferParams
+    num_cached_tokens: int = 0
+
+
+class KVHandoffReply(msgspec.Struct, omit_defaults=True):
+    """decode scheduler -> prefill scheduler: taken (by the engine and incarnation named), or
+    why not (the prefill side then tries another engine or decodes it itself)."""
+
+    accepted: bool
+    error: str = ""
+    engine_id: str = ""
+    incarnation: str = ""
+
+
+class KVRelease(msgspec.Struct, omit_defaults=True):
+    """decode scheduler -> prefill scheduler (``engine_kv_release_subject``): the held blocks
+    of these requests (of scheduler incarnation ``incarnation``) may go. Idempotent; a lost
+    one costs the hold until its timeout."""
+
+    request_ids: list[str]
+    incarnation: str
+
+
+class KVPull(msgspec.Struct, array_like=True, gc=False):
+    """decode worker rank -> the same prefill worker rank (``engine_kv_pull_subject``): the
+    KV of blocks ``first_block .. first_block + num_blocks`` of held request ``req_id``, layers
+    ``first_layer .. first_layer + num_layers``."""
+
+    req_id: str
+    incarnation: str
+    first_block: int
+    num_blocks: int
+    first_layer: int
+    num_layers: int
+
+
+class KVChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The answer to a ``KVPull``: per layer, keys then values of the blocks, raw
+    (``services/worker/kv_transfer/block_io.py``); or an error, ``retry`` when the blocks are
+    not served yet (the step that starts serving them is still on its way)."""
+
+    data: bytes = b""
+    error: str = ""
+    retry: bool = False
+
+
+class KVRecvDone(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """decode worker rank -> rank 0 of its engine (``engine_kv_recvd_subject``): loads this
+    rank finished and failed. Idempotent."""
+
+    rank: int
+    finished: list[str] = []
+    failed: list[str] = []
 
 
 class ServiceRestarts(msgspec.Struct, omit_defaults=True):
@@ -676,3 +849,10 @@ WORKER_RETIRE = Codec(WorkerRetire)
 SERVICE_RESTARTS_MSG = Codec(ServiceRestarts)
 LORA_ADAPTERS_MSG = Codec(LoRAAdapters)
 PONG = Codec(Pong)
+KV_HANDOFF = Codec(KVHandoff)
+KV_HANDOFF_REPLY = Codec(KVHandoffReply)
+KV_RELEASE = Codec(KVRelease)
+KV_PULL = Codec(KVPull)
+KV_CHUNK = Codec(KVChunk)
+KV_RECV_DONE = Codec(KVRecvDone)
+KV_CONNECTOR_METADATA = Codec(KVConnectorMetadata)

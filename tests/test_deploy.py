@@ -151,3 +151,10 @@ def test_the_public_port_is_loopback_and_waits_for_a_healthy_gateway():
     assert {n: d["condition"] for n, d in lb["depends_on"].items()} == dict.fromkeys(gateway_services(),
                                                                                  "service_healthy")
     assert all(s.get("restart") == "unless-stopped" for n, s in services.items()), "every service restarts"
+
+
+def test_pd_profile_runs_a_prefill_and_a_decode_engine_with_matching_roles():
+    services = {n: s for n, s in compose()["services"].items() if "pd" in s.get("profiles", [])}
+    roles = {(s["environment"]["ENGINE_ID"], s["command"][2], s["environment"]["KV_ROLE"]) for s in services.values()}
+    assert roles == {("prefill", "services.scheduler", "kv_producer"), ("prefill", "services.worker", "kv_producer"),
+                     ("decode", "services.scheduler", "kv_consumer"), ("decode", "services.worker", "kv_consumer")}

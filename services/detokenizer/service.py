@@ -192,6 +192,8 @@ class DetokenizerService(Service):
                     error=output.error,
                     stop_reason=result.stop_reason if result.finish_reason == FinishReason.STOP else None,
                     prompt_logprobs=result.prompt_logprobs,
+                    engine_id=output.owner_engine_id,
+                    incarnation=output.owner_incarnation,
                 )
             )
         return deltas, aborts

@@ -108,6 +108,8 @@ class GatewayService(Service):
                 self.num_dropped_deltas += 1
                 logger.debug("%s: delta for an unknown or finished request dropped", delta.request_id)
                 continue
+            if delta.engine_id:  # P/D: handed to a decode engine, which the gateway watches now
+                stream.engine_id, stream.incarnation = delta.engine_id, delta.incarnation
             stream.push(delta)
             if stream.finished:
                 self.release(stream)

@@ -65,6 +65,7 @@ class _EngineCollector:
         ("num_requests_running", "Number of requests in model execution batches."),
         ("num_requests_waiting", "Number of requests waiting to be processed."),
         ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+        ("num_requests_waiting_for_remote_kv", "P/D: requests whose prompt KV a decode engine is pulling."),
     )
     COUNTERS = (
         ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
@@ -73,6 +74,11 @@ class _EngineCollector:
         ("spec_decode_num_drafts", "spec_decode_num_drafts", "Number of spec decoding drafts."),
         ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Number of draft tokens."),
         ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+        ("kv_transfer_bytes", "kv_transfer_bytes", "P/D: KV cache bytes decode engines pulled."),
+        ("kv_transfer_seconds", "kv_transfer_seconds", "P/D: seconds from hand-off to loaded KV, summed."),
+        ("kv_transfer_requests", "kv_transfer_requests", "P/D: requests whose prompt KV was loaded."),
+        ("kv_transfer_failures", "kv_transfer_failures", "P/D: KV loads that failed or timed out."),
+        ("kv_transfer_fallbacks", "kv_transfer_fallbacks", "P/D: prompts recomputed instead of loaded."),
     )
 
     def __init__(self, store: EngineStatsStore, model_name: str) -> None:

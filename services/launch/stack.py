@@ -26,6 +26,7 @@ from services.launch.nats_server import NatsServer, free_port
 from services.launch.supervisor import Supervisor
 from shared.bus import flush_in_order
 from shared.bus_auth import gateway_user
+from shared.config import KV_CONSUMER, KV_PRODUCER, ConfigError
 from shared.protocol import SERVICE_RESTARTS, SERVICE_RESTARTS_MSG, ServiceRestarts
 from services.launch.service_flags import split_service_args
 
@@ -54,6 +55,17 @@ class StackConfig:
     log_dir: str | None = None
     # nats-server with one user per service role and fresh passwords (shared/bus_auth.py).
     authenticated_bus: bool = True
+    # P/D disaggregation: this many prefill and decode engines (each its own scheduler and
+    # tensor_parallel_size worker ranks) instead of one engine; both 0: one plain engine.
+    prefill_engines: int = 0
+    decode_engines: int = 0
+
+    def engines(self) -> list[tuple[str, str]]:
+        """(engine id, kv_role) of each engine to start; ("", "") is the one plain engine."""
+        if not self.prefill_engines and not self.decode_engines:
+            return [("", "")]
+        return ([(f"prefill-{i}", KV_PRODUCER) for i in range(self.prefill_engines)]
+                + [(f"decode-{i}", KV_CONSUMER) for i in range(self.decode_engines)])
 
 
 class Stack:
@@ -61,6 +73,8 @@ class Stack:
         self.config = config
         # Raises ConfigError, before anything starts, for a flag no service takes.
         self.service_args = split_service_args(config.args)
+        if (config.prefill_engines > 0) != (config.decode_engines > 0):
+            raise ConfigError("P/D needs at least one prefill engine and one decode engine")
         self.nats: NatsServer | None = None
         self.supervisor = Supervisor()
         self._supervising: threading.Thread | None = None
@@ -103,17 +117,9 @@ class Stack:
         self.nats = NatsServer(port=cfg.nats_port, log_file=log, authenticated=cfg.authenticated_bus,
                                gateway_ids=[GATEWAY_ID])
         model = ["--model", cfg.model] if cfg.model else []
-        tp = ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
-        # TP ranks meet in a torch.distributed rendezvous hosted by rank 0 (args may override).
-        dist = []
-        if cfg.tensor_parallel_size > 1:
-            dist = ["--dist-init-method", f"tcp://127.0.0.1:{free_port()}"]
         extra = self.service_args
-        for rank in range(cfg.tensor_parallel_size):
-            self.start_service(
-                f"worker-{rank}", "services.worker", [*model, *tp, "--rank", str(rank), *dist, *extra["worker"]]
-            )
-        self.start_service("scheduler", "services.scheduler", [*model, *tp, *extra["scheduler"]])
+        for engine_id, kv_role in cfg.engines():
+            self._start_engine(engine_id, kv_role, model)
         for i in range(cfg.num_tokenizers):
             self.start_service(f"tokenizer-{i}", "services.tokenizer", [*model, *extra["tokenizer"]])
         for i in range(cfg.num_detokenizers):
@@ -122,6 +128,24 @@ class Stack:
             "gateway", "services.gateway",
             [*model, "--host", cfg.host, "--port", str(cfg.port), *extra["gateway"]],
         )
+
+    def _start_engine(self, engine_id: str, kv_role: str, model: list[str]) -> None:
+        """One engine: its worker ranks and its scheduler. The plain engine's processes are
+        ``worker-<rank>`` and ``scheduler``; a P/D engine's ``<engine id>-worker-<rank>`` and
+        ``<engine id>-scheduler``."""
+        cfg = self.config
+        extra = self.service_args
+        tp = ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+        role = ["--engine-id", engine_id, "--kv-role", kv_role] if engine_id else []
+        prefix = f"{engine_id}-" if engine_id else ""
+        # TP ranks meet in a torch.distributed rendezvous hosted by rank 0 (args may override).
+        dist = []
+        if cfg.tensor_parallel_size > 1:
+            dist = ["--dist-init-method", f"tcp://127.0.0.1:{free_port()}"]
+        for rank in range(cfg.tensor_parallel_size):
+            self.start_service(f"{prefix}worker-{rank}", "services.worker",
+                               [*model, *tp, *role, "--rank", str(rank), *dist, *extra["worker"]])
+        self.start_service(f"{prefix}scheduler", "services.scheduler", [*model, *tp, *role, *extra["scheduler"]])
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         """Until /health says the gateway reaches a tokenizer and the engine is ready; a
@@ -145,16 +169,31 @@ class Stack:
         raise TimeoutError(f"stack not ready after {timeout}s")
 
     def engine_ready(self) -> bool:
-        """The scheduler answers its health ping with ready=True once its workers are up."""
+        """The scheduler answers its health ping with ready=True once its workers are up;
+        with P/D, every engine's stats say ready."""
         import asyncio
 
         import nats
 
-        from shared.protocol import PONG, ping_subject
+        from shared.protocol import ENGINE_STATS, ENGINE_STATS_MSG, PONG, ping_subject
+
+        engine_ids = {engine_id for engine_id, _ in self.config.engines() if engine_id}
 
         async def ask() -> bool:
             nc = await nats.connect(self.nats.url, **self.nats.credentials("admin"))
             try:
+                if engine_ids:
+                    ready: set[str] = set()
+                    sub = await nc.subscribe(ENGINE_STATS)
+                    deadline = time.monotonic() + 2.5  # stats come every second
+                    while ready < engine_ids and time.monotonic() < deadline:
+                        try:
+                            stats = ENGINE_STATS_MSG.decode((await sub.next_msg(timeout=0.5)).data)
+                        except Exception:
+                            continue
+                        if stats.ready:
+                            ready.add(stats.engine_id)
+                    return ready >= engine_ids
                 reply = await nc.request(ping_subject("scheduler"), b"", timeout=0.5)
                 return bool(PONG.decode(reply.data).info.get("ready"))
             except Exception:

@@ -2,7 +2,14 @@
 
 from shared.bus import run_service, setup_logging
 from shared.cli import add_config_flags, base_parser, config_from_args
-from shared.config import CacheConfig, EngineServiceConfig, LoRAConfig, ParallelConfig, SchedulerConfig
+from shared.config import (
+    CacheConfig,
+    EngineServiceConfig,
+    KVTransferConfig,
+    LoRAConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from shared.engine_args import add_engine_args
 
 from .config import SchedulerServiceConfig
@@ -30,6 +37,7 @@ def main() -> None:
         profile=engine.profile_steps,
         nats_url=args.nats_url,
         lora_config=config_from_args(LoRAConfig, args),
+        kv_transfer_config=config_from_args(KVTransferConfig, args),
     )
     run_service(service)
 

@@ -78,8 +78,11 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
-        """Give the request room for ``num_new_tokens`` more tokens, or return None."""
+        """Give the request room for ``num_new_tokens`` more tokens, or return None.
+        ``delay_cache_blocks``: the new blocks' KV arrives from elsewhere (P/D): they join
+        the prefix cache only once it has arrived (``cache_blocks``)."""
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -99,15 +102,23 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         req_blocks.extend(new_blocks)
 
-        if self.enable_caching:
+        if not delay_cache_blocks:
             # Blocks whose tokens will all be known after this step join the cache.
-            num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
-            num_full = min(num_full, len(request.block_hashes))
-            first = self.num_cached_blocks.get(request.request_id, 0)
-            for i in range(first, num_full):
-                self.block_pool.cache_full_block(req_blocks[i], request.block_hashes[i])
-            self.num_cached_blocks[request.request_id] = max(first, num_full)
+            self.cache_blocks(request, num_computed + num_new_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks among its first ``num_tokens`` tokens in the
+        prefix cache."""
+        if not self.enable_caching:
+            return
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_full, len(request.block_hashes), len(req_blocks))
+        first = self.num_cached_blocks.get(request.request_id, 0)
+        for i in range(first, num_full):
+            self.block_pool.cache_full_block(req_blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(first, num_full)
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first (see BlockPool.free_blocks)."""

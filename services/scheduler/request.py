@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import enum
 
-from shared.protocol import EngineRequest, FinishReason, Logprobs, LoRARequest, PromptLogprobs, SamplingParams
+from shared.protocol import (
+    EngineRequest,
+    FinishReason,
+    KVTransferParams,
+    Logprobs,
+    LoRARequest,
+    PromptLogprobs,
+    SamplingParams,
+)
 
 from .block_hash import extend_block_hashes
 
@@ -14,6 +22,8 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
+    # P/D, decode side: blocks allocated, the workers are pulling the prompt's KV.
+    WAITING_FOR_REMOTE_KVS = 4
 
 
 class Request:
@@ -61,6 +71,12 @@ class Request:
         # prefill chunks (a recomputed chunk adds nothing), sent with the first output.
         self.prompt_logprobs: list[Logprobs] = []
         self.prompt_logprobs_sent = False
+        # P/D (services/scheduler/kv_connector.py). Prefill side: the request is handed to
+        # a decode engine after its first token. Decode side: where its prompt's KV lies
+        # (until loaded), and that it came by hand-off (its outputs name this engine).
+        self.do_remote_decode = False
+        self.kv_transfer_params: KVTransferParams | None = None
+        self.came_by_handoff = False
         self.block_hashes: list[bytes] = []
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt, self.lora_key)
 

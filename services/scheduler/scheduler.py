@@ -38,6 +38,7 @@ from shared.protocol import (
 from shared.token_window import window_tokens
 
 from .kv_cache_manager import KVCacheManager
+from .kv_connector import KVConnectorScheduler
 from .request import Request, RequestStatus
 from .spec_decode_stats import SpecDecodeStats
 
@@ -77,9 +78,10 @@ class Scheduler:
         first_step_id: int = 1,
         vocab_size: int = 0,
         max_loras: int = 0,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         """``max_loras``: distinct LoRA adapters among the running requests (0: requests
-        with an adapter are refused)."""
+        with an adapter are refused). ``kv_connector``: P/D (None: no KV transfer)."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
@@ -112,6 +114,10 @@ class Scheduler:
         # No drafts while more requests than this run or wait (0: no limit).
         self.disable_spec_above = speculative.disable_by_batch_size if speculative else 0
         self.spec_decode_stats = SpecDecodeStats(self.num_speculative_tokens)
+        self.connector = kv_connector
+        # P/D, prefill side: requests handed off since the service last took them, with
+        # where their KV is held (``take_handoffs``).
+        self._handoffs: list[tuple[Request, object]] = []
 
     # ------------------------------------------------------------------ intake
 
@@ -176,6 +182,15 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_connector_work(self) -> bool:
+        """P/D: loads or holds whose deadlines ``schedule()`` must check now and then."""
+        return self.connector is not None and bool(self.connector.loads or self.connector.holds)
+
+    def is_loading_remote_kv(self) -> bool:
+        """P/D: requests wait for their KV: steps go on (empty ones too), as only a step's
+        result tells which loads have finished."""
+        return self.connector is not None and bool(self.connector.loads)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
@@ -186,6 +201,8 @@ class Scheduler:
         requests that need blocks the pool lacks then wait for a later step."""
         # Invariant: every running request holds blocks for its num_computed_tokens,
         # and every request appears at most once in running + waiting.
+        if self.connector is not None:
+            self._connector_deadlines()
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         num_scheduled: dict[str, int] = {}
@@ -235,6 +252,8 @@ class Scheduler:
         # running adapter's requests are done, and the requests behind it wait too (FIFO),
         # so running adapters cannot keep taking new requests past it.
         running_loras = {r.lora_key for r in self.running if r.lora_key}
+        # P/D: requests whose prompt KV is still loading stay in line, skipped.
+        skipped: deque[Request] = deque()
         # After a preemption the pool is full: admitting waiting requests would thrash.
         while (
             not preempted
@@ -244,11 +263,23 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(self.waiting.popleft())
+                continue
             if request.lora_key and request.lora_key not in running_loras:
                 if len(running_loras) >= self.max_loras:
                     break
                 running_loras.add(request.lora_key)
-            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            if request.num_computed_tokens:  # P/D: its prompt's KV was loaded into its blocks
+                computed_blocks, num_computed = [], request.num_computed_tokens
+            else:
+                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+                loading = self._start_remote_load(request, computed_blocks, num_computed)
+                if loading is None:
+                    break  # no room for its blocks yet
+                if loading:
+                    skipped.append(self.waiting.popleft())
+                    continue
             num_new = request.num_tokens - num_computed
             if threshold:
                 num_new = min(num_new, threshold)
@@ -256,7 +287,7 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new, computed_blocks, num_computed
+                request, num_new, computed_blocks, num_computed - request.num_computed_tokens
             )
             if new_blocks is None:
                 break
@@ -271,6 +302,7 @@ class Scheduler:
             (scheduled_resumed if resumed else scheduled_new).append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         output = self._make_output(
             scheduled_new, scheduled_resumed, scheduled_running, num_scheduled, new_blocks_of, num_spec_of
@@ -281,6 +313,91 @@ class Scheduler:
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # the step reaches its end: it samples
         return output
+
+    # ------------------------------------------------------------------ P/D
+
+    def _start_remote_load(self, request: Request, computed_blocks, num_computed: int) -> bool | None:
+        """Decode side: if the request's prompt KV past its local prefix-cache hits lies on a
+        prefill engine, allocate blocks for it (cached once loaded) and park the request
+        until the workers have pulled it. False: it computes as any other request; None:
+        the pool has no room for its blocks now."""
+        if self.connector is None:
+            return False
+        num_external, _ = self.connector.get_num_new_matched_tokens(request, num_computed)
+        if not num_external:
+            return False
+        kv = self.kv_cache_manager
+        if kv.allocate_slots(request, num_external, computed_blocks, num_computed, delay_cache_blocks=True) is None:
+            return None
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        self.connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id), num_computed,
+                                                num_external)
+        return True
+
+    def _connector_deadlines(self) -> None:
+        for request in self.connector.expired_holds():
+            self.kv_cache_manager.free(request)
+        for request in self.connector.expired_loads():
+            self._recompute_prompt(request)
+
+    def _recompute_prompt(self, request: Request) -> None:
+        """A load failed or timed out: the request computes its prompt here instead (its
+        blocks were never cached, so none of the load's partial data is ever hit)."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+
+    def _update_from_kv_xfer_finished(self, runner_output: ModelRunnerOutput) -> None:
+        """Loads the workers finished become runnable (their blocks join the prefix cache);
+        failed ones recompute."""
+        connector = self.connector
+        connector.stats.bytes += runner_output.kv_bytes_recvd * connector.world_size
+        for load in connector.finished_loading(runner_output.finished_recving):
+            request = load.request
+            request.num_computed_tokens = load.num_local + load.num_external
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.WAITING
+        for request in connector.failed_loading(runner_output.failed_recving):
+            self._recompute_prompt(request)
+
+    def _hand_off(self, request: Request) -> None:
+        """Prefill side: the request's first token is out; its blocks stay held for the
+        decode engine the service picks (``take_handoffs``), the workers drop its state."""
+        params = None
+        if self.connector is not None:
+            _, params = self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(request.request_id))
+        request.status = RequestStatus.FINISHED
+        del self.requests[request.request_id]
+        if request.request_id in self._sent_to_workers:
+            self._sent_to_workers.discard(request.request_id)
+            self._finished_req_ids.add(request.request_id)
+        self._handoffs.append((request, params))
+
+    def take_handoffs(self) -> list[tuple[Request, object]]:
+        handoffs, self._handoffs = self._handoffs, []
+        return handoffs
+
+    def release_held(self, request_ids: list[str], incarnation: str) -> int:
+        """Prefill side: the decode side is done with these requests' blocks."""
+        released = self.connector.release(request_ids, incarnation) if self.connector is not None else []
+        for request in released:
+            self.kv_cache_manager.free(request)
+        return len(released)
+
+    def decode_locally(self, request: Request) -> None:
+        """Prefill side: no decode engine took the request: free its hold (its blocks stay in
+        the prefix cache) and run it here, from its prompt and first token."""
+        self.release_held([request.request_id], self.connector.incarnation)
+        request.do_remote_decode = False
+        request.status = RequestStatus.WAITING
+        request.finish_reason = FinishReason.NONE
+        request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
 
     def _num_spec_tokens(self, request: Request, num_new: int, budget: int) -> int:
         """How many of the request's drafts go into this step: none unless the step reaches
@@ -305,6 +422,7 @@ class Scheduler:
         return (
             num_outputs >= request.sampling_params.max_tokens
             or request.num_tokens + request.num_output_placeholders >= self.max_model_len
+            or (request.do_remote_decode and num_outputs >= 1)  # P/D: handed off after one token
         )
 
     def _make_output(
@@ -339,7 +457,8 @@ class Scheduler:
         finished = sorted(self._finished_req_ids)
         self._finished_req_ids.clear()
         reset_state = False
-        if order or finished:
+        meta = self.connector.build_connector_meta() if self.connector is not None else None
+        if order or finished or meta is not None or self.is_loading_remote_kv():
             self._step_id += 1
             reset_state, self._reset_pending = self._reset_pending, False
         return SchedulerOutput(
@@ -352,7 +471,14 @@ class Scheduler:
             finished_req_ids=finished,
             reset_state=reset_state,
             num_spec_tokens=[num_spec_of.get(r, 0) for r in order] if num_spec_of else [],
+            kv_connector_metadata=meta,
         )
+
+    def step_worth_sending(self, step: SchedulerOutput) -> bool:
+        """Whether ``step`` has anything for the workers (work, state to drop, connector
+        metadata, or loads whose end a step's result reports)."""
+        return bool(step.total_num_scheduled_tokens or step.finished_req_ids or step.kv_connector_metadata
+                    or self.is_loading_remote_kv())
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -372,6 +498,8 @@ class Scheduler:
     ) -> list[EngineOutput]:
         """Append sampled tokens, finish requests that stop, and report per request."""
         outputs = []
+        if self.connector is not None:
+            self._update_from_kv_xfer_finished(runner_output)
         num_reqs = len(runner_output.req_ids)
         if runner_output.token_logprobs:
             logprobs = runner_output.token_logprobs
@@ -404,6 +532,9 @@ class Scheduler:
                     self.running.remove(request)
                     self._finish(request, reason)
                     break
+            if request.do_remote_decode and not request.is_finished:
+                self.running.remove(request)
+                self._hand_off(request)
             output = self._engine_output(request, new_token_ids, lps[: len(new_token_ids)])
             output.prompt_logprobs = request.take_prompt_logprobs()
             outputs.append(output)
@@ -437,6 +568,8 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if self.connector is not None:
+            self.connector.request_finished(request, [])  # a load under way is cancelled
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         end = self._engine_output(request, [], [], carry_stop=True)
@@ -498,6 +631,8 @@ class Scheduler:
             stop_reason=request.stop_reason,
             text_settings=RequestStopStrings.of(request.request_id, params)
             if carry_stop and params.has_text_settings else None,
+            owner_engine_id=self.connector.engine_id if request.came_by_handoff else "",
+            owner_incarnation=self.connector.incarnation if request.came_by_handoff else "",
         )
 
     # ------------------------------------------------------------------ stats
@@ -512,4 +647,19 @@ class Scheduler:
             "prefix_cache_hits": kv.prefix_cache_stats.hits,
             "num_preemptions": self.num_preemptions,
             **self.spec_decode_stats.as_engine_stats(),
+            **self._kv_transfer_stats(),
+        }
+
+    def _kv_transfer_stats(self) -> dict:
+        if self.connector is None:
+            return {}
+        stats = self.connector.stats
+        return {
+            "kv_role": self.connector.config.kv_role,
+            "num_requests_waiting_for_remote_kv": self.connector.num_waiting_for_remote_kv,
+            "kv_transfer_bytes": stats.bytes,
+            "kv_transfer_seconds": stats.seconds,
+            "kv_transfer_requests": stats.requests,
+            "kv_transfer_failures": stats.failures,
+            "kv_transfer_fallbacks": stats.fallbacks,
         }

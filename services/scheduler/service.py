@@ -41,7 +41,8 @@ from nats.aio.msg import Msg
 
 from shared.aio import wait_for
 from shared.bus import Service
-from shared.config import CacheConfig, LoRAConfig, SchedulerConfig
+from shared.config import CacheConfig, KVTransferConfig, LoRAConfig, SchedulerConfig
+from shared.kv_transfer_faults import KVTransferFaults
 from shared.protocol import (
     ABORT_REQUEST,
     DETOKENIZE,
@@ -52,6 +53,10 @@ from shared.protocol import (
     ENGINE_REQUESTS,
     ENGINE_STATS,
     ENGINE_STATS_MSG,
+    KV_CONNECTOR_METADATA,
+    KV_HANDOFF,
+    KV_HANDOFF_REPLY,
+    KV_RELEASE,
     MODEL_RUNNER_OUTPUT,
     RESEND_OUTPUTS,
     SCHEDULER_OUTPUT,
@@ -61,16 +66,25 @@ from shared.protocol import (
     WORKER_RETIRE,
     EngineOutput,
     EngineOutputBatch,
+    EngineRequest,
     EngineRequestReply,
     EngineStats,
     ErrorInfo,
     FinishReason,
+    KVConnectorMetadata,
+    KVHandoff,
+    KVHandoffReply,
+    KVRelease,
+    KVSendSpec,
     RequestStopStrings,
     SchedulerOutput,
     StopStrings,
     WorkerRetire,
     engine_abort_subject,
     engine_hello_subject,
+    engine_kv_handoff_subject,
+    engine_kv_release_subject,
+    engine_kv_serve_subject,
     engine_profile_subject,
     engine_ready_subject,
     engine_resend_subject,
@@ -84,6 +98,8 @@ from shared.protocol import (
 from shared.step_profile import NULL_CLOCK, NullClock, PhaseClock, StepProfile
 
 from .config import SchedulerServiceConfig
+from .kv_connector import KVConnectorScheduler
+from .kv_routing import DecodeEngines
 from .request import Request
 from .scheduler import RequestRejected, Scheduler
 from .spec_decode_stats import SpecDecodeLog
@@ -101,6 +117,12 @@ MAX_RESUMES = 2
 # Characters of stop strings per broadcast or query answer, at most (one request's may
 # exceed it): a message stays far below the bus's payload limit (8 MiB).
 STOP_STRINGS_MESSAGE_CHARS = 1 << 18
+# P/D: seconds a prefill engine waits for a decode engine to take a request, per engine
+# tried, and how many it tries before decoding the request itself.
+HANDOFF_TIMEOUT = 2.0
+HANDOFF_ATTEMPTS = 2
+# P/D: seconds between steps sent only to learn whether KV loads have finished.
+KV_POLL_INTERVAL = 0.005
 
 
 def stop_strings_chars(entry: RequestStopStrings) -> int:
@@ -132,9 +154,13 @@ class SchedulerService(Service):
         profile: bool = False,
         nats_url: str | None = None,
         lora_config: LoRAConfig = LoRAConfig(),
+        kv_transfer_config: KVTransferConfig = KVTransferConfig(),
     ) -> None:
         super().__init__(nats_url)
         self.engine_id = engine_id
+        self.kv_transfer_config = kv_transfer_config
+        self.decode_engines = DecodeEngines()
+        self.kv_faults = KVTransferFaults.from_env()
         self.max_loras = lora_config.max_loras if lora_config.enable_lora else 0
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -183,7 +209,13 @@ class SchedulerService(Service):
     async def setup(self) -> None:
         await self.subscribe(engine_ready_subject(self.engine_id), self._on_worker_ready)
         await self.subscribe(engine_result_subject(self.engine_id), self._on_result)
-        await self.subscribe(ENGINE_REQUESTS, self._on_request, queue="scheduler")
+        if self.kv_transfer_config.takes_new_requests:
+            await self.subscribe(ENGINE_REQUESTS, self._on_request, queue="scheduler")
+        if self.kv_transfer_config.takes_handoffs:
+            await self.subscribe(engine_kv_handoff_subject(self.engine_id), self._on_handoff)
+        if self.kv_transfer_config.hands_off:
+            await self.subscribe(engine_kv_release_subject(self.engine_id), self._on_release)
+            await self.subscribe(ENGINE_STATS, self._on_engine_stats)
         await self.subscribe(engine_abort_subject("*"), self._on_abort)
         await self.subscribe(engine_resend_subject("*"), self._on_resend)
         await self.subscribe(engine_stops_subject(self.engine_id), self._on_stops_query)
@@ -221,9 +253,14 @@ class SchedulerService(Service):
     def _new_scheduler(self) -> None:
         """A scheduler for the workers now in the group; its first step resets their state,
         and it takes over the requests waiting to resume."""
+        connector = None
+        if self.kv_transfer_config.kv_role:
+            connector = KVConnectorScheduler(self.kv_transfer_config, self.engine_id, self.incarnation,
+                                             self.cache_config.block_size, self.world_size)
         self.scheduler = Scheduler(
             self.scheduler_config, self.cache_config, self.workers.num_blocks, self.workers.max_model_len,
             first_step_id=self._last_step_id + 1, vocab_size=self.workers.vocab_size, max_loras=self.max_loras,
+            kv_connector=connector,
         )
         resumable, self._resumable = self._resumable, []
         if resumable:
@@ -368,7 +405,9 @@ class SchedulerService(Service):
             error = ErrorInfo("the request was aborted before it arrived", type="request_aborted", status=499)
         else:
             try:
-                self.scheduler.add_request(Request.from_engine_request(request, self.cache_config.block_size))
+                new_request = Request.from_engine_request(request, self.cache_config.block_size)
+                new_request.do_remote_decode = self.kv_transfer_config.hands_off
+                self.scheduler.add_request(new_request)
                 if request.sampling_params.has_text_settings:
                     self._stops_added.append(RequestStopStrings.of(request.request_id, request.sampling_params))
                 self.prompt_tokens_total += len(request.prompt_token_ids)
@@ -482,7 +521,8 @@ class SchedulerService(Service):
         step = scheduler.schedule(allow_preemption=behind is None)
         step.incarnation = self.incarnation
         clock.lap("schedule")
-        if step.total_num_scheduled_tokens == 0 and not step.finished_req_ids:
+        self._send_releases(scheduler)
+        if not scheduler.step_worth_sending(step):
             return None
         future = asyncio.get_running_loop().create_future()
         self._pending_steps[step.step_id] = future
@@ -520,8 +560,10 @@ class SchedulerService(Service):
         clock.lap("bus_round_trip")
         outputs = scheduler.update_from_output(step, result)
         clock.lap("update")
+        self.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
+        outputs = self._start_handoffs(scheduler, outputs)
+        self._send_releases(scheduler)
         if outputs:
-            self.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
             await self._publish_outputs(outputs)
             self._stops_finished.extend(o.request_id for o in outputs if o.has_stop and o.finish_reason)
             await self._broadcast_stop_strings()
@@ -530,11 +572,127 @@ class SchedulerService(Service):
         if self.profile is not None:
             num_reqs = len(step.scheduled_req_ids)
             self.profile.end_step(num_reqs, clock.durations, result.timings, result_decode, more_work)
-        if not more_work:
+        if not more_work and not scheduler.is_loading_remote_kv():
             self._work.clear()
+        if not step.total_num_scheduled_tokens and scheduler.is_loading_remote_kv():
+            await asyncio.sleep(KV_POLL_INTERVAL)  # a step only to learn of finished loads
 
     async def _on_profile(self, msg: Msg) -> None:
         await msg.respond(self.profile.answer(msg.data))
+
+    # ------------------------------------------------------------------ P/D
+
+    def _start_handoffs(self, scheduler: Scheduler, outputs: list[EngineOutput]) -> list[EngineOutput]:
+        """Prefill side: hand the requests that got their first token to decode engines (a
+        task); their outputs are published once a decode engine took them, naming it. The
+        other outputs are returned."""
+        handoffs = scheduler.take_handoffs()
+        if not handoffs:
+            return outputs
+        ids = {request.request_id for request, _ in handoffs}
+        held = {o.request_id: o for o in outputs if o.request_id in ids}
+        serve = KVConnectorMetadata(reqs_to_send=[
+            KVSendSpec(r.request_id, scheduler.kv_cache_manager.get_block_ids(r.request_id)) for r, _ in handoffs])
+        self.spawn(self._hand_off(scheduler, handoffs, held, serve))
+        return [o for o in outputs if o.request_id not in ids]
+
+    async def _hand_off(self, scheduler: Scheduler, handoffs, outputs: dict[str, EngineOutput],
+                        serve: KVConnectorMetadata) -> None:
+        # The workers may serve the held blocks at once, not after the step now running.
+        await self.nc.publish(engine_kv_serve_subject(self.engine_id), KV_CONNECTOR_METADATA.encode(serve))
+        results = await asyncio.gather(*(self._hand_off_one(request, params, outputs[request.request_id])
+                                         for request, params in handoffs))
+        for (request, _), taken in zip(handoffs, results):
+            if taken or scheduler is not self.scheduler:
+                continue
+            if self._early_aborts.pop((request.gateway_id, request.request_id), None) is not None:
+                scheduler.release_held([request.request_id], self.incarnation)
+                continue
+            logger.warning("engine %s: no decode engine took %s; decoding it here", self.engine_id,
+                           request.request_id)
+            scheduler.decode_locally(request)
+            self._work.set()
+        await self._publish_outputs(list(outputs.values()))
+
+    async def _hand_off_one(self, request: Request, params, output: EngineOutput) -> bool:
+        """Offer the request to the least loaded decode engines in turn; on acceptance its
+        first output names the new owner (the gateway watches that engine from then on)."""
+        handoff = KV_HANDOFF.encode(KVHandoff(
+            request=EngineRequest(
+                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params, arrival_time=request.arrival_time,
+                eos_token_id=request.eos_token_id, gateway_id=request.gateway_id, cache_salt=request.cache_salt,
+                lora_request=request.lora_request,
+            ),
+            output_token_ids=request.output_token_ids,
+            kv_transfer_params=params,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        ))
+        for engine_id in self.decode_engines.ranked()[:HANDOFF_ATTEMPTS]:
+            try:
+                msg = await self.nc.request(engine_kv_handoff_subject(engine_id), handoff, timeout=HANDOFF_TIMEOUT)
+                reply = KV_HANDOFF_REPLY.decode(msg.data)
+            except Exception as e:  # no responder, timeout, a bad answer: the next engine
+                logger.warning("engine %s: hand-off of %s to %s failed: %r", self.engine_id, request.request_id,
+                               engine_id, e)
+                continue
+            if reply.accepted:
+                self.decode_engines.handed_to(engine_id)
+                output.owner_engine_id, output.owner_incarnation = reply.engine_id, reply.incarnation
+                return True
+            logger.warning("engine %s: %s refused %s: %s", self.engine_id, engine_id, request.request_id, reply.error)
+        return False
+
+    async def _on_handoff(self, msg: Msg) -> None:
+        """Decode side: take a prefilled request; its prompt KV is pulled when it is admitted.
+        A known id is taken as accepted (a retried hand-off)."""
+        handoff = KV_HANDOFF.decode(msg.data)
+        engine_request = handoff.request
+        key = (engine_request.gateway_id, engine_request.request_id)
+        error = ""
+        if not self.ready:
+            error = f"engine {self.engine_id} is not ready"
+        elif engine_request.request_id in self.scheduler.requests:
+            pass
+        elif len(self.scheduler.waiting) >= self.max_waiting_requests:
+            error = f"engine {self.engine_id} has {self.max_waiting_requests} requests waiting"
+        elif key in self._early_aborts:
+            error = "the request was aborted"
+        else:
+            request = Request.from_engine_request(engine_request, self.cache_config.block_size)
+            for token_id in handoff.output_token_ids:
+                request.append_output_token(token_id)
+            request.kv_transfer_params = handoff.kv_transfer_params
+            request.came_by_handoff = True
+            request.num_cached_tokens = handoff.num_cached_tokens
+            request.prompt_logprobs_sent = True  # they went with the first token
+            try:
+                self.scheduler.add_request(request)
+                self._work.set()
+            except RequestRejected as e:
+                error = str(e)
+        reply = KVHandoffReply(not error, error, self.engine_id, self.incarnation)
+        await msg.respond(KV_HANDOFF_REPLY.encode(reply))
+
+    async def _on_release(self, msg: Msg) -> None:
+        """Prefill side: the decode side no longer needs these requests' blocks."""
+        release = KV_RELEASE.decode(msg.data)
+        if self.scheduler is not None and self.scheduler.release_held(release.request_ids, release.incarnation):
+            self._work.set()  # the workers must stop serving them
+
+    async def _on_engine_stats(self, msg: Msg) -> None:
+        self.decode_engines.update(ENGINE_STATS_MSG.decode(msg.data))
+
+    def _send_releases(self, scheduler: Scheduler) -> None:
+        """Decode side: tell prefill engines which held blocks may go (fire and forget: a
+        lost release costs the hold until its timeout)."""
+        if scheduler.connector is None:
+            return
+        for (engine_id, incarnation), request_ids in scheduler.connector.take_releases().items():
+            request_ids = [r for r in request_ids if not self.kv_faults.drops_release(r)]
+            if request_ids:
+                message = KV_RELEASE.encode(KVRelease(request_ids, incarnation))
+                self.spawn(self.nc.publish(engine_kv_release_subject(engine_id), message))
 
     def _check_workers(self) -> None:
         rank = self.workers.silent_rank()
@@ -548,6 +706,8 @@ class SchedulerService(Service):
     async def _stats_loop(self) -> None:
         while True:
             self._check_workers()
+            if self.scheduler is not None and self.scheduler.has_connector_work():
+                self._work.set()  # deadlines of holds and loads are checked in schedule()
             stats = EngineStats(
                 engine_id=self.engine_id,
                 ready=self.ready,

@@ -12,6 +12,7 @@ from shared.cli import base_parser, config_from_args  # noqa: E402
 from shared.config import (  # noqa: E402
     CacheConfig,
     EngineServiceConfig,
+    KVTransferConfig,
     LoRAConfig,
     ModelRunConfig,
     ParallelConfig,
@@ -41,6 +42,7 @@ def main() -> None:
         nats_url=args.nats_url,
         profile=engine.profile_steps,
         lora_config=config_from_args(LoRAConfig, args),
+        kv_transfer_config=config_from_args(KVTransferConfig, args),
     )
     code = run_service(service)
     # A forward thread may be stuck in a collective with a dead peer (or the bus may be

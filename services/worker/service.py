@@ -21,7 +21,8 @@ import torch
 from nats.aio.msg import Msg
 
 from shared.bus import Service, flush_in_order
-from shared.config import CacheConfig, LoRAConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
+from shared.config import CacheConfig, KVTransferConfig, LoRAConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
+from shared.kv_transfer_faults import KVTransferFaults
 from shared.protocol import (
     LORA_ADAPTERS,
     LORA_ADAPTERS_MSG,
@@ -41,6 +42,7 @@ from shared.protocol import (
 from shared.step_profile import NULL_CLOCK, WORKER_PHASES, PhaseClock
 
 from .heap_trim import IDLE_SECONDS_BEFORE_TRIM, trim_heap
+from .kv_transfer.connector import KVConnectorWorker
 from .model_runner import ModelRunner, resolve_device
 from .parallel import init_distributed
 
@@ -63,6 +65,7 @@ class WorkerService(Service):
         profile: bool = False,
         peer_timeout: float = 5.0,
         lora_config: LoRAConfig = LoRAConfig(),
+        kv_transfer_config: KVTransferConfig = KVTransferConfig(),
     ) -> None:
         super().__init__(nats_url)
         self.engine_id = engine_id
@@ -95,6 +98,11 @@ class WorkerService(Service):
         self._incarnation = ""  # of the scheduler whose steps this worker follows
         self._last_step = time.monotonic()
         self._heap_trimmed = False
+        # P/D: serves this rank's held KV blocks and pulls others' (None: no KV transfer).
+        self.kv_connector: KVConnectorWorker | None = None
+        if kv_transfer_config.kv_role:
+            self.kv_connector = KVConnectorWorker(self, engine_id, self.rank, self.world_size, self.runner.kv_caches,
+                                                  kv_transfer_config, KVTransferFaults.from_env())
 
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "rank": self.rank}
@@ -117,6 +125,8 @@ class WorkerService(Service):
         await self.subscribe(engine_retire_subject(self.engine_id), self._on_retire)
         if self.runner.lora is not None:
             await self.subscribe(LORA_ADAPTERS, self._on_lora_adapters)
+        if self.kv_connector is not None:
+            await self.kv_connector.setup()
         await self._announce()
         self.spawn(self._heartbeat())
         self.spawn(self._trim_heap_when_idle())
@@ -171,6 +181,10 @@ class WorkerService(Service):
             logger.warning("engine %s rank %d: step %d of incarnation %r dropped (current %r)", self.engine_id,
                            self.rank, scheduler_output.step_id, scheduler_output.incarnation, self._incarnation)
             return
+        if self.kv_connector is not None:
+            # Between steps: no forward pass runs while the connector learns what to stop.
+            self.kv_connector.bind_connector_metadata(scheduler_output.incarnation, scheduler_output.reset_state,
+                                                      scheduler_output.kv_connector_metadata)
         loop = asyncio.get_running_loop()
         try:
             output = await loop.run_in_executor(
@@ -182,6 +196,8 @@ class WorkerService(Service):
             logger.exception("engine %s rank %d: step %d failed", self.engine_id, self.rank, scheduler_output.step_id)
             output = ModelRunnerOutput(step_id=scheduler_output.step_id, error=f"{type(e).__name__}: {e}")
         output.incarnation = scheduler_output.incarnation
+        if self.kv_connector is not None and self.rank == 0:
+            output.finished_recving, output.failed_recving, output.kv_bytes_recvd = self.kv_connector.take_finished()
         self._last_step, self._heap_trimmed = time.monotonic(), False
         if self.rank == 0:
             await self.nc.publish(self._result_subject, MODEL_RUNNER_OUTPUT.encode(output))
@@ -212,3 +228,5 @@ class WorkerService(Service):
 
     async def cleanup(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.kv_connector is not None:
+            self.kv_connector.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import time
 from pathlib import Path
 
@@ -49,3 +51,22 @@ def wait_until(predicate, timeout: float, what: str):
     while not predicate():
         assert time.monotonic() < deadline, what
         time.sleep(0.25)
+
+
+async def stream_or_error(http, path: str, body: dict, started: asyncio.Event | None = None):
+    """The streamed text of a completions or chat request (``body`` names the model), or the
+    error event that ended it; ``started`` is set at the first text."""
+    text = []
+    async with http.stream("POST", path, json={"stream": True, **body}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                return event["error"]
+            choice = event["choices"][0]
+            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+            if started is not None and text[-1]:
+                started.set()
+    return "".join(text)

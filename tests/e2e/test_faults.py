@@ -14,7 +14,6 @@ Then the launcher itself: SIGKILL leaves no service behind, SIGTERM stops TP=3 i
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -26,7 +25,7 @@ import httpx
 import pytest
 
 from services.launch.nats_server import free_port
-from tests.e2e.stacks import metric, replicated_config, running_stack, wait_until
+from tests.e2e.stacks import metric, replicated_config, running_stack, stream_or_error, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -44,21 +43,9 @@ def stack(tmp_path_factory):
 
 async def stream_text(http: httpx.AsyncClient, question: str, started: asyncio.Event | None = None):
     """The streamed text, or the error event that ended it."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": question}], "stream": True,
-            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    text = []
-    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                return event["error"]
-            text.append(event["choices"][0]["delta"].get("content") or "")
-            if started is not None and text[-1]:
-                started.set()
-    return "".join(text)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    return await stream_or_error(http, "/v1/chat/completions", body, started)
 
 
 async def run_streams(stack, fault=None, at_once: bool = False) -> tuple[list, float]:

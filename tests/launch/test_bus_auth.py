@@ -20,6 +20,10 @@ from shared.protocol import (
     ENGINE_RESEND,
     TOKENIZE,
     engine_abort_subject,
+    engine_kv_handoff_subject,
+    engine_kv_pull_subject,
+    engine_kv_recvd_subject,
+    engine_kv_release_subject,
     engine_resend_subject,
     engine_result_subject,
     engine_step_subject,
@@ -129,10 +133,22 @@ async def test_requesting_roles_read_only_their_own_inbox(bus):
     assert await refused_subscriptions(bus, "tokenizer", others) == set(others)
     # Detokenizers ask schedulers for stop strings they missed.
     assert await refused_subscriptions(bus, "detokenizer", [inbox_prefix("detokenizer") + ".>"]) == set()
-    # The others make no requests: no inbox at all.
+    # P/D: schedulers hand requests off, workers pull KV chunks: each reads its own inbox only.
     for user in ("scheduler", "worker"):
-        mine = [inbox_prefix(user) + ".>"]
-        assert await refused_subscriptions(bus, user, mine) == set(mine), user
+        assert await refused_subscriptions(bus, user, [inbox_prefix(user) + ".>"]) == set(), user
+        others = [inbox_prefix("tokenizer") + ".>", "_INBOX.>"]
+        assert await refused_subscriptions(bus, user, others) == set(others), user
+
+
+async def test_pd_hand_offs_between_schedulers_and_kv_pulls_between_workers(bus):
+    for subject in (engine_kv_handoff_subject("d"), engine_kv_release_subject("p")):
+        assert await delivered(bus, "scheduler", subject), subject
+        for user in (GATEWAY_A, "tokenizer", "detokenizer", "worker"):
+            assert not await delivered(bus, user, subject), (user, subject)
+    for subject in (engine_kv_pull_subject("p", 0), engine_kv_recvd_subject("d")):
+        assert await delivered(bus, "worker", subject), subject
+        for user in (GATEWAY_A, "tokenizer", "detokenizer", "scheduler"):
+            assert not await delivered(bus, user, subject), (user, subject)
 
 
 async def test_request_reply_works_within_permissions(bus):
