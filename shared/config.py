@@ -191,6 +191,10 @@ class ModelRunConfig:
     kernel_backend: str = setting("auto", "auto|torch|triton")
     # CPU: reorder weight matrices once for oneDNN (services/worker/linear.py).
     cpu_prepack: bool = setting(True, "CPU: oneDNN-prepacked weight matrices")
+    # vLLM's flag name; services/worker/models/llama.py, shared/gguf_quants.py.
+    quantization: str = setting(
+        "auto", "auto|none: auto keeps a GGUF file's Q8_0 matrices as int8 and Q4_0/Q4_1/Q4_K as int4 "
+                "(one rank only); none dequantizes every weight to --dtype")
     max_model_len: int | None = max_model_len_setting()
     seed: int = setting(0, "seed of the worker's shared sampling generator")
 
@@ -201,6 +205,8 @@ class ModelRunConfig:
             raise ConfigError(
                 f"kernel_backend must be auto|torch|triton, got {self.kernel_backend!r}"
             )
+        if self.quantization not in ("auto", "none"):
+            raise ConfigError(f"quantization must be auto|none, got {self.quantization!r}")
         check_max_model_len(self.max_model_len)
 
 
