@@ -159,10 +159,10 @@ class ModelRunner:
         model.to(dtype=self.dtype)
         model.cos_sin_cache = model.cos_sin_cache.float()
         model.eval()
-        logger.info("%s: %.1f MiB of weights, %d matrices kept quantized", path, model.weight_bytes() / 2**20,
-                    model.num_quantized())
         if self.prepacked:
             model.prepack_linears()
+        logger.info("%s: %.1f MiB of weights, %d matrices kept quantized", path, model.weight_bytes() / 2**20,
+                    model.num_quantized())
         return model
 
     def _load_draft_model(self, config: SpeculativeConfig) -> DraftModel:

@@ -218,6 +218,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_proj = plain_linear(self, "embed_weight" if self.lm_head is None else "lm_head")
         # "embed_weight" / "lm_head" kept quantized (a tied LM head reads the embedding's).
         self.quantized: dict[str, QuantizedTensor] = {}
+        self.prepacked_bytes = 0
 
     def prepack_linears(self) -> None:
         """Reorder every float weight matrix once for oneDNN (CPU; see ``..linear``). The
@@ -228,22 +229,28 @@ class LlamaForCausalLM(nn.Module):
                                   (layer.mlp, ("gate_up_weight", "down_weight"))):  # fmt: skip
                 module.prepack()
                 for name in names:
-                    getattr(module, name).data = torch.empty(0, dtype=getattr(module, name).dtype)
+                    self._drop_prepacked(getattr(module, name))
         if "lm_head" in self.quantized or (self.lm_head is None and "embed_weight" in self.quantized):
             return
         self.lm_head_proj = prepacked_linear(self._lm_weight())
-        if self.lm_head is not None:
-            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+        if self.lm_head is None:
+            self.prepacked_bytes += self.embed_weight.nbytes
+        else:
+            self._drop_prepacked(self.lm_head)
+
+    def _drop_prepacked(self, param: nn.Parameter) -> None:
+        self.prepacked_bytes += param.nbytes  # the reordered copy holds as many values
+        param.data = torch.empty(0, dtype=param.dtype)
 
     def num_quantized(self) -> int:
         """How many (fused) matrices are kept quantized."""
         return len(self.quantized) + sum(len(m.quantized) for layer in self.layers for m in (layer.self_attn, layer.mlp))
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights as loaded: float parameters and the tensors kept quantized
-        (before ``prepack_linears``, which holds each float matrix once more, reordered)."""
+        """Bytes of the weights: float parameters, oneDNN's reordered copies and the
+        tensors kept quantized."""
         modules = [self, *(m for layer in self.layers for m in (layer.self_attn, layer.mlp))]
-        return sum(p.nbytes for p in self.parameters()) + sum(
+        return sum(p.nbytes for p in self.parameters()) + self.prepacked_bytes + sum(
             t.nbytes() for m in modules for t in m.quantized.values())
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches) -> torch.Tensor:
