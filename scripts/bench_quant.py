@@ -19,6 +19,14 @@ tensors) against the GGUF file's size.
 
     .venv/bin/python scripts/bench_quant.py [--num-prompts 32] [--output-len 64] [--ppl-tokens 4096]
 
+``--kernels`` measures the matrix-product options instead, on the default model's shapes
+(30 layers of fused QKV 960x576, o 576x576, gate/up 3072x576, down 576x1536, each layer its
+own weights so that they come from memory as in a step, plus the 49152x576 LM head):
+milliseconds per step's products at each row count, median of ``--repeats``: oneDNN
+prepacked float32 and bfloat16 (today's paths), PyTorch's packed weight-only ops
+(``_weight_int8pack_mm``, per-row scales; ``_weight_int4pack_mm_for_cpu``, groups of 32),
+and ours (``kernels/quant_linear.py``: the fused C kernel, and dequantize-then-GEMM).
+
 The LAST line printed is one JSON object with every figure.
 """
 
@@ -57,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-len", type=int, default=32, help="output tokens per request in the speed runs")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--only", default="none,int8,int4", help="comma-separated subset of none,int8,int4")
+    p.add_argument("--kernels", action="store_true", help="measure the matrix-product options instead")
+    p.add_argument("--rows", default="1,8,32,128", help="--kernels: row counts (tokens in a step)")
+    p.add_argument("--repeats", type=int, default=5)
     return p.parse_args(argv)
 
 
@@ -129,6 +140,104 @@ def free_running_agreement(ours: list[list[int]], ref: list[list[int]]) -> float
     return same / sum(len(b) for b in ref)
 
 
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+HEAD_SHAPE = (49152, 576)
+
+
+def kernel_options(w):
+    """name -> (prepare(w) once, product(x, prepared)) for one float32 weight ``w`` [N, K]."""
+    import torch
+
+    from kernels import quant_linear as ql
+
+    def int4_parts(w):
+        n, k = w.shape
+        blocks = w.view(n, k // 32, 32)
+        lo, hi = blocks.amin(-1), blocks.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-8)
+        q = ((blocks - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8).view(n, k)
+        return ql.pack_int4(q), scale.contiguous(), lo.contiguous(), q
+
+    def int8_parts(w):
+        n, k = w.shape
+        scale = w.view(n, k // 32, 32).abs().amax(-1) / 127
+        q = (w.view(n, k // 32, 32) / scale.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8).view(n, k)
+        return q, scale.contiguous()
+
+    def mkldnn(dtype):
+        def prepare(w):
+            return torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), 32)
+        return prepare, lambda x, p: torch.ops.mkldnn._linear_pointwise(x.to(dtype), p, None, "none", [], "")
+
+    def torch_int4pack(w):
+        packed, scale, lo, q = int4_parts(w)
+        # tinygemm's convention: w = (q - 8) * scale + zero, so zero = lo + 8 * scale.
+        zeros = torch.stack((scale, lo + 8 * scale), dim=-1).transpose(0, 1).contiguous()
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1), zeros
+
+    def torch_int8pack(w):
+        scale = w.abs().amax(-1) / 127
+        return (w / scale.unsqueeze(-1)).round().to(torch.int8), scale
+
+    options = {
+        "fp32 oneDNN": mkldnn(torch.float32),
+        "torch int8pack": (torch_int8pack, lambda x, p: torch.ops.aten._weight_int8pack_mm(x, *p)),
+        "torch int4pack": (torch_int4pack, lambda x, p: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p[0], 32, p[1])),
+        "ours int8": (int8_parts, lambda x, p: ql.int8_linear_cpu(x, *p)),
+        "ours int4": (lambda w: int4_parts(w)[:3], lambda x, p: ql.int4_linear_cpu(x, *p)),
+        "ours int4 dequant+GEMM": (lambda w: int4_parts(w)[:3],
+                                   lambda x, p: torch.nn.functional.linear(x, ql.dequantize_int4_cpu(*p))),
+    }
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        options["bf16 oneDNN"] = mkldnn(torch.bfloat16)
+    return options
+
+
+def bench_kernels(args) -> int:
+    """Milliseconds of one step's products per option and row count."""
+    import statistics
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    names = list(kernel_options(torch.zeros(32, 32)))
+    table: dict[str, dict[int, float]] = {name: {} for name in names}
+    for name in names:
+        prepare, product = kernel_options(torch.zeros(32, 32))[name]
+        layers = [[prepare(torch.randn(n, k) * 0.05) for n, k in LAYER_SHAPES] for _ in range(30)]
+        head = prepare(torch.randn(*HEAD_SHAPE) * 0.05)
+        for m in rows_list:
+            xs = {k: torch.randn(m, k) for k in (576, 1536)}
+
+            def step():
+                for layer in layers:
+                    for (n, k), weight in zip(LAYER_SHAPES, layer):
+                        product(xs[k], weight)
+                product(xs[576], head)
+
+            if name.startswith("torch int") and m > 8:
+                table[name][m] = float("nan")  # minutes per step at these sizes (see the doc)
+                continue
+            step()
+            times = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            table[name][m] = 1e3 * statistics.median(times)
+        print(name, {m: round(v, 1) for m, v in table[name].items()}, flush=True)
+        del layers, head
+    print(f"\nthreads {args.threads}; load average {os.getloadavg()[0]:.2f}")
+    print("| rows | " + " | ".join(names) + " |")
+    print("|" + "---|" * (len(names) + 1))
+    for m in rows_list:
+        print(f"| {m} | " + " | ".join(f"{table[n][m]:.1f}" for n in names) + " |")
+    print(json.dumps({"threads": args.threads, "load_average": os.getloadavg()[0], "ms": table}))
+    return 0
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -137,6 +246,8 @@ def main(argv=None) -> int:
     from shared.tokenizer import load_tokenizer
 
     args = parse_args(argv)
+    if args.kernels:
+        return bench_kernels(args)
     torch.set_num_threads(args.threads)
     model_path = args.model or default_model_path()
     tok = load_tokenizer(model_path)

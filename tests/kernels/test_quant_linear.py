@@ -94,3 +94,15 @@ def test_triton_products_match_the_references(m, n, k):
                                ql.int4_linear_ref(x, packed, scales, offsets), atol=ATOL, rtol=RTOL)
     q, s = int8_weight(n, k, device=device)
     torch.testing.assert_close(ql.int8_linear_triton(x, q, s), ql.int8_linear_ref(x, q, s), atol=ATOL, rtol=RTOL)
+
+
+def test_pytorchs_int4pack_takes_a_q4_1_block_with_zero_min_plus_8_scales():
+    """The mapping scripts/bench_quant.py --kernels measures PyTorch's int4 op with:
+    tinygemm dequantizes (q - 8) * scale + zero, so a block's min m becomes zero = m + 8 scale."""
+    packed, scales, offsets = int4_weight(64, 128)
+    q = ql.unpack_int4(packed).int()
+    zeros = torch.stack((scales, offsets + 8 * scales), dim=-1).transpose(0, 1).contiguous()
+    x = torch.randn(3, 128)
+    got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1),
+                                                     32, zeros)
+    torch.testing.assert_close(got, ql.int4_linear_ref(x, packed, scales, offsets), atol=ATOL, rtol=RTOL)
