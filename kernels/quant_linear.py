@@ -12,8 +12,8 @@ A weight ``[N, K]`` is quantized in blocks of 32 along K (GGUF's layout; ``K % 3
 ``dequantize_int8_ref`` / ``dequantize_int4_ref`` are the PyTorch references (the values
 ``gguf.quants.dequantize`` gives, bit for bit: ``scale * q`` is exact in float32). The
 products: ``*_linear_cpu`` through ``kernels/cpu/quant_linear.c`` (float32 activations, the
-weight dequantized a few rows at a time in registers and L1; for many rows the weight is
-dequantized whole and handed to the BLAS, which is faster there, see docs/BENCHMARKS.md);
+weight dequantized a few rows at a time into L1; for prompt-sized row counts the weight is
+dequantized whole and handed to the BLAS, see docs/BENCHMARKS.md);
 ``*_linear_triton`` on CUDA, dequantizing tiles inside the kernel. Both compute in float32
 and return ``x``'s dtype.
 """
@@ -30,9 +30,10 @@ from kernels.cpu_build import bind
 from kernels.triton_import import tl, triton
 
 BLOCK = 32
-# From this many rows on, dequantizing the whole weight and running the BLAS's GEMM beats
-# the fused kernel on the machine of docs/BENCHMARKS.md (scripts/bench_quant.py --kernels).
-CPU_DEQUANT_GEMM_MIN_ROWS = 48
+# From this many rows on (prompt chunks), dequantizing the whole weight and running the
+# BLAS's GEMM is as fast as the fused kernel, and faster beyond: the dequantization is paid
+# once per product (scripts/bench_quant.py --kernels; docs/BENCHMARKS.md).
+CPU_DEQUANT_GEMM_MIN_ROWS = 128
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
