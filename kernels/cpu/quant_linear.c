@@ -117,10 +117,19 @@ static void rows_times_tile(const float *x, int64_t x_stride, int M, const float
     }
 }
 
-/* Returns 0, or -1 when a thread could not get its row buffer (y is then incomplete). */
-int int4_linear(const float *x, int64_t x_stride, int M, int K, const uint8_t *packed, const float *scales,
-                const float *offsets, int N, float *y, int64_t y_stride, int num_threads) {
+/* Row n of the weight, dequantized into w: int4 when offsets is given, else int8. */
+static inline void dequant_row(const void *data, const float *scales, const float *offsets, int64_t n, int K,
+                               float *w) {
     const int nb = K / BLOCK;
+    if (offsets != NULL)
+        dequant_row_int4((const uint8_t *)data + n * nb * 16, scales + n * nb, offsets + n * nb, nb, w);
+    else
+        dequant_row_int8((const int8_t *)data + n * K, scales + n * nb, nb, w);
+}
+
+/* Returns 0, or -1 when a thread could not get its row buffer (y is then incomplete). */
+static int quant_linear(const float *x, int64_t x_stride, int M, int K, const void *data, const float *scales,
+                        const float *offsets, int N, float *y, int64_t y_stride, int num_threads) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -133,10 +142,7 @@ int int4_linear(const float *x, int64_t x_stride, int M, int K, const uint8_t *p
         for (int n0 = 0; n0 < N; n0 += NT) {
             if (w == NULL) continue;
             const int nt = N - n0 < NT ? N - n0 : NT;
-            for (int j = 0; j < nt; j++) {
-                const int64_t n = n0 + j;
-                dequant_row_int4(packed + n * nb * 16, scales + n * nb, offsets + n * nb, nb, w + (int64_t)j * K);
-            }
+            for (int j = 0; j < nt; j++) dequant_row(data, scales, offsets, n0 + j, K, w + (int64_t)j * K);
             rows_times_tile(x, x_stride, M, w, nt, K, y, y_stride, n0);
         }
         free(w);
@@ -144,45 +150,24 @@ int int4_linear(const float *x, int64_t x_stride, int M, int K, const uint8_t *p
     return failed ? -1 : 0;
 }
 
+int int4_linear(const float *x, int64_t x_stride, int M, int K, const uint8_t *packed, const float *scales,
+                const float *offsets, int N, float *y, int64_t y_stride, int num_threads) {
+    return quant_linear(x, x_stride, M, K, packed, scales, offsets, N, y, y_stride, num_threads);
+}
+
 int int8_linear(const float *x, int64_t x_stride, int M, int K, const int8_t *q, const float *scales, int N,
                 float *y, int64_t y_stride, int num_threads) {
-    const int nb = K / BLOCK;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *w = aligned_alloc(64, sizeof(float) * NT * (size_t)K);
-        if (w == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int n0 = 0; n0 < N; n0 += NT) {
-            if (w == NULL) continue;
-            const int nt = N - n0 < NT ? N - n0 : NT;
-            for (int j = 0; j < nt; j++) {
-                const int64_t n = n0 + j;
-                dequant_row_int8(q + n * K, scales + n * nb, nb, w + (int64_t)j * K);
-            }
-            rows_times_tile(x, x_stride, M, w, nt, K, y, y_stride, n0);
-        }
-        free(w);
-    }
-    return failed ? -1 : 0;
+    return quant_linear(x, x_stride, M, K, q, scales, NULL, N, y, y_stride, num_threads);
 }
 
 /* The whole weight as float32 [N, K] (for products with many rows: dequantize, then a GEMM). */
 void int4_dequantize(const uint8_t *packed, const float *scales, const float *offsets, int N, int K, float *out,
                      int num_threads) {
-    const int nb = K / BLOCK;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int n = 0; n < N; n++)
-        dequant_row_int4(packed + (int64_t)n * nb * 16, scales + (int64_t)n * nb, offsets + (int64_t)n * nb, nb,
-                         out + (int64_t)n * K);
+    for (int n = 0; n < N; n++) dequant_row(packed, scales, offsets, n, K, out + (int64_t)n * K);
 }
 
 void int8_dequantize(const int8_t *q, const float *scales, int N, int K, float *out, int num_threads) {
-    const int nb = K / BLOCK;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int n = 0; n < N; n++)
-        dequant_row_int8(q + (int64_t)n * K, scales + (int64_t)n * nb, nb, out + (int64_t)n * K);
+    for (int n = 0; n < N; n++) dequant_row(q, scales, NULL, n, K, out + (int64_t)n * K);
 }
