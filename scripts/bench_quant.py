@@ -66,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--only", default="none,int8,int4", help="comma-separated subset of none,int8,int4")
     p.add_argument("--kernels", action="store_true", help="measure the matrix-product options instead")
+    p.add_argument("--speed-only", action="store_true", help="only memory and decode tok/s (no accuracy)")
     p.add_argument("--rows", default="1,8,32,128", help="--kernels: row counts (tokens in a step)")
     p.add_argument("--repeats", type=int, default=5)
     return p.parse_args(argv)
@@ -228,7 +229,7 @@ def bench_kernels(args) -> int:
                 times.append(time.perf_counter() - t0)
             table[name][m] = 1e3 * statistics.median(times)
         print(name, {m: round(v, 1) for m, v in table[name].items()}, flush=True)
-        del layers, head
+        layers = head = None  # free them before the next option
     print(f"\nthreads {args.threads}; load average {os.getloadavg()[0]:.2f}")
     print("| rows | " + " | ".join(names) + " |")
     print("|" + "---|" * (len(names) + 1))
@@ -270,17 +271,18 @@ def main(argv=None) -> int:
     for name in [n for n in ("none", "int8", "int4") if n in wanted]:
         path, quantization = configs[name]
         engine = make_engine(path, quantization)
-        outputs = greedy(engine, prompts, args.output_len)
-        lps = prompt_logprobs(engine, windows)
-        nll = [-entry.logprobs[0] for window in lps for entry in window]
-        row = {"file_bytes": os.path.getsize(path), "weight_bytes": engine.worker.model.weight_bytes(),
-               "perplexity": math.exp(sum(nll) / len(nll)), "ppl_tokens": len(nll)}
+        row = {"file_bytes": os.path.getsize(path), "weight_bytes": engine.worker.model.weight_bytes()}
         row["weight_to_file"] = row["weight_bytes"] / row["file_bytes"]
-        if name == "none":
-            reference = outputs
-        if reference:
-            row["greedy_agreement"] = per_token_agreement(engine, prompts, reference)
-            row["free_running_agreement"] = free_running_agreement(outputs, reference)
+        if not args.speed_only:
+            outputs = greedy(engine, prompts, args.output_len)
+            lps = prompt_logprobs(engine, windows)
+            nll = [-entry.logprobs[0] for window in lps for entry in window]
+            row.update(perplexity=math.exp(sum(nll) / len(nll)), ppl_tokens=len(nll))
+            if name == "none":
+                reference = outputs
+            if reference:
+                row["greedy_agreement"] = per_token_agreement(engine, prompts, reference)
+                row["free_running_agreement"] = free_running_agreement(outputs, reference)
         for batch in BATCHES:
             row[f"tok_s_batch{batch}"] = decode_speed(engine, speed_prompt, batch, args.decode_len)
         results[name] = row
@@ -299,9 +301,11 @@ def main(argv=None) -> int:
         for b in BATCHES:
             s = row[f"tok_s_batch{b}"]
             speeds.append(f"{s:.1f}" + (f" ({s / base[f'tok_s_batch{b}']:.2f}x)" if base and name != "none" else ""))
-        agree = (f"{row['greedy_agreement']:.1%}", f"{row['free_running_agreement']:.1%}") if name != "none" else ("-", "-")
+        agree = [f"{row[k]:.1%}" if k in row and name != "none" else "-"
+                 for k in ("greedy_agreement", "free_running_agreement")]
+        ppl = f"{row['perplexity']:.3f}" if "perplexity" in row else "-"
         print(f"| {name} | {row['weight_bytes'] / 2**20:.1f} ({row['weight_to_file']:.2f}x) | {agree[0]} | {agree[1]} | "
-              f"{row['perplexity']:.3f} | " + " | ".join(speeds) + " |")
+              f"{ppl} | " + " | ".join(speeds) + " |")
     print(json.dumps({"model": Path(model_path).name, "threads": args.threads, "load_average": os.getloadavg()[0],
                       "num_prompts": len(prompts), "output_len": args.output_len, "results": results}))
     return 0
