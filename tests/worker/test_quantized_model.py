@@ -126,3 +126,33 @@ def test_quantization_none_keeps_nothing_quantized(smollm_worker):
     assert model.num_quantized() == 0
     per_layer = cfg.hidden_size * (2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size)
     assert model.weight_bytes() >= 4 * (cfg.vocab_size * cfg.hidden_size + cfg.num_hidden_layers * per_layer)
+
+
+class _KOfLayer0NotKept:
+    """The default model's weights, but layer 0's k_proj only as float (as a file mixing
+    quantization types would give it)."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def load_quantized(self, name):
+        return None if name == "model.layers.0.self_attn.k_proj.weight" else self.source.load_quantized(name)
+
+
+def test_a_fused_matrix_with_a_part_not_kept_is_dequantized_whole(smollm_path):
+    from kernels import get_kernel_ops
+    from services.worker.models.llama import LlamaForCausalLM
+    from shared.model_files import load_model_config, open_weights
+
+    model = LlamaForCausalLM(load_model_config(smollm_path), get_kernel_ops("torch"))
+    with open_weights(smollm_path) as weights:
+        model.load_weights_from(_KOfLayer0NotKept(weights), keep_quantized=True)
+        p = "model.layers.0.self_attn."
+        want = torch.cat([weights.load(f"{p}{key}_proj.weight") for key in "qkv"])
+    attn = model.layers[0].self_attn
+    assert "qkv_weight" not in attn.quantized and "o_weight" in attn.quantized
+    assert torch.equal(attn.qkv_weight, want)
+    assert "qkv_weight" in model.layers[1].self_attn.quantized
