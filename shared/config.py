@@ -191,6 +191,12 @@ class ModelRunConfig:
     kernel_backend: str = setting("auto", "auto|torch|triton")
     # CPU: reorder weight matrices once for oneDNN (services/worker/linear.py).
     cpu_prepack: bool = setting(True, "CPU: oneDNN-prepacked weight matrices")
+    # vLLM's flag name; services/worker/models/llama.py, shared/gguf_quants.py. Not the
+    # default yet: on the benchmark CPU the quantized products are 2.6x faster at batch 1
+    # but slower from batch 8 on than float32 (and bfloat16) oneDNN (docs/BENCHMARKS.md).
+    quantization: str = setting(
+        "none", "none|auto: auto keeps a GGUF file's Q8_0 matrices as int8 and Q4_0/Q4_1/Q4_K as int4 "
+                "(~5x less weight memory; one rank only); none dequantizes every weight to --dtype")
     max_model_len: int | None = max_model_len_setting()
     seed: int = setting(0, "seed of the worker's shared sampling generator")
 
@@ -201,6 +207,8 @@ class ModelRunConfig:
             raise ConfigError(
                 f"kernel_backend must be auto|torch|triton, got {self.kernel_backend!r}"
             )
+        if self.quantization not in ("auto", "none"):
+            raise ConfigError(f"quantization must be auto|none, got {self.quantization!r}")
         check_max_model_len(self.max_model_len)
 
 

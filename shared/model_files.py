@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared.gguf_quants import QuantizedTensor, quantized_from_gguf
 from shared.model_config import (  # noqa: F401  (load_model_config, ModelConfig: re-exported)
     default_model_path,
     ModelConfig,
@@ -61,6 +62,11 @@ class WeightSource:
     ) -> torch.Tensor:
         """``load(name)`` narrowed to ``[start, stop)`` along ``dim`` (0: rows, 1: columns)."""
         raise NotImplementedError
+
+    def load_quantized(self, name: str) -> QuantizedTensor | None:
+        """The whole tensor kept quantized (``shared.gguf_quants``), or None where it is
+        stored as float or in a quantization the worker does not keep."""
+        return None
 
     def close(self) -> None:
         pass
@@ -150,6 +156,14 @@ class GGUFWeights(WeightSource):
 
     def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.load_slice(name, 0, 0, self.shape(name)[0], dtype)
+
+    def load_quantized(self, name: str) -> QuantizedTensor | None:
+        t, heads = self._tensors[name]
+        shape = self.shape(name)
+        if len(shape) != 2:
+            return None
+        data = t.data if heads is None else t.data[unpermute_rows(heads, shape[0])]
+        return quantized_from_gguf(np.asarray(data), t.tensor_type.name, shape[1])
 
     def load_slice(
         self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype = torch.float32

@@ -38,7 +38,7 @@ def smollm_worker(smollm_path):
     from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
 
     return ModelRunner(
-        ModelRunConfig(model=smollm_path, kernel_backend="torch"),
+        ModelRunConfig(model=smollm_path, kernel_backend="torch", quantization="none"),
         CacheConfig(num_gpu_blocks=48),
         SchedulerConfig(max_num_seqs=16),
     )

@@ -5,6 +5,8 @@ oneDNN can reorder a weight once into the blocked layout its kernels read, after
 each product skips that work. On a 2-core AVX-512 machine that makes SmolLM2-135M's
 products 1.3x to 4x faster (fp32 and bf16, batch 1 to 32; see docs/BENCHMARKS.md).
 The reordered tensor is opaque (``torch._mkldnn`` layout): only ``_linear_pointwise`` reads it.
+``quantized_linear`` runs a weight kept as GGUF's int8 / int4 blocks (``--quantization auto``)
+through ``kernels/quant_linear.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from kernels import quant_linear
+from shared.gguf_quants import QuantizedTensor
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -46,3 +51,31 @@ def prepacked_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     return linear
+
+
+def quantized_linear(weight: QuantizedTensor, bias: torch.Tensor | None = None) -> Linear:
+    """``x @ W.T (+ bias)`` with ``W`` kept quantized, on ``weight``'s device: the C kernels
+    on CPU, the Triton kernels on CUDA; the result in ``x``'s dtype."""
+    on_cpu = weight.data.device.type == "cpu"
+    if weight.bits == 8:
+        kernel = quant_linear.int8_linear_cpu if on_cpu else quant_linear.int8_linear_triton
+        args = (weight.data, weight.scales)
+    else:
+        kernel = quant_linear.int4_linear_cpu if on_cpu else quant_linear.int4_linear_triton
+        args = (weight.data, weight.scales, weight.offsets)
+    if bias is None:
+        return lambda x: kernel(x, *args)
+    return lambda x: kernel(x, *args).add_(bias)
+
+
+def dequantize(weight: QuantizedTensor) -> torch.Tensor:
+    """The whole weight in float32 (its values as ``gguf.quants.dequantize`` gives them)."""
+    if weight.bits == 8:
+        return quant_linear.dequantize_int8_ref(weight.data, weight.scales)
+    return quant_linear.dequantize_int4_ref(weight.data, weight.scales, weight.offsets)
+
+
+def quantized_embedding(weight: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of a quantized embedding table, dequantized to ``dtype``."""
+    offsets = None if weight.offsets is None else weight.offsets[ids]
+    return dequantize(QuantizedTensor(weight.bits, weight.data[ids], weight.scales[ids], offsets)).to(dtype)

@@ -111,6 +111,11 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         torch.manual_seed(run_config.seed)
         self.prepacked = run_config.cpu_prepack and can_prepack(self.device, self.dtype)
+        # A rank's shard of a matrix is not a whole quantized tensor: under tensor
+        # parallelism the weights are dequantized.
+        self.keep_quantized = run_config.quantization == "auto" and not self.tp.enabled
+        if run_config.quantization == "auto" and self.tp.enabled:
+            logger.info("quantization auto: weights dequantized (tensor_parallel_size > 1)")
         # Each rank reads only its rows / columns of the sharded tensors.
         self.model = self._load_model(self.model_path, self.model_config, self.tp)
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -150,12 +155,14 @@ class ModelRunner:
         with torch.device(self.device):
             model = LlamaForCausalLM(config, self.ops, tp)
         with open_weights(path) as weights:
-            model.load_weights_from(weights, dtype=torch.float32)
+            model.load_weights_from(weights, dtype=torch.float32, keep_quantized=self.keep_quantized)
         model.to(dtype=self.dtype)
         model.cos_sin_cache = model.cos_sin_cache.float()
         model.eval()
         if self.prepacked:
             model.prepack_linears()
+        logger.info("%s: %.1f MiB of weights, %d matrices kept quantized", path, model.weight_bytes() / 2**20,
+                    model.num_quantized())
         return model
 
     def _load_draft_model(self, config: SpeculativeConfig) -> DraftModel:

@@ -39,7 +39,7 @@ def adapters(hf_smollm, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, adapters):
-    args = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", "16", "--lora-modules",
+    args = ["--quantization", "none", "--enable-lora", "--max-loras", "1", "--max-lora-rank", "16", "--lora-modules",
             f"first={adapters['first']}", "--api-key", API_KEY, "--num-gpu-blocks", "256",
             "--max-num-batched-tokens", "256"]
     with running_stack(replicated_config(tmp_path_factory.mktemp("stack-logs"), args)) as stack:

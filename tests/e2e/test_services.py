@@ -34,7 +34,9 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    args = ["--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--num-gpu-blocks", "512"]
+    # The dequantized model: the outputs are compared with transformers' dequantized GGUF.
+    args = ["--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--num-gpu-blocks", "512",
+            "--quantization", "none"]
     with running_stack(replicated_config(tmp_path_factory.mktemp("stack-logs"), args)) as stack:
         yield stack
 

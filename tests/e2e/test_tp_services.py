@@ -47,7 +47,8 @@ def tp_stack(tmp_path_factory):
     config = StackConfig(
         port=free_port(),
         tensor_parallel_size=TP,
-        args=["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--cpu-kv-cache-gib", str(KV_GIB)],
+        args=["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--cpu-kv-cache-gib", str(KV_GIB),
+              "--quantization", "none"],
         log_dir=str(tmp_path_factory.mktemp("tp-stack-logs")),
     )
     with running_stack(config) as stack:

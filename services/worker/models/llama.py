@@ -4,7 +4,11 @@ The model sees one flat batch of tokens from many requests (prompt chunks and
 decodes mixed) and calls kernels only through ``KernelOps``, so the same code
 runs the PyTorch references on CPU and Triton on CUDA. Weights arrive under
 Hugging Face names (see ``shared/model_files.py``); q/k/v and gate/up are fused
-into one matrix each at load.
+into one matrix each at load. With ``keep_quantized`` (``--quantization auto``), a GGUF
+file's int8 / int4 matrices stay quantized (``shared/gguf_quants.py``): their products
+and the embedding lookup read the blocks (``..linear.quantized_linear``), and the float
+parameter they would have filled is left empty; a fused matrix whose parts are not all
+kept alike is dequantized instead.
 
 Tensor parallelism (``ShardLayout`` / ``TensorParallel`` from ``..parallel``): each
 rank holds its query heads' rows of q/k/v (KV heads split across ranks, or the one
@@ -26,9 +30,10 @@ import torch
 from torch import nn
 
 from kernels import AttentionMetadata, KernelOps
+from shared.gguf_quants import QuantizedTensor
 from shared.model_config import ModelConfig
 
-from ..linear import Linear, plain_linear, prepacked_linear
+from ..linear import Linear, dequantize, plain_linear, prepacked_linear, quantized_embedding, quantized_linear
 from ..parallel import ShardLayout, TensorParallel
 
 
@@ -82,10 +87,20 @@ class LlamaAttention(nn.Module):
         self.tp = tp
         self.qkv_proj = plain_linear(self, "qkv_weight", "qkv_bias" if config.attention_bias else None)
         self.o_proj = row_parallel(tp, plain_linear(self, "o_weight"))
+        self.quantized: dict[str, QuantizedTensor] = {}  # kept quantized; their parameters are empty
+
+    def keep_quantized(self, weight: str, tensor: QuantizedTensor) -> None:
+        if weight == "qkv_weight":
+            self.qkv_proj = quantized_linear(tensor, self.qkv_bias)
+        else:
+            self.o_proj = row_parallel(self.tp, quantized_linear(tensor))
+        self.quantized[weight] = tensor
 
     def prepack(self) -> None:
-        self.qkv_proj = prepacked_linear(self.qkv_weight, self.qkv_bias)
-        self.o_proj = row_parallel(self.tp, prepacked_linear(self.o_weight))
+        if "qkv_weight" not in self.quantized:
+            self.qkv_proj = prepacked_linear(self.qkv_weight, self.qkv_bias)
+        if "o_weight" not in self.quantized:
+            self.o_proj = row_parallel(self.tp, prepacked_linear(self.o_weight))
 
     def forward(self, x, positions, attn: AttentionMetadata, kv_cache, cos_sin_cache):
         qkv = self.qkv_proj(x)
@@ -118,10 +133,20 @@ class LlamaMLP(nn.Module):
         self.tp = tp
         self.gate_up_proj = plain_linear(self, "gate_up_weight")
         self.down_proj = row_parallel(tp, plain_linear(self, "down_weight"))
+        self.quantized: dict[str, QuantizedTensor] = {}  # kept quantized; their parameters are empty
+
+    def keep_quantized(self, weight: str, tensor: QuantizedTensor) -> None:
+        if weight == "gate_up_weight":
+            self.gate_up_proj = quantized_linear(tensor)
+        else:
+            self.down_proj = row_parallel(self.tp, quantized_linear(tensor))
+        self.quantized[weight] = tensor
 
     def prepack(self) -> None:
-        self.gate_up_proj = prepacked_linear(self.gate_up_weight)
-        self.down_proj = row_parallel(self.tp, prepacked_linear(self.down_weight))
+        if "gate_up_weight" not in self.quantized:
+            self.gate_up_proj = prepacked_linear(self.gate_up_weight)
+        if "down_weight" not in self.quantized:
+            self.down_proj = row_parallel(self.tp, prepacked_linear(self.down_weight))
 
     def forward(self, x):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -191,9 +216,12 @@ class LlamaForCausalLM(nn.Module):
         self.embed = self._embed_vocab_parallel if tp.enabled else self._embed
         self.compute_logits = self._logits_vocab_parallel if tp.enabled else self._logits
         self.lm_head_proj = plain_linear(self, "embed_weight" if self.lm_head is None else "lm_head")
+        # "embed_weight" / "lm_head" kept quantized (a tied LM head reads the embedding's).
+        self.quantized: dict[str, QuantizedTensor] = {}
+        self.prepacked_bytes = 0
 
     def prepack_linears(self) -> None:
-        """Reorder every weight matrix once for oneDNN (CPU; see ``..linear``). The
+        """Reorder every float weight matrix once for oneDNN (CPU; see ``..linear``). The
         products then read only the packed copies, so the checkpoint-layout matrices are
         dropped, except the embedding, which the token lookup still reads."""
         for layer in self.layers:
@@ -201,10 +229,29 @@ class LlamaForCausalLM(nn.Module):
                                   (layer.mlp, ("gate_up_weight", "down_weight"))):  # fmt: skip
                 module.prepack()
                 for name in names:
-                    getattr(module, name).data = torch.empty(0, dtype=getattr(module, name).dtype)
+                    self._drop_prepacked(getattr(module, name))
+        if "lm_head" in self.quantized or (self.lm_head is None and "embed_weight" in self.quantized):
+            return
         self.lm_head_proj = prepacked_linear(self._lm_weight())
-        if self.lm_head is not None:
-            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+        if self.lm_head is None:
+            self.prepacked_bytes += self.embed_weight.nbytes
+        else:
+            self._drop_prepacked(self.lm_head)
+
+    def _drop_prepacked(self, param: nn.Parameter) -> None:
+        self.prepacked_bytes += param.nbytes  # the reordered copy holds as many values
+        param.data = torch.empty(0, dtype=param.dtype)
+
+    def num_quantized(self) -> int:
+        """How many (fused) matrices are kept quantized."""
+        return len(self.quantized) + sum(len(m.quantized) for layer in self.layers for m in (layer.self_attn, layer.mlp))
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights: float parameters, oneDNN's reordered copies and the
+        tensors kept quantized."""
+        modules = [self, *(m for layer in self.layers for m in (layer.self_attn, layer.mlp))]
+        return sum(p.nbytes for p in self.parameters()) + self.prepacked_bytes + sum(
+            t.nbytes() for m in modules for t in m.quantized.values())
 
     def forward(self, input_ids, positions, attn: AttentionMetadata, kv_caches) -> torch.Tensor:
         x = self.embed(input_ids)
@@ -216,6 +263,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(input_ids, self.embed_weight)
+
+    def _embed_quantized(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return quantized_embedding(self.quantized["embed_weight"], input_ids, self.norm.dtype)
 
     def _embed_vocab_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
         start = self.shard.vocab_start
@@ -316,15 +366,24 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         self._check_complete(plan, loaded)
 
-    def load_weights_from(self, source, dtype: torch.dtype = torch.float32) -> None:
+    def load_weights_from(self, source, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> None:
         """Load from a ``WeightSource`` (``shared.model_files.open_weights``), reading only
-        this rank's rows / columns of each sharded tensor with ``load_slice``."""
+        this rank's rows / columns of each sharded tensor with ``load_slice``.
+        ``keep_quantized``: matrices the source holds as int8 / int4 stay so (whole
+        tensors only, i.e. one rank)."""
         plan = self._weight_plan()
         loaded: set[str] = set()
+        kept: dict[str, QuantizedTensor] = {}
         for name in source.names():
             slot = plan.get(name)
             if slot is None:
                 continue
+            if keep_quantized and slot.dim is None and slot.target.dim() == 2:
+                tensor = source.load_quantized(name)
+                if tensor is not None:
+                    kept[name] = tensor
+                    loaded.add(name)
+                    continue
             if slot.dim is None:
                 tensor = source.load(name, dtype)
             else:
@@ -336,3 +395,41 @@ class LlamaForCausalLM(nn.Module):
             self._put(slot, tensor, name)
             loaded.add(name)
         self._check_complete(plan, loaded)
+        if kept:
+            self._keep_quantized(plan, kept)
+
+    def _keep_quantized(self, plan: dict[str, _WeightSlot], kept: dict[str, QuantizedTensor]) -> None:
+        """Hand each fully quantized (fused) matrix to its module and empty its parameter;
+        dequantize into the parameter the parts of a matrix whose parts are not all kept alike."""
+        device = self.norm.device
+        matrices = [(self, "embed_weight", ["model.embed_tokens.weight"])]
+        if self.lm_head is not None:
+            matrices.append((self, "lm_head", ["lm_head.weight"]))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            matrices += [
+                (layer.self_attn, "qkv_weight", [f"{p}self_attn.{key}_proj.weight" for key in "qkv"]),
+                (layer.self_attn, "o_weight", [f"{p}self_attn.o_proj.weight"]),
+                (layer.mlp, "gate_up_weight", [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]),
+                (layer.mlp, "down_weight", [f"{p}mlp.down_proj.weight"]),
+            ]
+        for module, weight, names in matrices:
+            parts = [kept.get(name) for name in names]
+            if all(parts) and len({part.bits for part in parts}) == 1:
+                tensor = QuantizedTensor.cat(parts).to(device) if len(parts) > 1 else parts[0].to(device)
+                param = getattr(module, weight)
+                param.data = torch.empty(0, dtype=param.dtype, device=device)
+                if module is self:
+                    self.quantized[weight] = tensor
+                else:
+                    module.keep_quantized(weight, tensor)
+                continue
+            for name, part in zip(names, parts):
+                if part is not None:
+                    self._put(plan[name], dequantize(part), name)
+        if "embed_weight" in self.quantized:
+            self.embed = self._embed_quantized
+            if self.lm_head is None:
+                self.lm_head_proj = quantized_linear(self.quantized["embed_weight"])
+        if "lm_head" in self.quantized:
+            self.lm_head_proj = quantized_linear(self.quantized["lm_head"])
