@@ -3,7 +3,8 @@
 ``--max-loras`` slots hold one adapter each, as rows of one A and one B tensor per layer
 and fused projection (``batched.py``). A step's requests name their adapters
 (``LoRARequest``); ``set_step`` puts each into a slot (already resident, a free slot, or
-the least recently used slot not needed by this step and not pinned), then gives every
+the least recently used slot not needed by this step and not pinned; a request marked
+``pinned`` pins its adapter), then gives every
 token its one-hot slot row, which the wrapped projections read. Adapters are read from
 disk in a background thread (``prefetch``, called as soon as a request or a load message
 names one) into a host cache of ``--max-cpu-loras`` adapters; a step only waits for a
@@ -68,8 +69,8 @@ class LoRASlots:
         self._model = model
         self._originals: list[tuple[object, str, object]] = []
         self._wrap_projections(model)
-        for name, path in config.modules().items():  # --lora-modules: read them now, in the background
-            self.prefetch(LoRARequest(name, path))
+        for lora in config.modules():  # --lora-modules: read them now, in the background
+            self.prefetch(lora)
 
     # ------------------------------------------------------------------ the model's hook
 
@@ -129,8 +130,15 @@ class LoRASlots:
     # ------------------------------------------------------------------ slots
 
     def pin(self, request: LoRARequest) -> None:
-        """Keep the adapter in a slot from now on (never evicted)."""
+        """Keep the adapter in a slot from now on (never evicted). A request with
+        ``pinned`` set pins its adapter when it first gets a slot: the scheduler counts
+        the slot as taken from the step that sends it."""
         self.pinned.add(adapter_key(request))
+
+    def unpin(self, lora_name: str) -> None:
+        """The adapter was unloaded: its slot may be reused (requests still running under
+        it keep it by LRU, as any adapter's)."""
+        self.pinned = {k for k in self.pinned if k[0] != lora_name}
 
     def remove(self, lora_name: str) -> None:
         """Forget every adapter of that name (unloaded): its slot becomes free."""
@@ -150,15 +158,26 @@ class LoRASlots:
         if None in self.slot_keys:
             slot = self.slot_keys.index(None)
         else:
-            victim = next((k for k in self.resident if k not in step_keys and k not in self.pinned), None)
-            if victim is None:
-                raise RuntimeError(f"a step needs more LoRA adapters than the {len(self.slot_keys)} slots "
-                                   f"(max_loras) hold, not counting pinned ones")
-            slot = self.resident.pop(victim)
+            slot = self.resident.pop(self._victim(step_keys))
         self._write_slot(slot, adapter)
         self.slot_keys[slot] = key
         self.resident[key] = slot
         return slot
+
+    def _victim(self, step_keys: set[AdapterKey]) -> AdapterKey:
+        """The least recently used adapter this step does not need, pinned ones last."""
+        unneeded = [k for k in self.resident if k not in step_keys]
+        if not unneeded:
+            raise RuntimeError(f"a step needs more LoRA adapters than the {len(self.slot_keys)} slots "
+                               f"(max_loras) hold")
+        unpinned = [k for k in unneeded if k not in self.pinned]
+        if unpinned:
+            return unpinned[0]
+        # The scheduler counts pinned slots as taken, so this happens only when it did not
+        # hear of them (it restarted, or an unload message was lost): serve the step anyway.
+        logger.warning("LoRA adapter %r was pinned, but the step needs its slot: evicted", unneeded[0][0])
+        self.pinned.discard(unneeded[0])
+        return unneeded[0]
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         for layer, a_by_proj, b_by_proj in zip(adapter.weights, self.a_slots, self.b_slots):
@@ -181,6 +200,9 @@ class LoRASlots:
         step_keys = {adapter_key(r) for r in loras if r is not None}
         rows = [i for i, r in enumerate(loras) if r is not None]
         slots = [self._slot_for(loras[i], step_keys) for i in rows]
+        for i in rows:
+            if loras[i].pinned:
+                self.pin(loras[i])
         by_request = torch.zeros(len(loras), len(self.slot_keys), dtype=self.dtype)
         by_request[rows, slots] = 1
         repeats = torch.from_numpy(np.asarray(num_scheduled, dtype=np.int64))
