@@ -61,7 +61,8 @@ def refs(hf_smollm, smollm_tokenizer, adapters):
 
 
 def lora_info(stack) -> str:
-    lines = httpx.get(stack.base_url + "/metrics", timeout=10).text.splitlines()
+    lines = httpx.get(stack.base_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=10).text.splitlines()
     return next((line for line in lines if line.startswith("natsllm:lora_requests_info{")), "")
 
 

@@ -1,5 +1,5 @@
 """The worker's LoRA slots: LRU eviction with pinned adapters kept, the host cache bound,
-and each token's one-hot slot row."""
+and each token's slot."""
 
 from __future__ import annotations
 
@@ -67,15 +67,12 @@ def test_a_request_marked_pinned_pins_its_adapter_until_unpinned(slots, loras, c
     assert resident(slots) == {"A": 1, "C": 0} and "was pinned" in caplog.text
 
 
-def test_tokens_get_their_requests_slot_rows(slots, loras):
+def test_tokens_get_their_requests_slots(slots, loras):
     slots.set_step([None, None], np.array([3, 1]))
-    assert slots.token_slots is None  # no adapter in the step: the projections skip LoRA
+    assert slots.batch is None  # no adapter in the step: the projections skip LoRA
     slots.set_step([None, loras["B"], loras["A"]], np.array([2, 3, 1]))
     b, a = slots.resident[("B", loras["B"].lora_path)], slots.resident[("A", loras["A"].lora_path)]
-    want = torch.zeros(6, 2)
-    want[2:5, b] = 1
-    want[5, a] = 1
-    assert torch.equal(slots.token_slots, want)
+    assert slots.batch.token_slot.tolist() == [-1, -1, b, b, b, a]
 
 
 def test_detach_restores_the_plain_projections(tiny_llama):
