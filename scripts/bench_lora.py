@@ -107,6 +107,7 @@ def main(argv=None) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--ranks", default="8,16")
     p.add_argument("--adapters", default="0,1,4,8", help="numbers of distinct adapters to run")
+    p.add_argument("--method", default=None, help="force a LoRA method of batched.METHODS (default: chosen per step)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -121,6 +122,7 @@ def main(argv=None) -> None:
     from shared.config import CacheConfig, LoRAConfig, SchedulerConfig
     from shared.protocol import LoRARequest, SamplingParams
 
+    load_start = os.getloadavg()  # the machine may be shared: the figures say how busy it was
     counts = [int(k) for k in args.adapters.split(",")]
     ranks = [int(r) for r in args.ranks.split(",")]
     gen = torch.Generator().manual_seed(0)
@@ -134,6 +136,7 @@ def main(argv=None) -> None:
             engine = Engine(cache_config=CacheConfig(num_gpu_blocks=need_blocks),
                             scheduler_config=SchedulerConfig(max_num_seqs=args.num_prompts),
                             lora_config=lora_config)
+            engine.worker.lora.method = args.method
             vocab = engine.model_config.vocab_size
             loras = [LoRARequest(f"r{rank}-{i}", str(write_adapter(Path(tmp) / f"r{rank}-{i}",
                                                                    engine.model_config, rank, i)))
@@ -152,7 +155,8 @@ def main(argv=None) -> None:
                 print(f"rank {rank:3d}  {k} adapter(s): {results[rank][k]:8.1f} output tok/s "
                       f"({results[rank][k] / results[rank][counts[0]]:.2f}x of {counts[0]})", flush=True)
     ratios = {r: {k: v / by_k[counts[0]] for k, v in by_k.items()} for r, by_k in results.items()}
-    print(json.dumps({"tok_s": results, "ratio": ratios, "threads": torch.get_num_threads()}))
+    print(json.dumps({"tok_s": results, "ratio": ratios, "threads": torch.get_num_threads(),
+                      "method": args.method or "auto", "loadavg_start": load_start, "loadavg_end": os.getloadavg()}))
 
 
 if __name__ == "__main__":

@@ -9,19 +9,16 @@ replicated) give the greedy tokens of TP=1 and of Hugging Face + PEFT.
 from __future__ import annotations
 
 import json
-import traceback
-from pathlib import Path
 
 import pytest
-import torch
 
-from services.worker.parallel import destroy_distributed
 from shared.config import LoRAConfig, ModelRunConfig, ParallelConfig
 from shared.protocol import FinishReason, LoRARequest
 from tests.greedy_compare import assert_greedy_matches
 from tests.hf_reference import hf_greedy, load_hf_model_from_folder
 from tests.lora_reference import hf_with_adapter, make_peft_adapter
-from tests.worker.test_tensor_parallel import CACHE, GREEDY, NUM_TOKENS, SCHED, prompts, run_ranks, tiny_model
+from tests.worker.test_tensor_parallel import (CACHE, GREEDY, NUM_TOKENS, SCHED, prompts, run_ranks, tiny_model,
+                                              write_rank_result)
 
 LORA = LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=8)
 ADAPTERS = {
@@ -47,16 +44,8 @@ def run_lora_workload(model_dir: str, adapters: dict[str, str], parallel_config:
 
 
 def _lora_rank_main(rank, world_size, init_method, model_dir, out_dir, adapters_json) -> None:
-    torch.set_num_threads(1)
-    out = Path(out_dir) / f"rank{rank}.json"
-    try:
-        result = run_lora_workload(model_dir, json.loads(adapters_json), ParallelConfig(world_size, rank, init_method))
-        out.write_text(json.dumps(result))
-    except BaseException:
-        out.write_text(json.dumps({"error": traceback.format_exc()}))
-        raise
-    finally:
-        destroy_distributed()
+    parallel_config = ParallelConfig(world_size, rank, init_method)
+    write_rank_result(out_dir, rank, lambda: run_lora_workload(model_dir, json.loads(adapters_json), parallel_config))
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,tp", [(6, 3, 3), (4, 1, 2)])
