@@ -47,14 +47,15 @@ class LoRABatch:
     method: str
     token_slot: torch.Tensor  # [T] int64, -1: the base model
     one_hot: torch.Tensor | None = None  # masked: [T, S] rows in the activations' dtype
-    # grouped: the slots used (G), the tokens with a slot sorted by it, and each sorted
-    # token's group and row in the padded batch.
+    # grouped: the slots used (G) and the padded batch of G groups of max_len rows; each
+    # token's row in it (``dest``; base-model tokens: the spare row G * max_len, never read),
+    # and the tokens with a slot (``order``) with their rows (``rows``).
     groups: torch.Tensor | None = None
     group_range: tuple[int, int] | None = None  # the used slots as a range [lo, hi), if they are one
-    order: torch.Tensor | None = None
-    group_of: torch.Tensor | None = None
-    row_of: torch.Tensor | None = None
     max_len: int = 0
+    dest: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
     single_slot: int | None = None  # grouped: every token has this one slot (plain GEMMs, no gather)
 
     @classmethod
@@ -72,13 +73,14 @@ class LoRABatch:
             batch.one_hot = one_hot.to(device)
         elif method == "grouped":
             order = torch.argsort(token_slot, stable=True)[int((~has_slot).sum()):]
-            sorted_slots = token_slot[order]
-            group_of = torch.searchsorted(used, sorted_slots)
+            group_of = torch.searchsorted(used, token_slot[order])
             counts = torch.bincount(group_of, minlength=len(used))
             starts = torch.cumsum(counts, 0) - counts
-            batch.row_of = (torch.arange(len(order)) - starts[group_of]).to(device)
-            batch.order, batch.group_of = order.to(device), group_of.to(device)
             batch.max_len = int(counts.max())
+            rows = group_of * batch.max_len + torch.arange(len(order)) - starts[group_of]
+            dest = torch.full((len(token_slot),), len(used) * batch.max_len, dtype=torch.int64)
+            dest[order] = rows
+            batch.dest, batch.order, batch.rows = dest.to(device), order.to(device), rows.to(device)
             lo, hi = int(used[0]), int(used[-1]) + 1
             batch.group_range = (lo, hi) if hi - lo == len(used) else None
             batch.groups = used.to(device)
@@ -118,10 +120,12 @@ def add_lora_grouped(y: torch.Tensor, x: torch.Tensor, a_slots: torch.Tensor, b_
         a, b = a_slots[lo:hi], b_slots[lo:hi]
     else:
         a, b = a_slots.index_select(0, batch.groups), b_slots.index_select(0, batch.groups)
-    grouped_x = x.new_zeros(a.shape[0], batch.max_len, x.shape[1])
-    grouped_x[batch.group_of, batch.row_of] = x.index_select(0, batch.order)
-    delta = torch.bmm(torch.bmm(grouped_x, a.transpose(1, 2)), b)
-    return y.index_add_(0, batch.order, delta[batch.group_of, batch.row_of])
+    num_rows = a.shape[0] * batch.max_len
+    grouped_x = x.new_zeros(num_rows + 1, x.shape[1])
+    grouped_x.index_copy_(0, batch.dest, x)  # several base-model tokens may land on the spare row
+    grouped_x = grouped_x[:num_rows].view(a.shape[0], batch.max_len, x.shape[1])
+    delta = torch.bmm(torch.bmm(grouped_x, a.transpose(1, 2)), b).view(num_rows, b.shape[2])
+    return y.index_add_(0, batch.order, delta.index_select(0, batch.rows))
 
 
 def lora_delta_reference(x: torch.Tensor, a_slots: torch.Tensor, b_slots: torch.Tensor,
