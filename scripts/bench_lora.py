@@ -10,6 +10,13 @@ Ratios are against k = 0 in the same run.
     .venv/bin/python scripts/bench_lora.py [--num-prompts 32] [--ranks 8,16]
 
 The LAST line is one JSON object: {"rank": {"k": tok_s}} and the ratios.
+
+``--kernels`` times the LoRA delta alone instead (``services/worker/lora/batched.py``):
+each method (masked, grouped) over the four fused projections of one layer of the
+default model, ``--max-loras 8`` slots, per rank, tokens per step (32 = a decode step of
+32 requests; 256 and 512 = prefill chunks) and distinct adapters in the step; the
+tokens are spread evenly over the adapters. The fastest of ``--repeats`` runs (the
+methods alternate), microseconds: on a shared machine the minimum is the least disturbed.
 """
 
 from __future__ import annotations
@@ -55,19 +62,67 @@ def write_adapter(folder: Path, model_config, rank: int, seed: int) -> Path:
     return folder
 
 
+def bench_kernels(ranks: list[int], counts: list[int], token_counts: list[int], repeats: int) -> dict:
+    from services.worker.lora.batched import LoRABatch, add_lora
+    from shared.lora import FUSED_PROJECTIONS, ProjectionShapes
+    from shared.model_config import default_model_path, load_model_config
+
+    shapes = ProjectionShapes.of(load_model_config(default_model_path()))
+    num_slots = 8
+    gen = torch.Generator().manual_seed(0)
+    results = {}
+    for rank in ranks:
+        weights = {p: (torch.randn(num_slots, shapes.stacked_rank(p, rank), shapes.in_features[p], generator=gen),
+                       torch.randn(num_slots, shapes.stacked_rank(p, rank), sum(shapes.out_features[p]), generator=gen))
+                   for p in FUSED_PROJECTIONS}
+        for num_tokens in token_counts:
+            xs = {p: torch.randn(num_tokens, shapes.in_features[p], generator=gen) for p in FUSED_PROJECTIONS}
+            ys = {p: torch.randn(num_tokens, sum(shapes.out_features[p]), generator=gen) for p in FUSED_PROJECTIONS}
+            for k in counts:
+                token_slot = torch.arange(num_tokens) * k // num_tokens  # k even runs of tokens
+                times = {"masked": [], "grouped": []}
+                for _ in range(repeats):  # the methods alternate, so both meet the same load
+                    for method, runs in times.items():
+                        t0 = time.perf_counter()
+                        batch = LoRABatch.build(token_slot, num_slots, torch.float32, torch.device("cpu"), method)
+                        for p, (a, b) in weights.items():
+                            add_lora(ys[p], xs[p], a, b, batch)
+                        runs.append(time.perf_counter() - t0)
+                row = {method: min(runs) * 1e6 for method, runs in times.items()}
+                results[f"rank={rank} tokens={num_tokens} adapters={k}"] = row
+                print(f"rank {rank:2d}  tokens {num_tokens:4d}  adapters {k}:  "
+                      + "  ".join(f"{m} {us:8.0f} us" for m, us in row.items())
+                      + f"  grouped/masked {row['grouped'] / row['masked']:.2f}", flush=True)
+    return results
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kernels", action="store_true", help="time the LoRA delta alone, per method")
+    p.add_argument("--tokens", default="32,256,512", help="--kernels: tokens per step")
+    p.add_argument("--repeats", type=int, default=21)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--ranks", default="8,16")
     p.add_argument("--adapters", default="0,1,4,8", help="numbers of distinct adapters to run")
+    p.add_argument("--method", default=None, help="force a LoRA method of batched.METHODS (default: chosen per step)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.kernels:
+        counts = [int(k) for k in args.adapters.split(",") if int(k) > 0]
+        results = bench_kernels([int(r) for r in args.ranks.split(",")], counts,
+                                [int(t) for t in args.tokens.split(",")], args.repeats)
+        print(json.dumps({"us": results, "threads": torch.get_num_threads()}))
+        return
 
     from services.engine import Engine
     from shared.config import CacheConfig, LoRAConfig, SchedulerConfig
     from shared.protocol import LoRARequest, SamplingParams
 
+    load_start = os.getloadavg()  # the machine may be shared: the figures say how busy it was
     counts = [int(k) for k in args.adapters.split(",")]
     ranks = [int(r) for r in args.ranks.split(",")]
     gen = torch.Generator().manual_seed(0)
@@ -81,6 +136,7 @@ def main(argv=None) -> None:
             engine = Engine(cache_config=CacheConfig(num_gpu_blocks=need_blocks),
                             scheduler_config=SchedulerConfig(max_num_seqs=args.num_prompts),
                             lora_config=lora_config)
+            engine.worker.lora.method = args.method
             vocab = engine.model_config.vocab_size
             loras = [LoRARequest(f"r{rank}-{i}", str(write_adapter(Path(tmp) / f"r{rank}-{i}",
                                                                    engine.model_config, rank, i)))
@@ -99,7 +155,8 @@ def main(argv=None) -> None:
                 print(f"rank {rank:3d}  {k} adapter(s): {results[rank][k]:8.1f} output tok/s "
                       f"({results[rank][k] / results[rank][counts[0]]:.2f}x of {counts[0]})", flush=True)
     ratios = {r: {k: v / by_k[counts[0]] for k, v in by_k.items()} for r, by_k in results.items()}
-    print(json.dumps({"tok_s": results, "ratio": ratios, "threads": torch.get_num_threads()}))
+    print(json.dumps({"tok_s": results, "ratio": ratios, "threads": torch.get_num_threads(),
+                      "method": args.method or "auto", "loadavg_start": load_start, "loadavg_end": os.getloadavg()}))
 
 
 if __name__ == "__main__":

@@ -220,7 +220,9 @@ class LoRAConfig:
     max_loras: int = setting(1, "distinct LoRA adapters in one step (the workers' adapter slots)")
     max_lora_rank: int = setting(16, "largest LoRA rank accepted")
     max_cpu_loras: int | None = setting(None, "adapters each worker keeps in host memory (default: max_loras)")
-    lora_modules: str = setting("", "adapters served from the start, as 'name=path name2=path2'")
+    lora_modules: str = setting("", "adapters served from the start, space-separated: 'name=path', "
+                                      "'name=path:pinned' (never evicted) or vLLM's JSON "
+                                      "'{\"name\": .., \"path\": .., \"base_model_name\": .., \"pinned\": true}'")
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -235,16 +237,16 @@ class LoRAConfig:
     def host_capacity(self) -> int:
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
-    def modules(self) -> dict[str, str]:
-        """``lora_modules`` as name -> path."""
-        modules = {}
-        for entry in self.lora_modules.split():
-            name, sep, path = entry.partition("=")
-            if not sep or not name or not path:
-                raise ConfigError(f"lora_modules entries are name=path, got {entry!r}")
-            if name in modules:
-                raise ConfigError(f"lora_modules names {name!r} twice")
-            modules[name] = path
+    def modules(self) -> list:
+        """``lora_modules`` as ``LoRARequest``s (``shared.lora.parse_lora_modules``: name=path,
+        name=path:pinned or vLLM's JSON objects), checked for the pinned ones to fit the slots."""
+        from shared.lora import check_pinning, parse_lora_modules
+
+        try:
+            modules = parse_lora_modules(self.lora_modules)
+            check_pinning(modules, self.max_loras)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return modules
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.model_config import ModelConfig
+from shared.protocol import LoRARequest
 
 # Fused projection of our model -> the PEFT module names it holds, in the order of its output rows.
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -29,6 +30,7 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 MODULE_TO_PROJECTION = {m: p for p, modules in FUSED_PROJECTIONS.items() for m in modules}
+PINNED_SUFFIX = ":pinned"  # --lora-modules name=path:pinned
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
@@ -166,3 +168,70 @@ def check_lora_adapter(path: str | Path, model_config: ModelConfig, max_rank: in
     for (layer, module), pair in module_pairs(shape_of, model_config.num_hidden_layers, path).items():
         check_module_shapes(layer, module, pair["A"], pair["B"], config["r"], shapes)
     return config
+
+
+def parse_lora_modules(value: str) -> list[LoRARequest]:
+    """``--lora-modules``: whitespace-separated entries, each ``name=path``, ``name=path:pinned``
+    or vLLM's JSON object ``{"name": .., "path": .., "base_model_name": ..}`` (which may
+    also hold ``"pinned": true``). Raises ``ValueError`` naming the bad entry."""
+    modules: list[LoRARequest] = []
+    decoder = json.JSONDecoder()
+    i = 0
+    while True:
+        while i < len(value) and value[i].isspace():
+            i += 1
+        if i == len(value):
+            break
+        if value[i] == "{":
+            try:
+                entry, i = decoder.raw_decode(value, i)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"lora_modules: bad JSON entry at character {i}: {e}") from None
+            modules.append(_json_module(entry))
+        else:
+            end = i
+            while end < len(value) and not value[end].isspace():
+                end += 1
+            modules.append(_short_module(value[i:end]))
+            i = end
+    names = [m.lora_name for m in modules]
+    twice = {n for n in names if names.count(n) > 1}
+    if twice:
+        raise ValueError(f"lora_modules names {sorted(twice)[0]!r} twice")
+    return modules
+
+
+def _short_module(entry: str) -> LoRARequest:
+    name, sep, path = entry.partition("=")
+    pinned = path.endswith(PINNED_SUFFIX)
+    if pinned:
+        path = path[: -len(PINNED_SUFFIX)]
+    if not sep or not name or not path:
+        raise ValueError(f"lora_modules entries are name=path, name=path{PINNED_SUFFIX} or a JSON object, "
+                         f"got {entry!r}")
+    return LoRARequest(name, path, pinned=pinned)
+
+
+def _json_module(entry: object) -> LoRARequest:
+    fields = {"name": str, "path": str, "base_model_name": str, "pinned": bool}
+    if not isinstance(entry, dict) or not {"name", "path"} <= entry.keys() or not entry.keys() <= fields.keys():
+        raise ValueError(f"lora_modules JSON entries are objects with name, path and optionally "
+                         f"base_model_name and pinned, got {json.dumps(entry)}")
+    for key, value in entry.items():
+        if not isinstance(value, fields[key]) or (fields[key] is str and key != "base_model_name" and not value):
+            raise ValueError(f"lora_modules JSON entry {json.dumps(entry)}: {key!r} must be a "
+                             f"{'boolean' if fields[key] is bool else 'non-empty string'}")
+    return LoRARequest(entry["name"], entry["path"], pinned=entry.get("pinned", False),
+                       base_model_name=entry.get("base_model_name") or "")
+
+
+def check_pinning(adapters: list[LoRARequest], max_loras: int) -> None:
+    """Pinned adapters hold worker slots for good, so at most ``max_loras`` of them, and
+    one slot fewer while other adapters are served (else those could never run)."""
+    pinned = sum(a.pinned for a in adapters)
+    limit = max_loras if pinned == len(adapters) else max_loras - 1
+    if pinned > limit:
+        raise LoRAAdapterError(
+            f"{pinned} pinned LoRA adapters do not fit max_loras {max_loras} slots"
+            + ("" if pinned == len(adapters) else " while unpinned adapters also need one")
+        )

@@ -227,6 +227,11 @@ class LoRARequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
     lora_name: str
     lora_path: str
+    # Pinned (``"pinned": true`` on load, or a pinned ``--lora-modules`` entry): once a
+    # worker puts it in a slot it stays there, and the scheduler counts that slot as taken.
+    pinned: bool = False
+    # The model card's ``parent`` (vLLM's ``base_model_name``; "": the served model).
+    base_model_name: str = ""
 
 
 class EngineRequest(msgspec.Struct, omit_defaults=True):
@@ -688,6 +693,11 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     kv_transfer_requests: int = 0
     kv_transfer_failures: int = 0
     kv_transfer_fallbacks: int = 0
+    # LoRA (vLLM's lora_requests_info): names of the adapters with running / waiting
+    # requests, and --max-loras (0: LoRA off).
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
+    max_lora: int = 0
 
 
 class WorkerReady(msgspec.Struct, omit_defaults=True):

@@ -1,6 +1,7 @@
 """LoRA adapters at the gateway: which ones it serves, and the routes that change that.
 
-    POST /v1/load_lora_adapter    {"lora_name", "lora_path"}   (vLLM's endpoint and fields)
+    POST /v1/load_lora_adapter    {"lora_name", "lora_path"}   (vLLM's endpoint and fields;
+                                  "pinned": true keeps it in the workers' slots for good)
     POST /v1/unload_lora_adapter  {"lora_name"}
 
 Each gateway keeps a registry, name -> ``LoRARequest`` (name and PEFT folder), filled from
@@ -27,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from shared.config import LoRAConfig
-from shared.lora import LoRAAdapterError, check_lora_adapter
+from shared.lora import LoRAAdapterError, check_lora_adapter, check_pinning
 from shared.model_config import ModelConfig
 from shared.protocol import LORA_ADAPTERS, LORA_ADAPTERS_MSG, LORA_LIST, LoRAAdapters, LoRARequest
 
@@ -47,9 +48,9 @@ class LoRARegistry:
         self.config = config
         self.model_path = model_path
         self.adapters: dict[str, LoRARequest] = {}
-        for name, path in config.modules().items():
-            self.check(path)
-            self.adapters[name] = LoRARequest(name, path)
+        for lora in config.modules():
+            self.check(lora.lora_path)
+            self.adapters[lora.lora_name] = lora
 
     @functools.cached_property
     def model_config(self) -> ModelConfig:
@@ -60,6 +61,10 @@ class LoRARegistry:
     def check(self, path: str) -> None:
         """Raises ``LoRAAdapterError`` if the folder cannot be served on the base model."""
         check_lora_adapter(path, self.model_config, self.config.max_lora_rank)
+
+    def check_pinning_with(self, lora: LoRARequest) -> None:
+        """Raises ``LoRAAdapterError`` if adding ``lora`` would pin more adapters than fit."""
+        check_pinning([*self.adapters.values(), lora], self.config.max_loras)
 
     def lookup(self, model: object) -> LoRARequest | None:
         return self.adapters.get(model) if isinstance(model, str) else None
@@ -140,7 +145,7 @@ class LoRARoutes:
         if registry is None:
             return []
         parent = self.gateway.config.model_name
-        return [{**card(lora.lora_name), "root": lora.lora_path, "parent": parent}
+        return [{**card(lora.lora_name), "root": lora.lora_path, "parent": lora.base_model_name or parent}
                 for lora in registry.adapters.values()]
 
     async def load(self, request: Request) -> Response:
@@ -148,19 +153,27 @@ class LoRARoutes:
             registry = self._registry()
             body = await self._body(request)
             name, path = _name_field(body, "lora_name"), _name_field(body, "lora_path")
+            pinned = body.get("pinned", False)
+            if not isinstance(pinned, bool):
+                raise ApiError("'pinned' must be a boolean", param="pinned")
             if name in registry.adapters or name in self.gateway.config.served_model_names:
                 raise ApiError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+            lora = LoRARequest(name, path, pinned=pinned)
+            try:
+                registry.check_pinning_with(lora)
+            except LoRAAdapterError as e:
+                raise ApiError(str(e), param="pinned") from None
             try:
                 # Reads a config and a header only, but from disk: not on the event loop.
                 await asyncio.get_running_loop().run_in_executor(None, registry.check, path)
             except LoRAAdapterError as e:
                 raise ApiError(str(e), param="lora_path") from None
-            change = LoRAAdapters(loaded=[LoRARequest(name, path)])
+            change = LoRAAdapters(loaded=[lora])
             registry.apply(change)
             await self._publish(change)
         except ApiError as e:
             return error_response(e.info)
-        logger.info("LoRA adapter %r loaded from %s", name, path)
+        logger.info("LoRA adapter %r loaded from %s%s", name, path, " (pinned)" if pinned else "")
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, request: Request) -> Response:

@@ -1,7 +1,8 @@
 """Prometheus metrics of ``GET /metrics``, named as vLLM's with the prefix ``natsllm:``.
 
 Two sources. Engine-side state (running / waiting requests, KV cache usage,
-prefix cache queries and hits, preemptions, speculative decoding) comes from the ``EngineStats`` each
+prefix cache queries and hits, preemptions, speculative decoding, the LoRA adapters running and
+waiting) comes from the ``EngineStats`` each
 scheduler publishes about once a second on ``llm.engine.stats``: the latest
 message per engine is kept, engines silent for longer than ``ENGINE_STATS_TTL``
 are dropped, and the rest are summed when scraped. Token counts and latencies
@@ -99,7 +100,21 @@ class _EngineCollector:
         engines_gauge = GaugeMetricFamily("natsllm:num_engines", "Engines heard from recently.", labels=["model_name"])
         engines_gauge.add_metric([self.model_name], float(len(engines)))
         yield engines_gauge
+        lora_engines = [s for s in engines if s.max_lora]
+        if lora_engines:
+            yield self._lora_requests_info(lora_engines)
 
+    @staticmethod
+    def _lora_requests_info(engines: list[EngineStats]) -> GaugeMetricFamily:
+        """vLLM's info gauge: the adapters as comma-separated label values (of all engines),
+        the value the time of the latest stats."""
+        gauge = GaugeMetricFamily("natsllm:lora_requests_info", "Running stats on lora requests.",
+                                  labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        waiting = sorted({name for s in engines for name in s.waiting_lora_adapters})
+        running = sorted({name for s in engines for name in s.running_lora_adapters})
+        gauge.add_metric([str(max(s.max_lora for s in engines)), ",".join(waiting), ",".join(running)],
+                         max(s.timestamp for s in engines))
+        return gauge
 
     def _accepted_per_position(self, engines: list[EngineStats]) -> CounterMetricFamily:
         counter = CounterMetricFamily("natsllm:spec_decode_num_accepted_tokens_per_pos",

@@ -93,6 +93,9 @@ class Scheduler:
         # Token ids must be below this (0: unchecked): the workers index embeddings with them.
         self.vocab_size = vocab_size
         self.max_loras = max_loras
+        # Pinned adapters the workers have been sent: each holds a worker slot for good
+        # (until unloaded), so it counts against max_loras whether it runs or not.
+        self.pinned_loras: set[tuple[str, ...]] = set()
         self.requests: dict[str, Request] = {}
         # The last outputs of requests that finished lately, for gateways that lost them.
         self._recently_finished: OrderedDict[str, FinishedOutput] = OrderedDict()
@@ -179,6 +182,10 @@ class Scheduler:
             aborted.append(request)
         return aborted
 
+    def unpin_loras(self, names: list[str]) -> None:
+        """Adapters of these names were unloaded: the workers free their pinned slots."""
+        self.pinned_loras = {key for key in self.pinned_loras if key[0] not in names}
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -251,7 +258,7 @@ class Scheduler:
         # The workers hold max_loras adapters: a request of another adapter waits until a
         # running adapter's requests are done, and the requests behind it wait too (FIFO),
         # so running adapters cannot keep taking new requests past it.
-        running_loras = {r.lora_key for r in self.running if r.lora_key}
+        running_loras = {r.lora_key for r in self.running if r.lora_key} | self.pinned_loras
         # P/D: requests whose prompt KV is still loading stay in line, skipped.
         skipped: deque[Request] = deque()
         # After a preemption the pool is full: admitting waiting requests would thrash.
@@ -293,6 +300,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            if request.lora_request is not None and request.lora_request.pinned:
+                self.pinned_loras.add(request.lora_key)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
                 self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_computed)
@@ -648,6 +657,7 @@ class Scheduler:
             "num_preemptions": self.num_preemptions,
             **self.spec_decode_stats.as_engine_stats(),
             **self._kv_transfer_stats(),
+            **self._lora_stats(),
         }
 
     def _kv_transfer_stats(self) -> dict:
@@ -662,4 +672,13 @@ class Scheduler:
             "kv_transfer_requests": stats.requests,
             "kv_transfer_failures": stats.failures,
             "kv_transfer_fallbacks": stats.fallbacks,
+        }
+
+    def _lora_stats(self) -> dict:
+        if not self.max_loras:
+            return {}
+        return {
+            "running_lora_adapters": sorted({r.lora_key[0] for r in self.running if r.lora_key}),
+            "waiting_lora_adapters": sorted({r.lora_key[0] for r in self.waiting if r.lora_key}),
+            "max_lora": self.max_loras,
         }

@@ -57,6 +57,8 @@ from shared.protocol import (
     KV_HANDOFF,
     KV_HANDOFF_REPLY,
     KV_RELEASE,
+    LORA_ADAPTERS,
+    LORA_ADAPTERS_MSG,
     MODEL_RUNNER_OUTPUT,
     RESEND_OUTPUTS,
     SCHEDULER_OUTPUT,
@@ -219,11 +221,20 @@ class SchedulerService(Service):
         await self.subscribe(engine_abort_subject("*"), self._on_abort)
         await self.subscribe(engine_resend_subject("*"), self._on_resend)
         await self.subscribe(engine_stops_subject(self.engine_id), self._on_stops_query)
+        if self.max_loras:
+            await self.subscribe(LORA_ADAPTERS, self._on_lora_adapters)
         if self.profile is not None:
             await self.subscribe(engine_profile_subject(self.engine_id), self._on_profile)
         await self.nc.publish(engine_hello_subject(self.engine_id), b"")
         self._loop_task = self.spawn(self._engine_loop())
         self.spawn(self._stats_loop())
+
+    async def _on_lora_adapters(self, msg: Msg) -> None:
+        """Unloaded adapters free their pinned worker slots (a lost message keeps the slot
+        counted as taken: fewer adapters run at once, never more than the workers hold)."""
+        change = LORA_ADAPTERS_MSG.decode(msg.data)
+        if change.unloaded and self.scheduler is not None:
+            self.scheduler.unpin_loras(change.unloaded)
 
     # ------------------------------------------------------------------ workers
 

@@ -28,7 +28,6 @@ import torch
 from kernels import AttentionMetadata, get_kernel_ops
 from shared.config import (
     CacheConfig,
-    ConfigError,
     LoRAConfig,
     ModelRunConfig,
     ParallelConfig,
@@ -195,9 +194,6 @@ class ModelRunner:
             self.lora = None
         if not config.enable_lora:
             return
-        if self.tp.enabled:
-            raise ConfigError("LoRA adapters are not sharded for tensor parallelism yet: "
-                              "enable_lora needs tensor_parallel_size 1")
         self.lora = LoRASlots(self.model, self.model_config, config, self.device, self.dtype)
 
     # ------------------------------------------------------------------ KV cache

@@ -162,11 +162,14 @@ class WorkerService(Service):
 
     async def _on_lora_adapters(self, msg: Msg) -> None:
         """Read a LoRA adapter loaded at runtime ahead of its first request (a background
-        read, queued on the forward thread only to touch the runner's state there)."""
+        read, queued on the forward thread only to touch the runner's state there); an
+        unloaded one is no longer pinned."""
         change = LORA_ADAPTERS_MSG.decode(msg.data)
         loop = asyncio.get_running_loop()
         for lora in change.loaded:
             await loop.run_in_executor(self._executor, self.runner.lora.prefetch, lora)
+        for name in change.unloaded:
+            await loop.run_in_executor(self._executor, self.runner.lora.unpin, name)
 
     async def _on_step(self, msg: Msg) -> None:
         clock = PhaseClock(self._sync) if self.profile else NULL_CLOCK

@@ -73,26 +73,60 @@ def test_one_adapter_equals_hf_peft(lora_worker, hf_smollm, adapters, prompts):
     assert_no_leaks(engine)
 
 
-def test_mixed_adapters_and_base_equal_each_alone(lora_worker, hf_smollm, adapters, prompts):
-    """Eight prompts, each under one of three adapters or none, in one batch: chunked
-    prefill (64-token budget), preemption (48 blocks), three adapters over two slots."""
+@pytest.fixture(scope="module")
+def mixed(hf_smollm, adapters, prompts):
+    """Eight prompts, each under one of three adapters or none, and HF + PEFT's greedy
+    tokens for each alone."""
     choices = [adapters["all-r8"], adapters["qv-gate-down-r16-rslora"], adapters["k-o-up-r4"], None] * 2
     refs = []
     for prompt, lora in zip(prompts, choices):
         refs += hf_refs(hf_smollm, [prompt], lora)
-    engine = lora_engine(lora_worker)
-    slots = lora_worker.lora
+    return choices, refs
+
+
+def generate_counting_slot_writes(engine, worker, prompts, choices):
+    """The engine's results, and the adapters' names in the order the worker wrote them to slots."""
+    slots = worker.lora
     writes = []
     write_slot = slots._write_slot
     slots._write_slot = lambda slot, adapter: (writes.append(adapter.name), write_slot(slot, adapter))
     try:
-        results = engine.generate(prompts, GREEDY, choices)
+        return engine.generate(prompts, GREEDY, choices), writes
     finally:
         del slots._write_slot
+
+
+def test_mixed_adapters_and_base_equal_each_alone(lora_worker, mixed, prompts):
+    """In one batch: chunked prefill (64-token budget), preemption (48 blocks), three
+    adapters over two slots."""
+    choices, refs = mixed
+    engine = lora_engine(lora_worker)
+    results, writes = generate_counting_slot_writes(engine, lora_worker, prompts, choices)
     assert engine.scheduler.num_preemptions > 0
     assert all(r.finish_reason == FinishReason.LENGTH for r in results)
     assert_greedy_matches([r.token_ids for r in results], refs, NUM_TOKENS)
-    assert set(writes) == set(adapters) and len(writes) > len(adapters)  # evicted and loaded again
+    assert set(writes) == {c.lora_name for c in choices if c} and len(writes) > 3  # evicted and loaded again
+    assert_no_leaks(engine)
+
+
+def test_a_pinned_adapter_is_never_evicted(lora_worker, mixed, prompts):
+    """The same batch with "all-r8" pinned: the other two adapters share the one slot left
+    (evicted and loaded again, all requests complete), the pinned one is written once."""
+    choices, refs = mixed
+    pinned = [LoRARequest(c.lora_name, c.lora_path, pinned=True) if c and c.lora_name == "all-r8" else c
+              for c in choices]
+    lora_worker.lora.remove("all-r8")  # from the earlier tests: its first write is this test's
+    engine = lora_engine(lora_worker)
+    try:
+        results, writes = generate_counting_slot_writes(engine, lora_worker, prompts, pinned)
+    finally:
+        lora_worker.lora.unpin("all-r8")
+    assert all(r.finish_reason == FinishReason.LENGTH for r in results)
+    assert_greedy_matches([r.token_ids for r in results], refs, NUM_TOKENS)
+    assert writes.count("all-r8") == 1
+    others = [w for w in writes if w != "all-r8"]
+    assert set(others) == {"qv-gate-down-r16-rslora", "k-o-up-r4"} and len(others) > 2
+    assert engine.scheduler.pinned_loras == {("all-r8", pinned[0].lora_path)}
     assert_no_leaks(engine)
 
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from tests.e2e.stacks import replicated_config, running_stack
+from tests.e2e.stacks import replicated_config, running_stack, wait_until
 from tests.hf_reference import hf_greedy
 from tests.lora_reference import hf_with_adapter, make_peft_adapter
 
@@ -60,6 +60,12 @@ def refs(hf_smollm, smollm_tokenizer, adapters):
             for name, model in models.items()}
 
 
+def lora_info(stack) -> str:
+    lines = httpx.get(stack.base_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=10).text.splitlines()
+    return next((line for line in lines if line.startswith("natsllm:lora_requests_info{")), "")
+
+
 def post(stack, path, body, key=API_KEY):
     return httpx.post(stack.base_url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
 
@@ -84,6 +90,11 @@ async def test_load_list_use_unload(stack, client, adapters, refs):
     assert r.status_code == 400 and "greater than max_lora_rank 16" in r.json()["error"]["message"]
     r = post(stack, "/v1/load_lora_adapter", {"lora_name": "first", "lora_path": str(adapters["second"])})
     assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+    # The one slot (--max-loras 1) cannot be pinned while "first" (unpinned) needs it.
+    r = post(stack, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["second"]), "pinned": True})
+    assert r.status_code == 400 and "do not fit max_loras 1 slots" in r.json()["error"]["message"]
+    r = post(stack, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["second"]), "pinned": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "pinned"
 
     r = post(stack, "/v1/load_lora_adapter", {"lora_name": "second", "lora_path": str(adapters["second"])})
     assert r.status_code == 200, r.text
@@ -94,6 +105,14 @@ async def test_load_list_use_unload(stack, client, adapters, refs):
     names = [MODEL, "first", "second"] * 2
     answers = await asyncio.gather(*(answer(client, name) for name in names))
     assert answers == [refs[name] for name in names]
+
+    # vLLM's lora_requests_info names the adapter while its request runs.
+    long = asyncio.create_task(client.chat.completions.create(
+        model="second", messages=QUESTION, temperature=0.0, max_tokens=128, extra_body={"ignore_eos": True}))
+    await asyncio.to_thread(wait_until, lambda: 'running_lora_adapters="second"' in lora_info(stack), 60,
+                            "lora_requests_info never named the running adapter")
+    assert lora_info(stack).startswith('natsllm:lora_requests_info{max_lora="1",')
+    await long
 
     r = post(stack, "/v1/unload_lora_adapter", {"lora_name": "second"})
     assert r.status_code == 200, r.text

@@ -67,3 +67,28 @@ def test_block_hashes_are_keyed_by_adapter():
     for i, one in enumerate(chains):
         for other in chains[i + 1:]:
             assert not set(one.block_hashes) & set(other.block_hashes)
+
+
+def test_a_pinned_adapter_keeps_its_slot_counted_until_unloaded():
+    scheduler = Scheduler(SchedulerConfig(), CacheConfig(), num_blocks=64, max_model_len=256, max_loras=2)
+    pinned = LoRARequest("P", "/adapters/P", pinned=True)
+    scheduler.add_request(Request("p1", [1, 2, 3], PARAMS, lora_request=pinned))
+    assert new_ids(scheduler.schedule()) == ["p1"]
+    scheduler.abort_requests(["p1"])
+    # P runs no request, but the workers keep it in a slot: one slot is left for A and B.
+    for req_id, lora in [("a1", "A"), ("b1", "B")]:
+        scheduler.add_request(request(req_id, lora))
+    assert new_ids(scheduler.schedule(allow_preemption=False)) == ["a1"]
+    scheduler.unpin_loras(["P"])
+    assert new_ids(scheduler.schedule(allow_preemption=False)) == ["b1"]
+
+
+def test_stats_name_the_running_and_waiting_adapters():
+    scheduler = Scheduler(SchedulerConfig(), CacheConfig(), num_blocks=64, max_model_len=256, max_loras=2)
+    for req_id, lora in [("a1", "A"), ("b1", "B"), ("base", None), ("c1", "C"), ("a2", "A")]:
+        scheduler.add_request(request(req_id, lora))
+    scheduler.schedule()
+    stats = scheduler.stats()
+    assert (stats["running_lora_adapters"], stats["waiting_lora_adapters"], stats["max_lora"]) == \
+        (["A", "B"], ["A", "C"], 2)
+    assert "max_lora" not in Scheduler(SchedulerConfig(), CacheConfig(), num_blocks=64, max_model_len=256).stats()

@@ -131,18 +131,22 @@ def make_runner(model_dir: str, parallel_config: ParallelConfig = ParallelConfig
     )
 
 
-def _rank_main(rank: int, world_size: int, init_method: str, model_dir: str, out_dir: str) -> None:
+def write_rank_result(out_dir: str, rank: int, compute) -> None:
+    """A rank process's body: ``compute()``'s result, or its traceback, to rank{rank}.json."""
     torch.set_num_threads(1)
     out = Path(out_dir) / f"rank{rank}.json"
     try:
-        runner = make_runner(model_dir, ParallelConfig(world_size, rank, init_method))
-        result = run_workload(runner)
-        out.write_text(json.dumps(result))
+        out.write_text(json.dumps(compute()))
     except BaseException:
         out.write_text(json.dumps({"error": traceback.format_exc()}))
         raise
     finally:
         destroy_distributed()
+
+
+def _rank_main(rank: int, world_size: int, init_method: str, model_dir: str, out_dir: str) -> None:
+    write_rank_result(out_dir, rank,
+                      lambda: run_workload(make_runner(model_dir, ParallelConfig(world_size, rank, init_method))))
 
 
 def run_ranks(model_dir: Path, world_size: int, out_dir: Path, rank_main=None, *extra_args) -> list[dict]:

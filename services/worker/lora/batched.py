@@ -1,43 +1,138 @@
 """The LoRA delta of one fused projection for a batch of tokens under mixed adapters.
 
 Every adapter slot's A and B of a projection live in one tensor each: ``a_slots``
-``[S, R, in]`` and ``b_slots`` ``[out, S, R]`` (R: the fused projection's stacked rank,
-``adapter.py``). A step gives each token a one-hot row over the slots (``token_slots``
-``[T, S]``: all zero for a token of the base model). Then
+``[S, R, in]`` and ``b_slots`` ``[S, R, out]`` (R: the fused projection's stacked rank,
+``adapter.py``; the scaling is folded into B). A step gives each token a slot
+(``LoRABatch``: ``token_slot`` ``[T]``, -1 for a token of the base model) and every token
+gets ``B_s^T A_s x`` of its own slot ``s``, for any mix of adapters, with no loop over
+adapters and no per-step copy of the weights. Three ways (``LoRABatch.method``; by
+default ``choose_method``'s, from the measurements in docs/BENCHMARKS.md):
 
-    shrink:  h = x @ a_slots.view(S * R, in).T            [T, S * R]  one GEMM
-    select:  h[t, s, :] *= token_slots[t, s]               keeps only the token's slot
-    expand:  y += h @ b_slots.view(out, S * R).T           one GEMM
+- ``masked`` (CPU): one shrink GEMM over all S slots, each token's row masked to its
+  slot (one-hot), one expand GEMM. Cost grows with S, whichever slots the step uses.
+- ``grouped`` (CPU): the tokens sorted by slot into a padded ``[G, L, in]`` batch over
+  the G slots the step uses, shrink and expand as two batched GEMMs (``torch.bmm``),
+  the deltas added back by token index. Cost grows with the tokens (plus padding to the
+  largest group), not with S.
+- ``triton`` (GPU): punica's bgmv idea, ``kernels/lora.py``: shrink and expand kernels
+  that read only each token's slot.
 
-gives every token ``B_s @ A_s @ x`` of its own slot ``s`` (scaling is folded into B), for
-any mix of adapters, with no loop over adapters and no per-step copy of the weights. The
-cost grows with the number of slots (``--max-loras``); a grouped kernel that reads only
-the token's slot (punica's sgmv / bgmv) is the GPU path still to write.
-``lora_delta_reference`` is the plain per-token gather the tests compare it with.
+``lora_delta_reference`` is the plain per-token gather the tests compare them with.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from kernels.lora import lora_expand_triton, lora_shrink_triton
+
+METHODS = ("masked", "grouped", "triton")
+
+
+def choose_method(device: torch.device) -> str:
+    """The faster way, as measured (scripts/bench_lora.py --kernels, docs/BENCHMARKS.md):
+    on CPU grouping won at 32, 256 and 512 tokens, rank 8 and 16, with 1 and 4 of 8
+    slots used, and with all 8 save once within the noise; the masked GEMMs stay for
+    comparison (``LoRASlots.method``)."""
+    return "triton" if device.type == "cuda" else "grouped"
+
+
+@dataclass
+class LoRABatch:
+    """A step's tokens and their slots, in the forms the methods need (built once per step,
+    read by every wrapped projection)."""
+
+    method: str
+    token_slot: torch.Tensor  # [T] int64, -1: the base model
+    one_hot: torch.Tensor | None = None  # masked: [T, S] rows in the activations' dtype
+    # grouped: the slots used (G) and the padded batch of G groups of max_len rows; each
+    # token's row in it (``dest``; base-model tokens: the spare row G * max_len, never read),
+    # and the tokens with a slot (``order``) with their rows (``rows``).
+    groups: torch.Tensor | None = None
+    group_range: tuple[int, int] | None = None  # the used slots as a range [lo, hi), if they are one
+    max_len: int = 0
+    dest: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    single_slot: int | None = None  # grouped: every token has this one slot (plain GEMMs, no gather)
+
+    @classmethod
+    def build(cls, token_slot: torch.Tensor, num_slots: int, dtype: torch.dtype, device: torch.device,
+              method: str | None = None) -> "LoRABatch":
+        """``token_slot``: a host int64 tensor; the result's tensors are on ``device``."""
+        has_slot = token_slot >= 0
+        used = torch.unique(token_slot[has_slot])  # sorted
+        if method is None:
+            method = choose_method(device)
+        batch = cls(method=method, token_slot=token_slot.to(device))
+        if method == "masked":
+            one_hot = torch.zeros(len(token_slot), num_slots, dtype=dtype)
+            one_hot[has_slot.nonzero().squeeze(1), token_slot[has_slot]] = 1
+            batch.one_hot = one_hot.to(device)
+        elif method == "grouped":
+            order = torch.argsort(token_slot, stable=True)[int((~has_slot).sum()):]
+            group_of = torch.searchsorted(used, token_slot[order])
+            counts = torch.bincount(group_of, minlength=len(used))
+            starts = torch.cumsum(counts, 0) - counts
+            batch.max_len = int(counts.max())
+            rows = group_of * batch.max_len + torch.arange(len(order)) - starts[group_of]
+            dest = torch.full((len(token_slot),), len(used) * batch.max_len, dtype=torch.int64)
+            dest[order] = rows
+            batch.dest, batch.order, batch.rows = dest.to(device), order.to(device), rows.to(device)
+            lo, hi = int(used[0]), int(used[-1]) + 1
+            batch.group_range = (lo, hi) if hi - lo == len(used) else None
+            batch.groups = used.to(device)
+            if len(used) == 1 and bool(has_slot.all()):
+                batch.single_slot = int(used[0])
+        elif method != "triton":
+            raise ValueError(f"unknown LoRA method {method!r} (one of {', '.join(METHODS)})")
+        return batch
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a_slots: torch.Tensor, b_slots: torch.Tensor,
-             token_slots: torch.Tensor) -> torch.Tensor:
-    """``y += delta`` in place (and returned): ``y`` ``[T, out]``, ``x`` ``[T, in]``,
-    ``token_slots`` ``[T, S]`` one-hot (or zero) rows in ``x``'s dtype."""
+             batch: LoRABatch) -> torch.Tensor:
+    """``y += delta`` in place (and returned): ``y`` ``[T, out]``, ``x`` ``[T, in]``."""
+    if batch.method == "masked":
+        return add_lora_masked(y, x, a_slots, b_slots, batch.one_hot)
+    if batch.method == "grouped":
+        return add_lora_grouped(y, x, a_slots, b_slots, batch)
+    h = lora_shrink_triton(x, a_slots, batch.token_slot)
+    return lora_expand_triton(y, h, b_slots, batch.token_slot)
+
+
+def add_lora_masked(y: torch.Tensor, x: torch.Tensor, a_slots: torch.Tensor, b_slots: torch.Tensor,
+                    one_hot: torch.Tensor) -> torch.Tensor:
     num_slots, rank, in_features = a_slots.shape
     num_tokens = x.shape[0]
     h = x @ a_slots.view(num_slots * rank, in_features).t()
-    h = (h.view(num_tokens, num_slots, rank) * token_slots.unsqueeze(-1)).view(num_tokens, num_slots * rank)
-    return y.addmm_(h, b_slots.view(b_slots.shape[0], num_slots * rank).t())
+    h = (h.view(num_tokens, num_slots, rank) * one_hot.unsqueeze(-1)).view(num_tokens, num_slots * rank)
+    return y.addmm_(h, b_slots.view(num_slots * rank, b_slots.shape[2]))
+
+
+def add_lora_grouped(y: torch.Tensor, x: torch.Tensor, a_slots: torch.Tensor, b_slots: torch.Tensor,
+                     batch: LoRABatch) -> torch.Tensor:
+    if batch.single_slot is not None:
+        return y.addmm_(x @ a_slots[batch.single_slot].t(), b_slots[batch.single_slot])
+    if batch.group_range is not None:  # a view: no copy of the weights
+        lo, hi = batch.group_range
+        a, b = a_slots[lo:hi], b_slots[lo:hi]
+    else:
+        a, b = a_slots.index_select(0, batch.groups), b_slots.index_select(0, batch.groups)
+    num_rows = a.shape[0] * batch.max_len
+    grouped_x = x.new_zeros(num_rows + 1, x.shape[1])
+    grouped_x.index_copy_(0, batch.dest, x)  # several base-model tokens may land on the spare row
+    grouped_x = grouped_x[:num_rows].view(a.shape[0], batch.max_len, x.shape[1])
+    delta = torch.bmm(torch.bmm(grouped_x, a.transpose(1, 2)), b).view(num_rows, b.shape[2])
+    return y.index_add_(0, batch.order, delta.index_select(0, batch.rows))
 
 
 def lora_delta_reference(x: torch.Tensor, a_slots: torch.Tensor, b_slots: torch.Tensor,
                          slot_index: torch.Tensor) -> torch.Tensor:
-    """The delta token by token: ``B[s] @ A[s] @ x[t]`` for ``s = slot_index[t]`` (-1: zero)."""
+    """The delta token by token: ``B[s]^T @ A[s] @ x[t]`` for ``s = slot_index[t]`` (-1: zero)."""
     has_slot = slot_index >= 0
     index = slot_index.clamp(min=0)
-    a = a_slots[index]  # [T, R, in]
-    b = b_slots.permute(1, 0, 2)[index]  # [T, out, R]
-    delta = torch.bmm(b, torch.bmm(a, x.unsqueeze(-1))).squeeze(-1)
+    h = torch.bmm(a_slots[index], x.unsqueeze(-1))  # [T, R, 1]
+    delta = torch.bmm(h.transpose(1, 2), b_slots[index]).squeeze(1)  # [T, out]
     return delta * has_slot.unsqueeze(-1).to(delta.dtype)

@@ -1,10 +1,12 @@
 """The worker's LoRA slots: which adapters are on the device, and the model's hook into them.
 
 ``--max-loras`` slots hold one adapter each, as rows of one A and one B tensor per layer
-and fused projection (``batched.py``). A step's requests name their adapters
+and fused projection (``batched.py``), this rank's part of it under tensor parallelism
+(``sharding.py``). A step's requests name their adapters
 (``LoRARequest``); ``set_step`` puts each into a slot (already resident, a free slot, or
-the least recently used slot not needed by this step and not pinned), then gives every
-token its one-hot slot row, which the wrapped projections read. Adapters are read from
+the least recently used slot not needed by this step and not pinned; a request marked
+``pinned`` pins its adapter), then gives every token its slot (``batched.LoRABatch``),
+which the wrapped projections read. Adapters are read from
 disk in a background thread (``prefetch``, called as soon as a request or a load message
 names one) into a host cache of ``--max-cpu-loras`` adapters; a step only waits for a
 read still under way (bounded by ``LOAD_TIMEOUT_S``).
@@ -25,7 +27,9 @@ from shared.model_config import ModelConfig
 from shared.protocol import LoRARequest
 
 from .adapter import LoRAAdapter, load_lora_adapter
-from .batched import add_lora
+from ..models.llama import RowParallel
+from .batched import LoRABatch, add_lora
+from .sharding import LoRAShard
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +53,19 @@ class LoRASlots:
         self.device, self.dtype = device, dtype
         num_slots, max_rank = config.max_loras, config.max_lora_rank
         shapes = ProjectionShapes.of(model_config)
+        # This rank's part of each adapter (all of it with one rank).
+        self.shard = LoRAShard.of(model_config, getattr(model, "shard", None))
         self.a_slots: list[dict[str, torch.Tensor]] = []
         self.b_slots: list[dict[str, torch.Tensor]] = []
         for _ in range(model_config.num_hidden_layers):
-            self.a_slots.append({p: torch.zeros(num_slots, shapes.stacked_rank(p, max_rank), shapes.in_features[p],
+            self.a_slots.append({p: torch.zeros(num_slots, shapes.stacked_rank(p, max_rank), self.shard.in_features[p],
                                                 device=device, dtype=dtype) for p in FUSED_PROJECTIONS})
-            self.b_slots.append({p: torch.zeros(sum(shapes.out_features[p]), num_slots,
-                                                shapes.stacked_rank(p, max_rank), device=device, dtype=dtype)
+            self.b_slots.append({p: torch.zeros(num_slots, shapes.stacked_rank(p, max_rank),
+                                                self.shard.out_features[p], device=device, dtype=dtype)
                                  for p in FUSED_PROJECTIONS})
-        # The step's [T, slots] one-hot rows (None: no token of the step has an adapter).
-        self.token_slots: torch.Tensor | None = None
+        # The step's tokens and their slots (None: no token of the step has an adapter).
+        self.batch: LoRABatch | None = None
+        self.method: str | None = None  # force one of batched.METHODS (benchmarks, tests); None: chosen per step
         self.slot_keys: list[AdapterKey | None] = [None] * num_slots
         self.resident: OrderedDict[AdapterKey, int] = OrderedDict()  # least recently used first
         self.pinned: set[AdapterKey] = set()
@@ -68,8 +75,8 @@ class LoRASlots:
         self._model = model
         self._originals: list[tuple[object, str, object]] = []
         self._wrap_projections(model)
-        for name, path in config.modules().items():  # --lora-modules: read them now, in the background
-            self.prefetch(LoRARequest(name, path))
+        for lora in config.modules():  # --lora-modules: read them now, in the background
+            self.prefetch(lora)
 
     # ------------------------------------------------------------------ the model's hook
 
@@ -79,14 +86,19 @@ class LoRASlots:
                 module = getattr(layer, module_name)
                 base = getattr(module, attr)
                 self._originals.append((module, attr, base))
-                setattr(module, attr, self._with_lora(base, a_by_proj[projection], b_by_proj[projection]))
+                a_slots, b_slots = a_by_proj[projection], b_by_proj[projection]
+                if isinstance(base, RowParallel):  # the delta joins the partial sum before the all-reduce
+                    wrapped = RowParallel(self._with_lora(base.linear, a_slots, b_slots), base.all_reduce)
+                else:
+                    wrapped = self._with_lora(base, a_slots, b_slots)
+                setattr(module, attr, wrapped)
 
     def _with_lora(self, base, a_slots: torch.Tensor, b_slots: torch.Tensor):
         def linear(x: torch.Tensor) -> torch.Tensor:
             y = base(x)
-            if self.token_slots is None:
+            if self.batch is None:
                 return y
-            return add_lora(y, x, a_slots, b_slots, self.token_slots)
+            return add_lora(y, x, a_slots, b_slots, self.batch)
 
         return linear
 
@@ -129,8 +141,15 @@ class LoRASlots:
     # ------------------------------------------------------------------ slots
 
     def pin(self, request: LoRARequest) -> None:
-        """Keep the adapter in a slot from now on (never evicted)."""
+        """Keep the adapter in a slot from now on (never evicted). A request with
+        ``pinned`` set pins its adapter when it first gets a slot: the scheduler counts
+        the slot as taken from the step that sends it."""
         self.pinned.add(adapter_key(request))
+
+    def unpin(self, lora_name: str) -> None:
+        """The adapter was unloaded: its slot may be reused (requests still running under
+        it keep it by LRU, as any adapter's)."""
+        self.pinned = {k for k in self.pinned if k[0] != lora_name}
 
     def remove(self, lora_name: str) -> None:
         """Forget every adapter of that name (unloaded): its slot becomes free."""
@@ -150,15 +169,26 @@ class LoRASlots:
         if None in self.slot_keys:
             slot = self.slot_keys.index(None)
         else:
-            victim = next((k for k in self.resident if k not in step_keys and k not in self.pinned), None)
-            if victim is None:
-                raise RuntimeError(f"a step needs more LoRA adapters than the {len(self.slot_keys)} slots "
-                                   f"(max_loras) hold, not counting pinned ones")
-            slot = self.resident.pop(victim)
+            slot = self.resident.pop(self._victim(step_keys))
         self._write_slot(slot, adapter)
         self.slot_keys[slot] = key
         self.resident[key] = slot
         return slot
+
+    def _victim(self, step_keys: set[AdapterKey]) -> AdapterKey:
+        """The least recently used adapter this step does not need, pinned ones last."""
+        unneeded = [k for k in self.resident if k not in step_keys]
+        if not unneeded:
+            raise RuntimeError(f"a step needs more LoRA adapters than the {len(self.slot_keys)} slots "
+                               f"(max_loras) hold")
+        unpinned = [k for k in unneeded if k not in self.pinned]
+        if unpinned:
+            return unpinned[0]
+        # The scheduler counts pinned slots as taken, so this happens only when it did not
+        # hear of them (it restarted, or an unload message was lost): serve the step anyway.
+        logger.warning("LoRA adapter %r was pinned, but the step needs its slot: evicted", unneeded[0][0])
+        self.pinned.discard(unneeded[0])
+        return unneeded[0]
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         for layer, a_by_proj, b_by_proj in zip(adapter.weights, self.a_slots, self.b_slots):
@@ -166,22 +196,26 @@ class LoRASlots:
                 b_slots = b_by_proj[projection]
                 if projection in layer:
                     a, b = layer[projection]
-                    a_slots[slot].copy_(a, non_blocking=True)
-                    b_slots[:, slot].copy_(b, non_blocking=True)
+                    a_slots[slot].copy_(self.shard.a(projection, a), non_blocking=True)
+                    b_slots[slot].copy_(self.shard.b(projection, b).t(), non_blocking=True)
                 else:
                     a_slots[slot].zero_()
-                    b_slots[:, slot].zero_()
+                    b_slots[slot].zero_()
 
     def set_step(self, loras: list[LoRARequest | None], num_scheduled: np.ndarray) -> None:
         """Put this step's adapters into slots and give every token its slot row:
         ``loras[i]`` is request row i's adapter, ``num_scheduled[i]`` its tokens."""
         if not any(loras):
-            self.token_slots = None
+            self.batch = None
             return
         step_keys = {adapter_key(r) for r in loras if r is not None}
         rows = [i for i, r in enumerate(loras) if r is not None]
         slots = [self._slot_for(loras[i], step_keys) for i in rows]
-        by_request = torch.zeros(len(loras), len(self.slot_keys), dtype=self.dtype)
-        by_request[rows, slots] = 1
+        for i in rows:
+            if loras[i].pinned:
+                self.pin(loras[i])
+        by_request = torch.full((len(loras),), -1, dtype=torch.int64)
+        by_request[rows] = torch.tensor(slots, dtype=torch.int64)
         repeats = torch.from_numpy(np.asarray(num_scheduled, dtype=np.int64))
-        self.token_slots = by_request.repeat_interleave(repeats, dim=0).to(self.device)
+        token_slot = by_request.repeat_interleave(repeats)
+        self.batch = LoRABatch.build(token_slot, len(self.slot_keys), self.dtype, self.device, self.method)

@@ -57,13 +57,21 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+@dataclass(frozen=True)
+class RowParallel:
+    """A row-parallel product: this rank's partial sum ``linear(x)``, then the all-reduce
+    (LoRA adds its own partial sum to ``linear``'s, before the all-reduce)."""
+
+    linear: Linear
+    all_reduce: object
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(self.linear(x))
+
+
 def row_parallel(tp: TensorParallel, linear: Linear) -> Linear:
-    """A row-parallel product: this rank's partial sum, then an all-reduce (with one rank,
-    ``linear`` itself)."""
-    if not tp.enabled:
-        return linear
-    all_reduce = tp.all_reduce
-    return lambda x: all_reduce(linear(x))
+    """A ``RowParallel`` product (with one rank, ``linear`` itself)."""
+    return RowParallel(linear, tp.all_reduce) if tp.enabled else linear
 
 
 class LlamaAttention(nn.Module):
