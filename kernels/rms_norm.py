@@ -8,11 +8,10 @@ GPU kernel: one program per token row, the whole hidden size in one block.
 """
 
 import ctypes
-import functools
 
 import torch
 
-from kernels.cpu_build import bind
+from kernels.cpu_build import bind, kernel_binding
 from kernels.triton_import import tl, triton
 
 
@@ -43,7 +42,7 @@ _C = ctypes.c_void_p, ctypes.c_int64
 _RMS_NORM_ARGS = [*_C, *_C, ctypes.c_void_p, *_C, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
 
 
-@functools.cache
+@kernel_binding
 def _rms_norm_kernel_cpu():
     return bind("rms_norm", "rms_norm_bf16", _RMS_NORM_ARGS)
 

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "isa.h"
 
 #define ROTATE(T, LOAD, STORE)                                                          \
     for (int h = 0; h < num_heads; h++) {                                               \

@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "isa.h"
+
 int write_kv(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *key_cache,
              char *value_cache, const int64_t *slots, int num_tokens, int64_t num_slots, int64_t row_bytes) {
     for (int t = 0; t < num_tokens; t++)

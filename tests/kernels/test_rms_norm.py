@@ -68,7 +68,7 @@ needs_c_kernel = pytest.mark.skipif(
 
 @needs_c_kernel
 @pytest.mark.parametrize("num_tokens,hidden_size", [(1, 576), (32, 576), (5, 1000), (300, 1024)])
-def test_cpu_path_matches_reference_in_bfloat16(num_tokens, hidden_size):
+def test_cpu_path_matches_reference_in_bfloat16(num_tokens, hidden_size, cpu_isa):
     # 300 x 1024 rows are split among threads. The C kernel sums squares in another order,
     # so an output may differ from the reference by one bf16 rounding step, rarely.
     gen = torch.Generator().manual_seed(num_tokens)
