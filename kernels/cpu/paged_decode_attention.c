@@ -382,7 +382,11 @@ static int decode_attention(const void *query, int64_t query_row_stride, const v
         if (seq_lens[i] > max_len) max_len = seq_lens[i];
     const size_t work_floats = (size_t)num_heads * ((size_t)max_len + 2 * (size_t)head_dim) + (size_t)num_kv_heads * head_dim;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads)
+    /* Work is split by request: no more threads than requests, so a batch of one opens no
+     * parallel region (waking an idle thread for nothing costs more than the work when
+     * the cores are busy). */
+    if (num_threads > num_requests) num_threads = num_requests > 0 ? num_requests : 1;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         float *work = malloc(sizeof(float) * work_floats);
         if (!work) {
