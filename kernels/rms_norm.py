@@ -65,7 +65,7 @@ def rms_norm_cpu(
         or x.shape[1] > 16384
         or any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in tensors)
         or (residual is not None and residual.shape != x.shape)
-        or (out is not None and (out.dtype != torch.bfloat16 or out.stride(-1) != 1))
+        or (out is not None and (out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.shape != x.shape))
     ):
         return rms_norm_ref(x, weight, eps, residual, out=out)
     if out is None:
