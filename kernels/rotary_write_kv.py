@@ -17,7 +17,7 @@ import ctypes
 import torch
 
 from kernels.cpu_build import bind, kernel_binding
-from kernels.rotary import rotary_embedding_cpu, rotary_embedding_ref, rotary_embedding_triton
+from kernels.rotary import _ROTARY_ARGS, rotary_embedding_cpu, rotary_embedding_ref, rotary_embedding_triton
 from kernels.write_kv import write_kv_cpu, write_kv_ref, write_kv_triton
 
 
@@ -31,11 +31,7 @@ def rotary_write_kv_ref(positions, q, k, v, cos_sin_cache, head_dim, key_cache, 
 
 _SYMBOLS = {torch.float32: "rotary_write_kv_f32", torch.bfloat16: "rotary_write_kv_bf16"}
 _ARGS = [
-    ctypes.c_void_p, ctypes.c_int,  # positions, rows
-    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # q, its row stride, its heads
-    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # k, its row stride, its heads
-    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,  # cos_sin, its row stride, its rows
-    ctypes.c_int, ctypes.c_int,  # head_dim, threads
+    *_ROTARY_ARGS,  # the rotary kernel's, then:
     ctypes.c_void_p, ctypes.c_int64,  # v, its row stride
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # key cache, value cache, slots, slot count
 ]
