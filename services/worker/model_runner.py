@@ -55,6 +55,7 @@ from .structured_output import StructuredOutputRunner
 
 logger = logging.getLogger(__name__)
 
+
 def resolve_device(name: str, parallel_config: ParallelConfig = ParallelConfig()) -> torch.device:
     """``auto``: CUDA when available, else CPU; under TP each rank takes GPU ``rank % count``."""
     return tp_device(name, parallel_config)

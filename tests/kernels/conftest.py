@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-
+# Imported only now: `kernels` must see TRITON_INTERPRET set above.
 import pytest  # noqa: E402
 
 from kernels import cpu_build  # noqa: E402
