@@ -2,7 +2,8 @@
 
 `get_kernel_ops(backend)` is chosen once when a worker builds its model: "triton" runs the
 Triton kernels (CUDA), "torch" the CPU path (C kernels for decode attention, the KV write,
-RMSNorm, the rotary embedding and SiLU-and-mul where one can be built, see
+RMSNorm, the rotary embedding (alone, or fused with the KV write) and SiLU-and-mul where
+one can be built, see
 `kernels.cpu_build`; otherwise the PyTorch references or leaner PyTorch variants of them),
 "auto" picks Triton when CUDA (and Triton) is available. Both backends take and return the
 same tensors; see each kernel's module for shapes and layouts. Attention reads the step's
@@ -19,6 +20,7 @@ from kernels.paged_attention import paged_attention_triton
 from kernels.paged_attention_torch import paged_attention_cpu
 from kernels.rms_norm import rms_norm_cpu, rms_norm_triton
 from kernels.rotary import compute_cos_sin_cache, rotary_embedding_cpu, rotary_embedding_triton
+from kernels.rotary_write_kv import rotary_write_kv_cpu, rotary_write_kv_triton
 from kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_triton
 from kernels.triton_import import HAS_TRITON
 from kernels.write_kv import write_kv_cpu, write_kv_triton
@@ -36,6 +38,7 @@ class KernelOps:
     rotary_embedding: Callable
     silu_and_mul: Callable
     write_kv: Callable
+    rotary_write_kv: Callable  # rotary_embedding, then write_kv of k and v, in one call
     paged_attention: Callable
 
 
@@ -46,6 +49,7 @@ TORCH_OPS = KernelOps(
     rotary_embedding=rotary_embedding_cpu,
     silu_and_mul=silu_and_mul_cpu,
     write_kv=write_kv_cpu,
+    rotary_write_kv=rotary_write_kv_cpu,
     paged_attention=paged_attention_cpu,
 )
 
@@ -56,6 +60,7 @@ TRITON_OPS = KernelOps(
     rotary_embedding=rotary_embedding_triton,
     silu_and_mul=silu_and_mul_triton,
     write_kv=write_kv_triton,
+    rotary_write_kv=rotary_write_kv_triton,
     paged_attention=paged_attention_triton,
 )
 

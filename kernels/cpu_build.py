@@ -6,6 +6,11 @@ from there afterwards. OpenMP comes from the runtime PyTorch already loaded (tor
 imported first and the library asks for the same soname), so a kernel's threads are
 PyTorch's threads, not a second pool competing for the cores.
 
+Vector code is chosen at compile time from what `-march=native` enables (`#if
+__AVX512BF16__` / `__AVX2__` in the sources; `kernels/cpu/isa.h` reports which, see
+`library_isa`). `NATSLLM_CPU_ISA=avx2` builds without AVX-512 (`-mno-avx512f`, a build
+of its own in the cache), so that the AVX2 paths run and are tested on an AVX-512 host.
+
 When no C compiler is found, or building fails, `load_library` returns None and logs
 why once; the callers then run their PyTorch paths. `NATSLLM_NATIVE_KERNELS=0` turns
 the C kernels off (for comparisons); `NATSLLM_KERNEL_CACHE` moves the cache folder.
@@ -21,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch  # imported before any kernel library: it loads the OpenMP runtime they use
@@ -32,10 +38,20 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shar
 # Per source: rotary must round every float32 product as PyTorch does (no fused multiply-add).
 EXTRA_CFLAGS = {"rotary": ("-ffp-contract=off",)}
 BUILD_TIMEOUT_S = 120
+# NATSLLM_CPU_ISA: what each value adds to -march=native ("native": the host's widest).
+ISA_CFLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
 
 
 def native_kernels_enabled() -> bool:
     return os.environ.get("NATSLLM_NATIVE_KERNELS", "1") != "0"
+
+
+def cpu_isa() -> str:
+    """The instruction set the kernels are built for: NATSLLM_CPU_ISA, default "native"."""
+    isa = os.environ.get("NATSLLM_CPU_ISA", "native")
+    if isa not in ISA_CFLAGS:
+        raise ValueError(f"NATSLLM_CPU_ISA must be one of {', '.join(ISA_CFLAGS)}, got {isa!r}")
+    return isa
 
 
 def cache_dir() -> Path:
@@ -88,6 +104,35 @@ def heads_packed(t: torch.Tensor) -> bool:
     return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
+_BINDINGS: list[Callable[[], None]] = []  # cache_clear of every kernel_binding
+
+
+def kernel_binding(fn):
+    """`functools.cache` for a function that binds a C kernel (with `bind`);
+    `forget_libraries` clears it."""
+    cached = functools.cache(fn)
+    _BINDINGS.append(cached.cache_clear)
+    return cached
+
+
+def forget_libraries() -> None:
+    """Forget every loaded library and bound kernel: the next calls load (or build) them
+    again for the environment then (tests switch NATSLLM_CPU_ISA with it)."""
+    load_library.cache_clear()
+    for clear in _BINDINGS:
+        clear()
+
+
+def library_isa(name: str) -> str | None:
+    """The instruction set library `name` was compiled for (avx512_bf16, avx512, avx2 or
+    generic), None when it cannot be had."""
+    lib = load_library(name)
+    if lib is None:
+        return None
+    lib.natsllm_kernel_isa.restype = ctypes.c_char_p
+    return lib.natsllm_kernel_isa().decode()
+
+
 def bind(name: str, symbol: str, argtypes: list, restype=None):
     """Function `symbol` of library `name` with its ctypes signature set; None when the
     library cannot be had."""
@@ -109,7 +154,7 @@ def load_library(name: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found: CPU kernel %s runs its PyTorch path", name)
         return None
     source = SOURCE_DIR / f"{name}.c"
-    flags = CFLAGS + EXTRA_CFLAGS.get(name, ())
+    flags = CFLAGS + ISA_CFLAGS[cpu_isa()] + EXTRA_CFLAGS.get(name, ())
     headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]
     key = hashlib.sha256(
         b"\0".join([source.read_bytes(), *headers, compiler.encode(), " ".join(flags).encode(), _cpu_model().encode()])

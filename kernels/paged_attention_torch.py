@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.cpu_build import bind, heads_packed
+from kernels.cpu_build import bind, heads_packed, kernel_binding
 
 
 def _used_blocks(
@@ -245,7 +245,7 @@ _ARGTYPES = [
 ]
 
 
-@functools.cache
+@kernel_binding
 def _kernel(dtype: torch.dtype):
     """The C decode kernel for `dtype`, or None (unsupported dtype, or no build)."""
     symbol = _SYMBOLS.get(dtype)

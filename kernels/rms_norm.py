@@ -3,16 +3,18 @@
 Used by every decoder layer twice (input and post-attention norms) and once at the end of
 the model. `rms_norm_ref` is the PyTorch reference; `rms_norm_cpu` the CPU path (bfloat16
 rows through `kernels/cpu/rms_norm.c`, one call instead of eight small tensor ops; float32
-stays on the reference, which matches Hugging Face bit for bit); `rms_norm_triton` is the
-GPU kernel: one program per token row, the whole hidden size in one block.
+through `torch.nn.functional.rms_norm`, whose CPU form runs Hugging Face's operations in
+Hugging Face's order, so it matches the reference bit for bit, in one dispatch and with
+fewer temporaries); `rms_norm_triton` is the GPU kernel: one program per token row, the
+whole hidden size in one block.
 """
 
 import ctypes
-import functools
 
 import torch
+import torch.nn.functional as F
 
-from kernels.cpu_build import bind
+from kernels.cpu_build import bind, kernel_binding
 from kernels.triton_import import tl, triton
 
 
@@ -43,7 +45,7 @@ _C = ctypes.c_void_p, ctypes.c_int64
 _RMS_NORM_ARGS = [*_C, *_C, ctypes.c_void_p, *_C, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
 
 
-@functools.cache
+@kernel_binding
 def _rms_norm_kernel_cpu():
     return bind("rms_norm", "rms_norm_bf16", _RMS_NORM_ARGS)
 
@@ -58,6 +60,12 @@ def rms_norm_cpu(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm_ref`'s result; for bfloat16 rows through the C kernel, which (like the
     Triton kernel) writes the sum x + residual into `residual` in place."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and out is None and x.device.type == "cpu":
+        if residual is not None:
+            residual = x + residual
+            x = residual
+        normed = F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return normed if residual is None else (normed, residual)
     kernel = _rms_norm_kernel_cpu() if x.dtype == torch.bfloat16 else None
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if (
@@ -66,7 +74,7 @@ def rms_norm_cpu(
         or x.shape[1] > 16384
         or any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in tensors)
         or (residual is not None and residual.shape != x.shape)
-        or (out is not None and (out.dtype != torch.bfloat16 or out.stride(-1) != 1))
+        or (out is not None and (out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.shape != x.shape))
     ):
         return rms_norm_ref(x, weight, eps, residual, out=out)
     if out is None:

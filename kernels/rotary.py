@@ -11,11 +11,10 @@ per token, all q and k heads of that token.
 """
 
 import ctypes
-import functools
 
 import torch
 
-from kernels.cpu_build import bind, heads_packed
+from kernels.cpu_build import bind, heads_packed, kernel_binding
 from kernels.triton_import import tl, triton
 
 
@@ -70,7 +69,7 @@ _ROTARY_ARGS = [
 ]
 
 
-@functools.cache
+@kernel_binding
 def _rotary_kernel_cpu(dtype: torch.dtype):
     symbol = _ROTARY_SYMBOLS.get(dtype)
     return bind("rotary", symbol, _ROTARY_ARGS, ctypes.c_int) if symbol else None

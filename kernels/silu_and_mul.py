@@ -10,18 +10,17 @@ reference's result bit for bit; for bf16 one rounding more, as HF's bf16 model r
 """
 
 import ctypes
-import functools
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_build import bind
+from kernels.cpu_build import bind, kernel_binding
 from kernels.triton_import import tl, triton
 
 _SILU_AND_MUL_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 
 
-@functools.cache
+@kernel_binding
 def _silu_and_mul_kernel_cpu():
     return bind("silu_and_mul", "silu_and_mul_bf16", _SILU_AND_MUL_ARGS)
 

@@ -10,11 +10,10 @@ per cache when no slot is negative);
 """
 
 import ctypes
-import functools
 
 import torch
 
-from kernels.cpu_build import bind, heads_packed
+from kernels.cpu_build import bind, heads_packed, kernel_binding
 from kernels.triton_import import tl, triton
 
 
@@ -40,7 +39,7 @@ _WRITE_KV_ARGS = [
 ]
 
 
-@functools.cache
+@kernel_binding
 def _write_kv_kernel_cpu():
     return bind("write_kv", "write_kv", _WRITE_KV_ARGS, ctypes.c_int)
 

@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=0, help="HF static batch size (0: all prompts at once)")
     p.add_argument("--max-num-seqs", type=int, default=0, help="our engine's batch cap (0: max(32, num prompts))")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="our engine's token budget per step")
-    p.add_argument("--dtype", default="auto", help="our engine's dtype (auto: float32 on CPU, bfloat16 on CUDA; bfloat16 is faster on CPUs with native bf16 dot products)")
+    p.add_argument("--dtype", default="auto", help="our engine's dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 dot products, else float32)")
     p.add_argument("--cpu-prepack", action=argparse.BooleanOptionalAction, default=True,
                    help="our engine's oneDNN-prepacked weights on CPU")
     p.add_argument("--hf-dtype", default="float32", help="HF's torch_dtype (float32: transformers' default)")

@@ -186,7 +186,7 @@ class ModelRunConfig:
     """How a worker runs the model: which weights, dtype, device, kernels."""
 
     model: str = model_setting()
-    dtype: str = setting("auto", "auto|float32|bfloat16|float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    dtype: str = setting("auto", "auto|float32|bfloat16|float16 (auto: bfloat16 on CUDA and on CPUs with native bf16 dot products, else float32)")
     device: str = setting("auto", "auto|cpu|cuda|cuda:N")
     kernel_backend: str = setting("auto", "auto|torch|triton")
     # CPU: reorder weight matrices once for oneDNN (services/worker/linear.py).

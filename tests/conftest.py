@@ -38,7 +38,7 @@ def smollm_worker(smollm_path):
     from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
 
     return ModelRunner(
-        ModelRunConfig(model=smollm_path, kernel_backend="torch", quantization="none"),
+        ModelRunConfig(model=smollm_path, kernel_backend="torch", dtype="float32", quantization="none"),
         CacheConfig(num_gpu_blocks=48),
         SchedulerConfig(max_num_seqs=16),
     )
@@ -60,7 +60,7 @@ def tiny_llama(tmp_path_factory):
 
     path = make_tiny_random_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0, num_heads=4, num_kv_heads=2)
     worker = ModelRunner(
-        ModelRunConfig(model=str(path), kernel_backend="torch"),
+        ModelRunConfig(model=str(path), kernel_backend="torch", dtype="float32"),
         CacheConfig(num_gpu_blocks=40),
         SchedulerConfig(max_num_seqs=16),
     )

@@ -6,7 +6,9 @@
  * over requests; each K/V row read serves all the request's query heads. Arithmetic is in
  * float32 whatever the storage type (float32 or bfloat16). Threads come from the OpenMP
  * runtime PyTorch itself loaded (same soname), so no second thread pool appears. Head dims
- * 64 and 128 get code compiled for that size.
+ * 64 and 128 get code compiled for that size. bf16 scores and weighted values take
+ * AVX512_BF16 (vdpbf16ps) where the library is compiled for it, AVX2 + FMA (bf16 widened
+ * to float32 by a shift) where it is compiled for that, and the generic code otherwise.
  */
 #include <math.h>
 #include <stdint.h>
@@ -15,6 +17,7 @@
 
 #include "bf16.h"
 #include "fast_exp.h"
+#include "isa.h"
 
 #define MAX_HEADS 256
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -45,10 +48,20 @@ ALWAYS_INLINE void load_row(const void *base, int64_t index, float *dst, const i
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
-#define HAVE_BF16_DOT 1
+#define HAVE_SIMD_BF16 1
+#define SCORE_RUN 16       /* tokens per block_scores_bf16 call */
+#define SCORE_HD_MULTIPLE 32
+typedef uint16_t query_t; /* the scores read the bf16 query as it is */
 #define MAX_DOT_GROUP 8
 #define MAX_DOT_HD 128
 #define MAX_VALUE_GROUP 4
+
+/* The query row of request i as block_scores_bf16 reads it: in place, bfloat16. */
+ALWAYS_INLINE const query_t *simd_query(const Args *a, int i, float *scratch, int n) {
+    (void)scratch;
+    (void)n;
+    return (const uint16_t *)a->query + (int64_t)i * a->query_row_stride;
+}
 
 /* Lane j of the result: the sum of v[j]'s 16 lanes (a 16 x 16 transpose folded into adds). */
 ALWAYS_INLINE __m512 lane_sums16(const __m512 *v) {
@@ -110,8 +123,89 @@ ALWAYS_INLINE void block_values_bf16(const uint16_t *v, int64_t token_stride, in
     for (int g = 0; g < G; g++)
         for (int c = 0; c < hd / 16; c++) _mm512_storeu_ps(acc_io + g * hd + 16 * c, acc[g][c]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 without native bf16 products: bf16 -> float32 by a 16-bit shift, then FMA. */
+#include <immintrin.h>
+#define HAVE_SIMD_BF16 1
+#define SCORE_RUN 8
+#define SCORE_HD_MULTIPLE 8
+#define MAX_DOT_GROUP 8
+#define MAX_DOT_HD 128
+#define MAX_VALUE_GROUP 4
+typedef float query_t; /* the scores read the query converted to float32 once */
+
+ALWAYS_INLINE __m256 bf16x8_to_f32(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+/* The query row of request i as block_scores_bf16 reads it: float32, in `scratch`. */
+ALWAYS_INLINE const query_t *simd_query(const Args *a, int i, float *scratch, int n) {
+    load_row(a->query, (int64_t)i * a->query_row_stride, scratch, n, 1);
+    return scratch;
+}
+
+/* Lane j of the result: the sum of v[j]'s 8 lanes. */
+ALWAYS_INLINE __m256 lane_sums8(const __m256 *v) {
+    /* hadd of hadds: per 128-bit half, [v0, v1, v2, v3] (and [v4 .. v7]) summed over that half. */
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* Scores of `count` <= 8 consecutive cached tokens for the G query heads of one KV head,
+ * bfloat16 keys, hd <= 128 a multiple of 8. The run's keys are converted to float32 once
+ * for all G heads; each token keeps 8 partial sums, and lane_sums8 reduces the 8 tokens'
+ * at once. `q` points at the first of the G heads' float32 query values; scores[g * len
+ * + j] receives the scaled score of token j. */
+ALWAYS_INLINE void block_scores_bf16(const uint16_t *k, int64_t token_stride, int count, const float *q, float scale,
+                                     float *scores, int len, const int G, const int hd) {
+    float kf[SCORE_RUN * MAX_DOT_HD];
+    for (int j = 0; j < SCORE_RUN; j++)
+        for (int c = 0; c < hd / 8; c++)
+            _mm256_storeu_ps(kf + j * hd + 8 * c,
+                             j < count ? bf16x8_to_f32(k + j * token_stride + 8 * c) : _mm256_setzero_ps());
+    for (int g = 0; g < G; g++) {
+        __m256 part[SCORE_RUN];
+        for (int j = 0; j < SCORE_RUN; j++) part[j] = _mm256_setzero_ps();
+        for (int c = 0; c < hd / 8; c++) {
+            const __m256 qv = _mm256_loadu_ps(q + g * hd + 8 * c);
+            for (int j = 0; j < SCORE_RUN; j++) part[j] = _mm256_fmadd_ps(_mm256_loadu_ps(kf + j * hd + 8 * c), qv, part[j]);
+        }
+        float sums[SCORE_RUN];
+        _mm256_storeu_ps(sums, _mm256_mul_ps(lane_sums8(part), _mm256_set1_ps(scale)));
+        memcpy(scores + (int64_t)g * len, sums, sizeof(float) * (size_t)count);
+    }
+}
+
+/* acc[g] += sum over `count` tokens of probs[g * len + j] * V[j] for one KV head's G <= 4
+ * query heads, bfloat16 V, hd <= 128 a multiple of 16: 16 columns at a time, so that the
+ * 2G accumulators stay in registers. */
+ALWAYS_INLINE void block_values_bf16(const uint16_t *v, int64_t token_stride, int count, const float *probs, int len,
+                                     float *acc_io, const int G, const int hd) {
+    for (int c = 0; c < hd / 16; c++) {
+        __m256 acc[MAX_VALUE_GROUP][2];
+        for (int g = 0; g < G; g++) {
+            acc[g][0] = _mm256_loadu_ps(acc_io + g * hd + 16 * c);
+            acc[g][1] = _mm256_loadu_ps(acc_io + g * hd + 16 * c + 8);
+        }
+        for (int j = 0; j < count; j++) {
+            const __m256 v0 = bf16x8_to_f32(v + j * token_stride + 16 * c);
+            const __m256 v1 = bf16x8_to_f32(v + j * token_stride + 16 * c + 8);
+            for (int g = 0; g < G; g++) {
+                const __m256 p = _mm256_broadcast_ss(probs + (int64_t)g * len + j);
+                acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm256_storeu_ps(acc_io + g * hd + 16 * c, acc[g][0]);
+            _mm256_storeu_ps(acc_io + g * hd + 16 * c + 8, acc[g][1]);
+        }
+    }
+}
 #else
-#define HAVE_BF16_DOT 0
+#define HAVE_SIMD_BF16 0
 #define MAX_DOT_GROUP 1
 #endif
 
@@ -125,7 +219,7 @@ ALWAYS_INLINE void prefetch_block(const void *base, int64_t first_element, int64
  * known at compile time the accumulators stay in registers within the block. */
 ALWAYS_INLINE void weighted_values(const void *v_rows, int64_t token_stride, int count, const float *probs, int len,
                                    float *acc_io, const int G, const int hd, const int bf16) {
-#if HAVE_BF16_DOT
+#if HAVE_SIMD_BF16
     if (bf16 && hd % 16 == 0 && hd <= MAX_DOT_HD && G <= MAX_VALUE_GROUP) {
         block_values_bf16(v_rows, token_stride, count, probs, len, acc_io, G, hd);
         return;
@@ -160,13 +254,13 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     int kv_head_of[MAX_HEADS]; /* no integer division in the token loops */
     for (int h = 0; h < nh; h++) kv_head_of[h] = h / group;
     /* Scores, token by token through the blocks. */
-#if HAVE_BF16_DOT
-    if (bf16 && hd % 32 == 0 && hd <= MAX_DOT_HD && group <= MAX_DOT_GROUP) {
-        const uint16_t *q_bf16 = (const uint16_t *)a->query + (int64_t)i * a->query_row_stride;
-        /* Runs of up to 16 tokens, never across a block's end. */
+#if HAVE_SIMD_BF16
+    if (bf16 && hd % SCORE_HD_MULTIPLE == 0 && hd <= MAX_DOT_HD && group <= MAX_DOT_GROUP) {
+        const query_t *q_row = simd_query(a, i, q, nh * hd);
+        /* Runs of up to SCORE_RUN tokens, never across a block's end. */
         for (int start = 0; start < len;) {
             const int in_block = start % bs;
-            int count = bs - in_block < 16 ? bs - in_block : 16;
+            int count = bs - in_block < SCORE_RUN ? bs - in_block : SCORE_RUN;
             if (count > len - start) count = len - start;
             if (in_block == 0) { /* the next K block, and this block's V rows for the values pass */
                 if (start + bs < len)
@@ -175,7 +269,8 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
             }
             const uint16_t *k = (const uint16_t *)a->key_cache + ((int64_t)blocks[start / bs] * bs + in_block) * token_stride;
             for (int kv = 0; kv < kvh; kv++) {
-                const uint16_t *k_kv = k + (int64_t)kv * hd, *q_kv = q_bf16 + (int64_t)kv * group * hd;
+                const uint16_t *k_kv = k + (int64_t)kv * hd;
+                const query_t *q_kv = q_row + (int64_t)kv * group * hd;
                 float *s_kv = scores + (int64_t)kv * group * len + start;
 #define SCORES(G) case G: block_scores_bf16(k_kv, token_stride, count, q_kv, a->scale, s_kv, len, G, hd); break;
                 switch (group) { SCORES(1) SCORES(2) SCORES(3) SCORES(4) SCORES(5) SCORES(6) SCORES(7) SCORES(8) }
@@ -287,7 +382,11 @@ static int decode_attention(const void *query, int64_t query_row_stride, const v
         if (seq_lens[i] > max_len) max_len = seq_lens[i];
     const size_t work_floats = (size_t)num_heads * ((size_t)max_len + 2 * (size_t)head_dim) + (size_t)num_kv_heads * head_dim;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads)
+    /* Work is split by request: no more threads than requests, so a batch of one opens no
+     * parallel region (waking an idle thread for nothing costs more than the work when
+     * the cores are busy). */
+    if (num_threads > num_requests) num_threads = num_requests > 0 ? num_requests : 1;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         float *work = malloc(sizeof(float) * work_floats);
         if (!work) {

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "isa.h"
 
 #define MAX_HIDDEN 16384
 

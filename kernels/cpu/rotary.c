@@ -10,6 +10,8 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "isa.h"
+#include "kv_rows.h"
 
 #define ROTATE(T, LOAD, STORE)                                                          \
     for (int h = 0; h < num_heads; h++) {                                               \
@@ -50,3 +52,26 @@ static inline float f32_id(float v) { return v; }
 
 DEFINE_ROTARY(rotary_f32, float, f32_id, f32_id)
 DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* The rotary embedding of q and k, then k's and v's rows into the paged KV cache (see
+ * kernels/rotary_write_kv.py): one call per layer instead of two. v's rows hold
+ * num_k_heads heads like k's; strides are in elements. Positions and slots are checked
+ * first: 1 (a position outside cos_sin's rows) or 2 (a slot at or past num_slots) means
+ * nothing was written. */
+#define DEFINE_ROTARY_WRITE_KV(NAME, ROTARY, T)                                                              \
+    int NAME(const int64_t *positions, int rows, T *q, int64_t q_stride, int num_q_heads, T *k,              \
+             int64_t k_stride, int num_k_heads, const float *cos_sin, int64_t cos_sin_stride,                \
+             int64_t cos_sin_rows, int head_dim, int num_threads, const T *v, int64_t v_stride,              \
+             T *key_cache, T *value_cache, const int64_t *slots, int64_t num_slots) {                        \
+        if (!kv_slots_in_range(slots, rows, num_slots)) return 2;                                            \
+        if (ROTARY(positions, rows, q, q_stride, num_q_heads, k, k_stride, num_k_heads, cos_sin,             \
+                   cos_sin_stride, cos_sin_rows, head_dim, num_threads))                                     \
+            return 1;                                                                                        \
+        copy_kv_rows((const char *)k, k_stride * (int64_t)sizeof(T), (const char *)v,                        \
+                     v_stride * (int64_t)sizeof(T), (char *)key_cache, (char *)value_cache, slots, rows,     \
+                     (int64_t)num_k_heads * head_dim * (int64_t)sizeof(T));                                  \
+        return 0;                                                                                            \
+    }
+
+DEFINE_ROTARY_WRITE_KV(rotary_write_kv_f32, rotary_f32, float)
+DEFINE_ROTARY_WRITE_KV(rotary_write_kv_bf16, rotary_bf16, uint16_t)

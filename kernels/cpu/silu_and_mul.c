@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "isa.h"
 #include "fast_exp.h"
 
 void silu_and_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t out_stride, int rows, int inter,

@@ -40,6 +40,7 @@ from shared.protocol import ModelRunnerOutput, SchedulerOutput
 from shared.step_profile import NULL_CLOCK
 
 from .draft_model import DraftModel
+from .dtype_choice import resolve_dtype
 from .input_batch import CachedRequestState, InputBatch
 from .kv_cache import allocate_kv_caches, kv_block_bytes
 from .linear import can_prepack
@@ -53,18 +54,10 @@ from .structured_output import StructuredOutputRunner
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def resolve_device(name: str, parallel_config: ParallelConfig = ParallelConfig()) -> torch.device:
     """``auto``: CUDA when available, else CPU; under TP each rank takes GPU ``rank % count``."""
     return tp_device(name, parallel_config)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -19,10 +20,19 @@ def replicated_config(log_dir, args: list[str]) -> StackConfig:
     return StackConfig(port=free_port(), num_tokenizers=2, num_detokenizers=2, args=args, log_dir=str(log_dir))
 
 
+# The tests compare greedy tokens with Hugging Face's fp32 model and with the in-process
+# fp32 worker, so a stack's workers run float32 unless its args name a dtype: --dtype
+# auto would pick bfloat16 on a CPU with native bf16 dot products.
+EXACT_DTYPE = ["--dtype", "float32"]
+
+
 @contextlib.contextmanager
 def running_stack(config: StackConfig, timeout: float = 240):
-    """Start the stack, wait until the engine is ready, stop it afterwards; any
-    traceback in a service's log is printed (pytest shows it for a failed test)."""
+    """Start the stack (its workers in float32 unless ``config.args`` name a dtype), wait
+    until the engine is ready, stop it afterwards; any traceback in a service's log is
+    printed (pytest shows it for a failed test)."""
+    if "--dtype" not in config.args:
+        config = dataclasses.replace(config, args=[*EXACT_DTYPE, *config.args])
     stack = Stack(config)
     stack.start()
     try:

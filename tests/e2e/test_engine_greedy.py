@@ -187,7 +187,7 @@ def test_tiny_llama_greedy_equals_hf_on_the_triton_path(tiny_llama):
 
     torch_worker, hf_model = tiny_llama
     worker = ModelRunner(
-        ModelRunConfig(model=torch_worker.model_path, kernel_backend="triton", quantization="none"),
+        ModelRunConfig(model=torch_worker.model_path, kernel_backend="triton", dtype="float32", quantization="none"),
         CacheConfig(num_gpu_blocks=16),
         SchedulerConfig(max_num_seqs=4),
     )

@@ -41,7 +41,7 @@ def adapters(hf_smollm, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lora_worker(smollm_path):
-    return ModelRunner(ModelRunConfig(model=smollm_path, kernel_backend="torch", quantization="none"), CacheConfig(num_gpu_blocks=48),
+    return ModelRunner(ModelRunConfig(model=smollm_path, kernel_backend="torch", dtype="float32", quantization="none"), CacheConfig(num_gpu_blocks=48),
                        SchedulerConfig(max_num_seqs=16), lora_config=LORA_CONFIG)
 
 

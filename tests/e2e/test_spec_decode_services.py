@@ -57,7 +57,7 @@ def stack(tmp_path_factory, model_path, speculative_config):
 @pytest.fixture(scope="module")
 def reference(model_path):
     """Greedy token ids of each question, TP=1, no speculative decoding."""
-    engine = Engine(ModelRunConfig(model=model_path, quantization="none"), CacheConfig(num_gpu_blocks=64))
+    engine = Engine(ModelRunConfig(model=model_path, dtype="float32", quantization="none"), CacheConfig(num_gpu_blocks=64))
     tokenizer = engine.tokenizer
     out = {}
     for q in QUESTIONS:

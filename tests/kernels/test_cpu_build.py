@@ -79,3 +79,27 @@ def test_cache_folder_is_private_and_a_foreign_library_is_rebuilt(fresh, monkeyp
         lib = cpu_build.load_library("rms_norm")
         assert lib is not None, "an untrusted cached library must be rebuilt, not loaded or given up"
         assert built.read_bytes() != planted and built.stat().st_uid == os.getuid()
+
+
+KERNELS = ("paged_decode_attention", "rms_norm", "rotary", "silu_and_mul", "write_kv")
+
+
+def test_each_build_reports_its_instruction_set(cpu_isa):
+    if cpu_build._find_compiler() is None:
+        pytest.skip("no C compiler here")
+    from shared.cpu_features import cpu_flags
+
+    flags = cpu_flags()
+    if cpu_isa == "avx2":
+        expected = "avx2"
+    elif "avx512_bf16" in flags:
+        expected = "avx512_bf16"
+    else:
+        expected = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "generic"
+    assert {name: cpu_build.library_isa(name) for name in KERNELS} == dict.fromkeys(KERNELS, expected)
+
+
+def test_an_unknown_instruction_set_is_refused(fresh, monkeypatch):
+    monkeypatch.setenv("NATSLLM_CPU_ISA", "avx9")
+    with pytest.raises(ValueError, match="NATSLLM_CPU_ISA"):
+        cpu_build.load_library("rms_norm")

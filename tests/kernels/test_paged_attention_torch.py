@@ -93,7 +93,7 @@ def test_reference_long_single_prefill():
 @needs_c_kernel
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("block_size", [16, 8])
-def test_float32_decodes_match_dense_attention(shape, block_size):
+def test_float32_decodes_match_dense_attention(shape, block_size, cpu_isa):
     # Lengths at block edges (15, 16, 17), a first token (context 0) and a long context.
     batch = decode_batch([0, 15, 16, 17, 40, 300], shape, torch.float32, block_size, seed=1)
     out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
@@ -103,7 +103,7 @@ def test_float32_decodes_match_dense_attention(shape, block_size):
 @needs_c_kernel
 @pytest.mark.parametrize("shape", [*SHAPES, (16, 1, 64)])
 @pytest.mark.parametrize("block_size", [16, 8, 32])
-def test_bfloat16_decodes_match_the_reference(shape, block_size):
+def test_bfloat16_decodes_match_the_reference(shape, block_size, cpu_isa):
     # bf16 takes the AVX512_BF16 paths where compiled in: scores over runs of up to 16
     # tokens inside a block (whole 16-token blocks, halves of 32-token blocks, 8-token
     # blocks), values in registers for head dim 64; head dim 80 and a GQA group of 16 take
@@ -118,7 +118,7 @@ def test_bfloat16_decodes_match_the_reference(shape, block_size):
 
 
 @needs_c_kernel
-def test_kernel_takes_strided_query_and_output_rows():
+def test_kernel_takes_strided_query_and_output_rows(cpu_isa):
     # q as a slice of a fused qkv-like row, out as a slice of a wider buffer.
     batch = decode_batch([5, 20, 33], (6, 2, 64), torch.float32, seed=3)
     wide = torch.randn(3, 10, 64)
@@ -173,7 +173,7 @@ def test_without_the_kernel_the_reference_runs(monkeypatch):
 
 @needs_c_kernel
 @pytest.mark.parametrize("shape", SHAPES)
-def test_short_queries_run_through_the_c_kernel_one_decode_per_token(shape, monkeypatch):
+def test_short_queries_run_through_the_c_kernel_one_decode_per_token(shape, monkeypatch, cpu_isa):
     """A decode with its draft tokens (speculative decoding) next to plain decodes."""
     calls = []
     real = torch_attention.decode_attention_native

@@ -68,7 +68,7 @@ needs_c_kernel = pytest.mark.skipif(
 
 @needs_c_kernel
 @pytest.mark.parametrize("num_tokens,hidden_size", [(1, 576), (32, 576), (5, 1000), (300, 1024)])
-def test_cpu_path_matches_reference_in_bfloat16(num_tokens, hidden_size):
+def test_cpu_path_matches_reference_in_bfloat16(num_tokens, hidden_size, cpu_isa):
     # 300 x 1024 rows are split among threads. The C kernel sums squares in another order,
     # so an output may differ from the reference by one bf16 rounding step, rarely.
     gen = torch.Generator().manual_seed(num_tokens)
@@ -85,11 +85,13 @@ def test_cpu_path_matches_reference_in_bfloat16(num_tokens, hidden_size):
     torch.testing.assert_close(plain, rms_norm_ref(x, weight, 1e-6), rtol=1e-2, atol=1e-2)
 
 
-def test_cpu_path_keeps_float32_on_the_reference():
-    # float32 must stay bit for bit Hugging Face's (greedy parity), so it never leaves the reference.
-    gen = torch.Generator().manual_seed(0)
-    x, residual = torch.randn(4, 96, generator=gen), torch.randn(4, 96, generator=gen)
-    weight = torch.randn(96, generator=gen)
+@pytest.mark.parametrize("num_tokens,hidden_size", [(4, 96), (1, 576), (32, 576), (300, 4096)])
+def test_cpu_path_keeps_float32_bit_for_bit_the_reference(num_tokens, hidden_size):
+    # float32 must stay bit for bit Hugging Face's (greedy parity).
+    gen = torch.Generator().manual_seed(num_tokens)
+    x, residual = (3 * torch.randn(num_tokens, hidden_size, generator=gen) for _ in range(2))
+    weight = torch.randn(hidden_size, generator=gen)
     expected, expected_sum = rms_norm_ref(x, weight, 1e-6, residual)
     out, summed = rms_norm_cpu(x, weight, 1e-6, residual)
     assert torch.equal(out, expected) and torch.equal(summed, expected_sum)
+    assert torch.equal(rms_norm_cpu(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))

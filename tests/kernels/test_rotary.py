@@ -103,7 +103,7 @@ def test_triton_takes_three_dim_heads():
 @pytest.mark.skipif(_rotary_kernel_cpu(torch.float32) is None, reason="no C compiler: the C kernel cannot be built here")
 @pytest.mark.parametrize("shape", [(1, 4, 2, 128), (7, 9, 3, 64), (300, 9, 3, 64), (5, 6, 2, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_path_equals_reference_bit_for_bit(shape, dtype):
+def test_cpu_path_equals_reference_bit_for_bit(shape, dtype, cpu_isa):
     # Strided q and k (slices of a fused qkv), 300 tokens split among threads.
     num_tokens, num_heads, num_kv_heads, head_dim = shape
     positions, qkv, q, k = make_qkv(*shape, dtype, seed=num_tokens)

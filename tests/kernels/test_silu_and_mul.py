@@ -33,7 +33,7 @@ def test_reference_formula():
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES))
-def test_cpu_path_matches_reference(dtype):
+def test_cpu_path_matches_reference(dtype, cpu_isa):
     x = (3 * torch.randn(7, 2 * 300)).to(dtype)
     out = torch.full((7, 300), float("nan"), dtype=dtype)
     got = silu_and_mul_cpu(x, out=out)
@@ -45,7 +45,7 @@ def test_cpu_path_matches_reference(dtype):
 
 
 @pytest.mark.skipif(ON_CUDA, reason="the CPU path")
-def test_cpu_bf16_kernel_rounds_once_like_the_reference():
+def test_cpu_bf16_kernel_rounds_once_like_the_reference(cpu_isa):
     from kernels.silu_and_mul import _silu_and_mul_kernel_cpu
 
     if _silu_and_mul_kernel_cpu() is None:

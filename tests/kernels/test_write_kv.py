@@ -66,7 +66,7 @@ def test_all_negative_slots_write_nothing(write_kv):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("padding", [False, True])
-def test_cpu_path_matches_reference(shape, dtype, padding):
+def test_cpu_path_matches_reference(shape, dtype, padding, cpu_isa):
     key, value, key_cache, value_cache, slots = make_inputs(*shape, dtype)
     if not padding:
         slots = torch.randperm(shape[1] * shape[2])[: shape[0]].to(slots.device)

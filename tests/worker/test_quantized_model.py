@@ -32,7 +32,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 
 def quantized_runner(path: str) -> ModelRunner:
-    return ModelRunner(ModelRunConfig(model=path, kernel_backend="torch", quantization="auto"),
+    return ModelRunner(ModelRunConfig(model=path, kernel_backend="torch", dtype="float32", quantization="auto"),
                        CacheConfig(num_gpu_blocks=64), SchedulerConfig(max_num_seqs=NUM_PROMPTS))
 
 

@@ -112,19 +112,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, positions, attn: AttentionMetadata, kv_cache, cos_sin_cache):
         qkv = self.qkv_proj(x)
+        # q, k and v stay views of qkv: every kernel takes strided rows.
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.contiguous()
-        k = k.contiguous()
-        self.ops.rotary_embedding(positions, q, k, cos_sin_cache, self.head_dim)
         num_tokens = x.shape[0]
         k_cache, v_cache = kv_cache
-        self.ops.write_kv(
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-            v.reshape(num_tokens, self.num_kv_heads, self.head_dim),
-            k_cache,
-            v_cache,
-            attn.slot_mapping,
-        )
+        self.ops.rotary_write_kv(positions, q, k, v, cos_sin_cache, self.head_dim, k_cache, v_cache, attn.slot_mapping)
         out = self.ops.paged_attention(
             q.view(num_tokens, self.num_heads, self.head_dim), k_cache, v_cache, attn, self.scale
         )

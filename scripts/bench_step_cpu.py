@@ -1,0 +1,81 @@
+"""CPU time per decode step of the in-process engine, for comparisons on a busy machine.
+
+On a shared VM the wall clock of a step swings with whatever else runs (a 2-core box at
+load 11 made a batch-1 step 10x slower), while the CPU time this process spends per step
+moves much less. With one torch thread (the default here) that CPU time is the work of a
+step: matrix products, kernels and Python. Prints wall and CPU milliseconds per step for
+each (dtype, batch) pair, interleaved over --rounds, and one JSON line per run.
+
+    .venv/bin/python scripts/bench_step_cpu.py [--dtypes bfloat16 float32] [--batches 1 8 32] [--rounds 2]
+
+Each request has a 129-token prompt. A first generate of one token prefills the prompts
+into the prefix cache; the timed generate of --steps tokens then finds all but the last
+token cached, so it measures decode steps (its first step computes one token per request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--steps", type=int, default=64, help="output tokens per request")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--rounds", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def measure(engine, batch: int, steps: int, salt: int) -> tuple[float, float]:
+    """(wall ms, CPU ms) per step of `batch` requests decoding `steps` tokens."""
+    from shared.protocol import SamplingParams
+
+    prompts = [[1] + [(100 + 7 * i + salt + j) % 40000 + 10 for j in range(128)] for i in range(batch)]
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    engine.generate(prompts, params)
+    return (time.perf_counter() - wall0) / steps * 1000, (time.process_time() - cpu0) / steps * 1000
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from services.engine import Engine
+    from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
+
+    torch.set_num_threads(args.threads)
+    engines = {
+        dtype: Engine(run_config=ModelRunConfig(dtype=dtype), cache_config=CacheConfig(num_gpu_blocks=1024),
+                      scheduler_config=SchedulerConfig(max_num_seqs=max(args.batches)))
+        for dtype in args.dtypes
+    }
+    for round_ in range(args.rounds):
+        for batch in args.batches:
+            for dtype, engine in engines.items():
+                load = os.getloadavg()[0]
+                wall, cpu = measure(engine, batch, args.steps, salt=round_)
+                print(f"round {round_ + 1} batch {batch:3d} {dtype:9s}: wall {wall:8.2f} ms/step, "
+                      f"CPU {cpu:8.2f} ms/step ({batch * 1000 / cpu:7.1f} tok per CPU-second), load {load:.1f}",
+                      flush=True)
+                print(json.dumps({"round": round_ + 1, "batch": batch, "dtype": dtype, "threads": args.threads,
+                                  "wall_ms": wall, "cpu_ms": cpu, "load": load}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The model's dtype from ``--dtype``: what ``auto`` picks on this machine, and why.
+
+On CUDA ``auto`` is bfloat16. On a CPU it is bfloat16 only where both hold: the CPU
+multiplies bf16 pairs natively (``shared.cpu_features.native_bf16_dot``), and oneDNN
+can prepack a bf16 weight and multiply with it (a tiny probe at start-up). Without
+either, bf16 products are widened to float32 on every call and run several times
+slower than float32 (docs/BENCHMARKS.md, /work/shared/CPU-NOTES.md), so ``auto`` is
+float32 there. The decision and its reason are logged; an explicit ``bfloat16`` on a
+CPU without native bf16 dot products runs as asked, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from shared.cpu_features import cpu_flags, describe, native_bf16_dot
+
+from .linear import can_prepack, prepacked_linear
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def bf16_prepack_works() -> bool:
+    """Whether oneDNN prepacks a small bf16 weight and its product matches float32's
+    (within bf16 rounding)."""
+    if not can_prepack(torch.device("cpu"), torch.bfloat16):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 64, generator=gen).bfloat16()
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    try:
+        got = prepacked_linear(weight)(x)
+    except RuntimeError:
+        return False
+    expected = x.float() @ weight.float().T
+    return got.dtype == torch.bfloat16 and torch.allclose(got.float(), expected, rtol=2e-2, atol=5e-2)
+
+
+def resolve_dtype(
+    name: str,
+    device: torch.device,
+    flags: frozenset[str] | None = None,
+    prepack_works: Callable[[], bool] = bf16_prepack_works,
+) -> torch.dtype:
+    """The dtype ``name`` (auto|float32|bfloat16|float16) means on ``device``; ``flags``
+    are the CPU's (default: this machine's)."""
+    if device.type != "cpu":
+        return torch.bfloat16 if name == "auto" else DTYPES[name]
+    if name not in ("auto", "bfloat16"):
+        return DTYPES[name]
+    flags = cpu_flags() if flags is None else flags
+    native = native_bf16_dot(flags)
+    if name == "bfloat16":
+        if not native:
+            logger.warning(
+                "--dtype bfloat16 on a CPU without native bf16 dot products (flags: %s): every product "
+                "widens bf16 to float32, several times slower than --dtype float32 at larger batches",
+                describe(flags),
+            )
+        return torch.bfloat16
+    if not native:
+        logger.info("dtype auto -> float32: the CPU has no native bf16 dot products (flags: %s)", describe(flags))
+        return torch.float32
+    if not prepack_works():
+        logger.info("dtype auto -> float32: the CPU has native bf16 dot products (flags: %s), but oneDNN "
+                    "cannot prepack bf16 weights in this torch build", describe(flags))
+        return torch.float32
+    logger.info("dtype auto -> bfloat16: the CPU has native bf16 dot products (flags: %s) and oneDNN "
+                "prepacks bf16 weights", describe(flags))
+    return torch.bfloat16
