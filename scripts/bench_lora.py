@@ -11,6 +11,15 @@ Ratios are against k = 0 in the same run.
 
 The LAST line is one JSON object: {"rank": {"k": tok_s}} and the ratios.
 
+``--served`` measures a served stack instead: per rank, the same adapters are served as
+``adapter-0`` .. ``adapter-(K-1)`` (K the largest k, 8) by a stack started like ``scripts/serve --enable-lora
+--max-loras K --max-lora-rank R --lora-modules adapter-0=PATH ... --max-num-seqs 32`` on a
+free port, and ``scripts/bench_serving.py``'s load generator sends ``--num-prompts``
+streamed requests (its synthetic text, ``--input-len`` / ``--output-len`` tokens) at
+``--concurrency`` 32, request ``i`` with model ``adapter-(i % k)`` (k = 0: the base model).
+Each k draws other prompts (seed k), so no k reuses another's prefix-cache blocks; every
+served name is warmed up first. Output tok/s over the whole run, ratios against k = 0.
+
 ``--kernels`` times the LoRA delta alone instead (``services/worker/lora/batched.py``):
 each method (masked, grouped) over the four fused projections of one layer of the
 default model, ``--max-loras 8`` slots, per rank, tokens per step (32 = a decode step of
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -96,9 +106,52 @@ def bench_kernels(ranks: list[int], counts: list[int], token_counts: list[int], 
     return results
 
 
+def bench_served(args, ranks: list[int], counts: list[int]) -> dict[int, dict[int, float]]:
+    """Output tok/s of a served stack per rank and number of distinct adapters (module docstring)."""
+    import bench_serving
+
+    from services.launch.nats_server import free_port
+    from services.launch.stack import Stack, StackConfig
+    from shared.model_config import default_model_path, load_model_config
+
+    model_config = load_model_config(default_model_path())
+    results: dict[int, dict[int, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rank in ranks:
+            modules = [f"adapter-{i}={write_adapter(Path(tmp) / f'r{rank}-{i}', model_config, rank, i)}"
+                       for i in range(max(counts))]
+            flags = ["--enable-lora", "--max-loras", str(max(max(counts), 1)), "--max-lora-rank", str(rank),
+                     "--max-num-seqs", str(args.concurrency)] + (["--lora-modules", " ".join(modules)] if modules else [])
+            stack = Stack(StackConfig(port=free_port(), args=flags, log_dir=None))
+            print(f"rank {rank}: scripts/serve --port {stack.config.port} {shlex.join(flags)}", flush=True)
+            try:
+                stack.start()
+                stack.wait_ready()
+                base = bench_serving.served_model(stack.base_url, "")
+                results[rank] = {}
+                for k in counts:
+                    names = [f"adapter-{i}" for i in range(k)] or [base]
+                    metrics = bench_serving.run(bench_serving.parse_args([
+                        "--base-url", stack.base_url, "--models", ",".join(names), "--quiet",
+                        "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
+                        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                        "--seed", str(k), "--label", f"rank {rank}, {k} adapter(s)"]))
+                    if metrics["failed"]:
+                        raise SystemExit(f"rank {rank}, {k} adapter(s): {metrics['failed']} requests failed: "
+                                         f"{metrics['errors']}")
+                    results[rank][k] = metrics["output_throughput"]
+                    print(f"rank {rank:3d}  {k} adapter(s): {results[rank][k]:8.1f} output tok/s "
+                          f"({results[rank][k] / results[rank][counts[0]]:.2f}x of {counts[0]})", flush=True)
+            finally:
+                stack.stop()
+    return results
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kernels", action="store_true", help="time the LoRA delta alone, per method")
+    p.add_argument("--served", action="store_true", help="measure a served stack (scripts/serve) over HTTP")
+    p.add_argument("--concurrency", type=int, default=32, help="--served: requests in flight (and --max-num-seqs)")
     p.add_argument("--tokens", default="32,256,512", help="--kernels: tokens per step")
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -118,13 +171,20 @@ def main(argv=None) -> None:
         print(json.dumps({"us": results, "threads": torch.get_num_threads()}))
         return
 
+    load_start = os.getloadavg()  # the machine may be shared: the figures say how busy it was
+    counts = [int(k) for k in args.adapters.split(",")]
+    ranks = [int(r) for r in args.ranks.split(",")]
+    if args.served:
+        results = bench_served(args, ranks, counts)
+        ratios = {r: {k: v / by_k[counts[0]] for k, v in by_k.items()} for r, by_k in results.items()}
+        print(json.dumps({"tok_s": results, "ratio": ratios, "served": True, "concurrency": args.concurrency,
+                          "loadavg_start": load_start, "loadavg_end": os.getloadavg()}))
+        return
+
     from services.engine import Engine
     from shared.config import CacheConfig, LoRAConfig, SchedulerConfig
     from shared.protocol import LoRARequest, SamplingParams
 
-    load_start = os.getloadavg()  # the machine may be shared: the figures say how busy it was
-    counts = [int(k) for k in args.adapters.split(",")]
-    ranks = [int(r) for r in args.ranks.split(",")]
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     results: dict[int, dict[int, float]] = {}

@@ -16,6 +16,9 @@ latency (mean, median, p99), failures; prints a table and writes JSON (``--resul
     .venv/bin/python scripts/bench_serving.py --base-url http://127.0.0.1:8000 \\
         --num-prompts 64 --max-concurrency 32 --input-len 128 --output-len 64
 
+``--models a,b,c`` spreads the requests over several served names (request ``i`` uses
+the ``i``-th modulo their number, e.g. LoRA adapters; each is warmed up once).
+
 Only loopback targets are accepted; the run is bounded by ``--num-prompts`` and
 ``--timeout`` (seconds for the whole run; unfinished requests count as failures).
 """
@@ -191,9 +194,10 @@ async def run_benchmark(
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers, trust_env=False) as client:
         if not args.no_warmup:
-            await warm_up(client, url, args, requests[0])
+            for model in dict.fromkeys(args.models or [args.model]):
+                await warm_up(client, url, args, requests[0], model)
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        bodies = [build_payload(args.endpoint, args.model, r, args) for r in requests]
+        bodies = [build_payload(args.endpoint, request_model(args, i), r, args) for i, r in enumerate(requests)]
         offsets = arrival_times(n, args.request_rate, args.seed)
 
         async def one(i: int) -> RequestResult:
@@ -231,9 +235,14 @@ async def run_benchmark(
         return results, duration
 
 
-async def warm_up(client, url: str, args, req: SampleRequest) -> None:
+def request_model(args, i: int) -> str:
+    """The model name request ``i`` sends: ``--models`` round-robin, else ``--model``."""
+    return args.models[i % len(args.models)] if args.models else args.model
+
+
+async def warm_up(client, url: str, args, req: SampleRequest, model: str) -> None:
     """One short request, retried until the server answers or --wait-for-server runs out."""
-    body = build_payload(args.endpoint, args.model, SampleRequest(req.prompt, req.prompt_token_ids, min(8, req.output_len)), args)
+    body = build_payload(args.endpoint, model, SampleRequest(req.prompt, req.prompt_token_ids, min(8, req.output_len)), args)
     deadline = time.monotonic() + max(args.wait_for_server, 0.0)
     while True:
         result = await send_request(client, url, args.endpoint, body, 0, args.request_timeout)
@@ -302,6 +311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (loopback only)")
     p.add_argument("--model", default="", help="model name sent in requests (default: ask /v1/models)")
+    p.add_argument("--models", type=lambda v: v.split(","), default=None,
+                   help="comma-separated model names: request i uses the i-th modulo their number")
     p.add_argument("--endpoint", choices=("chat", "completions"), default="completions")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""))
     p.add_argument("--label", default="", help="name of the server in the table and the JSON")
@@ -334,6 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-concurrency must be >= 0")
     if args.timeout <= 0 or args.request_timeout <= 0:
         p.error("--timeout and --request-timeout must be > 0")
+    if args.models is not None and (args.model or not all(args.models)):
+        p.error("--models takes non-empty names, and not together with --model")
     if args.extra_body is not None and not isinstance(args.extra_body, dict):
         p.error("--extra-body must be a JSON object")
     return args
@@ -360,7 +373,12 @@ def served_model(base_url: str, api_key: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    metrics = run(parse_args(argv))
+    return 0 if metrics["completed"] > 0 else 1
+
+
+def run(args: argparse.Namespace) -> dict:
+    """One benchmark as ``parse_args`` describes it: prints the table, returns the metrics."""
     encode, decode, _ = load_encoder(args.tokenizer)
     requests = make_dataset(
         args.num_prompts, args.input_len, args.output_len, args.range_ratio, encode, decode,
@@ -369,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     # The shared prefix counts toward the prompt length when the server reports none.
     prefix_len = len(encode(requests[0].prefix)) if requests[0].prefix else 0
     prompt_lens = [len(r.prompt_token_ids) + prefix_len for r in requests]
-    if not args.model:
+    if not args.model and not args.models:
         args.model = served_model(args.base_url, args.api_key)
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     url = args.base_url.rstrip("/") + path
@@ -394,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result_file).write_text(json.dumps(nan_to_none(record), indent=1, allow_nan=False))
-    return 0 if metrics["completed"] > 0 else 1
+    return metrics
 
 
 def nan_to_none(obj):

@@ -1,8 +1,11 @@
 """LoRA adapters at the gateway: which ones it serves, and the routes that change that.
 
     POST /v1/load_lora_adapter    {"lora_name", "lora_path"}   (vLLM's endpoint and fields;
-                                  "pinned": true keeps it in the workers' slots for good)
-    POST /v1/unload_lora_adapter  {"lora_name"}
+                                  "pinned": true keeps it in the workers' slots for good;
+                                  vLLM's "load_inplace" only as false)
+    POST /v1/unload_lora_adapter  {"lora_name"}   (vLLM's "lora_int_id" only as null)
+
+Any other body field is refused with a 400 naming it, never ignored.
 
 Each gateway keeps a registry, name -> ``LoRARequest`` (name and PEFT folder), filled from
 ``--lora-modules`` at start, from the other gateways' registries (asked on ``LORA_LIST``
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import logging
 
 from nats.errors import NoRespondersError
@@ -111,6 +115,26 @@ def with_lora_adapter(gateway, body, parse):
     return dataclasses.replace(parsed, model=lora.lora_name, lora_request=lora)
 
 
+# The body fields each route honours; vLLM's fields we cannot honour pass only as their no-op
+# value (field -> that value), anything else is refused by ``_check_fields``.
+LOAD_FIELDS = frozenset({"lora_name", "lora_path", "pinned"})
+LOAD_NO_OP_FIELDS = {"load_inplace": False}
+UNLOAD_FIELDS = frozenset({"lora_name"})
+UNLOAD_NO_OP_FIELDS = {"lora_int_id": None}
+
+
+def _check_fields(body: dict, honoured: frozenset, no_op: dict) -> None:
+    for name, value in body.items():
+        if name in honoured or (name in no_op and value is no_op[name]):
+            continue
+        if name == "load_inplace" and name in no_op and value is True:
+            raise ApiError("'load_inplace': true is not supported (no in-place reload): unload the adapter, "
+                           "then load it again", param=name)
+        if name in no_op:
+            raise ApiError(f"'{name}' is only accepted as {json.dumps(no_op[name])}", param=name)
+        raise ApiError(f"unsupported field '{name}'", param=name)
+
+
 def _name_field(body: dict, name: str) -> str:
     value = body.get(name)
     if not isinstance(value, str) or not value:
@@ -152,6 +176,7 @@ class LoRARoutes:
         try:
             registry = self._registry()
             body = await self._body(request)
+            _check_fields(body, LOAD_FIELDS, LOAD_NO_OP_FIELDS)
             name, path = _name_field(body, "lora_name"), _name_field(body, "lora_path")
             pinned = body.get("pinned", False)
             if not isinstance(pinned, bool):
@@ -179,7 +204,9 @@ class LoRARoutes:
     async def unload(self, request: Request) -> Response:
         try:
             registry = self._registry()
-            name = _name_field(await self._body(request), "lora_name")
+            body = await self._body(request)
+            _check_fields(body, UNLOAD_FIELDS, UNLOAD_NO_OP_FIELDS)
+            name = _name_field(body, "lora_name")
             if name not in registry.adapters:
                 raise ApiError(f"The lora adapter '{name}' cannot be found.", status=404, type="not_found_error",
                                param="lora_name")

@@ -19,6 +19,7 @@ from bench_serving import (
     nan_to_none,
     parse_args,
     parse_sse_line,
+    request_model,
     send_request,
 )
 
@@ -55,6 +56,15 @@ def test_build_payload_both_endpoints():
 def test_parse_args_refuses_remote_targets():
     with pytest.raises(ValueError):
         parse_args(["--base-url", "http://10.1.2.3:8000"])
+
+
+def test_models_spread_requests_round_robin():
+    args = parse_args(["--models", "base,adapter-0,adapter-1"])
+    assert [request_model(args, i) for i in range(5)] == ["base", "adapter-0", "adapter-1", "base", "adapter-0"]
+    assert [request_model(parse_args(["--model", "m"]), i) for i in range(2)] == ["m", "m"]
+    for bad in (["--models", "a,,b"], ["--models", "a", "--model", "m"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
 
 
 def test_arrival_times():
