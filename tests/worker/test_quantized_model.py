@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from services.engine import Engine
-from services.worker.lora.batched import lora_delta_reference
+from services.worker.lora.batched import LoRABatch, lora_delta_reference
 from services.worker.model_runner import ModelRunner
 from shared.config import CacheConfig, LoRAConfig, ModelRunConfig, SchedulerConfig
 from shared.gguf_quants import requantize_gguf
@@ -112,9 +112,10 @@ def test_lora_adds_its_delta_to_a_quantized_projection(int4_worker):
         a, b = slots.a_slots[2]["qkv"], slots.b_slots[2]["qkv"]
         a.copy_(0.1 * torch.randn_like(a))
         b.copy_(0.1 * torch.randn_like(b))
-        slots.token_slots = torch.tensor([[1.0], [0.0], [1.0]])
+        token_slot = torch.tensor([0, -1, 0])
+        slots.batch = LoRABatch.build(token_slot, 1, torch.float32, torch.device("cpu"))
         x = torch.randn(3, int4_worker.model_config.hidden_size)
-        want = base(x) + lora_delta_reference(x, a, b, torch.tensor([0, -1, 0]))
+        want = base(x) + lora_delta_reference(x, a, b, token_slot)
         torch.testing.assert_close(layer.qkv_proj(x), want, atol=1e-4, rtol=1e-4)
     finally:
         int4_worker.use_lora(LoRAConfig())
