@@ -274,14 +274,68 @@ KV_PRODUCER = "kv_producer"  # a prefill engine: takes new requests, hands them 
 KV_CONSUMER = "kv_consumer"  # a decode engine: takes hand-offs only, pulls their prompt KV
 KV_BOTH = "kv_both"  # takes new requests and decodes them itself, and takes hand-offs
 KV_ROLES = ("", KV_PRODUCER, KV_CONSUMER, KV_BOTH)
+# The one KV connector (services/scheduler/kv_connector.py, services/worker/kv_transfer/): decode
+# ranks pull prompt KV from the same prefill rank over the NATS bus. vLLM's connectors
+# (NixlConnector, P2pNcclConnector, LMCacheConnectorV1, ...) name transports and stores it lacks.
+NATS_CONNECTOR = "NatsConnector"
+# The --kv-transfer-config keys (vLLM's names) this connector honours. Any other key (kv_ip,
+# kv_port, kv_rank, kv_parallel_size, kv_buffer_size, kv_buffer_device, engine_id,
+# kv_connector_module_path, ...) configures something it does not have and stops start-up.
+_KV_TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_load_failure_policy", "kv_connector_extra_config")
+
+
+def kv_transfer_config_json(kv_role: str) -> str:
+    """The ``--kv-transfer-config`` value that gives an engine ``kv_role``."""
+    return json.dumps({"kv_connector": NATS_CONNECTOR, "kv_role": kv_role})
+
+
+def parse_kv_transfer_config(text: str) -> str:
+    """The kv_role of vLLM's ``--kv-transfer-config`` JSON ("" for ""); ConfigError naming
+    what this engine cannot honour."""
+    if not text.strip():
+        return ""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"kv_transfer_config is not valid JSON ({e}): {text!r}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"kv_transfer_config must be a JSON object, got {text!r}")
+    unknown = sorted(set(values) - set(_KV_TRANSFER_KEYS))
+    if unknown:
+        raise ConfigError(f"kv_transfer_config: {NATS_CONNECTOR} cannot honour {', '.join(unknown)} (KV moves over "
+                          f"the NATS bus, each decode rank pulling from the same prefill rank; the engine's id is "
+                          f"--engine-id); it takes {', '.join(_KV_TRANSFER_KEYS)}")
+    connector = values.get("kv_connector")
+    if connector != NATS_CONNECTOR:
+        raise ConfigError(f"kv_transfer_config: kv_connector must be {NATS_CONNECTOR!r} (KV over the NATS bus, the "
+                          f"only connector this engine has), got {connector!r}")
+    role = values.get("kv_role")
+    if role not in KV_ROLES[1:]:
+        raise ConfigError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES[1:])}, got {role!r}")
+    policy = values.get("kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        raise ConfigError(f"kv_transfer_config: kv_load_failure_policy must be 'recompute' ({NATS_CONNECTOR} "
+                          f"recomputes a prompt whose KV load failed), got {policy!r}")
+    if values.get("kv_connector_extra_config", {}) != {}:
+        raise ConfigError(f"kv_transfer_config: {NATS_CONNECTOR} takes no kv_connector_extra_config (its timeouts "
+                          f"are --kv-transfer-timeout, --kv-hold-timeout, --kv-chunk-timeout), got "
+                          f"{values['kv_connector_extra_config']!r}")
+    return role
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    """Prefill/decode disaggregation through the NATS KV connector (docs/ARCHITECTURE.md)."""
+    """Prefill/decode disaggregation through the NATS KV connector (docs/ARCHITECTURE.md).
 
-    kv_role: str = setting("", "P/D role: kv_producer (prefill engine) | kv_consumer (decode engine) | "
-                               "kv_both; '' = no KV transfer")
+    ``kv_transfer_config`` is vLLM's flag (a JSON object); ``kv_role`` its shorthand, and
+    after creation the role either of them gave."""
+
+    kv_transfer_config: str = setting(
+        "", f'P/D as vLLM\'s JSON, e.g. {{"kv_connector": "{NATS_CONNECTOR}", "kv_role": "kv_producer"}} '
+            f'(kv_role: kv_producer = prefill engine, kv_consumer = decode engine, kv_both; also '
+            f'"kv_load_failure_policy": "recompute"); any other key is refused. \'\' = no KV transfer')
+    kv_role: str = setting("", "shorthand for --kv-transfer-config with this kv_role "
+                               "(kv_producer | kv_consumer | kv_both); '' = no KV transfer")
     kv_transfer_timeout: float = setting(
         10.0, "seconds a decode engine waits for a hand-off's prompt KV before it recomputes the prompt")
     kv_hold_timeout: float = setting(
@@ -291,6 +345,11 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if self.kv_role not in KV_ROLES:
             raise ConfigError(f"kv_role must be one of kv_producer|kv_consumer|kv_both or '', got {self.kv_role!r}")
+        role = parse_kv_transfer_config(self.kv_transfer_config)
+        if role and self.kv_role and role != self.kv_role:
+            raise ConfigError(f"kv_role {self.kv_role!r} contradicts kv_transfer_config's {role!r}: give one")
+        if role:
+            object.__setattr__(self, "kv_role", role)
         for name in ("kv_transfer_timeout", "kv_hold_timeout", "kv_chunk_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
