@@ -181,6 +181,10 @@ class SchedulerConfig:
         return self.async_scheduling and self.speculative is None
 
 
+# --quantization's methods (vLLM's flag; "auto" and "none" are ours).
+QUANTIZATION_METHODS = ("none", "auto", "gguf")
+
+
 @dataclass(frozen=True)
 class ModelRunConfig:
     """How a worker runs the model: which weights, dtype, device, kernels."""
@@ -195,8 +199,9 @@ class ModelRunConfig:
     # default yet: on the benchmark CPU the quantized products are 2.6x faster at batch 1
     # but slower from batch 8 on than float32 (and bfloat16) oneDNN (docs/BENCHMARKS.md).
     quantization: str = setting(
-        "none", "none|auto: auto keeps a GGUF file's Q8_0 matrices as int8 and Q4_0/Q4_1/Q4_K as int4 "
-                "(~5x less weight memory; one rank only); none dequantizes every weight to --dtype")
+        "none", "none|auto|gguf: auto keeps a GGUF file's Q8_0 matrices as int8 and Q4_0/Q4_1/Q4_K as int4 "
+                "(~5x less weight memory; one rank only); gguf (vLLM's name) the same, refused for a "
+                "Hugging Face folder or under TP; none dequantizes every weight to --dtype")
     max_model_len: int | None = max_model_len_setting()
     seed: int = setting(0, "seed of the worker's shared sampling generator")
 
@@ -207,9 +212,23 @@ class ModelRunConfig:
             raise ConfigError(
                 f"kernel_backend must be auto|torch|triton, got {self.kernel_backend!r}"
             )
-        if self.quantization not in ("auto", "none"):
-            raise ConfigError(f"quantization must be auto|none, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                              f"got {self.quantization!r}")
         check_max_model_len(self.max_model_len)
+
+    def keeps_gguf_quantized(self, model_kind: str, tensor_parallel_size: int) -> bool:
+        """Whether the worker keeps a GGUF file's Q8_0 / Q4_* matrices quantized, for a model
+        of ``model_kind`` ("gguf" or "hf") run on that many ranks. ``gguf`` (vLLM's method
+        name) asks for exactly that and stops start-up where it cannot be done; ``auto``
+        does it where it can (a rank's shard is not a whole quantized tensor)."""
+        if self.quantization == "gguf" and model_kind != "gguf":
+            raise ConfigError(f"quantization 'gguf' needs a GGUF model file; {self.model or 'the model'} is a "
+                              f"Hugging Face folder (use --quantization none)")
+        if self.quantization == "gguf" and tensor_parallel_size > 1:
+            raise ConfigError("quantization 'gguf' keeps whole quantized matrices, which tensor parallelism "
+                              "does not shard: use --quantization auto (dequantizes under TP) or none")
+        return self.quantization in ("auto", "gguf") and model_kind == "gguf" and tensor_parallel_size == 1
 
 
 @dataclass(frozen=True)
