@@ -93,7 +93,10 @@ def test_decode_side_loads_then_runs_from_the_loaded_prompt():
     assert spec.block_ids == decode.kv_cache_manager.get_block_ids("r") and len(spec.block_ids) == 3
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert decode.stats()["num_requests_waiting_for_remote_kv"] == 1
-    assert decode.step_worth_sending(decode.schedule())  # polls while loading
+    idle = decode.schedule()
+    assert not decode.step_worth_sending(idle)  # the workers push the load's end: no step to ask
+    polling = decode.schedule(poll_kv_loads=True)
+    assert decode.step_worth_sending(polling, poll_kv_loads=True) and polling.step_id == step.step_id + 1
     answer(decode, step, finished_recving=["r"], kv_bytes_recvd=1000)
     assert decode.connector.take_releases() == {("p", "inc-p"): ["r"]}
     step = decode.schedule()
