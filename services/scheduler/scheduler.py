@@ -588,12 +588,24 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         end = self._engine_output(request, [], [], carry_stop=True)
-        self._recently_finished[request.request_id] = FinishedOutput(end, request.output_token_ids)
-        if len(self._recently_finished) > RECENTLY_FINISHED:
-            self._recently_finished.popitem(last=False)
+        self._remember_output(FinishedOutput(end, request.output_token_ids))
         if request.request_id in self._sent_to_workers:
             self._sent_to_workers.discard(request.request_id)
             self._finished_req_ids.add(request.request_id)
+
+    def _remember_output(self, finished: FinishedOutput) -> None:
+        self._recently_finished[finished.end.request_id] = finished
+        if len(self._recently_finished) > RECENTLY_FINISHED:
+            self._recently_finished.popitem(last=False)
+
+    def remember_handoff(self, request: Request, owner_engine_id: str, owner_incarnation: str) -> None:
+        """Prefill side: a decode engine took the request. Resends of its output are answered
+        as a finished request's, naming the new owner: a gateway that lost the output naming
+        it (its detokenizer died) learns the owner and watches it, instead of waiting on an
+        engine that no longer knows the request."""
+        output = self._engine_output(request, [], [], carry_stop=True)
+        output.owner_engine_id, output.owner_incarnation = owner_engine_id, owner_incarnation
+        self._remember_output(FinishedOutput(output, list(request.output_token_ids)))
 
     def resend_output(self, request_id: str, token_offset: int) -> EngineOutput | None:
         """The output of a request from ``token_offset`` on, as one output (without

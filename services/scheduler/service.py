@@ -638,7 +638,11 @@ class SchedulerService(Service):
         results = await asyncio.gather(*(self._hand_off_one(request, params, outputs[request.request_id])
                                          for request, params in handoffs))
         for (request, _), taken in zip(handoffs, results):
-            if taken or scheduler is not self.scheduler:
+            if scheduler is not self.scheduler:
+                continue
+            if taken:
+                output = outputs[request.request_id]
+                scheduler.remember_handoff(request, output.owner_engine_id, output.owner_incarnation)
                 continue
             if self._early_aborts.pop((request.gateway_id, request.request_id), None) is not None:
                 scheduler.release_held([request.request_id], self.incarnation)
