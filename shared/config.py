@@ -97,16 +97,25 @@ class SpeculativeConfig:
     model: str = ""
 
 
-def parse_speculative_config(text: str) -> SpeculativeConfig | None:
-    """The config in ``text`` (JSON object), None for ""; ConfigError naming what is wrong."""
+def json_object_setting(name: str, text: str) -> dict | None:
+    """The JSON object a setting such as --speculative-config holds (None for ""); a
+    ConfigError naming the setting for anything else."""
     if not text.strip():
         return None
     try:
         values = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"speculative_config is not valid JSON ({e}): {text!r}") from None
+        raise ConfigError(f"{name} is not valid JSON ({e}): {text!r}") from None
     if not isinstance(values, dict):
-        raise ConfigError(f"speculative_config must be a JSON object, got {text!r}")
+        raise ConfigError(f"{name} must be a JSON object, got {text!r}")
+    return values
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig | None:
+    """The config in ``text`` (JSON object), None for ""; ConfigError naming what is wrong."""
+    values = json_object_setting("speculative_config", text)
+    if values is None:
+        return None
     method = values.get("method")
     if method not in _SPECULATIVE_KEYS:
         raise ConfigError(f"speculative_config: method must be one of {', '.join(_SPECULATIVE_KEYS)}, "
@@ -311,14 +320,9 @@ def kv_transfer_config_json(kv_role: str) -> str:
 def parse_kv_transfer_config(text: str) -> str:
     """The kv_role of vLLM's ``--kv-transfer-config`` JSON ("" for ""); ConfigError naming
     what this engine cannot honour."""
-    if not text.strip():
+    values = json_object_setting("kv_transfer_config", text)
+    if values is None:
         return ""
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"kv_transfer_config is not valid JSON ({e}): {text!r}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"kv_transfer_config must be a JSON object, got {text!r}")
     unknown = sorted(set(values) - set(_KV_TRANSFER_KEYS))
     if unknown:
         raise ConfigError(f"kv_transfer_config: {NATS_CONNECTOR} cannot honour {', '.join(unknown)} (KV moves over "
