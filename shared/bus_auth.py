@@ -47,6 +47,7 @@ from shared.protocol import (
     engine_hello_subject,
     engine_kv_handoff_subject,
     engine_kv_pull_subject,
+    engine_kv_loaded_subject,
     engine_kv_recvd_subject,
     engine_kv_release_subject,
     engine_kv_serve_subject,
@@ -100,13 +101,15 @@ ROLES: dict[str, Permissions] = {
             engine_abort_subject(ANY), engine_resend_subject(ANY), engine_profile_subject(ANY),
             ping_subject("scheduler"), engine_stops_subject(ANY),
             engine_kv_handoff_subject(ANY), engine_kv_release_subject(ANY), ENGINE_STATS,
+            engine_kv_loaded_subject(ANY),
         ),
         makes_requests=True,
     ),
     "worker": Permissions(
         publish=(engine_ready_subject(ANY), engine_result_subject(ANY),
-                 # P/D: KV chunks pulled from prefill ranks; load ends told to rank 0.
-                 engine_kv_pull_subject(ANY, ANY), engine_kv_recvd_subject(ANY)),
+                 # P/D: KV chunks pulled from prefill ranks; load ends told to rank 0, and
+                 # by rank 0 to the scheduler.
+                 engine_kv_pull_subject(ANY, ANY), engine_kv_recvd_subject(ANY), engine_kv_loaded_subject(ANY)),
         subscribe=(
             engine_step_subject(ANY), engine_hello_subject(ANY), engine_retire_subject(ANY),
             engine_ready_subject(ANY), ping_subject("worker"), LORA_ADAPTERS,

@@ -97,16 +97,25 @@ class SpeculativeConfig:
     model: str = ""
 
 
-def parse_speculative_config(text: str) -> SpeculativeConfig | None:
-    """The config in ``text`` (JSON object), None for ""; ConfigError naming what is wrong."""
+def json_object_setting(name: str, text: str) -> dict | None:
+    """The JSON object a setting such as --speculative-config holds (None for ""); a
+    ConfigError naming the setting for anything else."""
     if not text.strip():
         return None
     try:
         values = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"speculative_config is not valid JSON ({e}): {text!r}") from None
+        raise ConfigError(f"{name} is not valid JSON ({e}): {text!r}") from None
     if not isinstance(values, dict):
-        raise ConfigError(f"speculative_config must be a JSON object, got {text!r}")
+        raise ConfigError(f"{name} must be a JSON object, got {text!r}")
+    return values
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig | None:
+    """The config in ``text`` (JSON object), None for ""; ConfigError naming what is wrong."""
+    values = json_object_setting("speculative_config", text)
+    if values is None:
+        return None
     method = values.get("method")
     if method not in _SPECULATIVE_KEYS:
         raise ConfigError(f"speculative_config: method must be one of {', '.join(_SPECULATIVE_KEYS)}, "
@@ -181,6 +190,10 @@ class SchedulerConfig:
         return self.async_scheduling and self.speculative is None
 
 
+# --quantization's methods (vLLM's flag; "auto" and "none" are ours).
+QUANTIZATION_METHODS = ("none", "auto", "gguf")
+
+
 @dataclass(frozen=True)
 class ModelRunConfig:
     """How a worker runs the model: which weights, dtype, device, kernels."""
@@ -195,8 +208,9 @@ class ModelRunConfig:
     # default yet: on the benchmark CPU the quantized products are 2.6x faster at batch 1
     # but slower from batch 8 on than float32 (and bfloat16) oneDNN (docs/BENCHMARKS.md).
     quantization: str = setting(
-        "none", "none|auto: auto keeps a GGUF file's Q8_0 matrices as int8 and Q4_0/Q4_1/Q4_K as int4 "
-                "(~5x less weight memory; one rank only); none dequantizes every weight to --dtype")
+        "none", "none|auto|gguf: auto keeps a GGUF file's Q8_0 matrices as int8 and Q4_0/Q4_1/Q4_K as int4 "
+                "(~5x less weight memory; one rank only); gguf (vLLM's name) the same, refused for a "
+                "Hugging Face folder or under TP; none dequantizes every weight to --dtype")
     max_model_len: int | None = max_model_len_setting()
     seed: int = setting(0, "seed of the worker's shared sampling generator")
 
@@ -207,9 +221,23 @@ class ModelRunConfig:
             raise ConfigError(
                 f"kernel_backend must be auto|torch|triton, got {self.kernel_backend!r}"
             )
-        if self.quantization not in ("auto", "none"):
-            raise ConfigError(f"quantization must be auto|none, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                              f"got {self.quantization!r}")
         check_max_model_len(self.max_model_len)
+
+    def keeps_gguf_quantized(self, model_kind: str, tensor_parallel_size: int) -> bool:
+        """Whether the worker keeps a GGUF file's Q8_0 / Q4_* matrices quantized, for a model
+        of ``model_kind`` ("gguf" or "hf") run on that many ranks. ``gguf`` (vLLM's method
+        name) asks for exactly that and stops start-up where it cannot be done; ``auto``
+        does it where it can (a rank's shard is not a whole quantized tensor)."""
+        if self.quantization == "gguf" and model_kind != "gguf":
+            raise ConfigError(f"quantization 'gguf' needs a GGUF model file; {self.model or 'the model'} is a "
+                              f"Hugging Face folder (use --quantization none)")
+        if self.quantization == "gguf" and tensor_parallel_size > 1:
+            raise ConfigError("quantization 'gguf' keeps whole quantized matrices, which tensor parallelism "
+                              "does not shard: use --quantization auto (dequantizes under TP) or none")
+        return self.quantization in ("auto", "gguf") and model_kind == "gguf" and tensor_parallel_size == 1
 
 
 @dataclass(frozen=True)
@@ -274,14 +302,63 @@ KV_PRODUCER = "kv_producer"  # a prefill engine: takes new requests, hands them 
 KV_CONSUMER = "kv_consumer"  # a decode engine: takes hand-offs only, pulls their prompt KV
 KV_BOTH = "kv_both"  # takes new requests and decodes them itself, and takes hand-offs
 KV_ROLES = ("", KV_PRODUCER, KV_CONSUMER, KV_BOTH)
+# The one KV connector (services/scheduler/kv_connector.py, services/worker/kv_transfer/): decode
+# ranks pull prompt KV from the same prefill rank over the NATS bus. vLLM's connectors
+# (NixlConnector, P2pNcclConnector, LMCacheConnectorV1, ...) name transports and stores it lacks.
+NATS_CONNECTOR = "NatsConnector"
+# The --kv-transfer-config keys (vLLM's names) this connector honours. Any other key (kv_ip,
+# kv_port, kv_rank, kv_parallel_size, kv_buffer_size, kv_buffer_device, engine_id,
+# kv_connector_module_path, ...) configures something it does not have and stops start-up.
+_KV_TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_load_failure_policy", "kv_connector_extra_config")
+
+
+def kv_transfer_config_json(kv_role: str) -> str:
+    """The ``--kv-transfer-config`` value that gives an engine ``kv_role``."""
+    return json.dumps({"kv_connector": NATS_CONNECTOR, "kv_role": kv_role})
+
+
+def parse_kv_transfer_config(text: str) -> str:
+    """The kv_role of vLLM's ``--kv-transfer-config`` JSON ("" for ""); ConfigError naming
+    what this engine cannot honour."""
+    values = json_object_setting("kv_transfer_config", text)
+    if values is None:
+        return ""
+    unknown = sorted(set(values) - set(_KV_TRANSFER_KEYS))
+    if unknown:
+        raise ConfigError(f"kv_transfer_config: {NATS_CONNECTOR} cannot honour {', '.join(unknown)} (KV moves over "
+                          f"the NATS bus, each decode rank pulling from the same prefill rank; the engine's id is "
+                          f"--engine-id); it takes {', '.join(_KV_TRANSFER_KEYS)}")
+    connector = values.get("kv_connector")
+    if connector != NATS_CONNECTOR:
+        raise ConfigError(f"kv_transfer_config: kv_connector must be {NATS_CONNECTOR!r} (KV over the NATS bus, the "
+                          f"only connector this engine has), got {connector!r}")
+    role = values.get("kv_role")
+    if role not in KV_ROLES[1:]:
+        raise ConfigError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES[1:])}, got {role!r}")
+    policy = values.get("kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        raise ConfigError(f"kv_transfer_config: kv_load_failure_policy must be 'recompute' ({NATS_CONNECTOR} "
+                          f"recomputes a prompt whose KV load failed), got {policy!r}")
+    if values.get("kv_connector_extra_config", {}) != {}:
+        raise ConfigError(f"kv_transfer_config: {NATS_CONNECTOR} takes no kv_connector_extra_config (its timeouts "
+                          f"are --kv-transfer-timeout, --kv-hold-timeout, --kv-chunk-timeout), got "
+                          f"{values['kv_connector_extra_config']!r}")
+    return role
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    """Prefill/decode disaggregation through the NATS KV connector (docs/ARCHITECTURE.md)."""
+    """Prefill/decode disaggregation through the NATS KV connector (docs/ARCHITECTURE.md).
 
-    kv_role: str = setting("", "P/D role: kv_producer (prefill engine) | kv_consumer (decode engine) | "
-                               "kv_both; '' = no KV transfer")
+    ``kv_transfer_config`` is vLLM's flag (a JSON object); ``kv_role`` its shorthand, and
+    after creation the role either of them gave."""
+
+    kv_transfer_config: str = setting(
+        "", f'P/D as vLLM\'s JSON, e.g. {{"kv_connector": "{NATS_CONNECTOR}", "kv_role": "kv_producer"}} '
+            f'(kv_role: kv_producer = prefill engine, kv_consumer = decode engine, kv_both; also '
+            f'"kv_load_failure_policy": "recompute"); any other key is refused. \'\' = no KV transfer')
+    kv_role: str = setting("", "shorthand for --kv-transfer-config with this kv_role "
+                               "(kv_producer | kv_consumer | kv_both); '' = no KV transfer")
     kv_transfer_timeout: float = setting(
         10.0, "seconds a decode engine waits for a hand-off's prompt KV before it recomputes the prompt")
     kv_hold_timeout: float = setting(
@@ -291,6 +368,11 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if self.kv_role not in KV_ROLES:
             raise ConfigError(f"kv_role must be one of kv_producer|kv_consumer|kv_both or '', got {self.kv_role!r}")
+        role = parse_kv_transfer_config(self.kv_transfer_config)
+        if role and self.kv_role and role != self.kv_role:
+            raise ConfigError(f"kv_role {self.kv_role!r} contradicts kv_transfer_config's {role!r}: give one")
+        if role:
+            object.__setattr__(self, "kv_role", role)
         for name in ("kv_transfer_timeout", "kv_hold_timeout", "kv_chunk_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -9,6 +9,8 @@ of ``name=value``; unset (always, outside the fault tests) means no fault:
                           of such a request (a transfer long enough to kill a worker in it)
     drop_release=<text>   decode schedulers never send the release of a request whose id
                           contains <text> (the prefill side frees its blocks at its hold timeout)
+    drop_load_push=<text> decode workers never push the end of such a request's load to their
+                          scheduler (the next step's result reports it)
 
 A service that runs with faults logs so at start-up.
 """
@@ -30,6 +32,7 @@ class KVTransferFaults:
     drop_chunks: str = ""
     slow_chunks: str = ""
     drop_release: str = ""
+    drop_load_push: str = ""
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "KVTransferFaults":
@@ -38,7 +41,7 @@ class KVTransferFaults:
             return cls()
         values = dict(item.split("=", 1) for item in spec.split(",") if item)
         faults = cls(drop_chunks=values.get("drop_chunks", ""), slow_chunks=values.get("slow_chunks", ""),
-                     drop_release=values.get("drop_release", ""))
+                     drop_release=values.get("drop_release", ""), drop_load_push=values.get("drop_load_push", ""))
         logger.warning("TEST FAULTS injected into KV transfers: %s", faults)
         return faults
 
@@ -50,3 +53,6 @@ class KVTransferFaults:
 
     def drops_release(self, req_id: str) -> bool:
         return bool(self.drop_release) and self.drop_release in req_id
+
+    def drops_load_push(self, req_id: str) -> bool:
+        return bool(self.drop_load_push) and self.drop_load_push in req_id

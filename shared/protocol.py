@@ -118,6 +118,12 @@ def engine_kv_recvd_subject(engine_id: str) -> str:
     return f"{SUBJECT_PREFIX}.engine.{engine_id}.kv.recvd"
 
 
+def engine_kv_loaded_subject(engine_id: str) -> str:
+    """P/D: rank 0 of a decode engine tells its scheduler at once that loads ended while no
+    step was running (``KVLoadsDone``), so the scheduler need not send steps to learn it."""
+    return f"{SUBJECT_PREFIX}.engine.{engine_id}.kv.loaded"
+
+
 def gateway_stream_subject(gateway_id: str) -> str:
     """Text deltas for the requests one gateway replica owns."""
     return f"{SUBJECT_PREFIX}.stream.{gateway_id}"
@@ -800,6 +806,19 @@ class KVRecvDone(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     failed: list[str] = []
 
 
+class KVLoadsDone(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """decode worker rank 0 -> its scheduler (``engine_kv_loaded_subject``): loads every rank
+    finished and loads some rank failed, pushed when they end while no step runs there (a
+    step's ``ModelRunnerOutput`` carries them otherwise), and the bytes rank 0 pulled. The next
+    step's result repeats the ids (the scheduler ignores loads it no longer waits for), so a
+    lost push costs the wait for the scheduler's next step."""
+
+    incarnation: str
+    finished: list[str] = []
+    failed: list[str] = []
+    kv_bytes: int = 0
+
+
 class ServiceRestarts(msgspec.Struct, omit_defaults=True):
     """launcher -> gateways: restarts so far, by service process name (e.g. "worker-0")."""
 
@@ -865,4 +884,5 @@ KV_RELEASE = Codec(KVRelease)
 KV_PULL = Codec(KVPull)
 KV_CHUNK = Codec(KVChunk)
 KV_RECV_DONE = Codec(KVRecvDone)
+KV_LOADS_DONE = Codec(KVLoadsDone)
 KV_CONNECTOR_METADATA = Codec(KVConnectorMetadata)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from shared.config import KVTransferConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 SCALED = ("tokenizer", "detokenizer")  # gateways are named services, one bus user each
 # Read by shared/bus_auth.py, not flags: credentials never travel on a command line.
@@ -155,6 +157,9 @@ def test_the_public_port_is_loopback_and_waits_for_a_healthy_gateway():
 
 def test_pd_profile_runs_a_prefill_and_a_decode_engine_with_matching_roles():
     services = {n: s for n, s in compose()["services"].items() if "pd" in s.get("profiles", [])}
-    roles = {(s["environment"]["ENGINE_ID"], s["command"][2], s["environment"]["KV_ROLE"]) for s in services.values()}
+    configs = {(s["environment"]["ENGINE_ID"], s["command"][2], s["environment"]["KV_TRANSFER_CONFIG"])
+               for s in services.values()}
+    roles = {(engine, command, KVTransferConfig(kv_transfer_config=config).kv_role)
+             for engine, command, config in configs}
     assert roles == {("prefill", "services.scheduler", "kv_producer"), ("prefill", "services.worker", "kv_producer"),
                      ("decode", "services.scheduler", "kv_consumer"), ("decode", "services.worker", "kv_consumer")}

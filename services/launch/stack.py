@@ -26,7 +26,7 @@ from services.launch.nats_server import NatsServer, free_port
 from services.launch.supervisor import Supervisor
 from shared.bus import flush_in_order
 from shared.bus_auth import gateway_user
-from shared.config import KV_CONSUMER, KV_PRODUCER, ConfigError
+from shared.config import KV_CONSUMER, KV_PRODUCER, ConfigError, kv_transfer_config_json
 from shared.protocol import SERVICE_RESTARTS, SERVICE_RESTARTS_MSG, ServiceRestarts
 from services.launch.service_flags import split_service_args
 
@@ -75,6 +75,10 @@ class Stack:
         self.service_args = split_service_args(config.args)
         if (config.prefill_engines > 0) != (config.decode_engines > 0):
             raise ConfigError("P/D needs at least one prefill engine and one decode engine")
+        role_flags = {"--kv-transfer-config", "--kv-role"} & {a.split("=", 1)[0] for a in config.args}
+        if config.prefill_engines and role_flags:
+            raise ConfigError(f"{', '.join(sorted(role_flags))}: with --prefill-engines / --decode-engines the "
+                              f"launcher gives each engine its kv_role")
         self.nats: NatsServer | None = None
         self.supervisor = Supervisor()
         self._supervising: threading.Thread | None = None
@@ -136,7 +140,7 @@ class Stack:
         cfg = self.config
         extra = self.service_args
         tp = ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
-        role = ["--engine-id", engine_id, "--kv-role", kv_role] if engine_id else []
+        role = ["--engine-id", engine_id, "--kv-transfer-config", kv_transfer_config_json(kv_role)] if engine_id else []
         prefix = f"{engine_id}-" if engine_id else ""
         # TP ranks meet in a torch.distributed rendezvous hosted by rank 0 (args may override).
         dist = []

@@ -194,8 +194,8 @@ class Scheduler:
         return self.connector is not None and bool(self.connector.loads or self.connector.holds)
 
     def is_loading_remote_kv(self) -> bool:
-        """P/D: requests wait for their KV: steps go on (empty ones too), as only a step's
-        result tells which loads have finished."""
+        """P/D: requests wait for their KV (the workers push the ends of loads; the service
+        polls with an empty step now and then in case a push was lost)."""
         return self.connector is not None and bool(self.connector.loads)
 
     def get_num_unfinished_requests(self) -> int:
@@ -203,9 +203,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
 
-    def schedule(self, allow_preemption: bool = True) -> SchedulerOutput:
+    def schedule(self, allow_preemption: bool = True, poll_kv_loads: bool = False) -> SchedulerOutput:
         """The next step. ``allow_preemption=False`` while an earlier step is in flight:
-        requests that need blocks the pool lacks then wait for a later step."""
+        requests that need blocks the pool lacks then wait for a later step. ``poll_kv_loads``:
+        a step with nothing in it is worth sending while KV loads are pending (its result
+        reports ended loads whose push was lost)."""
         # Invariant: every running request holds blocks for its num_computed_tokens,
         # and every request appears at most once in running + waiting.
         if self.connector is not None:
@@ -314,7 +316,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         output = self._make_output(
-            scheduled_new, scheduled_resumed, scheduled_running, num_scheduled, new_blocks_of, num_spec_of
+            scheduled_new, scheduled_resumed, scheduled_running, num_scheduled, new_blocks_of, num_spec_of,
+            poll_kv_loads,
         )
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
@@ -359,17 +362,18 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
 
-    def _update_from_kv_xfer_finished(self, runner_output: ModelRunnerOutput) -> None:
+    def update_from_kv_loads(self, finished: list[str], failed: list[str], num_bytes: int) -> None:
         """Loads the workers finished become runnable (their blocks join the prefix cache);
-        failed ones recompute."""
+        failed ones recompute. From a step's result or pushed between steps; ids of loads no
+        longer waited for (reported twice, cancelled meanwhile) are ignored."""
         connector = self.connector
-        connector.stats.bytes += runner_output.kv_bytes_recvd * connector.world_size
-        for load in connector.finished_loading(runner_output.finished_recving):
+        connector.stats.bytes += num_bytes * connector.world_size
+        for load in connector.finished_loading(finished):
             request = load.request
             request.num_computed_tokens = load.num_local + load.num_external
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             request.status = RequestStatus.WAITING
-        for request in connector.failed_loading(runner_output.failed_recving):
+        for request in connector.failed_loading(failed):
             self._recompute_prompt(request)
 
     def _hand_off(self, request: Request) -> None:
@@ -435,7 +439,8 @@ class Scheduler:
         )
 
     def _make_output(
-        self, scheduled_new, scheduled_resumed, scheduled_running, num_scheduled, new_blocks_of, num_spec_of
+        self, scheduled_new, scheduled_resumed, scheduled_running, num_scheduled, new_blocks_of, num_spec_of,
+        poll_kv_loads: bool,
     ) -> SchedulerOutput:
         kv = self.kv_cache_manager
         new_reqs = []
@@ -467,7 +472,7 @@ class Scheduler:
         self._finished_req_ids.clear()
         reset_state = False
         meta = self.connector.build_connector_meta() if self.connector is not None else None
-        if order or finished or meta is not None or self.is_loading_remote_kv():
+        if order or finished or meta is not None or (poll_kv_loads and self.is_loading_remote_kv()):
             self._step_id += 1
             reset_state, self._reset_pending = self._reset_pending, False
         return SchedulerOutput(
@@ -483,11 +488,11 @@ class Scheduler:
             kv_connector_metadata=meta,
         )
 
-    def step_worth_sending(self, step: SchedulerOutput) -> bool:
+    def step_worth_sending(self, step: SchedulerOutput, poll_kv_loads: bool = False) -> bool:
         """Whether ``step`` has anything for the workers (work, state to drop, connector
-        metadata, or loads whose end a step's result reports)."""
+        metadata, or, with ``poll_kv_loads``, loads whose end its result may report)."""
         return bool(step.total_num_scheduled_tokens or step.finished_req_ids or step.kv_connector_metadata
-                    or self.is_loading_remote_kv())
+                    or (poll_kv_loads and self.is_loading_remote_kv()))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -508,7 +513,8 @@ class Scheduler:
         """Append sampled tokens, finish requests that stop, and report per request."""
         outputs = []
         if self.connector is not None:
-            self._update_from_kv_xfer_finished(runner_output)
+            self.update_from_kv_loads(runner_output.finished_recving, runner_output.failed_recving,
+                                      runner_output.kv_bytes_recvd)
         num_reqs = len(runner_output.req_ids)
         if runner_output.token_logprobs:
             logprobs = runner_output.token_logprobs
@@ -582,12 +588,24 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         end = self._engine_output(request, [], [], carry_stop=True)
-        self._recently_finished[request.request_id] = FinishedOutput(end, request.output_token_ids)
-        if len(self._recently_finished) > RECENTLY_FINISHED:
-            self._recently_finished.popitem(last=False)
+        self._remember_output(FinishedOutput(end, request.output_token_ids))
         if request.request_id in self._sent_to_workers:
             self._sent_to_workers.discard(request.request_id)
             self._finished_req_ids.add(request.request_id)
+
+    def _remember_output(self, finished: FinishedOutput) -> None:
+        self._recently_finished[finished.end.request_id] = finished
+        if len(self._recently_finished) > RECENTLY_FINISHED:
+            self._recently_finished.popitem(last=False)
+
+    def remember_handoff(self, request: Request, owner_engine_id: str, owner_incarnation: str) -> None:
+        """Prefill side: a decode engine took the request. Resends of its output are answered
+        as a finished request's, naming the new owner: a gateway that lost the output naming
+        it (its detokenizer died) learns the owner and watches it, instead of waiting on an
+        engine that no longer knows the request."""
+        output = self._engine_output(request, [], [], carry_stop=True)
+        output.owner_engine_id, output.owner_incarnation = owner_engine_id, owner_incarnation
+        self._remember_output(FinishedOutput(output, list(request.output_token_ids)))
 
     def resend_output(self, request_id: str, token_offset: int) -> EngineOutput | None:
         """The output of a request from ``token_offset`` on, as one output (without

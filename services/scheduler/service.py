@@ -32,6 +32,7 @@ schedulers of one process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -56,6 +57,7 @@ from shared.protocol import (
     KV_CONNECTOR_METADATA,
     KV_HANDOFF,
     KV_HANDOFF_REPLY,
+    KV_LOADS_DONE,
     KV_RELEASE,
     LORA_ADAPTERS,
     LORA_ADAPTERS_MSG,
@@ -85,6 +87,7 @@ from shared.protocol import (
     engine_abort_subject,
     engine_hello_subject,
     engine_kv_handoff_subject,
+    engine_kv_loaded_subject,
     engine_kv_release_subject,
     engine_kv_serve_subject,
     engine_profile_subject,
@@ -123,8 +126,10 @@ STOP_STRINGS_MESSAGE_CHARS = 1 << 18
 # tried, and how many it tries before decoding the request itself.
 HANDOFF_TIMEOUT = 2.0
 HANDOFF_ATTEMPTS = 2
-# P/D: seconds between steps sent only to learn whether KV loads have finished.
-KV_POLL_INTERVAL = 0.005
+# P/D: while KV loads are pending and no step has gone out for this many seconds, an empty
+# step is sent to learn which loads ended. Only a safety net: decode workers push the ends
+# of loads at once (KVLoadsDone), so it matters only when a push is lost.
+KV_LOAD_POLL_INTERVAL = 0.5
 
 
 def stop_strings_chars(entry: RequestStopStrings) -> int:
@@ -177,6 +182,8 @@ class SchedulerService(Service):
         self._work = asyncio.Event()
         # Steps sent and not answered yet, by step id (two at most with async scheduling).
         self._pending_steps: dict[int, asyncio.Future] = {}
+        self._last_step_sent = 0.0  # time.monotonic() of the last step published
+        self.num_kv_poll_steps = 0  # empty steps sent only to learn of ended KV loads
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.profile = StepProfile() if profile else None
@@ -206,7 +213,8 @@ class SchedulerService(Service):
         return self.scheduler is not None and loop_alive
 
     def info(self) -> dict:
-        return {"engine_id": self.engine_id, "ready": self.ready, "num_stop_queries": self.num_stop_queries}
+        return {"engine_id": self.engine_id, "ready": self.ready, "num_stop_queries": self.num_stop_queries,
+                "num_kv_poll_steps": self.num_kv_poll_steps}
 
     async def setup(self) -> None:
         await self.subscribe(engine_ready_subject(self.engine_id), self._on_worker_ready)
@@ -215,6 +223,7 @@ class SchedulerService(Service):
             await self.subscribe(ENGINE_REQUESTS, self._on_request, queue="scheduler")
         if self.kv_transfer_config.takes_handoffs:
             await self.subscribe(engine_kv_handoff_subject(self.engine_id), self._on_handoff)
+            await self.subscribe(engine_kv_loaded_subject(self.engine_id), self._on_kv_loads_done)
         if self.kv_transfer_config.hands_off:
             await self.subscribe(engine_kv_release_subject(self.engine_id), self._on_release)
             await self.subscribe(ENGINE_STATS, self._on_engine_stats)
@@ -503,7 +512,7 @@ class SchedulerService(Service):
     async def _engine_loop_turn(self, in_flight: deque[_SentStep]) -> None:
         """One turn of the step loop: send what can be sent, finish the oldest step."""
         if not in_flight:
-            await self._work.wait()
+            await self._wait_for_work()
         scheduler = self.scheduler
         if scheduler is None:
             in_flight.clear()
@@ -525,16 +534,31 @@ class SchedulerService(Service):
         elif in_flight:
             in_flight[0].previous_result_at = done.result_at
 
+    async def _wait_for_work(self) -> None:
+        """Until there is work; while KV loads are pending, at most until a poll is due."""
+        scheduler = self.scheduler
+        if scheduler is None or not scheduler.is_loading_remote_kv():
+            await self._work.wait()
+            return
+        due_in = self._last_step_sent + KV_LOAD_POLL_INTERVAL - time.monotonic()
+        if due_in > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await wait_for(self._work.wait(), due_in)
+
     async def _send_step(self, scheduler: Scheduler, behind: _SentStep | None) -> _SentStep | None:
         """Schedule a step and publish it, or return None when there is nothing to send.
         ``behind``: the step still in flight ahead of it (no preemption meanwhile)."""
         clock = NULL_CLOCK if self.profile is None else self.profile.start_step(nothing_in_flight=behind is None)
-        step = scheduler.schedule(allow_preemption=behind is None)
+        poll = behind is None and time.monotonic() - self._last_step_sent >= KV_LOAD_POLL_INTERVAL
+        step = scheduler.schedule(allow_preemption=behind is None, poll_kv_loads=poll)
         step.incarnation = self.incarnation
         clock.lap("schedule")
         self._send_releases(scheduler)
-        if not scheduler.step_worth_sending(step):
+        if not scheduler.step_worth_sending(step, poll_kv_loads=poll):
             return None
+        if not scheduler.step_worth_sending(step):
+            self.num_kv_poll_steps += 1
+        self._last_step_sent = time.monotonic()
         future = asyncio.get_running_loop().create_future()
         self._pending_steps[step.step_id] = future
         data = SCHEDULER_OUTPUT.encode(step)
@@ -583,10 +607,10 @@ class SchedulerService(Service):
         if self.profile is not None:
             num_reqs = len(step.scheduled_req_ids)
             self.profile.end_step(num_reqs, clock.durations, result.timings, result_decode, more_work)
-        if not more_work and not scheduler.is_loading_remote_kv():
+        if more_work:
+            self._work.set()  # the result may have made requests runnable (loads that ended)
+        else:
             self._work.clear()
-        if not step.total_num_scheduled_tokens and scheduler.is_loading_remote_kv():
-            await asyncio.sleep(KV_POLL_INTERVAL)  # a step only to learn of finished loads
 
     async def _on_profile(self, msg: Msg) -> None:
         await msg.respond(self.profile.answer(msg.data))
@@ -614,7 +638,11 @@ class SchedulerService(Service):
         results = await asyncio.gather(*(self._hand_off_one(request, params, outputs[request.request_id])
                                          for request, params in handoffs))
         for (request, _), taken in zip(handoffs, results):
-            if taken or scheduler is not self.scheduler:
+            if scheduler is not self.scheduler:
+                continue
+            if taken:
+                output = outputs[request.request_id]
+                scheduler.remember_handoff(request, output.owner_engine_id, output.owner_incarnation)
                 continue
             if self._early_aborts.pop((request.gateway_id, request.request_id), None) is not None:
                 scheduler.release_held([request.request_id], self.incarnation)
@@ -684,6 +712,15 @@ class SchedulerService(Service):
                 error = str(e)
         reply = KVHandoffReply(not error, error, self.engine_id, self.incarnation)
         await msg.respond(KV_HANDOFF_REPLY.encode(reply))
+
+    async def _on_kv_loads_done(self, msg: Msg) -> None:
+        """Decode side: the workers pushed the ends of loads (no step was running there)."""
+        done = KV_LOADS_DONE.decode(msg.data)
+        if self.scheduler is None or done.incarnation != self.incarnation:
+            return
+        self.scheduler.update_from_kv_loads(done.finished, done.failed, done.kv_bytes)
+        self._send_releases(self.scheduler)
+        self._work.set()
 
     async def _on_release(self, msg: Msg) -> None:
         """Prefill side: the decode side no longer needs these requests' blocks."""

@@ -34,7 +34,7 @@ from shared.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from shared.model_config import ModelConfig, resolve_max_model_len
+from shared.model_config import ModelConfig, resolve_max_model_len, resolve_model_path
 from shared.model_files import default_model_path, load_model_config, open_weights
 from shared.protocol import ModelRunnerOutput, SchedulerOutput
 from shared.step_profile import NULL_CLOCK
@@ -105,7 +105,8 @@ class ModelRunner:
         self.prepacked = run_config.cpu_prepack and can_prepack(self.device, self.dtype)
         # A rank's shard of a matrix is not a whole quantized tensor: under tensor
         # parallelism the weights are dequantized.
-        self.keep_quantized = run_config.quantization == "auto" and not self.tp.enabled
+        model_kind, _ = resolve_model_path(self.model_path)
+        self.keep_quantized = run_config.keeps_gguf_quantized(model_kind, parallel_config.tensor_parallel_size)
         if run_config.quantization == "auto" and self.tp.enabled:
             logger.info("quantization auto: weights dequantized (tensor_parallel_size > 1)")
         # Each rank reads only its rows / columns of the sharded tensors.

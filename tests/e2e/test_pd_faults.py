@@ -2,7 +2,8 @@
 
 Request ids tell the faults which requests they hit: every chunk of a chat request
 ("chatcmpl-...") is dropped, the release of a completion's second prompt ("...-1-0") is
-lost, and a completion's third prompt ("...-2-0") transfers slowly. Each case ends with
+lost, a completion's third prompt ("...-2-0") transfers slowly, and the decode worker's push
+of the end of the load of a prompt's fourth sample ("...-0-3") is lost. Each case ends with
 the same text as an undisturbed run (by recomputing the prompt on the decode engine) or a
 clear error, and with nothing held on either engine.
 """
@@ -19,7 +20,7 @@ import pytest
 from tests.e2e.pd_stacks import MODEL, engine_stats, kv_idle, pd_config, run_all
 from tests.e2e.stacks import running_stack, stream_or_error, wait_until
 
-FAULTS = "drop_chunks=chatcmpl,drop_release=-1-0,slow_chunks=-2-0"
+FAULTS = "drop_chunks=chatcmpl,drop_release=-1-0,slow_chunks=-2-0,drop_load_push=-0-3"
 ARGS = ["--kv-chunk-timeout", "1", "--kv-hold-timeout", "6", "--worker-timeout", "3"]
 QUESTION = "Tell me about the moon."
 BODY = {"model": MODEL, "temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
@@ -58,6 +59,23 @@ def test_dropped_chunks_make_the_decode_engine_recompute_with_the_same_output(pd
     after = decode_stats(pd_stack)
     assert after.kv_transfer_failures == before.kv_transfer_failures + 1
     assert after.kv_transfer_fallbacks == before.kv_transfer_fallbacks + 1
+    wait_until(lambda: kv_idle(pd_stack), 30, "KV blocks left over")
+
+
+def test_a_lost_push_of_a_loads_end_is_made_up_by_the_schedulers_poll(pd_stack, smollm_tokenizer):
+    prompt = smollm_tokenizer.encode("Name a mountain.")
+    want = run_all(pd_stack, [prompt])[0]
+    before = decode_stats(pd_stack)
+
+    async def four_samples():
+        async with httpx.AsyncClient(base_url=pd_stack.base_url, timeout=120) as http:
+            r = await http.post("/v1/completions", json={"prompt": prompt, "n": 4, **BODY})
+            return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    assert asyncio.run(four_samples()) == [want] * 4  # sample 3's push was lost
+    after = decode_stats(pd_stack)
+    assert after.kv_transfer_requests >= before.kv_transfer_requests + 4
+    assert after.kv_transfer_fallbacks == before.kv_transfer_fallbacks  # loaded, not recomputed at the deadline
     wait_until(lambda: kv_idle(pd_stack), 30, "KV blocks left over")
 
 

@@ -81,6 +81,22 @@ def test_prefill_side_hands_off_after_one_token_and_holds_blocks_until_released(
     assert held.finish_reason == FinishReason.NONE
 
 
+def test_prefill_side_answers_a_resend_of_a_handed_off_request_naming_the_new_owner():
+    """A gateway that lost the output naming the decode engine (its detokenizer died) asks the
+    prefill engine, which it still watches, to resend: the answer names the owner, so the
+    gateway watches the decode engine from then on (and fails the request if that is gone)."""
+    prefill = make_engine(KV_PRODUCER, "p", Clock())
+    decode = make_engine(KV_CONSUMER, "d", Clock())
+    hand_over(prefill, decode, list(range(10, 20)))
+    held = prefill.connector.holds["r"].request
+    assert prefill.resend_output("r", 0) is None  # taken by no decode engine yet
+    prefill.remember_handoff(held, "d", "inc-d")
+    resent = prefill.resend_output("r", 0)
+    assert (resent.new_token_ids, resent.finish_reason) == ([9], FinishReason.NONE)
+    assert (resent.owner_engine_id, resent.owner_incarnation) == ("d", "inc-d")
+    assert prefill.resend_output("r", 1).new_token_ids == []  # past the first token: the owner named still
+
+
 def test_decode_side_loads_then_runs_from_the_loaded_prompt():
     clock = Clock()
     prefill = make_engine(KV_PRODUCER, "p", clock)
@@ -93,7 +109,10 @@ def test_decode_side_loads_then_runs_from_the_loaded_prompt():
     assert spec.block_ids == decode.kv_cache_manager.get_block_ids("r") and len(spec.block_ids) == 3
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert decode.stats()["num_requests_waiting_for_remote_kv"] == 1
-    assert decode.step_worth_sending(decode.schedule())  # polls while loading
+    idle = decode.schedule()
+    assert not decode.step_worth_sending(idle)  # the workers push the load's end: no step to ask
+    polling = decode.schedule(poll_kv_loads=True)
+    assert decode.step_worth_sending(polling, poll_kv_loads=True) and polling.step_id == step.step_id + 1
     answer(decode, step, finished_recving=["r"], kv_bytes_recvd=1000)
     assert decode.connector.take_releases() == {("p", "inc-p"): ["r"]}
     step = decode.schedule()

@@ -1,5 +1,7 @@
-"""P/D's worker side without a bus: blocks out of one paged cache and into another, and
-the chunk plan under a payload limit."""
+"""P/D's worker side without a bus: blocks out of one paged cache and into another, the
+chunk plan under a payload limit, and rank 0's push of ended loads."""
+
+import asyncio
 
 import pytest
 import torch
@@ -7,6 +9,10 @@ import torch
 from services.worker.kv_cache import allocate_kv_caches
 from services.worker.kv_transfer.block_io import KVBlockIO
 from services.worker.kv_transfer.chunks import Chunk, plan_chunks
+from services.worker.kv_transfer.connector import KVConnectorWorker
+from shared.config import KVTransferConfig
+from shared.kv_transfer_faults import KVTransferFaults
+from shared.protocol import KV_LOADS_DONE, KVLoadsDone, engine_kv_loaded_subject
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -31,3 +37,58 @@ def test_chunks_take_whole_blocks_under_the_limit_else_runs_of_layers():
     assert plan_chunks(5, 4, 100, 850) == [Chunk(0, 2, 0, 4), Chunk(2, 2, 0, 4), Chunk(4, 1, 0, 4)]
     assert plan_chunks(2, 4, 100, 250) == [Chunk(0, 1, 0, 2), Chunk(0, 1, 2, 2), Chunk(1, 1, 0, 2), Chunk(1, 1, 2, 2)]
     assert all(c.num_blocks * c.num_layers * 100 <= 250 for c in plan_chunks(7, 5, 100, 250))
+
+
+class _Bus:
+    """The worker service as the connector sees it: a task spawner and a connection."""
+
+    def __init__(self):
+        self.published = []
+        self.nc = self
+
+    def spawn(self, coro):
+        return asyncio.get_running_loop().create_task(coro)
+
+    async def publish(self, subject, data):
+        self.published.append((subject, KV_LOADS_DONE.decode(data)))
+
+
+async def _settle():
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+async def test_rank_0_pushes_ended_loads_only_while_no_step_runs_and_the_next_result_repeats_them():
+    bus = _Bus()
+    caches = allocate_kv_caches(4, 4, 2, 8, 1, torch.float32, torch.device("cpu"))
+    worker = KVConnectorWorker(bus, "d0", 0, 1, caches, KVTransferConfig(kv_role="kv_consumer"),
+                               KVTransferFaults(drop_load_push="lost"))
+    worker.bind_connector_metadata("inc", True, None)
+    worker.take_finished()  # the reset step ends: no step runs now
+    worker._record(0, ["a"], [])
+    await _settle()
+    assert bus.published == [(engine_kv_loaded_subject("d0"), KVLoadsDone("inc", ["a"]))]
+    worker._record(0, [], ["lost-1"])  # test fault: this push is lost ...
+    await _settle()
+    assert len(bus.published) == 1
+    assert worker.take_finished() == (["a"], ["lost-1"], 0)  # ... and the next step's result repeats both
+    worker.bind_connector_metadata("inc", False, None)  # a step runs: its result carries the end
+    worker._record(0, ["b"], [])
+    await _settle()
+    assert len(bus.published) == 1
+    assert worker.take_finished() == (["b"], [], 0)
+    assert worker.take_finished() == ([], [], 0)
+
+
+async def test_under_tp_rank_0_pushes_a_load_once_every_rank_ended_it():
+    bus = _Bus()
+    caches = allocate_kv_caches(4, 4, 2, 8, 1, torch.float32, torch.device("cpu"))
+    worker = KVConnectorWorker(bus, "d0", 0, 2, caches, KVTransferConfig(kv_role="kv_consumer"))
+    worker.bind_connector_metadata("inc", True, None)
+    worker.take_finished()
+    worker._record(0, ["a"], [])
+    await _settle()
+    assert bus.published == []
+    worker._record(1, ["a"], [])
+    await _settle()
+    assert bus.published == [(engine_kv_loaded_subject("d0"), KVLoadsDone("inc", ["a"]))]

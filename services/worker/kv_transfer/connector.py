@@ -19,6 +19,12 @@ with ``retry`` (the prefill rank has not applied the step that starts serving ye
 again. Under TP, rank 0 reports a load finished once every rank finished it (the others
 tell it on ``llm.engine.<id>.kv.recvd``); a lost message makes the scheduler's deadline
 recompute the prompt.
+
+Rank 0 reports the ends of loads in the next step's result, or, when they come while no
+step runs on it, pushes them to the scheduler at once (``KVLoadsDone`` on
+``llm.engine.<id>.kv.loaded``): a decode engine with nothing else to run sends no steps
+only to learn of them. The next step's result repeats what was pushed, so a lost push
+costs the wait for the scheduler's next step (its slow poll, ``KV_LOAD_POLL_INTERVAL``).
 """
 
 from __future__ import annotations
@@ -37,13 +43,16 @@ from shared.kv_transfer_faults import KVTransferFaults
 from shared.protocol import (
     KV_CHUNK,
     KV_CONNECTOR_METADATA,
+    KV_LOADS_DONE,
     KV_PULL,
     KV_RECV_DONE,
     KVChunk,
     KVConnectorMetadata,
+    KVLoadsDone,
     KVPull,
     KVRecvDone,
     KVRecvSpec,
+    engine_kv_loaded_subject,
     engine_kv_pull_subject,
     engine_kv_recvd_subject,
     engine_kv_serve_subject,
@@ -85,6 +94,11 @@ class KVConnectorWorker:
         self._finished_ranks: dict[str, set[int]] = {}
         self._failed: set[str] = set()
         self._bytes = 0
+        # Rank 0: whether a step runs (its result will carry the loads' ends), and the ends
+        # pushed since the last step's result (which repeats them).
+        self._step_running = False
+        self._pushed_finished: set[str] = set()
+        self._pushed_failed: set[str] = set()
 
     async def setup(self) -> None:
         await self.service.subscribe(engine_kv_pull_subject(self.engine_id, self.rank), self._on_pull)
@@ -99,6 +113,7 @@ class KVConnectorWorker:
 
     def bind_connector_metadata(self, incarnation: str, reset: bool, meta: KVConnectorMetadata | None) -> None:
         """Between steps, before the forward pass: apply what the scheduler decided."""
+        self._step_running = True
         with self._lock:
             if reset:  # a new scheduler: nothing it did not ask for is served or loaded
                 self._incarnation = incarnation
@@ -108,6 +123,8 @@ class KVConnectorWorker:
                 self._loads.clear()
                 self._finished_ranks.clear()
                 self._failed.clear()
+                self._pushed_finished.clear()
+                self._pushed_failed.clear()
             if meta is None:
                 return
             self._forget_sends(meta.reqs_not_to_send)
@@ -140,8 +157,19 @@ class KVConnectorWorker:
             self._released.popitem(last=False)
 
     def take_finished(self) -> tuple[list[str], list[str], int]:
-        """Rank 0: loads every rank finished and loads some rank failed since the last
-        call, and the bytes this rank pulled meanwhile."""
+        """Rank 0, at the end of a step: loads every rank finished and loads some rank failed
+        since the last step (those pushed meanwhile again), and the bytes this rank pulled
+        and did not push."""
+        self._step_running = False
+        finished, failed, num_bytes = self._take_ended()
+        finished = sorted(self._pushed_finished.union(finished))
+        failed = sorted(self._pushed_failed.union(failed))
+        self._pushed_finished.clear()
+        self._pushed_failed.clear()
+        return finished, failed, num_bytes
+
+    def _take_ended(self) -> tuple[list[str], list[str], int]:
+        """Loads ended since the last look, and the bytes pulled meanwhile."""
         finished = [r for r, ranks in self._finished_ranks.items() if len(ranks) == self.world_size]
         for req_id in finished:
             del self._finished_ranks[req_id]
@@ -151,6 +179,25 @@ class KVConnectorWorker:
             self._finished_ranks.pop(req_id, None)
         num_bytes, self._bytes = self._bytes, 0
         return finished, failed, num_bytes
+
+    async def _push_ended(self) -> None:
+        """Rank 0, no step running: tell the scheduler now which loads ended."""
+        if self._step_running:
+            return  # a step started meanwhile: its result carries them
+        finished, failed, num_bytes = self._take_ended()
+        if not finished and not failed:
+            self._bytes += num_bytes
+            return
+        self._pushed_finished.update(finished)
+        self._pushed_failed.update(failed)
+        if any(self.faults.drops_load_push(req_id) for req_id in finished + failed):
+            logger.warning("TEST FAULT: push of the ends of loads %s dropped", finished + failed)
+            return  # the next step's result carries them
+        done = KVLoadsDone(self._incarnation, finished, failed, num_bytes)
+        try:
+            await self.service.nc.publish(engine_kv_loaded_subject(self.engine_id), KV_LOADS_DONE.encode(done))
+        except NatsError as e:  # the next step's result repeats them
+            logger.warning("engine %s: ended loads not pushed to the scheduler: %r", self.engine_id, e)
 
     # ------------------------------------------------------------------ serving
 
@@ -259,3 +306,5 @@ class KVConnectorWorker:
             if req_id not in self._failed:
                 self._finished_ranks.setdefault(req_id, set()).add(rank)
         self._failed.update(failed)
+        if not self._step_running:
+            self.service.spawn(self._push_ended())
