@@ -3,7 +3,8 @@
 The gateway checks an adapter when it is loaded (``check_lora_adapter``: the config and the
 safetensors header only, so a bad path, a rank above ``--max-lora-rank`` or a shape the base
 model lacks is a 400 at once); the workers read the weights with the same checks
-(``services/worker/lora/adapter.py``).
+(``services/worker/lora/adapter.py``). A ``lora_path`` that is a file is a GGUF LoRA instead
+(``shared/lora_gguf.py``), checked the same way.
 
 A PEFT folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``,
 ``target_modules``) and ``adapter_model.safetensors`` with, per adapted module,
@@ -63,7 +64,8 @@ def read_adapter_config(path: str | Path, max_rank: int) -> dict:
     """``adapter_config.json`` of the folder, checked against what we can serve."""
     folder = Path(path)
     if not folder.is_dir():
-        raise LoRAAdapterError(f"LoRA adapter path {str(path)!r} is not a directory")
+        raise LoRAAdapterError(f"LoRA adapter path {str(path)!r} is not a directory (PEFT adapter) "
+                               f"or a file (GGUF LoRA)")
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (folder / name).is_file():
             raise LoRAAdapterError(f"LoRA adapter folder {str(path)!r} has no {name}")
@@ -131,11 +133,13 @@ def check_module_shapes(layer: int, module: str, a_shape, b_shape, rank: int, sh
         )
 
 
-def module_pairs(names_and_values, num_layers: int, path) -> dict[tuple[int, str], dict[str, object]]:
-    """(layer, module) -> {"A": value, "B": value} from (weight name, value) pairs; both required."""
+def module_pairs(names_and_values, num_layers: int, path,
+                 parse=parse_weight_name) -> dict[tuple[int, str], dict[str, object]]:
+    """(layer, module) -> {"A": value, "B": value} from (weight name, value) pairs; both required.
+    ``parse(name, num_layers)`` gives a name's (layer, PEFT module, "A" or "B")."""
     pairs: dict[tuple[int, str], dict[str, object]] = {}
     for name, value in names_and_values:
-        layer, module, kind = parse_weight_name(name, num_layers)
+        layer, module, kind = parse(name, num_layers)
         pairs.setdefault((layer, module), {})[kind] = value
     if not pairs:
         raise LoRAAdapterError(f"LoRA adapter {str(path)!r} has no weights")
@@ -158,16 +162,21 @@ def _safetensors_header(file: Path) -> dict:
     return header
 
 
-def check_lora_adapter(path: str | Path, model_config: ModelConfig, max_rank: int) -> dict:
-    """Check the folder for a model of ``model_config`` from its config and safetensors header
-    (no weights read); returns the adapter config. Raises ``LoRAAdapterError``."""
+def check_lora_adapter(path: str | Path, model_config: ModelConfig, max_rank: int) -> int:
+    """Check the PEFT folder (or GGUF LoRA file) for a model of ``model_config`` from its
+    config and safetensors header (no weights read); returns the adapter's rank. Raises
+    ``LoRAAdapterError``."""
+    if Path(path).is_file():
+        from shared.lora_gguf import read_gguf_lora
+
+        return read_gguf_lora(path, model_config, max_rank).rank
     config = read_adapter_config(path, max_rank)
     header = _safetensors_header(Path(path) / WEIGHTS_FILE)
     shape_of = ((name, entry.get("shape", ()) if isinstance(entry, dict) else ()) for name, entry in header.items())
     shapes = ProjectionShapes.of(model_config)
     for (layer, module), pair in module_pairs(shape_of, model_config.num_hidden_layers, path).items():
         check_module_shapes(layer, module, pair["A"], pair["B"], config["r"], shapes)
-    return config
+    return config["r"]
 
 
 def parse_lora_modules(value: str) -> list[LoRARequest]:

@@ -68,7 +68,7 @@ def test_errors_name_what_is_wrong(tiny_hf, tiny_config, smollm_worker, tmp_path
     (tmp_path / "empty").mkdir()
     assert_refused(tmp_path / "empty", tiny_config, 16, "has no adapter_config.json")
     folder = make_peft_adapter(tiny_hf, tmp_path / "r8", rank=8, alpha=8, targets=["q_proj"])
-    assert check_lora_adapter(folder, tiny_config, 8)["r"] == 8
+    assert check_lora_adapter(folder, tiny_config, 8) == 8
     assert_refused(folder, tiny_config, 4, "LoRA rank 8 is greater than max_lora_rank 4")
     # Made for the tiny model, served on SmolLM2: the shapes do not fit.
     assert_refused(folder, smollm_worker.model_config, 16, r"this base model needs A \(8, 576\)")

@@ -1,5 +1,5 @@
-"""A PEFT LoRA adapter folder (``shared/lora.py``) read into A/B matrices laid out for our
-fused projections.
+"""A PEFT LoRA adapter folder (``shared/lora.py``) or GGUF LoRA file (``gguf_adapter.py``)
+read into A/B matrices laid out for our fused projections.
 
 Our model fuses q/k/v into one projection and gate/up into another (``models/llama.py``),
 so an adapter is stored per layer and *fused* projection: the sub-modules' A matrices
@@ -30,6 +30,8 @@ from shared.lora import (
 )
 from shared.model_config import ModelConfig
 
+from .gguf_adapter import read_gguf_pairs
+
 
 @dataclass
 class LoRAAdapter:
@@ -55,28 +57,19 @@ def _float32(tensor: torch.Tensor) -> np.ndarray:
 
 
 def load_lora_adapter(name: str, path: str | Path, model_config: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """Read and check the PEFT folder at ``path`` for a model of ``model_config``; raises
-    ``LoRAAdapterError`` (bad path, rank above ``max_rank``, a shape or module the base
-    model does not have). The weights are float32 on the host; the slots convert them.
+    """Read and check the PEFT folder (or GGUF LoRA file) at ``path`` for a model of
+    ``model_config``; raises ``LoRAAdapterError`` (bad path, rank above ``max_rank``, a shape
+    or module the base model does not have). The weights are float32 on the host; the
+    slots convert them.
 
     Runs in the workers' loader thread, so every computation here is numpy's: a torch op
     in a second thread would start a second OpenMP pool, which slows every op of the
     forward thread (see ``services/worker/service.py``)."""
-    from safetensors import SafetensorError, safe_open
-
-    config = read_adapter_config(path, max_rank)
-    rank, scaling = config["r"], lora_scaling(config)
-    try:
-        with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-    except (OSError, SafetensorError) as e:
-        raise LoRAAdapterError(f"cannot read {WEIGHTS_FILE} of {str(path)!r}: {e}") from None
+    read = read_gguf_pairs if Path(path).is_file() else _read_peft_pairs
+    rank, scaling, pairs = read(path, model_config, max_rank)
     shapes = ProjectionShapes.of(model_config)
-    num_layers = model_config.num_hidden_layers
-    fused: list[dict[str, tuple[np.ndarray, np.ndarray]]] = [{} for _ in range(num_layers)]
-    for (layer, module), pair in sorted(module_pairs(tensors.items(), num_layers, path).items()):
-        a, b = pair["A"], pair["B"]
-        check_module_shapes(layer, module, a.shape, b.shape, rank, shapes)
+    fused: list[dict[str, tuple[np.ndarray, np.ndarray]]] = [{} for _ in range(model_config.num_hidden_layers)]
+    for (layer, module), pair in sorted(pairs.items()):
         projection = MODULE_TO_PROJECTION[module]
         sub = FUSED_PROJECTIONS[projection].index(module)
         outs = shapes.out_features[projection]
@@ -87,7 +80,26 @@ def load_lora_adapter(name: str, path: str | Path, model_config: ModelConfig, ma
         fused_a, fused_b = fused[layer][projection]
         cols = slice(sub * max_rank, sub * max_rank + rank)
         rows = slice(sum(outs[:sub]), sum(outs[: sub + 1]))
-        fused_a[cols] = _float32(a)
-        fused_b[rows, cols] = _float32(b) * np.float32(scaling)
+        fused_a[cols] = pair["A"]
+        fused_b[rows, cols] = pair["B"] * np.float32(scaling)
     weights = [{p: (torch.from_numpy(a), torch.from_numpy(b)) for p, (a, b) in layer.items()} for layer in fused]
     return LoRAAdapter(name=name, path=str(path), rank=rank, scaling=scaling, weights=weights)
+
+
+def _read_peft_pairs(path: str | Path, model_config: ModelConfig, max_rank: int):
+    """``(rank, scaling, {(layer, module): {"A": [r, in], "B": [out, r]}})`` float32 numpy
+    from a PEFT folder, checked."""
+    from safetensors import SafetensorError, safe_open
+
+    config = read_adapter_config(path, max_rank)
+    rank = config["r"]
+    try:
+        with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except (OSError, SafetensorError) as e:
+        raise LoRAAdapterError(f"cannot read {WEIGHTS_FILE} of {str(path)!r}: {e}") from None
+    shapes = ProjectionShapes.of(model_config)
+    pairs = module_pairs(tensors.items(), model_config.num_hidden_layers, path)
+    for (layer, module), pair in pairs.items():
+        check_module_shapes(layer, module, pair["A"].shape, pair["B"].shape, rank, shapes)
+    return rank, lora_scaling(config), {key: {k: _float32(t) for k, t in pair.items()} for key, pair in pairs.items()}
