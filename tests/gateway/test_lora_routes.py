@@ -15,6 +15,8 @@ from shared.config import LoRAConfig
 from shared.lora import ProjectionShapes
 from shared.model_config import default_model_path, load_model_config
 
+from tests.lora_reference import write_gguf_lora
+
 from .conftest import gateway_config, until_engine_ready
 
 
@@ -85,3 +87,19 @@ async def test_unload_refuses_fields_it_cannot_honour(http, adapter, extra, para
     assert_refused(r, param, words)
     assert await adapter_names(http) == {"c"}
     assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "c"})).status_code == 200
+
+
+async def test_gguf_lora_files_load_and_other_ggufs_are_refused(http, adapter, tmp_path):
+    """A GGUF LoRA file is a ``lora_path`` as a PEFT folder is; the base model's own GGUF
+    (no adapter) is a 400 that says so."""
+    config = load_model_config(default_model_path())
+    file = write_gguf_lora(adapter, tmp_path / "a.gguf", num_heads=config.num_attention_heads,
+                           num_kv_heads=config.num_key_value_heads)
+    r = await http.post("/v1/load_lora_adapter", json={"lora_name": "g", "lora_path": str(file)})
+    assert r.status_code == 200, r.text
+    cards = {card["id"]: card for card in (await http.get("/v1/models")).json()["data"]}
+    assert cards["g"]["root"] == str(file)
+    assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "g"})).status_code == 200
+    r = await http.post("/v1/load_lora_adapter", json={"lora_name": "base", "lora_path": default_model_path()})
+    assert_refused(r, "lora_path", "is not a LoRA adapter: general.type is 'model', not 'adapter'")
+    assert await adapter_names(http) == set()
