@@ -228,8 +228,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
 
 class LoRARequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """The LoRA adapter a request runs under (vLLM's name): the workers read it from
-    ``lora_path`` (a PEFT folder) the first time they meet it; ``lora_name`` is the model
-    name clients use. Requests without one run on the base model."""
+    ``lora_path`` (a PEFT folder or a GGUF LoRA file) the first time they meet it;
+    ``lora_name`` is the model name clients use. Requests without one run on the base model."""
 
     lora_name: str
     lora_path: str

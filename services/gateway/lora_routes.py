@@ -7,15 +7,16 @@
 
 Any other body field is refused with a 400 naming it, never ignored.
 
-Each gateway keeps a registry, name -> ``LoRARequest`` (name and PEFT folder), filled from
-``--lora-modules`` at start, from the other gateways' registries (asked on ``LORA_LIST``
-at start, with a deadline) and from every change a gateway broadcasts on
+Each gateway keeps a registry, name -> ``LoRARequest`` (name and PEFT folder or GGUF LoRA
+file), filled from ``--lora-modules`` at start, from the other gateways' registries (asked
+on ``LORA_LIST`` at start, with a deadline) and from every change a gateway broadcasts on
 ``LORA_ADAPTERS``. A request whose ``model`` is an adapter's name carries that
 ``LoRARequest`` to the tokenizer, the scheduler and, once, to the workers, which read the
 folder themselves: no other service keeps a registry. Loading checks the folder against the
-base model (``shared.lora.check_lora_adapter``: bad path, rank above --max-lora-rank, a
-shape the model lacks -> 400) before anything is broadcast. A request already running under
-an adapter that is unloaded finishes; the workers drop it from their slots by LRU.
+base model (``shared.lora.check_lora_adapter``, a GGUF file by its header: bad path, rank
+above --max-lora-rank, a shape the model lacks -> 400) before anything is broadcast. A
+request already running under an adapter that is unloaded finishes; the workers drop it from
+their slots by LRU.
 """
 
 from __future__ import annotations
