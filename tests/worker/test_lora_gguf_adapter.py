@@ -12,18 +12,7 @@ from services.worker.lora.adapter import load_lora_adapter
 from shared.lora import LoRAAdapterError, check_lora_adapter
 from shared.model_config import default_model_path, load_model_config
 from tests.lora_reference import make_peft_adapter, write_gguf_lora
-
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@pytest.fixture(scope="module")
-def tiny_hf(tiny_llama):
-    return tiny_llama[1]
-
-
-@pytest.fixture(scope="module")
-def tiny_config(tiny_llama):
-    return tiny_llama[0].model_config
+from tests.worker.test_lora_adapter import ALL_TARGETS, assert_refused, tiny_config, tiny_hf  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -112,14 +101,6 @@ def write_raw(file, tensors: dict, *, architecture="llama", general_type="adapte
         writer.add_tensor(name, value)
     write_all(writer)
     return file
-
-
-def assert_refused(path, model_config, max_rank, match):
-    """Both the gateway's header check and the workers' read refuse it, with ``match``."""
-    with pytest.raises(LoRAAdapterError, match=match):
-        check_lora_adapter(path, model_config, max_rank)
-    with pytest.raises(LoRAAdapterError, match=match):
-        load_lora_adapter("x", path, model_config, max_rank)
 
 
 def test_errors_name_what_is_wrong(tiny_config, peft_folder, tmp_path):
