@@ -60,7 +60,7 @@ def tiny_llama(tmp_path_factory):
 
     path = make_tiny_random_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0, num_heads=4, num_kv_heads=2)
     worker = ModelRunner(
-        ModelRunConfig(model=str(path), kernel_backend="torch", dtype="float32"),
+        ModelRunConfig(model=str(path), kernel_backend="torch", dtype="float32", quantization="none"),
         CacheConfig(num_gpu_blocks=40),
         SchedulerConfig(max_num_seqs=16),
     )

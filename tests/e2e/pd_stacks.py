@@ -50,7 +50,7 @@ def colocated_texts(prompts: list[list[int]], tokenizer) -> list[str]:
     from shared.config import CacheConfig, ModelRunConfig
     from shared.protocol import SamplingParams
 
-    engine = Engine(ModelRunConfig(dtype="float32"), CacheConfig(num_gpu_blocks=800))
+    engine = Engine(ModelRunConfig(dtype="float32", quantization="none"), CacheConfig(num_gpu_blocks=800))
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     results = engine.generate(prompts, params)
     return [tokenizer.decode(r.token_ids).rstrip("\ufffd") for r in results]

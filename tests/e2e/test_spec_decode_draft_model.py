@@ -83,7 +83,7 @@ def small_vocab_models(tmp_path_factory):
     target = write_small_vocab_llama(tmp_path_factory.mktemp("target32"), seed=0, vocab_size=VOCAB, logit_scale=3.0)
     draft = write_draft_model(str(target), tmp_path_factory.mktemp("draft32"), layers=[0, 1], noise=0.3, seed=1)
     config = draft_config(draft, 3)
-    runner = ModelRunner(ModelRunConfig(model=str(target), kernel_backend="torch", dtype="float32"), CacheConfig(num_gpu_blocks=1024),
+    runner = ModelRunner(ModelRunConfig(model=str(target), kernel_backend="torch", dtype="float32", quantization="none"), CacheConfig(num_gpu_blocks=1024),
                          SchedulerConfig(max_num_seqs=256, speculative_config=config))
     return runner, config
 
@@ -156,7 +156,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused_at_start_up(tiny_llama
     other = tiny_llama[0].model_path  # vocabulary of 320 tokens, the target has 32
     config = SchedulerConfig(speculative_config=draft_config(other, 2))
     with pytest.raises(ConfigError, match="vocabulary of 320 tokens"):
-        ModelRunner(ModelRunConfig(model=runner.model_path, kernel_backend="torch", dtype="float32"), CacheConfig(num_gpu_blocks=8),
+        ModelRunner(ModelRunConfig(model=runner.model_path, kernel_backend="torch", dtype="float32", quantization="none"), CacheConfig(num_gpu_blocks=8),
                     config)
     # The same size but other tokens.
     renamed = write_small_vocab_llama(tmp_path / "renamed", seed=0, vocab_size=VOCAB)

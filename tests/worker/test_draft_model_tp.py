@@ -32,7 +32,7 @@ def generate(model_dir: str, speculative_config: str, parallel_config: ParallelC
 
     scheduler_config = SchedulerConfig(max_num_batched_tokens=SCHED.max_num_batched_tokens,
                                        max_num_seqs=SCHED.max_num_seqs, speculative_config=speculative_config)
-    runner = ModelRunner(ModelRunConfig(model=model_dir, kernel_backend="torch", device="cpu", dtype="float32", seed=7),
+    runner = ModelRunner(ModelRunConfig(model=model_dir, kernel_backend="torch", device="cpu", dtype="float32", quantization="none", seed=7),
                          CACHE, scheduler_config, parallel_config)
     engine = Engine(cache_config=CACHE, scheduler_config=scheduler_config, worker=runner)
     tokens: dict[str, list[int]] = {}

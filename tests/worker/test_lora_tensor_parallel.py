@@ -33,7 +33,7 @@ def run_lora_workload(model_dir: str, adapters: dict[str, str], parallel_config:
     from services.engine import Engine
     from services.worker.model_runner import ModelRunner
 
-    runner = ModelRunner(ModelRunConfig(model=model_dir, kernel_backend="torch", device="cpu", dtype="float32"),
+    runner = ModelRunner(ModelRunConfig(model=model_dir, kernel_backend="torch", device="cpu", dtype="float32", quantization="none"),
                          CACHE, SCHED, parallel_config, lora_config=LORA)
     loras = [LoRARequest(name, path) for name, path in adapters.items()] + [None]
     choices = [loras[i % len(loras)] for i in range(len(prompts()))]

@@ -126,7 +126,7 @@ def make_runner(model_dir: str, parallel_config: ParallelConfig = ParallelConfig
     # Unpacked weights, so that the test can read each rank's parameter shapes; the
     # services' TP tests run the prepacked default.
     return ModelRunner(
-        ModelRunConfig(model=model_dir, kernel_backend="torch", device="cpu", dtype="float32", seed=7, cpu_prepack=False),
+        ModelRunConfig(model=model_dir, kernel_backend="torch", device="cpu", dtype="float32", quantization="none", seed=7, cpu_prepack=False),
         CACHE, SCHED, parallel_config,
     )
 
