@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speed-only", action="store_true", help="only memory and decode tok/s (no accuracy)")
     p.add_argument("--rows", default="1,8,32,128", help="--kernels: row counts (tokens in a step)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--options", default="", help="--kernels: comma-separated options (default: all but PyTorch's "
+                   "packed weight-only ops, minutes per step)")
     return p.parse_args(argv)
 
 
@@ -149,6 +151,7 @@ def kernel_options(w):
     """name -> (prepare(w) once, product(x, prepared)) for one float32 weight ``w`` [N, K]."""
     import torch
 
+    from kernels import int8_activations as ia
     from kernels import quant_linear as ql
 
     def int4_parts(w):
@@ -188,6 +191,8 @@ def kernel_options(w):
         "ours int4": (lambda w: int4_parts(w)[:3], lambda x, p: ql.int4_linear_cpu(x, *p)),
         "ours int4 dequant+GEMM": (lambda w: int4_parts(w)[:3],
                                    lambda x, p: torch.nn.functional.linear(x, ql.dequantize_int4_cpu(*p))),
+        "ours int8 x int8": (int8_parts, lambda x, p: ia.int8_linear_cpu(x, *p)),
+        "ours int4 x int8": (lambda w: int4_parts(w)[:3], lambda x, p: ia.int4_linear_cpu(x, *p)),
     }
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         options["bf16 oneDNN"] = mkldnn(torch.bfloat16)
@@ -195,7 +200,9 @@ def kernel_options(w):
 
 
 def bench_kernels(args) -> int:
-    """Milliseconds of one step's products per option and row count."""
+    """Milliseconds of one step's products per option and row count: every option's weights
+    are prepared first, then each repeat runs each option in turn (on a shared machine, load
+    changes hit all options alike, so the ratios hold better than the absolute figures)."""
     import statistics
 
     import torch
@@ -203,38 +210,49 @@ def bench_kernels(args) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows_list = [int(r) for r in args.rows.split(",")]
-    names = list(kernel_options(torch.zeros(32, 32)))
-    table: dict[str, dict[int, float]] = {name: {} for name in names}
+    available = kernel_options(torch.zeros(32, 32))
+    names = [n for n in args.options.split(",") if n] if args.options else [
+        n for n in available if not n.startswith("torch int")]
+    unknown = set(names) - set(available)
+    if unknown:
+        raise SystemExit(f"unknown --options {sorted(unknown)}; known: {', '.join(available)}")
+    weights = [[torch.randn(n, k) * 0.05 for n, k in LAYER_SHAPES] for _ in range(30)]
+    head = torch.randn(*HEAD_SHAPE) * 0.05
+    prepared = {}
     for name in names:
-        prepare, product = kernel_options(torch.zeros(32, 32))[name]
-        layers = [[prepare(torch.randn(n, k) * 0.05) for n, k in LAYER_SHAPES] for _ in range(30)]
-        head = prepare(torch.randn(*HEAD_SHAPE) * 0.05)
-        for m in rows_list:
-            xs = {k: torch.randn(m, k) for k in (576, 1536)}
+        prepare, _ = available[name]
+        prepared[name] = ([[prepare(w) for w in layer] for layer in weights], prepare(head))
+    weights = head = None
 
-            def step():
-                for layer in layers:
-                    for (n, k), weight in zip(LAYER_SHAPES, layer):
-                        product(xs[k], weight)
-                product(xs[576], head)
+    def step(name, xs):
+        product = available[name][1]
+        layers, head_weight = prepared[name]
+        for layer in layers:
+            for (n, k), weight in zip(LAYER_SHAPES, layer):
+                product(xs[k], weight)
+        product(xs[576], head_weight)
 
-            if name.startswith("torch int") and m > 8:
-                table[name][m] = float("nan")  # minutes per step at these sizes (see the doc)
-                continue
-            step()
-            times = []
-            for _ in range(args.repeats):
+    table: dict[str, dict[int, float]] = {name: {} for name in names}
+    for m in rows_list:
+        xs = {k: torch.randn(m, k) for k in (576, 1536)}
+        runnable = [n for n in names if not (n.startswith("torch int") and m > 8)]  # minutes per step
+        times: dict[str, list[float]] = {name: [] for name in runnable}
+        for name in runnable:
+            step(name, xs)  # warm-up
+        for _ in range(args.repeats):
+            for name in runnable:
                 t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-            table[name][m] = 1e3 * statistics.median(times)
-        print(name, {m: round(v, 1) for m, v in table[name].items()}, flush=True)
-        layers = head = None  # free them before the next option
-    print(f"\nthreads {args.threads}; load average {os.getloadavg()[0]:.2f}")
+                step(name, xs)
+                times[name].append(time.perf_counter() - t0)
+        for name in names:
+            table[name][m] = 1e3 * statistics.median(times[name]) if name in times else float("nan")
+        print(m, {name: round(table[name][m], 1) for name in names}, flush=True)
+    base = "bf16 oneDNN" if "bf16 oneDNN" in names else names[0]
+    print(f"\nthreads {args.threads}; load average {os.getloadavg()[0]:.2f}; (x): {base} / option, above 1 is faster")
     print("| rows | " + " | ".join(names) + " |")
     print("|" + "---|" * (len(names) + 1))
     for m in rows_list:
-        print(f"| {m} | " + " | ".join(f"{table[n][m]:.1f}" for n in names) + " |")
+        print(f"| {m} | " + " | ".join(f"{table[n][m]:.1f} ({table[base][m] / table[n][m]:.2f}x)" for n in names) + " |")
     print(json.dumps({"threads": args.threads, "load_average": os.getloadavg()[0], "ms": table}))
     return 0
 
