@@ -1,11 +1,14 @@
 """Accuracy, speed and memory of quantized weights: ``--quantization none`` against int8 and int4.
 
-Three models of the same weights, each in our offline engine:
+Models of the same weights, each in our offline engine:
 
 - ``none``: the GGUF file dequantized to float32 (``--quantization none``): the reference;
 - ``int4``: the same file with its 4-bit matrices kept as int4 (``--quantization auto``);
 - ``int8``: the file's matrices requantized to Q8_0 (``shared.gguf_quants.requantize_gguf``),
-  kept as int8 (``--quantization auto``).
+  kept as int8 (``--quantization auto``);
+- ``int4-exact`` / ``int8-exact``: the same, with every CPU product on the exactly
+  dequantized weight (``kernels/quant_linear.py``), none with int8 activations
+  (``services/worker/linear.py``'s ``INT8_ACTIVATIONS_MIN_ROWS`` set out of reach).
 
 Accuracy: greedy agreement with ``none`` over ``--num-prompts`` prompts x ``--output-len``
 tokens, two ways: per token (the model reads the prompt and ``none``'s greedy output and
@@ -52,6 +55,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from bench_common import make_dataset  # noqa: E402
 
 BATCHES = (1, 8, 32)
+MODELS = ("none", "int8", "int4", "int8-exact", "int4-exact")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ppl-window", type=int, default=512)
     p.add_argument("--decode-len", type=int, default=32, help="output tokens per request in the speed runs")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--only", default="none,int8,int4", help="comma-separated subset of none,int8,int4")
+    p.add_argument("--only", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--kernels", action="store_true", help="measure the matrix-product options instead")
     p.add_argument("--speed-only", action="store_true", help="only memory and decode tok/s (no accuracy)")
     p.add_argument("--rows", default="1,8,32,128", help="--kernels: row counts (tokens in a step)")
@@ -260,6 +264,7 @@ def bench_kernels(args) -> int:
 def main(argv=None) -> int:
     import torch
 
+    from services.worker import linear
     from shared.gguf_quants import requantize_gguf
     from shared.model_config import default_model_path
     from shared.tokenizer import load_tokenizer
@@ -280,14 +285,17 @@ def main(argv=None) -> int:
 
     tmp = tempfile.TemporaryDirectory()
     q8_path = str(Path(tmp.name) / "q8_0.gguf")
-    configs = {"none": (model_path, "none"), "int8": (q8_path, "auto"), "int4": (model_path, "auto")}
+    configs = {"none": (model_path, "none"), "int8": (q8_path, "auto"), "int4": (model_path, "auto"),
+               "int8-exact": (q8_path, "auto"), "int4-exact": (model_path, "auto")}
     wanted = args.only.split(",")
-    if "int8" in wanted:
+    if {"int8", "int8-exact"} & set(wanted):
         requantize_gguf(model_path, q8_path, "Q8_0")
     results: dict[str, dict] = {}
     reference: list[list[int]] = []
-    for name in [n for n in ("none", "int8", "int4") if n in wanted]:
+    default_min_rows = linear.INT8_ACTIVATIONS_MIN_ROWS
+    for name in [n for n in MODELS if n in wanted]:
         path, quantization = configs[name]
+        linear.INT8_ACTIVATIONS_MIN_ROWS = 2**31 if name.endswith("-exact") else default_min_rows
         engine = make_engine(path, quantization)
         row = {"file_bytes": os.path.getsize(path), "weight_bytes": engine.worker.model.weight_bytes()}
         row["weight_to_file"] = row["weight_bytes"] / row["file_bytes"]
