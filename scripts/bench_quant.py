@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ppl-tokens", type=int, default=4096, help="tokens of README + docs for perplexity")
     p.add_argument("--ppl-window", type=int, default=512)
     p.add_argument("--decode-len", type=int, default=32, help="output tokens per request in the speed runs")
+    p.add_argument("--dtype", default="float32", help="the models' --dtype: float32 (default) so that accuracy "
+                   "compares quantization alone; auto for speed against the serving default (bfloat16 here)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--only", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--kernels", action="store_true", help="measure the matrix-product options instead")
@@ -84,11 +86,11 @@ def fixed_text() -> str:
     return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
-def make_engine(path: str, quantization: str, max_num_seqs: int = 32):
+def make_engine(path: str, quantization: str, dtype: str, max_num_seqs: int = 32):
     from services.engine import Engine
     from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
 
-    return Engine(ModelRunConfig(model=path, quantization=quantization), CacheConfig(num_gpu_blocks=1024),
+    return Engine(ModelRunConfig(model=path, quantization=quantization, dtype=dtype), CacheConfig(num_gpu_blocks=1024),
                   SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048))
 
 
@@ -296,7 +298,7 @@ def main(argv=None) -> int:
     for name in [n for n in MODELS if n in wanted]:
         path, quantization = configs[name]
         linear.INT8_ACTIVATIONS_MIN_ROWS = 2**31 if name.endswith("-exact") else default_min_rows
-        engine = make_engine(path, quantization)
+        engine = make_engine(path, quantization, args.dtype)
         row = {"file_bytes": os.path.getsize(path), "weight_bytes": engine.worker.model.weight_bytes()}
         row["weight_to_file"] = row["weight_bytes"] / row["file_bytes"]
         if not args.speed_only:
@@ -316,7 +318,7 @@ def main(argv=None) -> int:
         print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     tmp.cleanup()
 
-    print(f"\n{Path(model_path).name}; threads {args.threads}; load average {os.getloadavg()[0]:.2f}")
+    print(f"\n{Path(model_path).name}; dtype {args.dtype}; threads {args.threads}; load average {os.getloadavg()[0]:.2f}")
     header = ("| weights | weight MiB (x its GGUF file) | greedy agreement per token | free-running | perplexity | "
               + " | ".join(f"tok/s batch {b}" for b in BATCHES) + " |")
     print(header)
@@ -332,7 +334,7 @@ def main(argv=None) -> int:
         ppl = f"{row['perplexity']:.3f}" if "perplexity" in row else "-"
         print(f"| {name} | {row['weight_bytes'] / 2**20:.1f} ({row['weight_to_file']:.2f}x) | {agree[0]} | {agree[1]} | "
               f"{ppl} | " + " | ".join(speeds) + " |")
-    print(json.dumps({"model": Path(model_path).name, "threads": args.threads, "load_average": os.getloadavg()[0],
+    print(json.dumps({"model": Path(model_path).name, "dtype": args.dtype, "threads": args.threads, "load_average": os.getloadavg()[0],
                       "num_prompts": len(prompts), "output_len": args.output_len, "results": results}))
     return 0
 
