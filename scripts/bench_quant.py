@@ -25,10 +25,13 @@ tensors) against the GGUF file's size.
 ``--kernels`` measures the matrix-product options instead, on the default model's shapes
 (30 layers of fused QKV 960x576, o 576x576, gate/up 3072x576, down 576x1536, each layer its
 own weights so that they come from memory as in a step, plus the 49152x576 LM head):
-milliseconds per step's products at each row count, median of ``--repeats``: oneDNN
-prepacked float32 and bfloat16 (today's paths), PyTorch's packed weight-only ops
-(``_weight_int8pack_mm``, per-row scales; ``_weight_int4pack_mm_for_cpu``, groups of 32),
-and ours (``kernels/quant_linear.py``: the fused C kernel, and dequantize-then-GEMM).
+milliseconds per step's products at each row count, median of ``--repeats``, options
+interleaved: oneDNN prepacked float32 and bfloat16 (today's paths), PyTorch's packed
+weight-only ops (``_weight_int8pack_mm``, per-row scales; ``_weight_int4pack_mm_for_cpu``,
+groups of 32; only with ``--options``: minutes per step), ours with float activations
+(``kernels/quant_linear.py``: the fused C kernel, and dequantize-then-GEMM), ours with int8
+activations (``kernels/int8_activations.py``), and ``ours auto``: what ``--quantization auto``
+runs (int4 layers, int8 LM head, the kernel chosen by row count).
 
 The LAST line printed is one JSON object with every figure.
 """
@@ -159,6 +162,8 @@ def kernel_options(w):
 
     from kernels import int8_activations as ia
     from kernels import quant_linear as ql
+    from services.worker.linear import quantized_linear
+    from shared.gguf_quants import QuantizedTensor
 
     def int4_parts(w):
         n, k = w.shape
@@ -199,6 +204,11 @@ def kernel_options(w):
                                    lambda x, p: torch.nn.functional.linear(x, ql.dequantize_int4_cpu(*p))),
         "ours int8 x int8": (int8_parts, lambda x, p: ia.int8_linear_cpu(x, *p)),
         "ours int4 x int8": (lambda w: int4_parts(w)[:3], lambda x, p: ia.int4_linear_cpu(x, *p)),
+        # What --quantization auto runs on the default model: int4 layers, the int8 (Q8_0) LM
+        # head, each product's kernel chosen by its row count.
+        "ours auto": (lambda w: quantized_linear(QuantizedTensor(8, *int8_parts(w)) if tuple(w.shape) == HEAD_SHAPE
+                                                 else QuantizedTensor(4, *int4_parts(w)[:3])),
+                      lambda x, p: p(x)),
     }
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         options["bf16 oneDNN"] = mkldnn(torch.bfloat16)
