@@ -192,8 +192,9 @@ class ModelRunConfig:
     # CPU: reorder weight matrices once for oneDNN (services/worker/linear.py).
     cpu_prepack: bool = setting(True, "CPU: oneDNN-prepacked weight matrices")
     # vLLM's flag name; services/worker/models/llama.py, shared/gguf_quants.py. Not the
-    # default yet: on the benchmark CPU the quantized products are 2.6x faster at batch 1
-    # but slower from batch 8 on than float32 (and bfloat16) oneDNN (docs/BENCHMARKS.md).
+    # default yet: on the benchmark CPU the quantized products (int8 activations from 4
+    # rows on) are 2x bfloat16 oneDNN's at batch 1 and faster from 32 rows on, but 0.92x
+    # at 8 rows (docs/BENCHMARKS.md, "int8 activations").
     quantization: str = setting(
         "none", "none|auto: auto keeps a GGUF file's Q8_0 matrices as int8 and Q4_0/Q4_1/Q4_K as int4 "
                 "(~5x less weight memory; one rank only); none dequantizes every weight to --dtype")
