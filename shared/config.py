@@ -191,12 +191,12 @@ class ModelRunConfig:
     kernel_backend: str = setting("auto", "auto|torch|triton")
     # CPU: reorder weight matrices once for oneDNN (services/worker/linear.py).
     cpu_prepack: bool = setting(True, "CPU: oneDNN-prepacked weight matrices")
-    # vLLM's flag name; services/worker/models/llama.py, shared/gguf_quants.py. On the
-    # benchmark CPU the quantized products (int8 activations from 4 rows on) are ~1.8x
-    # bfloat16 oneDNN's at 1 row and 1.0-1.3x from 8 rows on (docs/BENCHMARKS.md, "int8
-    # activations").
+    # vLLM's flag name; services/worker/models/llama.py, shared/gguf_quants.py. auto by
+    # default: on the benchmark CPU the quantized products (int8 activations from 4 rows on)
+    # are ~1.8x bfloat16 oneDNN's at 1 row and 1.0-1.3x from 8 rows on, in 1/3 of the
+    # memory (docs/BENCHMARKS.md, "int8 activations"); the exact-vs-HF tests run with none.
     quantization: str = setting(
-        "none", "none|auto: auto keeps a GGUF file's Q8_0 matrices as int8 and Q4_0/Q4_1/Q4_K as int4 "
+        "auto", "none|auto: auto keeps a GGUF file's Q8_0 matrices as int8 and Q4_0/Q4_1/Q4_K as int4 "
                 "(~5x less weight memory; one rank only); none dequantizes every weight to --dtype")
     max_model_len: int | None = max_model_len_setting()
     seed: int = setting(0, "seed of the worker's shared sampling generator")

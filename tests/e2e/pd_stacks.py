@@ -45,12 +45,12 @@ def pd_prompts(tokenizer) -> list[list[int]]:
 
 def colocated_texts(prompts: list[list[int]], tokenizer) -> list[str]:
     """The colocated engine's greedy texts (the in-process engine: same kernels, one process,
-    float32 as the stacks of ``running_stack``)."""
+    float32 and dequantized as the stacks of ``running_stack``)."""
     from services.engine import Engine
     from shared.config import CacheConfig, ModelRunConfig
     from shared.protocol import SamplingParams
 
-    engine = Engine(ModelRunConfig(dtype="float32"), CacheConfig(num_gpu_blocks=800))
+    engine = Engine(ModelRunConfig(dtype="float32", quantization="none"), CacheConfig(num_gpu_blocks=800))
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     results = engine.generate(prompts, params)
     return [tokenizer.decode(r.token_ids).rstrip("\ufffd") for r in results]

@@ -28,7 +28,7 @@ def bf16_worker(smollm_path):
     from services.worker.model_runner import ModelRunner
 
     return ModelRunner(
-        ModelRunConfig(model=smollm_path, kernel_backend="torch", dtype="bfloat16"),
+        ModelRunConfig(model=smollm_path, kernel_backend="torch", dtype="bfloat16", quantization="none"),
         CacheConfig(num_gpu_blocks=48),
         SchedulerConfig(max_num_seqs=16),
     )

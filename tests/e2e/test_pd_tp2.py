@@ -48,7 +48,7 @@ def test_tp2_prefill_and_decode_equal_colocated(tiny_model, tmp_path_factory):
     from shared.config import CacheConfig, ModelRunConfig
     from shared.protocol import SamplingParams
 
-    engine = Engine(ModelRunConfig(model=tiny_model, dtype="float32"), CacheConfig(num_gpu_blocks=1024))
+    engine = Engine(ModelRunConfig(model=tiny_model, dtype="float32", quantization="none"), CacheConfig(num_gpu_blocks=1024))
     results = engine.generate(prompts(), SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
     want = [engine.tokenizer.decode(r.token_ids).rstrip("\ufffd") for r in results]
     colocated = StackConfig(port=free_port(), model=tiny_model, tensor_parallel_size=TP,

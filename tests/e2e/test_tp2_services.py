@@ -39,7 +39,7 @@ def test_tp2_greedy_equals_tp1(tp_stack):
     from shared.config import CacheConfig, ModelRunConfig
     from shared.protocol import SamplingParams
 
-    engine = Engine(ModelRunConfig(model=path, dtype="float32"), CacheConfig(num_gpu_blocks=64))
+    engine = Engine(ModelRunConfig(model=path, dtype="float32", quantization="none"), CacheConfig(num_gpu_blocks=64))
     questions = ["hello there", "what is two plus two", "tell me a story about a fox"]
     for q in questions:
         prompt = engine.tokenizer.encode(
