@@ -1,11 +1,14 @@
 """Accuracy, speed and memory of quantized weights: ``--quantization none`` against int8 and int4.
 
-Three models of the same weights, each in our offline engine:
+Models of the same weights, each in our offline engine:
 
 - ``none``: the GGUF file dequantized to float32 (``--quantization none``): the reference;
 - ``int4``: the same file with its 4-bit matrices kept as int4 (``--quantization auto``);
 - ``int8``: the file's matrices requantized to Q8_0 (``shared.gguf_quants.requantize_gguf``),
-  kept as int8 (``--quantization auto``).
+  kept as int8 (``--quantization auto``);
+- ``int4-exact`` / ``int8-exact``: the same, with every CPU product on the exactly
+  dequantized weight (``kernels/quant_linear.py``), none with int8 activations
+  (``services/worker/linear.py``'s ``INT8_ACTIVATIONS_MIN_ROWS`` set out of reach).
 
 Accuracy: greedy agreement with ``none`` over ``--num-prompts`` prompts x ``--output-len``
 tokens, two ways: per token (the model reads the prompt and ``none``'s greedy output and
@@ -22,10 +25,13 @@ tensors) against the GGUF file's size.
 ``--kernels`` measures the matrix-product options instead, on the default model's shapes
 (30 layers of fused QKV 960x576, o 576x576, gate/up 3072x576, down 576x1536, each layer its
 own weights so that they come from memory as in a step, plus the 49152x576 LM head):
-milliseconds per step's products at each row count, median of ``--repeats``: oneDNN
-prepacked float32 and bfloat16 (today's paths), PyTorch's packed weight-only ops
-(``_weight_int8pack_mm``, per-row scales; ``_weight_int4pack_mm_for_cpu``, groups of 32),
-and ours (``kernels/quant_linear.py``: the fused C kernel, and dequantize-then-GEMM).
+milliseconds per step's products at each row count, median of ``--repeats``, options
+interleaved: oneDNN prepacked float32 and bfloat16 (today's paths), PyTorch's packed
+weight-only ops (``_weight_int8pack_mm``, per-row scales; ``_weight_int4pack_mm_for_cpu``,
+groups of 32; only with ``--options``: minutes per step), ours with float activations
+(``kernels/quant_linear.py``: the fused C kernel, and dequantize-then-GEMM), ours with int8
+activations (``kernels/int8_activations.py``), and ``ours auto``: what ``--quantization auto``
+runs (int4 layers, int8 LM head, the kernel chosen by row count).
 
 The LAST line printed is one JSON object with every figure.
 """
@@ -52,6 +58,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from bench_common import make_dataset  # noqa: E402
 
 BATCHES = (1, 8, 32)
+MODELS = ("none", "int8", "int4", "int8-exact", "int4-exact")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,12 +70,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ppl-tokens", type=int, default=4096, help="tokens of README + docs for perplexity")
     p.add_argument("--ppl-window", type=int, default=512)
     p.add_argument("--decode-len", type=int, default=32, help="output tokens per request in the speed runs")
+    p.add_argument("--dtype", default="float32", help="the models' --dtype: float32 (default) so that accuracy "
+                   "compares quantization alone; auto for speed against the serving default (bfloat16 here)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--only", default="none,int8,int4", help="comma-separated subset of none,int8,int4")
+    p.add_argument("--only", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--kernels", action="store_true", help="measure the matrix-product options instead")
     p.add_argument("--speed-only", action="store_true", help="only memory and decode tok/s (no accuracy)")
     p.add_argument("--rows", default="1,8,32,128", help="--kernels: row counts (tokens in a step)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--options", default="", help="--kernels: comma-separated options (default: all but PyTorch's "
+                   "packed weight-only ops, minutes per step)")
     return p.parse_args(argv)
 
 
@@ -78,11 +89,11 @@ def fixed_text() -> str:
     return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
-def make_engine(path: str, quantization: str, max_num_seqs: int = 32):
+def make_engine(path: str, quantization: str, dtype: str, max_num_seqs: int = 32):
     from services.engine import Engine
     from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
 
-    return Engine(ModelRunConfig(model=path, quantization=quantization), CacheConfig(num_gpu_blocks=1024),
+    return Engine(ModelRunConfig(model=path, quantization=quantization, dtype=dtype), CacheConfig(num_gpu_blocks=1024),
                   SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048))
 
 
@@ -149,7 +160,10 @@ def kernel_options(w):
     """name -> (prepare(w) once, product(x, prepared)) for one float32 weight ``w`` [N, K]."""
     import torch
 
+    from kernels import int8_activations as ia
     from kernels import quant_linear as ql
+    from services.worker.linear import quantized_linear
+    from shared.gguf_quants import QuantizedTensor
 
     def int4_parts(w):
         n, k = w.shape
@@ -188,6 +202,13 @@ def kernel_options(w):
         "ours int4": (lambda w: int4_parts(w)[:3], lambda x, p: ql.int4_linear_cpu(x, *p)),
         "ours int4 dequant+GEMM": (lambda w: int4_parts(w)[:3],
                                    lambda x, p: torch.nn.functional.linear(x, ql.dequantize_int4_cpu(*p))),
+        "ours int8 x int8": (int8_parts, lambda x, p: ia.int8_linear_cpu(x, *p)),
+        "ours int4 x int8": (lambda w: int4_parts(w)[:3], lambda x, p: ia.int4_linear_cpu(x, *p)),
+        # What --quantization auto runs on the default model: int4 layers, the int8 (Q8_0) LM
+        # head, each product's kernel chosen by its row count.
+        "ours auto": (lambda w: quantized_linear(QuantizedTensor(8, *int8_parts(w)) if tuple(w.shape) == HEAD_SHAPE
+                                                 else QuantizedTensor(4, *int4_parts(w)[:3])),
+                      lambda x, p: p(x)),
     }
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         options["bf16 oneDNN"] = mkldnn(torch.bfloat16)
@@ -195,7 +216,9 @@ def kernel_options(w):
 
 
 def bench_kernels(args) -> int:
-    """Milliseconds of one step's products per option and row count."""
+    """Milliseconds of one step's products per option and row count: every option's weights
+    are prepared first, then each repeat runs each option in turn (on a shared machine, load
+    changes hit all options alike, so the ratios hold better than the absolute figures)."""
     import statistics
 
     import torch
@@ -203,38 +226,49 @@ def bench_kernels(args) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows_list = [int(r) for r in args.rows.split(",")]
-    names = list(kernel_options(torch.zeros(32, 32)))
-    table: dict[str, dict[int, float]] = {name: {} for name in names}
+    available = kernel_options(torch.zeros(32, 32))
+    names = [n for n in args.options.split(",") if n] if args.options else [
+        n for n in available if not n.startswith("torch int")]
+    unknown = set(names) - set(available)
+    if unknown:
+        raise SystemExit(f"unknown --options {sorted(unknown)}; known: {', '.join(available)}")
+    weights = [[torch.randn(n, k) * 0.05 for n, k in LAYER_SHAPES] for _ in range(30)]
+    head = torch.randn(*HEAD_SHAPE) * 0.05
+    prepared = {}
     for name in names:
-        prepare, product = kernel_options(torch.zeros(32, 32))[name]
-        layers = [[prepare(torch.randn(n, k) * 0.05) for n, k in LAYER_SHAPES] for _ in range(30)]
-        head = prepare(torch.randn(*HEAD_SHAPE) * 0.05)
-        for m in rows_list:
-            xs = {k: torch.randn(m, k) for k in (576, 1536)}
+        prepare, _ = available[name]
+        prepared[name] = ([[prepare(w) for w in layer] for layer in weights], prepare(head))
+    weights = head = None
 
-            def step():
-                for layer in layers:
-                    for (n, k), weight in zip(LAYER_SHAPES, layer):
-                        product(xs[k], weight)
-                product(xs[576], head)
+    def step(name, xs):
+        product = available[name][1]
+        layers, head_weight = prepared[name]
+        for layer in layers:
+            for (n, k), weight in zip(LAYER_SHAPES, layer):
+                product(xs[k], weight)
+        product(xs[576], head_weight)
 
-            if name.startswith("torch int") and m > 8:
-                table[name][m] = float("nan")  # minutes per step at these sizes (see the doc)
-                continue
-            step()
-            times = []
-            for _ in range(args.repeats):
+    table: dict[str, dict[int, float]] = {name: {} for name in names}
+    for m in rows_list:
+        xs = {k: torch.randn(m, k) for k in (576, 1536)}
+        runnable = [n for n in names if not (n.startswith("torch int") and m > 8)]  # minutes per step
+        times: dict[str, list[float]] = {name: [] for name in runnable}
+        for name in runnable:
+            step(name, xs)  # warm-up
+        for _ in range(args.repeats):
+            for name in runnable:
                 t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-            table[name][m] = 1e3 * statistics.median(times)
-        print(name, {m: round(v, 1) for m, v in table[name].items()}, flush=True)
-        layers = head = None  # free them before the next option
-    print(f"\nthreads {args.threads}; load average {os.getloadavg()[0]:.2f}")
+                step(name, xs)
+                times[name].append(time.perf_counter() - t0)
+        for name in names:
+            table[name][m] = 1e3 * statistics.median(times[name]) if name in times else float("nan")
+        print(m, {name: round(table[name][m], 1) for name in names}, flush=True)
+    base = "bf16 oneDNN" if "bf16 oneDNN" in names else names[0]
+    print(f"\nthreads {args.threads}; load average {os.getloadavg()[0]:.2f}; (x): {base} / option, above 1 is faster")
     print("| rows | " + " | ".join(names) + " |")
     print("|" + "---|" * (len(names) + 1))
     for m in rows_list:
-        print(f"| {m} | " + " | ".join(f"{table[n][m]:.1f}" for n in names) + " |")
+        print(f"| {m} | " + " | ".join(f"{table[n][m]:.1f} ({table[base][m] / table[n][m]:.2f}x)" for n in names) + " |")
     print(json.dumps({"threads": args.threads, "load_average": os.getloadavg()[0], "ms": table}))
     return 0
 
@@ -242,6 +276,7 @@ def bench_kernels(args) -> int:
 def main(argv=None) -> int:
     import torch
 
+    from services.worker import linear
     from shared.gguf_quants import requantize_gguf
     from shared.model_config import default_model_path
     from shared.tokenizer import load_tokenizer
@@ -262,15 +297,18 @@ def main(argv=None) -> int:
 
     tmp = tempfile.TemporaryDirectory()
     q8_path = str(Path(tmp.name) / "q8_0.gguf")
-    configs = {"none": (model_path, "none"), "int8": (q8_path, "auto"), "int4": (model_path, "auto")}
+    configs = {"none": (model_path, "none"), "int8": (q8_path, "auto"), "int4": (model_path, "auto"),
+               "int8-exact": (q8_path, "auto"), "int4-exact": (model_path, "auto")}
     wanted = args.only.split(",")
-    if "int8" in wanted:
+    if {"int8", "int8-exact"} & set(wanted):
         requantize_gguf(model_path, q8_path, "Q8_0")
     results: dict[str, dict] = {}
     reference: list[list[int]] = []
-    for name in [n for n in ("none", "int8", "int4") if n in wanted]:
+    default_min_rows = linear.INT8_ACTIVATIONS_MIN_ROWS
+    for name in [n for n in MODELS if n in wanted]:
         path, quantization = configs[name]
-        engine = make_engine(path, quantization)
+        linear.INT8_ACTIVATIONS_MIN_ROWS = 2**31 if name.endswith("-exact") else default_min_rows
+        engine = make_engine(path, quantization, args.dtype)
         row = {"file_bytes": os.path.getsize(path), "weight_bytes": engine.worker.model.weight_bytes()}
         row["weight_to_file"] = row["weight_bytes"] / row["file_bytes"]
         if not args.speed_only:
@@ -290,7 +328,7 @@ def main(argv=None) -> int:
         print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     tmp.cleanup()
 
-    print(f"\n{Path(model_path).name}; threads {args.threads}; load average {os.getloadavg()[0]:.2f}")
+    print(f"\n{Path(model_path).name}; dtype {args.dtype}; threads {args.threads}; load average {os.getloadavg()[0]:.2f}")
     header = ("| weights | weight MiB (x its GGUF file) | greedy agreement per token | free-running | perplexity | "
               + " | ".join(f"tok/s batch {b}" for b in BATCHES) + " |")
     print(header)
@@ -306,7 +344,7 @@ def main(argv=None) -> int:
         ppl = f"{row['perplexity']:.3f}" if "perplexity" in row else "-"
         print(f"| {name} | {row['weight_bytes'] / 2**20:.1f} ({row['weight_to_file']:.2f}x) | {agree[0]} | {agree[1]} | "
               f"{ppl} | " + " | ".join(speeds) + " |")
-    print(json.dumps({"model": Path(model_path).name, "threads": args.threads, "load_average": os.getloadavg()[0],
+    print(json.dumps({"model": Path(model_path).name, "dtype": args.dtype, "threads": args.threads, "load_average": os.getloadavg()[0],
                       "num_prompts": len(prompts), "output_len": args.output_len, "results": results}))
     return 0
 

@@ -204,11 +204,12 @@ class ModelRunConfig:
     kernel_backend: str = setting("auto", "auto|torch|triton")
     # CPU: reorder weight matrices once for oneDNN (services/worker/linear.py).
     cpu_prepack: bool = setting(True, "CPU: oneDNN-prepacked weight matrices")
-    # vLLM's flag name; services/worker/models/llama.py, shared/gguf_quants.py. Not the
-    # default yet: on the benchmark CPU the quantized products are 2.6x faster at batch 1
-    # but slower from batch 8 on than float32 (and bfloat16) oneDNN (docs/BENCHMARKS.md).
+    # vLLM's flag name; services/worker/models/llama.py, shared/gguf_quants.py. auto by
+    # default: on the benchmark CPU the quantized products (int8 activations from 4 rows on)
+    # are ~1.8x bfloat16 oneDNN's at 1 row and 1.0-1.3x from 8 rows on, in 1/3 of the
+    # memory (docs/BENCHMARKS.md, "int8 activations"); the exact-vs-HF tests run with none.
     quantization: str = setting(
-        "none", "none|auto|gguf: auto keeps a GGUF file's Q8_0 matrices as int8 and Q4_0/Q4_1/Q4_K as int4 "
+        "auto", "none|auto|gguf: auto keeps a GGUF file's Q8_0 matrices as int8 and Q4_0/Q4_1/Q4_K as int4 "
                 "(~5x less weight memory; one rank only); gguf (vLLM's name) the same, refused for a "
                 "Hugging Face folder or under TP; none dequantizes every weight to --dtype")
     max_model_len: int | None = max_model_len_setting()

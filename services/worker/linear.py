@@ -5,8 +5,11 @@ oneDNN can reorder a weight once into the blocked layout its kernels read, after
 each product skips that work. On a 2-core AVX-512 machine that makes SmolLM2-135M's
 products 1.3x to 4x faster (fp32 and bf16, batch 1 to 32; see docs/BENCHMARKS.md).
 The reordered tensor is opaque (``torch._mkldnn`` layout): only ``_linear_pointwise`` reads it.
-``quantized_linear`` runs a weight kept as GGUF's int8 / int4 blocks (``--quantization auto``)
-through ``kernels/quant_linear.py``.
+``quantized_linear`` runs a weight kept as GGUF's int8 / int4 blocks (``--quantization auto``):
+on CPU, products of few rows through ``kernels/quant_linear.py`` (the exactly dequantized
+weight, float activations: bandwidth-bound, the fewest bytes win), products of more rows
+through ``kernels/int8_activations.py`` (activations quantized to int8 per block, integer
+dot products: compute-bound, VNNI wins); on CUDA, the Triton kernel.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels import quant_linear
+from kernels import int8_activations, quant_linear
 from shared.gguf_quants import QuantizedTensor
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -53,15 +56,34 @@ def prepacked_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
     return linear
 
 
+# CPU products of at least this many rows quantize their activations to int8; fewer rows
+# multiply the exact weight (scripts/bench_quant.py --kernels: the crossover on the benchmark
+# CPU, docs/BENCHMARKS.md). Read at each call: scripts/bench_quant.py and the tests set it
+# high to measure the exact path alone.
+INT8_ACTIVATIONS_MIN_ROWS = 4
+
+
+def _cpu_kernel(exact, int8_activated):
+    def product(x: torch.Tensor, *weight: torch.Tensor) -> torch.Tensor:
+        few_rows = x.shape[0] < INT8_ACTIVATIONS_MIN_ROWS
+        kernel = exact if few_rows or not int8_activations.available() else int8_activated
+        return kernel(x, *weight)
+
+    return product
+
+
 def quantized_linear(weight: QuantizedTensor, bias: torch.Tensor | None = None) -> Linear:
     """``x @ W.T (+ bias)`` with ``W`` kept quantized, on ``weight``'s device: the C kernels
-    on CPU, the Triton kernels on CUDA; the result in ``x``'s dtype."""
+    on CPU (by row count, see INT8_ACTIVATIONS_MIN_ROWS), the Triton kernels on CUDA; the
+    result in ``x``'s dtype."""
     on_cpu = weight.data.device.type == "cpu"
     if weight.bits == 8:
-        kernel = quant_linear.int8_linear_cpu if on_cpu else quant_linear.int8_linear_triton
+        kernel = (_cpu_kernel(quant_linear.int8_linear_cpu, int8_activations.int8_linear_cpu) if on_cpu
+                  else quant_linear.int8_linear_triton)
         args = (weight.data, weight.scales)
     else:
-        kernel = quant_linear.int4_linear_cpu if on_cpu else quant_linear.int4_linear_triton
+        kernel = (_cpu_kernel(quant_linear.int4_linear_cpu, int8_activations.int4_linear_cpu) if on_cpu
+                  else quant_linear.int4_linear_triton)
         args = (weight.data, weight.scales, weight.offsets)
     if bias is None:
         return lambda x: kernel(x, *args)

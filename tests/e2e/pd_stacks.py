@@ -45,7 +45,7 @@ def pd_prompts(tokenizer) -> list[list[int]]:
 
 def colocated_texts(prompts: list[list[int]], tokenizer) -> list[str]:
     """The colocated engine's greedy texts (the in-process engine: same kernels, one process,
-    float32 as the stacks of ``running_stack``)."""
+    float32 and dequantized as the stacks of ``running_stack``)."""
     from services.engine import Engine
     from shared.config import CacheConfig, ModelRunConfig
     from shared.protocol import SamplingParams

@@ -21,18 +21,19 @@ def replicated_config(log_dir, args: list[str]) -> StackConfig:
 
 
 # The tests compare greedy tokens with Hugging Face's fp32 model and with the in-process
-# fp32 worker, so a stack's workers run float32 with dequantized weights unless its args
-# name a dtype or a quantization: --dtype auto would pick bfloat16 on a CPU with native bf16
-# dot products, and quantized products are not the float model's.
+# fp32 worker, so a stack's workers run float32 unless its args name a dtype (--dtype
+# auto would pick bfloat16 on a CPU with native bf16 dot products), and dequantize the
+# weights unless its args name a quantization (--quantization auto keeps int4 weights and
+# quantizes activations to int8).
 EXACT_DTYPE = ["--dtype", "float32"]
 EXACT_WEIGHTS = ["--quantization", "none"]
 
 
 @contextlib.contextmanager
 def running_stack(config: StackConfig, timeout: float = 240):
-    """Start the stack (its workers in float32 with dequantized weights unless ``config.args``
-    name a dtype or a quantization), wait until the engine is ready, stop it afterwards; any
-    traceback in a service's log is printed (pytest shows it for a failed test)."""
+    """Start the stack (its workers in float32 with dequantized weights unless
+    ``config.args`` name a dtype / a quantization), wait until the engine is ready, stop it
+    afterwards; any traceback in a service's log is printed (pytest shows it for a failed test)."""
     if "--dtype" not in config.args:
         config = dataclasses.replace(config, args=[*EXACT_DTYPE, *config.args])
     if "--quantization" not in config.args:

@@ -1,10 +1,14 @@
-"""The worker's weight products: oneDNN-prepacked against ``F.linear``."""
+"""The worker's weight products: oneDNN-prepacked against ``F.linear``; which kernel a
+quantized weight's CPU product runs by row count."""
 
 import pytest
 import torch
 from torch import nn
 
-from services.worker.linear import can_prepack, plain_linear, prepacked_linear
+from kernels import int8_activations, quant_linear
+from services.worker import linear as worker_linear
+from services.worker.linear import can_prepack, plain_linear, prepacked_linear, quantized_linear
+from shared.gguf_quants import QuantizedTensor
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if can_prepack(torch.device("cpu"), torch.bfloat16) else [])
 
@@ -35,3 +39,23 @@ def test_prepacked_matches_f_linear(dtype, rows, with_bias):
 def test_no_prepack_off_cpu_or_for_fp16():
     assert not can_prepack(torch.device("meta"), torch.float32)
     assert not can_prepack(torch.device("cpu"), torch.float16)
+
+
+@pytest.mark.skipif(not int8_activations.available(), reason="no C compiler or no AVX2")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_cpu_products_take_int8_activations_from_their_row_count_on(bits):
+    gen = torch.Generator().manual_seed(bits)
+    scales = torch.rand(48, 4, generator=gen) / 16
+    if bits == 4:
+        weight = QuantizedTensor(4, torch.randint(0, 256, (48, 64), dtype=torch.uint8, generator=gen), scales, -8 * scales)
+        exact, int8_activated = quant_linear.int4_linear_cpu, int8_activations.int4_linear_cpu
+    else:
+        weight = QuantizedTensor(8, torch.randint(-128, 128, (48, 128), dtype=torch.int8, generator=gen), scales)
+        exact, int8_activated = quant_linear.int8_linear_cpu, int8_activations.int8_linear_cpu
+    args = [t for t in (weight.data, weight.scales, weight.offsets) if t is not None]
+    product = quantized_linear(weight)
+    few, many = worker_linear.INT8_ACTIVATIONS_MIN_ROWS - 1, worker_linear.INT8_ACTIVATIONS_MIN_ROWS
+    x_few, x_many = torch.randn(few, 128, generator=gen), torch.randn(many, 128, generator=gen)
+    assert torch.equal(product(x_few), exact(x_few, *args))
+    assert torch.equal(product(x_many), int8_activated(x_many, *args))
+    assert not torch.equal(int8_activated(x_many, *args), exact(x_many, *args))

@@ -7,8 +7,11 @@ Greedy agreement is counted per token: the quantized model reads each prompt fol
 the float model's greedy output and picks its most likely next token at every output
 position; the share equal to the float model's token is the agreement (one token's
 difference does not make the rest of the text count as different). The int4 model holds
-the float model's very values (only the float32 summation order differs), so it agrees
-on practically every token; docs/BENCHMARKS.md has both figures from scripts/bench_quant.py.
+the float model's very values, so on the exact path (every product on the dequantized
+weight, only the float32 summation order differs) it agrees on practically every token;
+as served, products of INT8_ACTIVATIONS_MIN_ROWS rows or more quantize their activations to
+int8 (services/worker/linear.py), which the issue's 90% applies to. docs/BENCHMARKS.md has
+the figures from scripts/bench_quant.py.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pytest
 import torch
 
 from services.engine import Engine
+from services.worker import linear
 from services.worker.lora.batched import LoRABatch, lora_delta_reference
 from services.worker.model_runner import ModelRunner
 from shared.config import CacheConfig, LoRAConfig, ModelRunConfig, SchedulerConfig
@@ -85,8 +89,19 @@ def test_default_model_weights_take_at_most_1_5x_the_gguf_file(int4_worker, smol
     assert model.layers[0].self_attn.qkv_weight.numel() == 0 and model.embed_weight.numel() == 0
 
 
-def test_int4_greedy_agrees_with_the_float_model(int4_worker, float_outputs):
+@pytest.fixture
+def exact_products(monkeypatch):
+    """Every quantized CPU product on the exactly dequantized weight (no int8 activations)."""
+    monkeypatch.setattr(linear, "INT8_ACTIVATIONS_MIN_ROWS", 2**31)
+
+
+def test_int4_greedy_on_the_exact_path_agrees_with_the_float_model(int4_worker, float_outputs, exact_products):
     assert per_token_agreement(int4_worker, *float_outputs) >= 0.98
+
+
+def test_int4_greedy_with_int8_activations_agrees_with_the_float_model_on_90_percent_of_tokens(
+        int4_worker, float_outputs):
+    assert per_token_agreement(int4_worker, *float_outputs) >= 0.90
 
 
 def test_int8_greedy_agrees_with_the_float_model_on_90_percent_of_tokens(int8_worker, float_outputs):
@@ -94,8 +109,8 @@ def test_int8_greedy_agrees_with_the_float_model_on_90_percent_of_tokens(int8_wo
     assert per_token_agreement(int8_worker, *float_outputs) >= 0.90
 
 
-def test_quantized_logits_are_the_float_models_up_to_summation_order(int4_worker, smollm_worker):
-    hidden = torch.randn(3, int4_worker.model_config.hidden_size)
+def test_quantized_logits_are_the_float_models_up_to_summation_order(int4_worker, smollm_worker, exact_products):
+    hidden = torch.randn(5, int4_worker.model_config.hidden_size)
     torch.testing.assert_close(int4_worker.model.compute_logits(hidden), smollm_worker.model.compute_logits(hidden),
                                atol=1e-3, rtol=1e-4)
     ids = torch.tensor([0, 17, 49151])

@@ -1,0 +1,373 @@
+/* Quantized-weight products with int8 activations (see kernels/int8_activations.py):
+ *
+ *     y[m, n] = sum_b  da[m, b] * dw[n, b] * sum_i qa[m, 32b + i] * u[n, 32b + i]
+ *                    + sa[m, b] * ow[n, b]
+ *
+ * Each activation row is quantized per block of 32 (da = max|x| / 127, qa = round(x / da)
+ * in -127..127, sa = da * sum(qa)); a weight block is w = dw * u + ow with u unsigned:
+ * int4's 0..15 with ow its offset, int8's q + 128 (q ^ 0x80) with ow = -128 dw. So every
+ * block is one integer dot product of u8 by s8 (AVX512_VNNI vpdpbusd, or vpmaddubsw +
+ * vpmaddwd on AVX2) and two float multiply-adds.
+ *
+ * Each thread takes tiles of TILE_N output columns (OpenMP static, as quant_linear.c);
+ * per tile it gathers the weight into an L1 buffer in the layout vpdpbusd reads (per block
+ * and per 4-byte group g, one vector whose lane n holds column n's bytes 4g .. 4g+3), then
+ * runs every activation row over it, MR rows at a time: per group, one weight vector times
+ * each row's 4 bytes broadcast.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "isa.h"
+
+#define BLOCK 32
+#define TILE_N 16 /* output columns per tile: one zmm of int32 / float lanes */
+#define GROUPS 8  /* 4-byte groups per block */
+/* Per block in the tile buffer: GROUPS vectors of TILE_N x 4 bytes, then TILE_N scales and
+ * TILE_N offsets. */
+#define TILE_BLOCK_BYTES (GROUPS * TILE_N * 4 + 2 * TILE_N * 4)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define WIDE 1
+#define MR 8 /* activation rows per micro-tile: 8 int32 + 8 float accumulators */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define WIDE 0
+#define MR 2 /* 16 ymm: 4 int32 + 4 float accumulators */
+#endif
+
+#ifdef MR
+
+/* ------------------------------------------------------------------ activations */
+
+/* One row's blocks: q (K int8), d and s (K / 32 floats each). The arithmetic is
+ * quantize_activations_ref's, operation for operation: d = amax / 127, inv = 1 / d (0 for
+ * an all-zero block), q = round-half-even(x * inv), s = d * sum(q). */
+static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
+    for (int b = 0; b < K / BLOCK; b++) {
+        const float *xb = x + BLOCK * b;
+#if WIDE
+        const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
+        _mm_storeu_si128((__m128i *)(q + BLOCK * b), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(q + BLOCK * b + 16), _mm512_cvtepi32_epi8(q1));
+        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < BLOCK; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m);
+        float amax = lanes[0];
+        for (int i = 1; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+        const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < BLOCK; i += 8) {
+            int32_t qi[8];
+            _mm256_storeu_si256((__m256i *)qi, _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i),
+                                                                                _mm256_set1_ps(inv))));
+            for (int j = 0; j < 8; j++) {
+                q[BLOCK * b + i + j] = (int8_t)qi[j];
+                sum += qi[j];
+            }
+        }
+#endif
+        d[b] = db;
+        s[b] = db * (float)sum;
+    }
+}
+
+void quantize_activations(const float *x, int64_t x_stride, int M, int K, int8_t *q, float *d, float *s,
+                          int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int m = 0; m < M; m++)
+        quantize_row(x + m * x_stride, K, q + (int64_t)m * K, d + (int64_t)m * (K / BLOCK),
+                     s + (int64_t)m * (K / BLOCK));
+}
+
+/* ------------------------------------------------------------------ weight tiles */
+
+#if WIDE
+/* z[l] = 128-bit lane l of t0, t1, t2, t3 side by side. */
+static inline __attribute__((always_inline)) void lanes_transpose(__m512i t0, __m512i t1, __m512i t2, __m512i t3,
+                                                                  __m512i z[4]) {
+    const __m512i lo01 = _mm512_shuffle_i32x4(t0, t1, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i hi01 = _mm512_shuffle_i32x4(t0, t1, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i lo23 = _mm512_shuffle_i32x4(t2, t3, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i hi23 = _mm512_shuffle_i32x4(t2, t3, _MM_SHUFFLE(3, 2, 3, 2));
+    z[0] = _mm512_shuffle_i32x4(lo01, lo23, _MM_SHUFFLE(2, 0, 2, 0));
+    z[1] = _mm512_shuffle_i32x4(lo01, lo23, _MM_SHUFFLE(3, 1, 3, 1));
+    z[2] = _mm512_shuffle_i32x4(hi01, hi23, _MM_SHUFFLE(2, 0, 2, 0));
+    z[3] = _mm512_shuffle_i32x4(hi01, hi23, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+/* z[c] lane j = srow[j][c] for c < count (<= 16), the rest 0: a 16 x 16 transpose of 32-bit
+ * values (4 x 4 inside each 128-bit lane, then of the lanes). */
+static inline void transpose_16x16(const float *const srow[TILE_N], int count, __m512 z[TILE_N]) {
+    const __mmask16 valid = (__mmask16)((1u << count) - 1);
+    __m512 r[TILE_N], t[TILE_N];
+    /* Masked loads only where needed: a masked load across two cache lines (rows start
+     * mid-line) costs more, 10% of the whole product at 8 rows. */
+    if (count == TILE_N)
+        for (int j = 0; j < TILE_N; j++) r[j] = _mm512_loadu_ps(srow[j]);
+    else
+        for (int j = 0; j < TILE_N; j++) r[j] = _mm512_maskz_loadu_ps(valid, srow[j]);
+    for (int i = 0; i < TILE_N; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < TILE_N; i += 4) { /* r[i + c], 128-bit lane L: rows i..i+3 of column 4L + c */
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i lanes[4];
+        lanes_transpose(_mm512_castps_si512(r[c]), _mm512_castps_si512(r[4 + c]), _mm512_castps_si512(r[8 + c]),
+                        _mm512_castps_si512(r[12 + c]), lanes);
+        for (int l = 0; l < 4; l++) z[4 * l + c] = _mm512_castsi512_ps(lanes[l]);
+    }
+}
+
+/* Blocks b0 .. b0+count of the tile's weight codes into buf (int4: nibbles unpacked; int8:
+ * q ^ 0x80), 64 bytes of each row at a time: 4 int4 blocks or 2 int8 ones. */
+static inline void tile_block_codes(const uint8_t *const rows[TILE_N], int b0, int count, int is_int4, uint8_t *buf) {
+    const int row_bytes_per_block = is_int4 ? 16 : BLOCK;
+    const int per_load = 64 / row_bytes_per_block;
+    const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    for (int b = b0; b < b0 + count; b += per_load) {
+        const int blocks = b0 + count - b < per_load ? b0 + count - b : per_load;
+        const float *at[TILE_N];
+        for (int j = 0; j < TILE_N; j++) at[j] = (const float *)(rows[j] + (int64_t)row_bytes_per_block * b);
+        __m512 z[TILE_N]; /* z[d] lane j: dword d of row j's 64 bytes */
+        transpose_16x16(at, blocks * row_bytes_per_block / 4, z);
+        for (int i = 0; i < blocks; i++) {
+            __m512i *w = (__m512i *)(buf + (int64_t)(b + i) * TILE_BLOCK_BYTES);
+            if (is_int4) {
+                /* Packed dword g: elements 4g..4g+3 in the low nibbles, 16+4g.. in the high ones. */
+                for (int g = 0; g < 4; g++) {
+                    const __m512i v = _mm512_castps_si512(z[4 * i + g]);
+                    _mm512_store_si512(w + g, _mm512_and_si512(v, nibble));
+                    _mm512_store_si512(w + 4 + g, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+                }
+            } else {
+                for (int g = 0; g < GROUPS; g++)
+                    _mm512_store_si512(w + g, _mm512_xor_si512(_mm512_castps_si512(z[GROUPS * i + g]), flip));
+            }
+        }
+    }
+}
+#else
+static inline void tile_block_codes(const uint8_t *const rows[TILE_N], int b0, int count, int is_int4, uint8_t *buf) {
+    for (int b = b0; b < b0 + count; b++) {
+        uint32_t *w32 = (uint32_t *)(buf + (int64_t)b * TILE_BLOCK_BYTES);
+        for (int j = 0; j < TILE_N; j++) {
+        uint32_t g4[GROUPS];
+        if (is_int4) {
+            uint32_t packed[4];
+            memcpy(packed, rows[j] + 16 * b, 16);
+            for (int g = 0; g < 4; g++) {
+                g4[g] = packed[g] & 0x0F0F0F0Fu;
+                g4[4 + g] = (packed[g] >> 4) & 0x0F0F0F0Fu;
+            }
+        } else {
+            memcpy(g4, rows[j] + BLOCK * b, BLOCK);
+        }
+        for (int g = 0; g < GROUPS; g++) w32[g * TILE_N + j] = g4[g];
+        }
+    }
+}
+#endif
+
+/* Columns n0 .. n0+TILE_N of the weight into buf (columns past N repeat the last one; their
+ * results are not stored). int4 when offsets is given, else int8. On AVX2, int8 bytes stay
+ * signed (the product takes |w| and moves w's sign onto the activation) and the offset is 0. */
+static void gather_tile(const void *data, const float *scales, const float *offsets, int N, int K, int n0,
+                        uint8_t *buf) {
+    const int nb = K / BLOCK;
+    const int64_t row_bytes = offsets != NULL ? K / 2 : K;
+    const uint8_t *rows[TILE_N];
+    const float *srow[TILE_N], *orow[TILE_N];
+    for (int j = 0; j < TILE_N; j++) {
+        const int n = n0 + j < N ? n0 + j : N - 1;
+        rows[j] = (const uint8_t *)data + n * row_bytes;
+        srow[j] = scales + (int64_t)n * nb;
+        orow[j] = offsets != NULL ? offsets + (int64_t)n * nb : NULL;
+    }
+    for (int b0 = 0; b0 < nb; b0 += TILE_N) {
+        const int count = nb - b0 < TILE_N ? nb - b0 : TILE_N;
+        tile_block_codes(rows, b0, count, offsets != NULL, buf);
+#if WIDE
+        __m512 sc[TILE_N], off[TILE_N];
+        const float *s_at[TILE_N], *o_at[TILE_N];
+        for (int j = 0; j < TILE_N; j++) {
+            s_at[j] = srow[j] + b0;
+            o_at[j] = offsets != NULL ? orow[j] + b0 : NULL;
+        }
+        transpose_16x16(s_at, count, sc);
+        if (offsets != NULL) transpose_16x16(o_at, count, off);
+        for (int c = 0; c < count; c++) {
+            float *at = (float *)(buf + (int64_t)(b0 + c) * TILE_BLOCK_BYTES + GROUPS * TILE_N * 4);
+            _mm512_store_ps(at, sc[c]);
+            _mm512_store_ps(at + TILE_N, offsets != NULL ? off[c] : _mm512_mul_ps(sc[c], _mm512_set1_ps(-128.0f)));
+        }
+#else
+        for (int c = 0; c < count; c++) {
+            float *at = (float *)(buf + (int64_t)(b0 + c) * TILE_BLOCK_BYTES + GROUPS * TILE_N * 4);
+            for (int j = 0; j < TILE_N; j++) {
+                at[j] = srow[j][b0 + c];
+                at[TILE_N + j] = offsets != NULL ? orow[j][b0 + c] : 0.0f;
+            }
+        }
+#endif
+    }
+}
+
+/* ------------------------------------------------------------------ micro-tiles */
+
+static inline int32_t act4(const int8_t *qa, int64_t row, int K, int b, int g) {
+    int32_t v;
+    memcpy(&v, qa + row * K + BLOCK * b + 4 * g, 4);
+    return v;
+}
+
+/* y[m0 .. m0+mr, n0 .. n0+nt] from the tile buffer. */
+static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf, int K, const int8_t *qa,
+                                                             const float *da, const float *sa, int m0, int mr,
+                                                             int is_int8, float *y, int64_t y_stride, int n0,
+                                                             int nt) {
+    const int nb = K / BLOCK;
+    (void)is_int8;
+#if WIDE
+    __m512 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = buf + (int64_t)b * TILE_BLOCK_BYTES;
+        __m512i iacc[MR];
+        for (int i = 0; i < mr; i++) iacc[i] = _mm512_setzero_si512();
+        for (int g = 0; g < GROUPS; g++) {
+            const __m512i w = _mm512_load_si512(blk + 64 * g);
+            for (int i = 0; i < mr; i++)
+                iacc[i] = _mm512_dpbusd_epi32(iacc[i], w, _mm512_set1_epi32(act4(qa, m0 + i, K, b, g)));
+        }
+        const __m512 sc = _mm512_load_ps((const float *)(blk + 64 * GROUPS));
+        const __m512 off = _mm512_load_ps((const float *)(blk + 64 * GROUPS + 64));
+        for (int i = 0; i < mr; i++) {
+            const int64_t ab = (int64_t)(m0 + i) * nb + b;
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i]), _mm512_mul_ps(sc, _mm512_set1_ps(da[ab])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(off, _mm512_set1_ps(sa[ab]), acc[i]);
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << nt) - 1);
+    for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + (int64_t)(m0 + i) * y_stride + n0, keep, acc[i]);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MR][2];
+    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = buf + (int64_t)b * TILE_BLOCK_BYTES;
+        for (int h = 0; h < 2; h++) {
+            __m256i iacc[MR];
+            for (int i = 0; i < mr; i++) iacc[i] = _mm256_setzero_si256();
+            for (int g = 0; g < GROUPS; g++) {
+                const __m256i w = _mm256_load_si256((const __m256i *)(blk + 64 * g + 32 * h));
+                /* vpmaddubsw saturates int16: int4 pairs reach 2 * 15 * 127, fine; int8 ones
+                 * are taken as |w| times the activation with w's sign (2 * 128 * 127 fits). */
+                const __m256i u = is_int8 ? _mm256_abs_epi8(w) : w;
+                for (int i = 0; i < mr; i++) {
+                    __m256i a = _mm256_set1_epi32(act4(qa, m0 + i, K, b, g));
+                    if (is_int8) a = _mm256_sign_epi8(a, w);
+                    iacc[i] = _mm256_add_epi32(iacc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones));
+                }
+            }
+            const __m256 sc = _mm256_load_ps((const float *)(blk + 64 * GROUPS + 32 * h));
+            const __m256 off = _mm256_load_ps((const float *)(blk + 64 * GROUPS + 64 + 32 * h));
+            for (int i = 0; i < mr; i++) {
+                const int64_t ab = (int64_t)(m0 + i) * nb + b;
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[i]), _mm256_mul_ps(sc, _mm256_set1_ps(da[ab])),
+                                            acc[i][h]);
+                acc[i][h] = _mm256_fmadd_ps(off, _mm256_set1_ps(sa[ab]), acc[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        float out[TILE_N];
+        _mm256_storeu_ps(out, acc[i][0]);
+        _mm256_storeu_ps(out + 8, acc[i][1]);
+        memcpy(y + (int64_t)(m0 + i) * y_stride + n0, out, sizeof(float) * nt);
+    }
+#endif
+}
+
+/* Every activation row over one tile: full MR micro-tiles, then the rest (mr a constant in
+ * each call, so the loops over rows unroll). */
+static void rows_over_tile(const uint8_t *buf, int K, const int8_t *qa, const float *da, const float *sa, int M,
+                           int is_int8, float *y, int64_t y_stride, int n0, int nt) {
+    int m0 = 0;
+    for (; m0 + MR <= M; m0 += MR) micro_tile(buf, K, qa, da, sa, m0, MR, is_int8, y, y_stride, n0, nt);
+    switch (M - m0) {
+#if MR > 4
+    case 7: micro_tile(buf, K, qa, da, sa, m0, 7, is_int8, y, y_stride, n0, nt); break;
+    case 6: micro_tile(buf, K, qa, da, sa, m0, 6, is_int8, y, y_stride, n0, nt); break;
+    case 5: micro_tile(buf, K, qa, da, sa, m0, 5, is_int8, y, y_stride, n0, nt); break;
+    case 4: micro_tile(buf, K, qa, da, sa, m0, 4, is_int8, y, y_stride, n0, nt); break;
+    case 3: micro_tile(buf, K, qa, da, sa, m0, 3, is_int8, y, y_stride, n0, nt); break;
+    case 2: micro_tile(buf, K, qa, da, sa, m0, 2, is_int8, y, y_stride, n0, nt); break;
+#endif
+    case 1: micro_tile(buf, K, qa, da, sa, m0, 1, is_int8, y, y_stride, n0, nt); break;
+    default: break;
+    }
+}
+
+/* Returns 0, -1 when memory could not be had (y is then incomplete). */
+static int i8_linear(const float *x, int64_t x_stride, int M, int K, const void *data, const float *scales,
+                     const float *offsets, int N, float *y, int64_t y_stride, int num_threads) {
+    const int nb = K / BLOCK;
+    int8_t *qa = malloc((size_t)M * K);
+    float *da = malloc(sizeof(float) * 2 * (size_t)M * nb);
+    int failed = qa == NULL || da == NULL;
+    float *sa = da + (int64_t)M * nb;
+    if (!failed) quantize_activations(x, x_stride, M, K, qa, da, sa, num_threads);
+#pragma omp parallel num_threads(num_threads) if (!failed)
+    {
+        uint8_t *buf = failed ? NULL : aligned_alloc(64, (size_t)TILE_BLOCK_BYTES * nb);
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int n0 = 0; n0 < N; n0 += TILE_N) {
+            if (buf == NULL) continue;
+            gather_tile(data, scales, offsets, N, K, n0, buf);
+            rows_over_tile(buf, K, qa, da, sa, M, offsets == NULL, y, y_stride, n0, N - n0 < TILE_N ? N - n0 : TILE_N);
+        }
+        free(buf);
+    }
+    free(qa);
+    free(da);
+    return failed ? -1 : 0;
+}
+
+int int4_linear_i8(const float *x, int64_t x_stride, int M, int K, const uint8_t *packed, const float *scales,
+                   const float *offsets, int N, float *y, int64_t y_stride, int num_threads) {
+    return i8_linear(x, x_stride, M, K, packed, scales, offsets, N, y, y_stride, num_threads);
+}
+
+int int8_linear_i8(const float *x, int64_t x_stride, int M, int K, const int8_t *q, const float *scales, int N,
+                   float *y, int64_t y_stride, int num_threads) {
+    return i8_linear(x, x_stride, M, K, q, scales, NULL, N, y, y_stride, num_threads);
+}
+
+#else /* neither AVX-512 VNNI nor AVX2: the Python side runs the reference */
+
+int int4_linear_i8(void) { return -2; }
+int int8_linear_i8(void) { return -2; }
+void quantize_activations(void) {}
+
+#endif

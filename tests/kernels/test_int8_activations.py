@@ -1,0 +1,123 @@
+"""Quantized-weight products with int8 activations: the C kernel (each instruction-set build
+this host can run: AVX512_VNNI and AVX2) against the PyTorch reference.
+
+Tolerances: the activations' quantization is the same bit for bit (tested alone), and the
+per-block integer dot products are exact on both sides, so the results differ only in how
+the float32 per-block terms (d_a * d_w * dot + s_a * offset, K / 32 of them) are rounded and
+added (the reference sums them in float64): within 1e-5 of the product's magnitude
+|x| @ |w|.T (what cancels in the sum still rounds), + 1e-5 absolute.
+"""
+
+import pytest
+import torch
+
+from kernels import int8_activations as ia
+from kernels import quant_linear as ql
+from kernels.cpu_build import load_library
+
+ATOL, RTOL = 1e-4, 1e-5  # for results of magnitude ~1 (bfloat16: 1e-2 each)
+
+
+def assert_close_to_reference(got, want, x, w):
+    """|got - want| <= 1e-5 (1 + |x| @ |w|.T), w the exactly dequantized weight."""
+    bound = 1e-5 * (1 + x.abs().float() @ w.abs().T)
+    assert ((got.float() - want.float()).abs() <= bound).all(), (got.float() - want.float()).abs().max()
+
+needs_kernel = pytest.mark.skipif(load_library("int8_activation_linear") is None, reason="no C compiler")
+
+
+def int4_weight(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, k // 32, generator=g) * 0.2).half().float()
+    offsets = (-8 * scales + 0.01 * torch.randn(n, k // 32, generator=g)).half().float()
+    return packed, scales, offsets
+
+
+def int8_weight(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(n, k // 32, generator=g) / 64).half().float()
+    return q, scales
+
+
+def activations(m, k, seed=0):
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[0, 32:64] = 0  # an all-zero block: scale 0, codes 0
+    if m > 1:
+        x[1, :32] *= 1e4  # one block far larger than the rest of its row
+    return x
+
+
+def test_reference_quantization_is_the_block_formula():
+    x = torch.zeros(1, 64)
+    x[0, :4] = torch.tensor([2.0, -1.0, 0.5, 1.0 / 127])
+    q, d, s = ia.quantize_activations_ref(x)
+    assert d[0, 0] == torch.tensor(2.0) / 127 and d[0, 1] == 0
+    # x / d = [127, -63.5, 31.75, 0.5]: -63.5 rounds to even (-64), 0.5 to 0.
+    assert q[0, :5].tolist() == [127, -64, 32, 0, 0]
+    assert q[0, 32:].abs().sum() == 0
+    assert s[0, 0] == d[0, 0] * (127 - 64 + 32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_reference_is_close_to_the_exact_product(bits):
+    """The reference's algebra (offsets, int8's +128 codes) is the exact product's, up to
+    the activations' rounding (~0.4% of a block's largest value per element)."""
+    x = torch.randn(5, 576)
+    if bits == 4:
+        w = int4_weight(40, 576)
+        got, exact = ia.int4_linear_ref(x, *w), ql.int4_linear_ref(x, *w)
+    else:
+        w = int8_weight(40, 576)
+        got, exact = ia.int8_linear_ref(x, *w), ql.int8_linear_ref(x, *w)
+    assert (got - exact).norm() / exact.norm() < 0.01
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 576), (33, 1536)])
+def test_cpu_quantization_is_the_reference_bit_for_bit(m, k, cpu_isa):
+    x = activations(m, k)
+    for got, want in zip(ia.quantize_activations_cpu(x), ia.quantize_activations_ref(x)):
+        assert torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 32, 130])
+@pytest.mark.parametrize("n,k", [(7, 64), (577, 576), (66, 1536)])
+def test_cpu_products_match_the_reference(m, n, k, cpu_isa):
+    assert ia.available()
+    x = activations(m, k, seed=m)
+    w4 = int4_weight(n, k, seed=m)
+    assert_close_to_reference(ia.int4_linear_cpu(x, *w4), ia.int4_linear_ref(x, *w4), x, ql.dequantize_int4_ref(*w4))
+    w8 = int8_weight(n, k, seed=m)
+    assert_close_to_reference(ia.int8_linear_cpu(x, *w8), ia.int8_linear_ref(x, *w8), x, ql.dequantize_int8_ref(*w8))
+
+
+@needs_kernel
+def test_cpu_products_take_extreme_weight_codes(cpu_isa):
+    """int8 -128 and 127 beside activation codes +-127 (AVX2's vpmaddubsw saturates int16:
+    the kernel must keep every pair sum below it) and int4 15 everywhere."""
+    k = 128
+    x = torch.full((3, k), 1.0)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    q = torch.full((5, k), -128, dtype=torch.int8)
+    q[1] = 127
+    q[2, ::2] = 127
+    scales = torch.full((5, k // 32), 0.5)
+    torch.testing.assert_close(ia.int8_linear_cpu(x, q, scales), ia.int8_linear_ref(x, q, scales), atol=ATOL, rtol=RTOL)
+    packed = torch.full((5, k // 2), 255, dtype=torch.uint8)
+    torch.testing.assert_close(ia.int4_linear_cpu(x, packed, scales, -scales), ia.int4_linear_ref(x, packed, scales, -scales),
+                               atol=ATOL, rtol=RTOL)
+
+
+@needs_kernel
+def test_cpu_products_read_strided_rows_and_keep_bfloat16(cpu_isa):
+    x = torch.randn(6, 2 * 128)[:, :128]  # rows with stride 256
+    w = int4_weight(33, 128)
+    torch.testing.assert_close(ia.int4_linear_cpu(x, *w), ia.int4_linear_ref(x, *w), atol=ATOL, rtol=RTOL)
+    xb = x.to(torch.bfloat16)
+    got = ia.int4_linear_cpu(xb, *w)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, ia.int4_linear_ref(xb, *w), atol=1e-2, rtol=1e-2)
