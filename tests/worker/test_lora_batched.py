@@ -75,6 +75,13 @@ def test_choice_follows_the_measurements(monkeypatch):
         cpu = "bgmv" if lora_cpu_available(dtype) else "grouped"
         assert choose_method(torch.device("cpu"), dtype) == cpu
         assert LoRABatch.build(torch.tensor([0, -1]), 2, dtype, torch.device("cpu")).method == cpu
+    if lora_cpu_available(torch.bfloat16):  # a long bf16 prefill under one adapter: the GEMMs
+        long = batched.GEMM_MIN_TOKENS_ONE_SLOT
+        assert LoRABatch.build(torch.full((long,), 3), 4, torch.bfloat16, torch.device("cpu")).method == "grouped"
+        mixed = torch.full((long,), 3)
+        mixed[0] = -1
+        assert LoRABatch.build(mixed, 4, torch.bfloat16, torch.device("cpu")).method == "bgmv"
+        assert LoRABatch.build(torch.full((long - 1,), 3), 4, torch.bfloat16, torch.device("cpu")).method == "bgmv"
     monkeypatch.setattr(batched, "lora_cpu_available", lambda dtype: False)  # no C compiler
     assert choose_method(torch.device("cpu"), torch.bfloat16) == "grouped"
 

@@ -35,14 +35,26 @@ from kernels.lora_cpu import add_lora_cpu, lora_cpu_available
 METHODS = ("masked", "grouped", "bgmv", "triton")
 
 
-def choose_method(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-    """The faster way, as measured (scripts/bench_lora.py --kernels, docs/BENCHMARKS.md):
-    on CPU the C kernel (``bgmv``) wherever it can be built; else grouping, which beat the
-    masked GEMMs at 32, 256 and 512 tokens, rank 8 and 16, with 1, 4 and 8 of 8 slots used
-    (save once within the noise). The others stay for comparison (``LoRASlots.method``)."""
+# bfloat16 steps of at least this many tokens, all under one adapter, go to oneDNN's GEMMs.
+GEMM_MIN_TOKENS_ONE_SLOT = 512
+
+
+def choose_method(device: torch.device, dtype: torch.dtype = torch.float32, num_tokens: int = 0,
+                  one_slot: bool = False) -> str:
+    """The faster way, as measured (scripts/bench_lora.py --kernels, docs/BENCHMARKS.md,
+    "Multi-LoRA kernels: the C kernel"): on CPU the C kernel (``bgmv``) wherever it can be
+    built, 1.2-4x faster than grouping at 32-2048 tokens over 4 or 8 adapters and at decode
+    sizes over one; except a bfloat16 step of ``GEMM_MIN_TOKENS_ONE_SLOT`` tokens or more,
+    all with one adapter (``one_slot``: a long prefill), where grouping's two plain GEMMs
+    won. Without a C compiler: grouping, which beat the masked GEMMs (kept for comparison,
+    as ``LoRASlots.method``)."""
     if device.type == "cuda":
         return "triton"
-    return "bgmv" if lora_cpu_available(dtype) else "grouped"
+    if not lora_cpu_available(dtype):
+        return "grouped"
+    if dtype == torch.bfloat16 and one_slot and num_tokens >= GEMM_MIN_TOKENS_ONE_SLOT:
+        return "grouped"
+    return "bgmv"
 
 
 @dataclass
@@ -70,8 +82,9 @@ class LoRABatch:
         """``token_slot``: a host int64 tensor; the result's tensors are on ``device``."""
         has_slot = token_slot >= 0
         used = torch.unique(token_slot[has_slot])  # sorted
+        one_slot = len(used) == 1 and bool(has_slot.all())
         if method is None:
-            method = choose_method(device, dtype)
+            method = choose_method(device, dtype, len(token_slot), one_slot)
         batch = cls(method=method, token_slot=token_slot.to(device))
         if method == "masked":
             one_hot = torch.zeros(len(token_slot), num_slots, dtype=dtype)
@@ -90,7 +103,7 @@ class LoRABatch:
             lo, hi = int(used[0]), int(used[-1]) + 1
             batch.group_range = (lo, hi) if hi - lo == len(used) else None
             batch.groups = used.to(device)
-            if len(used) == 1 and bool(has_slot.all()):
+            if one_slot:
                 batch.single_slot = int(used[0])
         elif method not in ("bgmv", "triton"):
             raise ValueError(f"unknown LoRA method {method!r} (one of {', '.join(METHODS)})")
