@@ -43,8 +43,8 @@ def choose_method(device: torch.device, dtype: torch.dtype = torch.float32, num_
                   one_slot: bool = False) -> str:
     """The faster way, as measured (scripts/bench_lora.py --kernels, docs/BENCHMARKS.md,
     "Multi-LoRA kernels: the C kernel"): on CPU the C kernel (``bgmv``) wherever it can be
-    built, 1.2-4x faster than grouping at 32-2048 tokens over 4 or 8 adapters and at decode
-    sizes over one; except a bfloat16 step of ``GEMM_MIN_TOKENS_ONE_SLOT`` tokens or more,
+    built, 1.3-7x faster than grouping at 32-2048 tokens over 4 or 8 adapters and 1.3-2.4x
+    at 32 tokens over one; except a bfloat16 step of ``GEMM_MIN_TOKENS_ONE_SLOT`` tokens or more,
     all with one adapter (``one_slot``: a long prefill), where grouping's two plain GEMMs
     won. Without a C compiler: grouping, which beat the masked GEMMs (kept for comparison,
     as ``LoRASlots.method``)."""
