@@ -5,7 +5,8 @@
 ``--enable-lora --max-loras 8``; request ``i`` uses adapter ``i % k`` for k distinct
 adapters (k = 0: the base model). Adapters are random PEFT folders targeting all seven
 projections, at each ``--ranks`` rank. Only generation is timed (output tokens / s).
-Ratios are against k = 0 in the same run.
+Ratios are against k = 0 in the same run; so are the tokens per second of the process's
+CPU time (``time.process_time``), which a busy machine inflates less than wall time.
 
     .venv/bin/python scripts/bench_lora.py [--num-prompts 32] [--ranks 8,16]
 
@@ -21,10 +22,12 @@ Each k draws other prompts (seed k), so no k reuses another's prefix-cache block
 served name is warmed up first. Output tok/s over the whole run, ratios against k = 0.
 
 ``--kernels`` times the LoRA delta alone instead (``services/worker/lora/batched.py``):
-each method (masked, grouped) over the four fused projections of one layer of the
-default model, ``--max-loras 8`` slots, per rank, tokens per step (32 = a decode step of
-32 requests; 256 and 512 = prefill chunks) and distinct adapters in the step; the
-tokens are spread evenly over the adapters. The fastest of ``--repeats`` runs (the
+each CPU method (``--methods``: masked, grouped, bgmv) over the four fused projections of
+one layer of the default model, ``--max-loras 8`` slots in ``--dtype``, per rank, tokens
+per step (32 = a decode step of 32 requests; 256 and 512 = prefill chunks) and distinct
+adapters in the step; the tokens are spread evenly over the adapters (``--shuffle``: in
+random order, as a decode step's requests are). Each step's ``LoRABatch`` is built in the
+timed part, as the worker builds one per step. The fastest of ``--repeats`` runs (the
 methods alternate), microseconds: on a shared machine the minimum is the least disturbed.
 """
 
@@ -72,7 +75,8 @@ def write_adapter(folder: Path, model_config, rank: int, seed: int) -> Path:
     return folder
 
 
-def bench_kernels(ranks: list[int], counts: list[int], token_counts: list[int], repeats: int) -> dict:
+def bench_kernels(ranks: list[int], counts: list[int], token_counts: list[int], repeats: int,
+                  methods: list[str], dtype: torch.dtype, shuffle: bool) -> dict:
     from services.worker.lora.batched import LoRABatch, add_lora
     from shared.lora import FUSED_PROJECTIONS, ProjectionShapes
     from shared.model_config import default_model_path, load_model_config
@@ -82,27 +86,32 @@ def bench_kernels(ranks: list[int], counts: list[int], token_counts: list[int], 
     gen = torch.Generator().manual_seed(0)
     results = {}
     for rank in ranks:
-        weights = {p: (torch.randn(num_slots, shapes.stacked_rank(p, rank), shapes.in_features[p], generator=gen),
-                       torch.randn(num_slots, shapes.stacked_rank(p, rank), sum(shapes.out_features[p]), generator=gen))
+        weights = {p: (torch.randn(num_slots, shapes.stacked_rank(p, rank), shapes.in_features[p],
+                                   generator=gen).to(dtype),
+                       torch.randn(num_slots, shapes.stacked_rank(p, rank), sum(shapes.out_features[p]),
+                                   generator=gen).to(dtype))
                    for p in FUSED_PROJECTIONS}
         for num_tokens in token_counts:
-            xs = {p: torch.randn(num_tokens, shapes.in_features[p], generator=gen) for p in FUSED_PROJECTIONS}
-            ys = {p: torch.randn(num_tokens, sum(shapes.out_features[p]), generator=gen) for p in FUSED_PROJECTIONS}
+            xs = {p: torch.randn(num_tokens, shapes.in_features[p], generator=gen).to(dtype) for p in FUSED_PROJECTIONS}
+            ys = {p: torch.randn(num_tokens, sum(shapes.out_features[p]), generator=gen).to(dtype)
+                  for p in FUSED_PROJECTIONS}
             for k in counts:
                 token_slot = torch.arange(num_tokens) * k // num_tokens  # k even runs of tokens
-                times = {"masked": [], "grouped": []}
-                for _ in range(repeats):  # the methods alternate, so both meet the same load
+                if shuffle:
+                    token_slot = token_slot[torch.randperm(num_tokens, generator=gen)]
+                times = {method: [] for method in methods}
+                for _ in range(repeats):  # the methods alternate, so all meet the same load
                     for method, runs in times.items():
                         t0 = time.perf_counter()
-                        batch = LoRABatch.build(token_slot, num_slots, torch.float32, torch.device("cpu"), method)
+                        batch = LoRABatch.build(token_slot, num_slots, dtype, torch.device("cpu"), method)
                         for p, (a, b) in weights.items():
-                            add_lora(ys[p], xs[p], a, b, batch)
+                            add_lora(ys[p], xs[p], a, b, batch, shapes.out_features[p])
                         runs.append(time.perf_counter() - t0)
                 row = {method: min(runs) * 1e6 for method, runs in times.items()}
                 results[f"rank={rank} tokens={num_tokens} adapters={k}"] = row
+                ratios = [f"{m}/{methods[0]} {row[m] / row[methods[0]]:.2f}" for m in methods[1:]]
                 print(f"rank {rank:2d}  tokens {num_tokens:4d}  adapters {k}:  "
-                      + "  ".join(f"{m} {us:8.0f} us" for m, us in row.items())
-                      + f"  grouped/masked {row['grouped'] / row['masked']:.2f}", flush=True)
+                      + "  ".join(f"{m} {us:8.0f} us" for m, us in row.items()) + "  " + "  ".join(ratios), flush=True)
     return results
 
 
@@ -153,6 +162,9 @@ def main(argv=None) -> None:
     p.add_argument("--served", action="store_true", help="measure a served stack (scripts/serve) over HTTP")
     p.add_argument("--concurrency", type=int, default=32, help="--served: requests in flight (and --max-num-seqs)")
     p.add_argument("--tokens", default="32,256,512", help="--kernels: tokens per step")
+    p.add_argument("--methods", default="grouped,bgmv,masked", help="--kernels: methods (ratios against the first)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="--kernels: dtype")
+    p.add_argument("--shuffle", action="store_true", help="--kernels: tokens in random slot order")
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--num-prompts", type=int, default=32)
@@ -167,8 +179,10 @@ def main(argv=None) -> None:
     if args.kernels:
         counts = [int(k) for k in args.adapters.split(",") if int(k) > 0]
         results = bench_kernels([int(r) for r in args.ranks.split(",")], counts,
-                                [int(t) for t in args.tokens.split(",")], args.repeats)
-        print(json.dumps({"us": results, "threads": torch.get_num_threads()}))
+                                [int(t) for t in args.tokens.split(",")], args.repeats, args.methods.split(","),
+                                getattr(torch, args.dtype), args.shuffle)
+        print(json.dumps({"us": results, "threads": torch.get_num_threads(), "dtype": args.dtype,
+                          "loadavg": os.getloadavg()}))
         return
 
     load_start = os.getloadavg()  # the machine may be shared: the figures say how busy it was
@@ -188,6 +202,7 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     results: dict[int, dict[int, float]] = {}
+    cpu_results: dict[int, dict[int, float]] = {}  # output tokens per second of process CPU time
     with tempfile.TemporaryDirectory() as tmp:
         for rank in ranks:
             lora_config = LoRAConfig(enable_lora=True, max_loras=max(max(counts), 1), max_lora_rank=rank,
@@ -203,19 +218,24 @@ def main(argv=None) -> None:
                      for i in range(max(counts))]
             # Warm-up: every adapter read and put in a slot once.
             engine.generate([[1, 2, 3]] * max(len(loras), 1), SamplingParams(max_tokens=2), loras or None)
-            results[rank] = {}
+            results[rank], cpu_results[rank] = {}, {}
             for k in counts:
                 prompts = [torch.randint(0, vocab, (args.input_len,), generator=gen).tolist()
                            for _ in range(args.num_prompts)]
                 choices = [loras[i % k] if k else None for i in range(args.num_prompts)]
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 engine.generate(prompts, params, choices)
-                seconds = time.perf_counter() - t0
+                seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
                 results[rank][k] = args.num_prompts * args.output_len / seconds
+                cpu_results[rank][k] = args.num_prompts * args.output_len / cpu_seconds
                 print(f"rank {rank:3d}  {k} adapter(s): {results[rank][k]:8.1f} output tok/s "
-                      f"({results[rank][k] / results[rank][counts[0]]:.2f}x of {counts[0]})", flush=True)
+                      f"({results[rank][k] / results[rank][counts[0]]:.2f}x of {counts[0]}); per CPU second "
+                      f"{cpu_results[rank][k]:8.1f} ({cpu_results[rank][k] / cpu_results[rank][counts[0]]:.2f}x)",
+                      flush=True)
     ratios = {r: {k: v / by_k[counts[0]] for k, v in by_k.items()} for r, by_k in results.items()}
-    print(json.dumps({"tok_s": results, "ratio": ratios, "threads": torch.get_num_threads(),
+    cpu_ratios = {r: {k: v / by_k[counts[0]] for k, v in by_k.items()} for r, by_k in cpu_results.items()}
+    print(json.dumps({"tok_s": results, "ratio": ratios, "tok_per_cpu_s": cpu_results, "cpu_ratio": cpu_ratios,
+                      "threads": torch.get_num_threads(),
                       "method": args.method or "auto", "loadavg_start": load_start, "loadavg_end": os.getloadavg()}))
 
 

@@ -1,6 +1,6 @@
 """The batched LoRA delta, each method (masked GEMMs over all slots, grouped bmm over the
-slots used, the Triton kernels) against the per-token gather reference, on mixed batches
-with base-model tokens."""
+slots used, the C kernel, the Triton kernels) against the per-token gather reference, on
+mixed batches with base-model tokens."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from services.worker.lora.batched import METHODS, LoRABatch, add_lora, choose_method, lora_delta_reference
+from kernels.lora_cpu import lora_cpu_available
 from kernels.triton_import import HAS_TRITON
 
 CASES = [(1, 8, torch.float32), (4, 48, torch.float32), (8, 16, torch.bfloat16)]
@@ -66,10 +67,39 @@ def test_grouped_with_one_slot_for_every_token():
     torch.testing.assert_close(got, base + lora_delta_reference(x, a_slots, b_slots, slot_index), rtol=1e-4, atol=1e-3)
 
 
-def test_choice_follows_the_measurements():
+def test_choice_follows_the_measurements(monkeypatch):
+    import services.worker.lora.batched as batched
+
     assert choose_method(torch.device("cuda")) == "triton"
-    assert choose_method(torch.device("cpu")) == "grouped"
-    assert LoRABatch.build(torch.tensor([0, -1]), 2, torch.float32, torch.device("cpu")).method == "grouped"
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = "bgmv" if lora_cpu_available(dtype) else "grouped"
+        assert choose_method(torch.device("cpu"), dtype) == cpu
+        assert LoRABatch.build(torch.tensor([0, -1]), 2, dtype, torch.device("cpu")).method == cpu
+    if lora_cpu_available(torch.bfloat16):  # a long bf16 prefill under one adapter: the GEMMs
+        long = batched.GEMM_MIN_TOKENS_ONE_SLOT
+        assert LoRABatch.build(torch.full((long,), 3), 4, torch.bfloat16, torch.device("cpu")).method == "grouped"
+        mixed = torch.full((long,), 3)
+        mixed[0] = -1
+        assert LoRABatch.build(mixed, 4, torch.bfloat16, torch.device("cpu")).method == "bgmv"
+        assert LoRABatch.build(torch.full((long - 1,), 3), 4, torch.bfloat16, torch.device("cpu")).method == "bgmv"
+    monkeypatch.setattr(batched, "lora_cpu_available", lambda dtype: False)  # no C compiler
+    assert choose_method(torch.device("cpu"), torch.bfloat16) == "grouped"
+
+
+def test_bgmv_with_fused_splits_and_strided_input():
+    """The worker's call: B block-diagonal with its sub-modules' widths; an input the
+    kernel does not take (a transposed view) is still right, by the reference."""
+    x, a_slots, b_slots, base, slot_index = mixed_batch(4, 16, torch.float32)
+    b_slots[:, :8, 64:] = 0  # two sub-modules of 64 and 32 output columns, 8 rank rows each
+    b_slots[:, 8:, :64] = 0
+    batch = LoRABatch.build(slot_index, 4, torch.float32, x.device, "bgmv")
+    want = base + lora_delta_reference(x, a_slots, b_slots, slot_index)
+    got = add_lora(base.clone(), x, a_slots, b_slots, batch, (64, 32))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    strided_x = x.t().contiguous().t()
+    assert strided_x.stride(1) != 1
+    got = add_lora(base.clone(), strided_x, a_slots, b_slots, batch, (64, 32))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
 def test_reference_is_zero_without_slots():

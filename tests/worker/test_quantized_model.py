@@ -127,6 +127,13 @@ def test_lora_adds_its_delta_to_a_quantized_projection(int4_worker):
         a, b = slots.a_slots[2]["qkv"], slots.b_slots[2]["qkv"]
         a.copy_(0.1 * torch.randn_like(a))
         b.copy_(0.1 * torch.randn_like(b))
+        # Block-diagonal as adapter.py lays it out (q, k, v each reach only their columns):
+        # the CPU kernel reads only those blocks.
+        rows, col = b.shape[1] // 3, 0
+        for m, width in enumerate(slots.shard.out_splits["qkv"]):
+            b[:, m * rows:(m + 1) * rows, :col] = 0
+            b[:, m * rows:(m + 1) * rows, col + width:] = 0
+            col += width
         token_slot = torch.tensor([0, -1, 0])
         slots.batch = LoRABatch.build(token_slot, 1, torch.float32, torch.device("cpu"))
         x = torch.randn(3, int4_worker.model_config.hidden_size)

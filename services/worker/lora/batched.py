@@ -5,7 +5,7 @@ Every adapter slot's A and B of a projection live in one tensor each: ``a_slots`
 ``adapter.py``; the scaling is folded into B). A step gives each token a slot
 (``LoRABatch``: ``token_slot`` ``[T]``, -1 for a token of the base model) and every token
 gets ``B_s^T A_s x`` of its own slot ``s``, for any mix of adapters, with no loop over
-adapters and no per-step copy of the weights. Three ways (``LoRABatch.method``; by
+adapters and no per-step copy of the weights. Four ways (``LoRABatch.method``; by
 default ``choose_method``'s, from the measurements in docs/BENCHMARKS.md):
 
 - ``masked`` (CPU): one shrink GEMM over all S slots, each token's row masked to its
@@ -14,6 +14,9 @@ default ``choose_method``'s, from the measurements in docs/BENCHMARKS.md):
   the G slots the step uses, shrink and expand as two batched GEMMs (``torch.bmm``),
   the deltas added back by token index. Cost grows with the tokens (plus padding to the
   largest group), not with S.
+- ``bgmv`` (CPU): one C call per projection (``kernels/lora_cpu.py``) that groups the
+  tokens by slot itself and reads each slot's A and B in place, skipping the zero blocks
+  of a fused projection's block-diagonal B (``out_splits``). No padding, no index tensors.
 - ``triton`` (GPU): punica's bgmv idea, ``kernels/lora.py``: shrink and expand kernels
   that read only each token's slot.
 
@@ -27,16 +30,31 @@ from dataclasses import dataclass
 import torch
 
 from kernels.lora import lora_expand_triton, lora_shrink_triton
+from kernels.lora_cpu import add_lora_cpu, lora_cpu_available
 
-METHODS = ("masked", "grouped", "triton")
+METHODS = ("masked", "grouped", "bgmv", "triton")
 
 
-def choose_method(device: torch.device) -> str:
-    """The faster way, as measured (scripts/bench_lora.py --kernels, docs/BENCHMARKS.md):
-    on CPU grouping won at 32, 256 and 512 tokens, rank 8 and 16, with 1 and 4 of 8
-    slots used, and with all 8 save once within the noise; the masked GEMMs stay for
-    comparison (``LoRASlots.method``)."""
-    return "triton" if device.type == "cuda" else "grouped"
+# bfloat16 steps of at least this many tokens, all under one adapter, go to oneDNN's GEMMs.
+GEMM_MIN_TOKENS_ONE_SLOT = 512
+
+
+def choose_method(device: torch.device, dtype: torch.dtype = torch.float32, num_tokens: int = 0,
+                  one_slot: bool = False) -> str:
+    """The faster way, as measured (scripts/bench_lora.py --kernels, docs/BENCHMARKS.md,
+    "Multi-LoRA kernels: the C kernel"): on CPU the C kernel (``bgmv``) wherever it can be
+    built, 1.3-7x faster than grouping at 32-2048 tokens over 4 or 8 adapters and 1.3-2.4x
+    at 32 tokens over one; except a bfloat16 step of ``GEMM_MIN_TOKENS_ONE_SLOT`` tokens or more,
+    all with one adapter (``one_slot``: a long prefill), where grouping's two plain GEMMs
+    won. Without a C compiler: grouping, which beat the masked GEMMs (kept for comparison,
+    as ``LoRASlots.method``)."""
+    if device.type == "cuda":
+        return "triton"
+    if not lora_cpu_available(dtype):
+        return "grouped"
+    if dtype == torch.bfloat16 and one_slot and num_tokens >= GEMM_MIN_TOKENS_ONE_SLOT:
+        return "grouped"
+    return "bgmv"
 
 
 @dataclass
@@ -64,8 +82,9 @@ class LoRABatch:
         """``token_slot``: a host int64 tensor; the result's tensors are on ``device``."""
         has_slot = token_slot >= 0
         used = torch.unique(token_slot[has_slot])  # sorted
+        one_slot = len(used) == 1 and bool(has_slot.all())
         if method is None:
-            method = choose_method(device)
+            method = choose_method(device, dtype, len(token_slot), one_slot)
         batch = cls(method=method, token_slot=token_slot.to(device))
         if method == "masked":
             one_hot = torch.zeros(len(token_slot), num_slots, dtype=dtype)
@@ -84,16 +103,23 @@ class LoRABatch:
             lo, hi = int(used[0]), int(used[-1]) + 1
             batch.group_range = (lo, hi) if hi - lo == len(used) else None
             batch.groups = used.to(device)
-            if len(used) == 1 and bool(has_slot.all()):
+            if one_slot:
                 batch.single_slot = int(used[0])
-        elif method != "triton":
+        elif method not in ("bgmv", "triton"):
             raise ValueError(f"unknown LoRA method {method!r} (one of {', '.join(METHODS)})")
         return batch
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a_slots: torch.Tensor, b_slots: torch.Tensor,
-             batch: LoRABatch) -> torch.Tensor:
-    """``y += delta`` in place (and returned): ``y`` ``[T, out]``, ``x`` ``[T, in]``."""
+             batch: LoRABatch, out_splits: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``y += delta`` in place (and returned): ``y`` ``[T, out]``, ``x`` ``[T, in]``;
+    ``out_splits``: the widths of the fused sub-modules' outputs (``bgmv`` skips B's
+    zero blocks; the others multiply them)."""
+    if batch.method == "bgmv":
+        if not add_lora_cpu(y, x, a_slots, b_slots, batch.token_slot, out_splits):
+            # Tensors the kernel does not take (strides, dtypes): correct, not fast.
+            y += lora_delta_reference(x, a_slots, b_slots, batch.token_slot).to(y.dtype)
+        return y
     if batch.method == "masked":
         return add_lora_masked(y, x, a_slots, b_slots, batch.one_hot)
     if batch.method == "grouped":

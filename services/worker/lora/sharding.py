@@ -30,20 +30,25 @@ def _index(ranges: list[tuple[int, int]]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LoRAShard:
-    """Per fused projection: the A columns and B rows this rank keeps (None: all), and
-    its local input and output sizes."""
+    """Per fused projection: the A columns and B rows this rank keeps (None: all), its
+    local input and output sizes, and the local output width of each sub-module (B's
+    diagonal blocks)."""
 
     a_columns: dict[str, torch.Tensor | None]
     b_rows: dict[str, torch.Tensor | None]
     in_features: dict[str, int]
-    out_features: dict[str, int]
+    out_splits: dict[str, tuple[int, ...]]
+
+    @property
+    def out_features(self) -> dict[str, int]:
+        return {p: sum(widths) for p, widths in self.out_splits.items()}
 
     @classmethod
     def of(cls, config: ModelConfig, shard: ShardLayout | None) -> "LoRAShard":
         full = ProjectionShapes.of(config)
         if shard is None or shard.world_size == 1:
             return cls({p: None for p in full.in_features}, {p: None for p in full.in_features},
-                       dict(full.in_features), {p: sum(outs) for p, outs in full.out_features.items()})
+                       dict(full.in_features), dict(full.out_features))
         hd = config.head_dim
         q_full, kv_full = config.num_attention_heads * hd, config.num_key_value_heads * hd
         q = (shard.head_start * hd, (shard.head_start + shard.num_heads) * hd)
@@ -57,8 +62,8 @@ class LoRAShard:
             a_columns={"qkv": None, "o": _index([q]), "gate_up": None, "down": _index([inter])},
             b_rows={"qkv": _index(qkv_rows), "o": None, "gate_up": _index(gate_up_rows), "down": None},
             in_features={"qkv": hidden, "o": q[1] - q[0], "gate_up": hidden, "down": inter[1] - inter[0]},
-            out_features={"qkv": sum(b - a for a, b in qkv_rows), "o": hidden,
-                          "gate_up": sum(b - a for a, b in gate_up_rows), "down": hidden},
+            out_splits={"qkv": tuple(b - a for a, b in qkv_rows), "o": (hidden,),
+                        "gate_up": tuple(b - a for a, b in gate_up_rows), "down": (hidden,)},
         )
 
     def a(self, projection: str, a: torch.Tensor) -> torch.Tensor:

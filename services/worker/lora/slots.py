@@ -87,18 +87,19 @@ class LoRASlots:
                 base = getattr(module, attr)
                 self._originals.append((module, attr, base))
                 a_slots, b_slots = a_by_proj[projection], b_by_proj[projection]
+                out_splits = self.shard.out_splits[projection]
                 if isinstance(base, RowParallel):  # the delta joins the partial sum before the all-reduce
-                    wrapped = RowParallel(self._with_lora(base.linear, a_slots, b_slots), base.all_reduce)
+                    wrapped = RowParallel(self._with_lora(base.linear, a_slots, b_slots, out_splits), base.all_reduce)
                 else:
-                    wrapped = self._with_lora(base, a_slots, b_slots)
+                    wrapped = self._with_lora(base, a_slots, b_slots, out_splits)
                 setattr(module, attr, wrapped)
 
-    def _with_lora(self, base, a_slots: torch.Tensor, b_slots: torch.Tensor):
+    def _with_lora(self, base, a_slots: torch.Tensor, b_slots: torch.Tensor, out_splits: tuple[int, ...]):
         def linear(x: torch.Tensor) -> torch.Tensor:
             y = base(x)
             if self.batch is None:
                 return y
-            return add_lora(y, x, a_slots, b_slots, self.batch)
+            return add_lora(y, x, a_slots, b_slots, self.batch, out_splits)
 
         return linear
 
