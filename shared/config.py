@@ -181,6 +181,9 @@ class SchedulerConfig:
         return self.async_scheduling and self.speculative is None
 
 
+OMP_WAIT_POLICIES = ("passive", "active", "default")
+
+
 @dataclass(frozen=True)
 class ModelRunConfig:
     """How a worker runs the model: which weights, dtype, device, kernels."""
@@ -199,8 +202,21 @@ class ModelRunConfig:
                 "(~5x less weight memory; one rank only); none dequantizes every weight to --dtype")
     max_model_len: int | None = max_model_len_setting()
     seed: int = setting(0, "seed of the worker's shared sampling generator")
+    # Applied by the worker before torch loads OpenMP (services/worker/openmp_wait.py). The
+    # flag's environment variable is OpenMP's own, so an OMP_WAIT_POLICY already set wins.
+    # Passive: libgomp's default spins each idle thread ~3 ms before it sleeps, and on a
+    # 2-core machine those spins take the core from whatever else must run (the stack's
+    # own services, other processes); served throughput at concurrency 32 fell to 1/7 of
+    # the passive policy's beside other work (docs/BENCHMARKS.md, "OpenMP wait policy").
+    omp_wait_policy: str = setting(
+        "passive", "CPU: OpenMP wait policy of the worker's threads: passive (an idle thread sleeps at once) | "
+                   "active (it spins) | default (libgomp's: spins ~3 ms, then sleeps); GOMP_SPINCOUNT, if set, "
+                   "overrides the spin time of any of them")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "omp_wait_policy", self.omp_wait_policy.lower())
+        if self.omp_wait_policy not in OMP_WAIT_POLICIES:
+            raise ConfigError(f"omp_wait_policy must be passive|active|default, got {self.omp_wait_policy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.kernel_backend not in ("auto", "torch", "triton"):
