@@ -106,7 +106,7 @@ def read_py_spy(path: Path) -> Counter:
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
-        if any("_WorkItem.run" in frame for frame in frames):  # the forward thread
+        if any("concurrent/futures/thread.py" in frame for frame in frames):  # the forward thread
             parts[step_part(frames) or "forward thread, between steps"] += int(count)
         else:
             parts["event loop thread (bus, step messages)"] += int(count)
