@@ -204,14 +204,16 @@ class ModelRunConfig:
     seed: int = setting(0, "seed of the worker's shared sampling generator")
     # Applied by the worker before torch loads OpenMP (services/worker/openmp_wait.py). The
     # flag's environment variable is OpenMP's own, so an OMP_WAIT_POLICY already set wins.
-    # Passive: libgomp's default spins each idle thread ~3 ms before it sleeps, and on a
-    # 2-core machine those spins take the core from whatever else must run (the stack's
-    # own services, other processes); served throughput at concurrency 32 fell to 1/7 of
-    # the passive policy's beside other work (docs/BENCHMARKS.md, "OpenMP wait policy").
+    # libgomp's default (idle threads spin ~3 ms, then sleep) is the fastest when the worker
+    # has its cores to itself: served at concurrency 32 on the 2-core benchmark machine,
+    # passive gave 0.83x of its throughput when quiet, but 2-9x of it beside other work,
+    # where spinning threads hold the cores that the thread ending their wait needs
+    # (docs/BENCHMARKS.md, "Concurrency 32 served"). Passive is for workers sharing cores.
     omp_wait_policy: str = setting(
-        "passive", "CPU: OpenMP wait policy of the worker's threads: passive (an idle thread sleeps at once) | "
-                   "active (it spins) | default (libgomp's: spins ~3 ms, then sleeps); GOMP_SPINCOUNT, if set, "
-                   "overrides the spin time of any of them")
+        "default", "CPU: OpenMP wait policy of the worker's threads: default (libgomp's: an idle thread spins "
+                   "~3 ms, then sleeps; fastest on cores of its own) | passive (it sleeps at once; far faster "
+                   "when other processes share the cores) | active (it spins); GOMP_SPINCOUNT, if set, overrides "
+                   "the spin time of any of them")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "omp_wait_policy", self.omp_wait_policy.lower())

@@ -2,12 +2,11 @@
 
 The worker runs every CPU op on PyTorch's OpenMP pool (GNU libgomp), one thread per core.
 Between parallel regions libgomp keeps an idle thread spinning for about 3 ms by default
-(``OMP_WAIT_POLICY`` unset), which pays off only when every core is the pool's alone. On
-a small machine they are not: the stack's own services (gateway, tokenizer, scheduler,
-detokenizer, the worker's event loop) and anything else running need a core between and
-during steps, and a spinning thread holds it while the thread that owns the next region
-waits for a time slice. ``ModelRunConfig.omp_wait_policy`` says which policy the worker
-runs with (the figures behind its default are in docs/BENCHMARKS.md).
+(``OMP_WAIT_POLICY`` unset). On cores of its own that is the fastest: the next region finds
+its threads awake. When other processes share the cores, a spinning thread holds a core
+while the thread that owns the next region waits for a time slice, and a passive pool
+(threads sleep at once) serves several times the tokens. ``ModelRunConfig.omp_wait_policy``
+says which the worker runs with; the figures behind its default are in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

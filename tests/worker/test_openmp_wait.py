@@ -12,8 +12,8 @@ from services.worker.openmp_wait import VARIABLE, apply_omp_wait_policy
 from shared.config import ConfigError, ModelRunConfig
 
 
-def test_the_default_is_passive_and_any_case_is_taken():
-    assert ModelRunConfig().omp_wait_policy == "passive"
+def test_the_default_is_libgomps_and_any_case_is_taken():
+    assert ModelRunConfig().omp_wait_policy == "default"
     assert ModelRunConfig(omp_wait_policy="ACTIVE").omp_wait_policy == "active"
     with pytest.raises(ConfigError, match="omp_wait_policy"):
         ModelRunConfig(omp_wait_policy="spin")
@@ -46,7 +46,7 @@ def _libgomp_spin_count(env: dict[str, str], *flags: str) -> int:
 
 
 def test_libgomp_runs_with_the_worker_flag_or_the_users_variable():
-    assert _libgomp_spin_count({}) == 0
-    assert _libgomp_spin_count({}, "--omp-wait-policy", "default") == 300_000
+    assert _libgomp_spin_count({}) == 300_000
+    assert _libgomp_spin_count({}, "--omp-wait-policy", "passive") == 0
     assert _libgomp_spin_count({VARIABLE: "active"}) > 300_000
     assert _libgomp_spin_count({"GOMP_SPINCOUNT": "1000"}) == 1000
