@@ -206,7 +206,7 @@ class ModelRunConfig:
     # flag's environment variable is OpenMP's own, so an OMP_WAIT_POLICY already set wins.
     # libgomp's default (idle threads spin ~3 ms, then sleep) is the fastest when the worker
     # has its cores to itself: served at concurrency 32 on the 2-core benchmark machine,
-    # passive gave 0.83x of its throughput when quiet, but 2-9x of it beside other work,
+    # passive gave 0.83-0.84x of its throughput when quiet, but 2-9x of it beside other work,
     # where spinning threads hold the cores that the thread ending their wait needs
     # (docs/BENCHMARKS.md, "Concurrency 32 served"). Passive is for workers sharing cores.
     omp_wait_policy: str = setting(
