@@ -192,6 +192,7 @@ class SchedulerConfig:
 
 # --quantization's methods (vLLM's flag; "auto" and "none" are ours).
 QUANTIZATION_METHODS = ("none", "auto", "gguf")
+OMP_WAIT_POLICIES = ("passive", "active", "default")
 
 
 @dataclass(frozen=True)
@@ -214,8 +215,23 @@ class ModelRunConfig:
                 "Hugging Face folder or under TP; none dequantizes every weight to --dtype")
     max_model_len: int | None = max_model_len_setting()
     seed: int = setting(0, "seed of the worker's shared sampling generator")
+    # Applied by the worker before torch loads OpenMP (services/worker/openmp_wait.py). The
+    # flag's environment variable is OpenMP's own, so an OMP_WAIT_POLICY already set wins.
+    # libgomp's default (idle threads spin ~3 ms, then sleep) is the fastest when the worker
+    # has its cores to itself: served at concurrency 32 on the 2-core benchmark machine,
+    # passive gave 0.83-0.84x of its throughput when quiet, but 2-9x of it beside other work,
+    # where spinning threads hold the cores that the thread ending their wait needs
+    # (docs/BENCHMARKS.md, "Concurrency 32 served"). Passive is for workers sharing cores.
+    omp_wait_policy: str = setting(
+        "default", "CPU: OpenMP wait policy of the worker's threads: default (libgomp's: an idle thread spins "
+                   "~3 ms, then sleeps; fastest on cores of its own) | passive (it sleeps at once; far faster "
+                   "when other processes share the cores) | active (it spins); GOMP_SPINCOUNT, if set, overrides "
+                   "the spin time of any of them")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "omp_wait_policy", self.omp_wait_policy.lower())
+        if self.omp_wait_policy not in OMP_WAIT_POLICIES:
+            raise ConfigError(f"omp_wait_policy must be passive|active|default, got {self.omp_wait_policy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.kernel_backend not in ("auto", "torch", "triton"):

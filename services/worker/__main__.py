@@ -20,6 +20,8 @@ from shared.config import (  # noqa: E402
 )
 from shared.engine_args import add_engine_args  # noqa: E402
 
+from .openmp_wait import apply_omp_wait_policy  # noqa: E402
+
 
 def build_parser():
     parser = base_parser("Model worker: runs engine steps on one device")
@@ -28,14 +30,17 @@ def build_parser():
 
 
 def main() -> None:
-    from .service import WorkerService
-
     args = build_parser().parse_args()
     setup_logging(args.log_level)
+    run_config = config_from_args(ModelRunConfig, args)
+    apply_omp_wait_policy(run_config.omp_wait_policy)  # before torch is imported
+
+    from .service import WorkerService
+
     engine = config_from_args(EngineServiceConfig, args)
     service = WorkerService(
         engine.engine_id,
-        config_from_args(ModelRunConfig, args),
+        run_config,
         config_from_args(CacheConfig, args),
         config_from_args(SchedulerConfig, args),
         config_from_args(ParallelConfig, args),
