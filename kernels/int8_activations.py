@@ -17,17 +17,25 @@ The activations' rounding is the approximation (about 0.4% of a block's largest 
 scripts/bench_quant.py measures what it does to greedy output and perplexity, and which
 row counts it is faster for (docs/BENCHMARKS.md). Both functions take the weight as
 ``kernels/quant_linear.py`` does and return ``x``'s dtype.
+
+Per call the kernel gathers each 16-column tile of the weight into the layout ``vpdpbusd``
+reads. ``repack_int4`` does that once instead (an int4 weight, in the AVX-512 VNNI build):
+``Int4Tiles`` holds the same bytes as the row layout, tile by tile, and
+``int4_tiled_linear_cpu`` multiplies by it with no gather (the same arithmetic, so the same
+result bit for bit).
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from kernels.cpu_build import bind, kernel_binding, library_isa
 
 BLOCK = 32
+TILE_N = 16  # output columns per tile (the C kernel's)
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
@@ -37,6 +45,8 @@ def _kernel(symbol: str):
         "int4_linear_i8": [_P, _I64, _I, _I, _P, _P, _P, _I, _P, _I64, _I],
         "int8_linear_i8": [_P, _I64, _I, _I, _P, _P, _I, _P, _I64, _I],
         "quantize_activations": [_P, _I64, _I, _I, _P, _P, _P, _I],
+        "int4_linear_i8_tiled": [_P, _I64, _I, _I, _P, _I, _P, _I64, _I],
+        "int4_tiled_block_bytes": [],
     }[symbol]
     return bind("int8_activation_linear", symbol, argtypes, None if symbol == "quantize_activations" else ctypes.c_int)
 
@@ -46,6 +56,55 @@ def available() -> bool:
     """Whether the C kernel was built for a vector instruction set it has a path for (AVX2
     at least; without, the functions below run the slow references)."""
     return library_isa("int8_activation_linear") not in (None, "generic")
+
+
+@kernel_binding
+def tiles_available() -> bool:
+    """Whether the C kernel reads repacked int4 tiles (its AVX-512 VNNI build; the AVX2 one
+    gathers per call)."""
+    return available() and _kernel("int4_tiled_block_bytes")() > 0
+
+
+@dataclass
+class Int4Tiles:
+    """An int4 weight ``[n, K]`` repacked for ``int4_linear_i8_tiled``: ``tiles`` uint8
+    ``[ceil(n / 16), K / 32, 384]``, per tile of 16 columns and per block the 4 packed dwords
+    as 4 vectors of 16 lanes (lane j: column j's), then the 16 scales and the 16 offsets as
+    float32 (the last tile repeats column n - 1 where n is not a multiple of 16)."""
+
+    tiles: torch.Tensor
+    n: int
+    bits: int = 4
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.tiles.shape[1] * BLOCK
+
+    def nbytes(self) -> int:
+        return self.tiles.nbytes
+
+
+def repack_int4(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Int4Tiles:
+    """The int4 weight (``kernels/quant_linear.py``'s layout) as tiles (what the kernel's
+    per-call gather builds, nibbles still packed)."""
+    n, nb = scales.shape
+    pad = -n % TILE_N
+    last = lambda t: torch.cat([t, t[-1:].expand(pad, *t.shape[1:])]) if pad else t  # noqa: E731
+    tiles = n // TILE_N + (pad > 0)
+    # [tile, column, block, dword, byte] -> [tile, block, dword, column, byte]
+    codes = last(packed).view(tiles, TILE_N, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nb, 4 * TILE_N * 4)
+    floats = [last(t.float()).view(tiles, TILE_N, nb).transpose(1, 2).contiguous().view(torch.uint8)
+              for t in (scales, offsets)]
+    return Int4Tiles(torch.cat([codes, *floats], dim=-1).contiguous(), n)
+
+
+def unpack_tiles(weight: Int4Tiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``repack_int4``'s inverse: (packed, scales, offsets) in the row layout."""
+    tiles, nb = weight.tiles.shape[:2]
+    codes = weight.tiles[..., :256].reshape(tiles, nb, 4, TILE_N, 4).permute(0, 3, 1, 2, 4)
+    floats = [weight.tiles[..., at:at + 64].contiguous().view(torch.float32).transpose(1, 2) for at in (256, 320)]
+    rows = lambda t: t.reshape(tiles * TILE_N, *t.shape[2:])[:weight.n].contiguous()  # noqa: E731
+    return rows(codes).view(-1, nb * 16), rows(floats[0]), rows(floats[1])
 
 
 # --------------------------------------------------------------------------- references
@@ -90,6 +149,10 @@ def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> t
     return _ref(x, q.short() + 128, scales, -128 * scales)
 
 
+def int4_tiled_linear_ref(x: torch.Tensor, weight: Int4Tiles) -> torch.Tensor:
+    return int4_linear_ref(x, *unpack_tiles(weight))
+
+
 # --------------------------------------------------------------------------- CPU
 
 
@@ -130,3 +193,10 @@ def int8_linear_cpu(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> t
     if not available():
         return int8_linear_ref(x, q, scales)
     return _run("int8_linear_i8", x, q.shape[0], q, scales)
+
+
+def int4_tiled_linear_cpu(x: torch.Tensor, weight: Int4Tiles) -> torch.Tensor:
+    """``x [M, K]`` (int8 per block) times the repacked int4 weight, transposed -> ``[M, n]``."""
+    if not tiles_available():
+        return int4_tiled_linear_ref(x, weight)
+    return _run("int4_linear_i8_tiled", x, weight.n, weight.tiles)

@@ -14,6 +14,12 @@
  * and per 4-byte group g, one vector whose lane n holds column n's bytes 4g .. 4g+3), then
  * runs every activation row over it, MR rows at a time: per group, one weight vector times
  * each row's 4 bytes broadcast.
+ *
+ * int4_linear_i8_tiled (AVX-512 VNNI build only) skips the gather: it reads an int4 weight
+ * repacked once at load (kernels/int8_activations.py repack_int4) into tiles of TILED4_BLOCK_BYTES
+ * per block: the 4 packed dwords as 4 vectors (lane n: column n's bytes 4g .. 4g+3, still two
+ * nibbles a byte, so no more memory than the row layout), then TILE_N scales and TILE_N offsets.
+ * The nibbles are split in the product loop (one and, or shift and and, per two groups).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -28,6 +34,8 @@
 /* Per block in the tile buffer: GROUPS vectors of TILE_N x 4 bytes, then TILE_N scales and
  * TILE_N offsets. */
 #define TILE_BLOCK_BYTES (GROUPS * TILE_N * 4 + 2 * TILE_N * 4)
+#define PACKED_GROUPS 4 /* packed dwords per int4 block */
+#define TILED4_BLOCK_BYTES (PACKED_GROUPS * TILE_N * 4 + 2 * TILE_N * 4)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define WIDE 1
@@ -240,24 +248,38 @@ static inline int32_t act4(const int8_t *qa, int64_t row, int K, int b, int g) {
 /* y[m0 .. m0+mr, n0 .. n0+nt] from the tile buffer. */
 static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf, int K, const int8_t *qa,
                                                              const float *da, const float *sa, int m0, int mr,
-                                                             int is_int8, float *y, int64_t y_stride, int n0,
-                                                             int nt) {
+                                                             int is_int8, int packed4, float *y, int64_t y_stride,
+                                                             int n0, int nt) {
     const int nb = K / BLOCK;
     (void)is_int8;
 #if WIDE
+    /* packed4: buf is a repacked int4 tile (TILED4_BLOCK_BYTES a block, nibbles still packed). */
+    const int vectors = packed4 ? PACKED_GROUPS : GROUPS;
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
     __m512 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = buf + (int64_t)b * TILE_BLOCK_BYTES;
+        const uint8_t *blk = buf + (int64_t)b * (packed4 ? TILED4_BLOCK_BYTES : TILE_BLOCK_BYTES);
         __m512i iacc[MR];
         for (int i = 0; i < mr; i++) iacc[i] = _mm512_setzero_si512();
-        for (int g = 0; g < GROUPS; g++) {
-            const __m512i w = _mm512_load_si512(blk + 64 * g);
-            for (int i = 0; i < mr; i++)
-                iacc[i] = _mm512_dpbusd_epi32(iacc[i], w, _mm512_set1_epi32(act4(qa, m0 + i, K, b, g)));
+        if (packed4) {
+            for (int g = 0; g < PACKED_GROUPS; g++) {
+                const __m512i v = _mm512_load_si512(blk + 64 * g);
+                const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                for (int i = 0; i < mr; i++) {
+                    iacc[i] = _mm512_dpbusd_epi32(iacc[i], lo, _mm512_set1_epi32(act4(qa, m0 + i, K, b, g)));
+                    iacc[i] = _mm512_dpbusd_epi32(iacc[i], hi, _mm512_set1_epi32(act4(qa, m0 + i, K, b, 4 + g)));
+                }
+            }
+        } else {
+            for (int g = 0; g < GROUPS; g++) {
+                const __m512i w = _mm512_load_si512(blk + 64 * g);
+                for (int i = 0; i < mr; i++)
+                    iacc[i] = _mm512_dpbusd_epi32(iacc[i], w, _mm512_set1_epi32(act4(qa, m0 + i, K, b, g)));
+            }
         }
-        const __m512 sc = _mm512_load_ps((const float *)(blk + 64 * GROUPS));
-        const __m512 off = _mm512_load_ps((const float *)(blk + 64 * GROUPS + 64));
+        const __m512 sc = _mm512_load_ps((const float *)(blk + 64 * vectors));
+        const __m512 off = _mm512_load_ps((const float *)(blk + 64 * vectors + 64));
         for (int i = 0; i < mr; i++) {
             const int64_t ab = (int64_t)(m0 + i) * nb + b;
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i]), _mm512_mul_ps(sc, _mm512_set1_ps(da[ab])), acc[i]);
@@ -267,6 +289,7 @@ static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf,
     const __mmask16 keep = (__mmask16)((1u << nt) - 1);
     for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + (int64_t)(m0 + i) * y_stride + n0, keep, acc[i]);
 #else
+    (void)packed4; /* repacked tiles are an AVX-512 VNNI build's only */
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MR][2];
     for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -305,29 +328,33 @@ static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf,
 #endif
 }
 
-/* Every activation row over one tile: full MR micro-tiles, then the rest (mr a constant in
- * each call, so the loops over rows unroll). */
-static void rows_over_tile(const uint8_t *buf, int K, const int8_t *qa, const float *da, const float *sa, int M,
-                           int is_int8, float *y, int64_t y_stride, int n0, int nt) {
+/* Every activation row over one tile: full MR micro-tiles, then the rest (mr and packed4
+ * constants in each call, so the loops over rows unroll). */
+static inline __attribute__((always_inline)) void rows_over_tile(const uint8_t *buf, int K, const int8_t *qa,
+                                                                  const float *da, const float *sa, int M,
+                                                                  int is_int8, int packed4, float *y,
+                                                                  int64_t y_stride, int n0, int nt) {
     int m0 = 0;
-    for (; m0 + MR <= M; m0 += MR) micro_tile(buf, K, qa, da, sa, m0, MR, is_int8, y, y_stride, n0, nt);
+    for (; m0 + MR <= M; m0 += MR) micro_tile(buf, K, qa, da, sa, m0, MR, is_int8, packed4, y, y_stride, n0, nt);
     switch (M - m0) {
 #if MR > 4
-    case 7: micro_tile(buf, K, qa, da, sa, m0, 7, is_int8, y, y_stride, n0, nt); break;
-    case 6: micro_tile(buf, K, qa, da, sa, m0, 6, is_int8, y, y_stride, n0, nt); break;
-    case 5: micro_tile(buf, K, qa, da, sa, m0, 5, is_int8, y, y_stride, n0, nt); break;
-    case 4: micro_tile(buf, K, qa, da, sa, m0, 4, is_int8, y, y_stride, n0, nt); break;
-    case 3: micro_tile(buf, K, qa, da, sa, m0, 3, is_int8, y, y_stride, n0, nt); break;
-    case 2: micro_tile(buf, K, qa, da, sa, m0, 2, is_int8, y, y_stride, n0, nt); break;
+    case 7: micro_tile(buf, K, qa, da, sa, m0, 7, is_int8, packed4, y, y_stride, n0, nt); break;
+    case 6: micro_tile(buf, K, qa, da, sa, m0, 6, is_int8, packed4, y, y_stride, n0, nt); break;
+    case 5: micro_tile(buf, K, qa, da, sa, m0, 5, is_int8, packed4, y, y_stride, n0, nt); break;
+    case 4: micro_tile(buf, K, qa, da, sa, m0, 4, is_int8, packed4, y, y_stride, n0, nt); break;
+    case 3: micro_tile(buf, K, qa, da, sa, m0, 3, is_int8, packed4, y, y_stride, n0, nt); break;
+    case 2: micro_tile(buf, K, qa, da, sa, m0, 2, is_int8, packed4, y, y_stride, n0, nt); break;
 #endif
-    case 1: micro_tile(buf, K, qa, da, sa, m0, 1, is_int8, y, y_stride, n0, nt); break;
+    case 1: micro_tile(buf, K, qa, da, sa, m0, 1, is_int8, packed4, y, y_stride, n0, nt); break;
     default: break;
     }
 }
 
-/* Returns 0, -1 when memory could not be had (y is then incomplete). */
+/* Returns 0, -1 when memory could not be had (y is then incomplete). tiles: the int4 weight
+ * repacked (data, scales and offsets then unused), else each thread gathers its tiles. */
 static int i8_linear(const float *x, int64_t x_stride, int M, int K, const void *data, const float *scales,
-                     const float *offsets, int N, float *y, int64_t y_stride, int num_threads) {
+                     const float *offsets, const uint8_t *tiles, int N, float *y, int64_t y_stride,
+                     int num_threads) {
     const int nb = K / BLOCK;
     int8_t *qa = malloc((size_t)M * K);
     float *da = malloc(sizeof(float) * 2 * (size_t)M * nb);
@@ -336,16 +363,22 @@ static int i8_linear(const float *x, int64_t x_stride, int M, int K, const void 
     if (!failed) quantize_activations(x, x_stride, M, K, qa, da, sa, num_threads);
 #pragma omp parallel num_threads(num_threads) if (!failed)
     {
-        uint8_t *buf = failed ? NULL : aligned_alloc(64, (size_t)TILE_BLOCK_BYTES * nb);
-        if (buf == NULL) {
+        uint8_t *buf = failed || tiles != NULL ? NULL : aligned_alloc(64, (size_t)TILE_BLOCK_BYTES * nb);
+        if (buf == NULL && tiles == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int n0 = 0; n0 < N; n0 += TILE_N) {
+            const int nt = N - n0 < TILE_N ? N - n0 : TILE_N;
+            if (tiles != NULL) {
+                const uint8_t *tile = tiles + (int64_t)(n0 / TILE_N) * nb * TILED4_BLOCK_BYTES;
+                if (!failed) rows_over_tile(tile, K, qa, da, sa, M, 0, 1, y, y_stride, n0, nt);
+                continue;
+            }
             if (buf == NULL) continue;
             gather_tile(data, scales, offsets, N, K, n0, buf);
-            rows_over_tile(buf, K, qa, da, sa, M, offsets == NULL, y, y_stride, n0, N - n0 < TILE_N ? N - n0 : TILE_N);
+            rows_over_tile(buf, K, qa, da, sa, M, offsets == NULL, 0, y, y_stride, n0, nt);
         }
         free(buf);
     }
@@ -356,18 +389,30 @@ static int i8_linear(const float *x, int64_t x_stride, int M, int K, const void 
 
 int int4_linear_i8(const float *x, int64_t x_stride, int M, int K, const uint8_t *packed, const float *scales,
                    const float *offsets, int N, float *y, int64_t y_stride, int num_threads) {
-    return i8_linear(x, x_stride, M, K, packed, scales, offsets, N, y, y_stride, num_threads);
+    return i8_linear(x, x_stride, M, K, packed, scales, offsets, NULL, N, y, y_stride, num_threads);
 }
 
 int int8_linear_i8(const float *x, int64_t x_stride, int M, int K, const int8_t *q, const float *scales, int N,
                    float *y, int64_t y_stride, int num_threads) {
-    return i8_linear(x, x_stride, M, K, q, scales, NULL, N, y, y_stride, num_threads);
+    return i8_linear(x, x_stride, M, K, q, scales, NULL, NULL, N, y, y_stride, num_threads);
 }
+
+/* Returns 0, -1 (no memory), -2 when this build has no tiled path (then nothing is done). */
+int int4_linear_i8_tiled(const float *x, int64_t x_stride, int M, int K, const uint8_t *tiles, int N, float *y,
+                         int64_t y_stride, int num_threads) {
+    if (!WIDE) return -2;
+    return i8_linear(x, x_stride, M, K, NULL, NULL, NULL, tiles, N, y, y_stride, num_threads);
+}
+
+/* Bytes a block of a repacked int4 tile takes, 0 where this build reads no repacked tiles. */
+int int4_tiled_block_bytes(void) { return WIDE ? TILED4_BLOCK_BYTES : 0; }
 
 #else /* neither AVX-512 VNNI nor AVX2: the Python side runs the reference */
 
 int int4_linear_i8(void) { return -2; }
 int int8_linear_i8(void) { return -2; }
+int int4_linear_i8_tiled(void) { return -2; }
+int int4_tiled_block_bytes(void) { return 0; }
 void quantize_activations(void) {}
 
 #endif
