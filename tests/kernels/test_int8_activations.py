@@ -121,3 +121,27 @@ def test_cpu_products_read_strided_rows_and_keep_bfloat16(cpu_isa):
     got = ia.int4_linear_cpu(xb, *w)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, ia.int4_linear_ref(xb, *w), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("n", [32, 37])
+def test_repacked_tiles_unpack_to_the_weight(n):
+    w = int4_weight(n, 96)
+    tiles = ia.repack_int4(*w)
+    assert tiles.shape == (n, 96) and tiles.nbytes() == -(-n // ia.TILE_N) * ia.TILE_N * (96 // 2 + 2 * 4 * 96 // 32)
+    for got, want in zip(ia.unpack_tiles(tiles), w):
+        assert torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 33])
+@pytest.mark.parametrize("n,k", [(7, 64), (577, 576), (66, 1536)])
+def test_cpu_products_of_repacked_tiles_match_the_reference_and_the_gather(m, n, k, cpu_isa):
+    """The AVX-512 VNNI build reads the tiles (the same arithmetic as after its per-call
+    gather: equal bit for bit); the AVX2 build has no tiled path (the reference runs)."""
+    assert not (cpu_isa == "avx2" and ia.tiles_available())
+    x = activations(m, k, seed=m)
+    w4 = int4_weight(n, k, seed=m)
+    got = ia.int4_tiled_linear_cpu(x, ia.repack_int4(*w4))
+    assert_close_to_reference(got, ia.int4_linear_ref(x, *w4), x, ql.dequantize_int4_ref(*w4))
+    if ia.tiles_available():
+        assert torch.equal(got, ia.int4_linear_cpu(x, *w4))
