@@ -9,7 +9,10 @@ The reordered tensor is opaque (``torch._mkldnn`` layout): only ``_linear_pointw
 on CPU, products of few rows through ``kernels/quant_linear.py`` (the exactly dequantized
 weight, float activations: bandwidth-bound, the fewest bytes win), products of more rows
 through ``kernels/int8_activations.py`` (activations quantized to int8 per block, integer
-dot products: compute-bound, VNNI wins); on CUDA, the Triton kernel.
+dot products: compute-bound, VNNI wins); on CUDA, the Triton kernel. ``cpu_layout`` repacks
+an int4 weight once at load into the tiles the int8-activation kernel reads (AVX-512 VNNI):
+it is then kept only so, and every product of it, whatever its row count, runs that kernel
+with no per-call gather (faster than the exact kernel from 1 row on, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from kernels import int8_activations, quant_linear
+from kernels.int8_activations import Int4Tiles
 from shared.gguf_quants import QuantizedTensor
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -57,7 +61,8 @@ def prepacked_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
 
 
 # CPU products of at least this many rows quantize their activations to int8; fewer rows
-# multiply the exact weight (scripts/bench_quant.py --kernels: the crossover on the benchmark
+# multiply the exact weight (int4 weights repacked by cpu_layout: every row count takes
+# int8 activations; the rest, the int8 LM head, is chosen by this) (scripts/bench_quant.py --kernels: the crossover on the benchmark
 # CPU, docs/BENCHMARKS.md). Read at each call: scripts/bench_quant.py and the tests set it
 # high to measure the exact path alone.
 INT8_ACTIVATIONS_MIN_ROWS = 4
@@ -72,18 +77,35 @@ def _cpu_kernel(exact, int8_activated):
     return product
 
 
-def quantized_linear(weight: QuantizedTensor, bias: torch.Tensor | None = None) -> Linear:
+# Whether cpu_layout repacks int4 weights (read at load: scripts/bench_quant.py and the tests
+# clear it for a model whose products all can take the exact kernel).
+REPACK_INT4 = True
+
+
+def cpu_layout(weight: QuantizedTensor) -> QuantizedTensor | Int4Tiles:
+    """``weight`` as its products read it: an int4 weight on CPU repacked into the
+    int8-activation kernel's tiles where that kernel reads them (as many bytes; the row
+    layout is not kept, so the exact kernel can no longer take it), else as it is."""
+    if (REPACK_INT4 and weight.bits == 4 and weight.data.device.type == "cpu"
+            and int8_activations.tiles_available()):
+        return int8_activations.repack_int4(weight.data, weight.scales, weight.offsets)
+    return weight
+
+
+def quantized_linear(weight: QuantizedTensor | Int4Tiles, bias: torch.Tensor | None = None) -> Linear:
     """``x @ W.T (+ bias)`` with ``W`` kept quantized, on ``weight``'s device: the C kernels
-    on CPU (by row count, see INT8_ACTIVATIONS_MIN_ROWS), the Triton kernels on CUDA; the
-    result in ``x``'s dtype."""
-    on_cpu = weight.data.device.type == "cpu"
-    if weight.bits == 8:
-        kernel = (_cpu_kernel(quant_linear.int8_linear_cpu, int8_activations.int8_linear_cpu) if on_cpu
-                  else quant_linear.int8_linear_triton)
+    on CPU (repacked int4 tiles: the int8-activation kernel at every row count; else by row
+    count, see INT8_ACTIVATIONS_MIN_ROWS), the Triton kernels on CUDA; the result in ``x``'s
+    dtype."""
+    if isinstance(weight, Int4Tiles):
+        kernel, args = int8_activations.int4_tiled_linear_cpu, (weight,)
+    elif weight.bits == 8:
+        kernel = (_cpu_kernel(quant_linear.int8_linear_cpu, int8_activations.int8_linear_cpu)
+                  if weight.data.device.type == "cpu" else quant_linear.int8_linear_triton)
         args = (weight.data, weight.scales)
     else:
-        kernel = (_cpu_kernel(quant_linear.int4_linear_cpu, int8_activations.int4_linear_cpu) if on_cpu
-                  else quant_linear.int4_linear_triton)
+        kernel = (_cpu_kernel(quant_linear.int4_linear_cpu, int8_activations.int4_linear_cpu)
+                  if weight.data.device.type == "cpu" else quant_linear.int4_linear_triton)
         args = (weight.data, weight.scales, weight.offsets)
     if bias is None:
         return lambda x: kernel(x, *args)
