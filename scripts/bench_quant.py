@@ -8,7 +8,8 @@ Models of the same weights, each in our offline engine:
   kept as int8 (``--quantization auto``);
 - ``int4-exact`` / ``int8-exact``: the same, with every CPU product on the exactly
   dequantized weight (``kernels/quant_linear.py``), none with int8 activations
-  (``services/worker/linear.py``'s ``INT8_ACTIVATIONS_MIN_ROWS`` set out of reach).
+  (``services/worker/linear.py``'s ``INT8_ACTIVATIONS_MIN_ROWS`` set out of reach and its
+  ``REPACK_INT4`` cleared).
 
 Accuracy: greedy agreement with ``none`` over ``--num-prompts`` prompts x ``--output-len``
 tokens, two ways: per token (the model reads the prompt and ``none``'s greedy output and
@@ -30,8 +31,9 @@ interleaved: oneDNN prepacked float32 and bfloat16 (today's paths), PyTorch's pa
 weight-only ops (``_weight_int8pack_mm``, per-row scales; ``_weight_int4pack_mm_for_cpu``,
 groups of 32; only with ``--options``: minutes per step), ours with float activations
 (``kernels/quant_linear.py``: the fused C kernel, and dequantize-then-GEMM), ours with int8
-activations (``kernels/int8_activations.py``), and ``ours auto``: what ``--quantization auto``
-runs (int4 layers, int8 LM head, the kernel chosen by row count).
+activations (``kernels/int8_activations.py``; ``tiled``: the int4 weight repacked once, no
+per-call gather), and ``ours auto``: what ``--quantization auto`` runs (int4 layers as
+``cpu_layout`` keeps them, int8 LM head, its kernel chosen by row count).
 
 The LAST line printed is one JSON object with every figure.
 """
@@ -162,7 +164,7 @@ def kernel_options(w):
 
     from kernels import int8_activations as ia
     from kernels import quant_linear as ql
-    from services.worker.linear import quantized_linear
+    from services.worker.linear import cpu_layout, quantized_linear
     from shared.gguf_quants import QuantizedTensor
 
     def int4_parts(w):
@@ -204,10 +206,12 @@ def kernel_options(w):
                                    lambda x, p: torch.nn.functional.linear(x, ql.dequantize_int4_cpu(*p))),
         "ours int8 x int8": (int8_parts, lambda x, p: ia.int8_linear_cpu(x, *p)),
         "ours int4 x int8": (lambda w: int4_parts(w)[:3], lambda x, p: ia.int4_linear_cpu(x, *p)),
-        # What --quantization auto runs on the default model: int4 layers, the int8 (Q8_0) LM
-        # head, each product's kernel chosen by its row count.
+        "ours int4 x int8 tiled": (lambda w: ia.repack_int4(*int4_parts(w)[:3]),
+                                   lambda x, p: ia.int4_tiled_linear_cpu(x, p)),
+        # What --quantization auto runs on the default model: int4 layers (repacked where the
+        # kernel reads tiles), the int8 (Q8_0) LM head, its kernel chosen by its row count.
         "ours auto": (lambda w: quantized_linear(QuantizedTensor(8, *int8_parts(w)) if tuple(w.shape) == HEAD_SHAPE
-                                                 else QuantizedTensor(4, *int4_parts(w)[:3])),
+                                                 else cpu_layout(QuantizedTensor(4, *int4_parts(w)[:3]))),
                       lambda x, p: p(x)),
     }
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -308,6 +312,7 @@ def main(argv=None) -> int:
     for name in [n for n in MODELS if n in wanted]:
         path, quantization = configs[name]
         linear.INT8_ACTIVATIONS_MIN_ROWS = 2**31 if name.endswith("-exact") else default_min_rows
+        linear.REPACK_INT4 = not name.endswith("-exact")
         engine = make_engine(path, quantization, args.dtype)
         row = {"file_bytes": os.path.getsize(path), "weight_bytes": engine.worker.model.weight_bytes()}
         row["weight_to_file"] = row["weight_bytes"] / row["file_bytes"]
