@@ -60,11 +60,12 @@ def prepacked_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
     return linear
 
 
-# CPU products of at least this many rows quantize their activations to int8; fewer rows
-# multiply the exact weight (int4 weights repacked by cpu_layout: every row count takes
-# int8 activations; the rest, the int8 LM head, is chosen by this) (scripts/bench_quant.py --kernels: the crossover on the benchmark
-# CPU, docs/BENCHMARKS.md). Read at each call: scripts/bench_quant.py and the tests set it
-# high to measure the exact path alone.
+# CPU products of at least this many rows of a row-layout matrix quantize their activations
+# to int8; fewer rows multiply the exact weight (scripts/bench_quant.py --kernels: the
+# crossover on the benchmark CPU, docs/BENCHMARKS.md). Matrices repacked by cpu_layout take
+# int8 activations at every row count; this rule is for the rest (the int8 LM head, the AVX2
+# build). Read at each call: scripts/bench_quant.py and the tests set it high to measure the
+# exact path alone.
 INT8_ACTIVATIONS_MIN_ROWS = 4
 
 
