@@ -308,10 +308,11 @@ def main(argv=None) -> int:
         requantize_gguf(model_path, q8_path, "Q8_0")
     results: dict[str, dict] = {}
     reference: list[list[int]] = []
-    default_min_rows = linear.INT8_ACTIVATIONS_MIN_ROWS
+    default_min_rows = linear.INT8_ACTIVATIONS_MIN_ROWS, linear.INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_TILES
     for name in [n for n in MODELS if n in wanted]:
         path, quantization = configs[name]
-        linear.INT8_ACTIVATIONS_MIN_ROWS = 2**31 if name.endswith("-exact") else default_min_rows
+        (linear.INT8_ACTIVATIONS_MIN_ROWS,
+         linear.INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_TILES) = (2**31, 2**31) if name.endswith("-exact") else default_min_rows
         linear.REPACK_INT4 = not name.endswith("-exact")
         engine = make_engine(path, quantization, args.dtype)
         row = {"file_bytes": os.path.getsize(path), "weight_bytes": engine.worker.model.weight_bytes()}

@@ -67,11 +67,22 @@ def prepacked_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
 # build). Read at each call: scripts/bench_quant.py and the tests set it high to measure the
 # exact path alone.
 INT8_ACTIVATIONS_MIN_ROWS = 4
+# The same where the kernels have no AVX-512 VNNI build (tiles_available() is false): there
+# the exact kernel's AVX2 build lost to the int8-activation one even at 1 row (142.6 against
+# 23.4 ms per step's products, docs/BENCHMARKS.md, "An AVX2-only CPU, approximated").
+INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_TILES = 1
+
+
+def int8_activations_min_rows() -> int:
+    """From how many rows a CPU product of a row-layout matrix takes int8 activations."""
+    if int8_activations.tiles_available():
+        return INT8_ACTIVATIONS_MIN_ROWS
+    return INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_TILES
 
 
 def _cpu_kernel(exact, int8_activated):
     def product(x: torch.Tensor, *weight: torch.Tensor) -> torch.Tensor:
-        few_rows = x.shape[0] < INT8_ACTIVATIONS_MIN_ROWS
+        few_rows = x.shape[0] < int8_activations_min_rows()
         kernel = exact if few_rows or not int8_activations.available() else int8_activated
         return kernel(x, *weight)
 

@@ -54,8 +54,25 @@ def test_quantized_cpu_products_take_int8_activations_from_their_row_count_on(bi
         exact, int8_activated = quant_linear.int8_linear_cpu, int8_activations.int8_linear_cpu
     args = [t for t in (weight.data, weight.scales, weight.offsets) if t is not None]
     product = quantized_linear(weight)
-    few, many = worker_linear.INT8_ACTIVATIONS_MIN_ROWS - 1, worker_linear.INT8_ACTIVATIONS_MIN_ROWS
+    min_rows = worker_linear.int8_activations_min_rows()
+    few, many = min_rows - 1, min_rows
     x_few, x_many = torch.randn(few, 128, generator=gen), torch.randn(many, 128, generator=gen)
-    assert torch.equal(product(x_few), exact(x_few, *args))
+    if few:
+        assert torch.equal(product(x_few), exact(x_few, *args))
     assert torch.equal(product(x_many), int8_activated(x_many, *args))
     assert not torch.equal(int8_activated(x_many, *args), exact(x_many, *args))
+
+
+@pytest.mark.skipif(not int8_activations.available(), reason="no C compiler or no AVX2")
+def test_without_tiles_one_row_takes_int8_activations(monkeypatch):
+    """Where the kernels have no tiled (AVX-512 VNNI) build, the exact kernel is the slower
+    one even at 1 row, so every row count takes int8 activations."""
+    monkeypatch.setattr(int8_activations, "tiles_available", lambda: False)
+    gen = torch.Generator().manual_seed(1)
+    scales = torch.rand(48, 4, generator=gen) / 16
+    weight = QuantizedTensor(4, torch.randint(0, 256, (48, 64), dtype=torch.uint8, generator=gen), scales, -8 * scales)
+    args = (weight.data, weight.scales, weight.offsets)
+    x = torch.randn(1, 128, generator=gen)
+    assert worker_linear.int8_activations_min_rows() == 1
+    assert torch.equal(quantized_linear(weight)(x), int8_activations.int4_linear_cpu(x, *args))
+    assert not torch.equal(int8_activations.int4_linear_cpu(x, *args), quant_linear.int4_linear_cpu(x, *args))

@@ -110,6 +110,7 @@ def exact_products(monkeypatch):
     """Every quantized CPU product of a row-layout matrix on the exactly dequantized weight
     (no int8 activations)."""
     monkeypatch.setattr(linear, "INT8_ACTIVATIONS_MIN_ROWS", 2**31)
+    monkeypatch.setattr(linear, "INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_TILES", 2**31)
 
 
 def test_int4_greedy_on_the_exact_path_agrees_with_the_float_model(int4_rows_worker, float_outputs, exact_products):
