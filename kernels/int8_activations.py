@@ -19,9 +19,9 @@ row counts it is faster for (docs/BENCHMARKS.md). Both functions take the weight
 ``kernels/quant_linear.py`` does and return ``x``'s dtype.
 
 Per call the kernel gathers each 16-column tile of the weight into the layout ``vpdpbusd``
-reads. ``repack_int4`` does that once instead (an int4 weight, in the AVX-512 VNNI build):
-``Int4Tiles`` holds the same bytes as the row layout, tile by tile, and
-``int4_tiled_linear_cpu`` multiplies by it with no gather (the same arithmetic, so the same
+reads. ``repack_tiles`` does that once instead (AVX-512 VNNI and AVX2 builds):
+``WeightTiles`` holds the same bytes as the row layout, tile by tile, and
+``tiled_linear_cpu`` multiplies by it with no gather (the same arithmetic, so the same
 result bit for bit).
 """
 
@@ -45,8 +45,9 @@ def _kernel(symbol: str):
         "int4_linear_i8": [_P, _I64, _I, _I, _P, _P, _P, _I, _P, _I64, _I],
         "int8_linear_i8": [_P, _I64, _I, _I, _P, _P, _I, _P, _I64, _I],
         "quantize_activations": [_P, _I64, _I, _I, _P, _P, _P, _I],
-        "int4_linear_i8_tiled": [_P, _I64, _I, _I, _P, _I, _P, _I64, _I],
-        "int4_tiled_block_bytes": [],
+        "linear_i8_tiled": [_P, _I64, _I, _I, _P, _I, _I, _P, _I64, _I],
+        "tiled_block_bytes": [_I],
+        "int8_products_use_vnni": [],
     }[symbol]
     return bind("int8_activation_linear", symbol, argtypes, None if symbol == "quantize_activations" else ctypes.c_int)
 
@@ -60,21 +61,28 @@ def available() -> bool:
 
 @kernel_binding
 def tiles_available() -> bool:
-    """Whether the C kernel reads repacked int4 tiles (its AVX-512 VNNI build; the AVX2 one
-    gathers per call)."""
-    return available() and _kernel("int4_tiled_block_bytes")() > 0
+    """Whether the C kernel reads repacked tiles (its AVX-512 VNNI and AVX2 builds)."""
+    return available() and _kernel("tiled_block_bytes")(4) > 0
+
+
+@kernel_binding
+def vnni_available() -> bool:
+    """Whether the C kernel's products use AVX512_VNNI (else AVX2's vpmaddubsw, or none)."""
+    return available() and _kernel("int8_products_use_vnni")() == 1
 
 
 @dataclass
-class Int4Tiles:
-    """An int4 weight ``[n, K]`` repacked for ``int4_linear_i8_tiled``: ``tiles`` uint8
-    ``[ceil(n / 16), K / 32, 384]``, per tile of 16 columns and per block the 4 packed dwords
-    as 4 vectors of 16 lanes (lane j: column j's), then the 16 scales and the 16 offsets as
-    float32 (the last tile repeats column n - 1 where n is not a multiple of 16)."""
+class WeightTiles:
+    """A quantized weight ``[n, K]`` repacked for ``linear_i8_tiled``: ``tiles`` uint8
+    ``[ceil(n / 16), K / 32, block bytes]``, per tile of 16 columns and per block the codes'
+    dwords as vectors of 16 lanes (lane j: column j's), then the 16 scales (and for int4 the
+    16 offsets) as float32; the last tile repeats column n - 1 where n is not a multiple of
+    16. int4 (``bits`` 4): the 4 packed dwords, nibbles as in the row layout (384 bytes a
+    block); int8: the 8 dwords of signed codes (576 bytes)."""
 
     tiles: torch.Tensor
     n: int
-    bits: int = 4
+    bits: int
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -84,27 +92,43 @@ class Int4Tiles:
         return self.tiles.nbytes
 
 
-def repack_int4(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Int4Tiles:
-    """The int4 weight (``kernels/quant_linear.py``'s layout) as tiles (what the kernel's
-    per-call gather builds, nibbles still packed)."""
+def _dwords(bits: int) -> int:
+    """Code dwords per block of 32 values: int4's 16 bytes, int8's 32."""
+    return 4 if bits == 4 else 8
+
+
+def repack_tiles(data: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None) -> WeightTiles:
+    """A weight in ``kernels/quant_linear.py``'s row layout (int4 when ``offsets`` is given,
+    else int8) as tiles: what the kernel's per-call gather builds, int4 nibbles still packed
+    and int8 codes still signed, so as many bytes as the row layout."""
     n, nb = scales.shape
+    bits = 8 if offsets is None else 4
+    dwords = _dwords(bits)
     pad = -n % TILE_N
     last = lambda t: torch.cat([t, t[-1:].expand(pad, *t.shape[1:])]) if pad else t  # noqa: E731
     tiles = n // TILE_N + (pad > 0)
     # [tile, column, block, dword, byte] -> [tile, block, dword, column, byte]
-    codes = last(packed).view(tiles, TILE_N, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nb, 4 * TILE_N * 4)
+    codes = (last(data).view(torch.uint8).view(tiles, TILE_N, nb, dwords, 4).permute(0, 2, 3, 1, 4)
+             .reshape(tiles, nb, dwords * TILE_N * 4))
     floats = [last(t.float()).view(tiles, TILE_N, nb).transpose(1, 2).contiguous().view(torch.uint8)
-              for t in (scales, offsets)]
-    return Int4Tiles(torch.cat([codes, *floats], dim=-1).contiguous(), n)
+              for t in (scales, offsets) if t is not None]
+    return WeightTiles(torch.cat([codes, *floats], dim=-1).contiguous(), n, bits)
 
 
-def unpack_tiles(weight: Int4Tiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``repack_int4``'s inverse: (packed, scales, offsets) in the row layout."""
+def unpack_tiles(weight: WeightTiles, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``repack_tiles``'s inverse for ``rows`` (default all): (data, scales) for int8, (data,
+    scales, offsets) for int4, in the row layout."""
     tiles, nb = weight.tiles.shape[:2]
-    codes = weight.tiles[..., :256].reshape(tiles, nb, 4, TILE_N, 4).permute(0, 3, 1, 2, 4)
-    floats = [weight.tiles[..., at:at + 64].contiguous().view(torch.float32).transpose(1, 2) for at in (256, 320)]
-    rows = lambda t: t.reshape(tiles * TILE_N, *t.shape[2:])[:weight.n].contiguous()  # noqa: E731
-    return rows(codes).view(-1, nb * 16), rows(floats[0]), rows(floats[1])
+    dwords = _dwords(weight.bits)
+    code_bytes = dwords * TILE_N * 4
+    if rows is None:
+        rows = torch.arange(weight.n)
+    tile, lane = rows // TILE_N, rows % TILE_N
+    codes = weight.tiles[..., :code_bytes].view(tiles, nb, dwords, TILE_N, 4)[tile, :, :, lane]
+    data = codes.reshape(len(rows), nb * dwords * 4)
+    floats = [weight.tiles[..., at:at + 4 * TILE_N].contiguous().view(torch.float32)[tile, :, lane]
+              for at in range(code_bytes, weight.tiles.shape[-1], 4 * TILE_N)]
+    return (data.view(torch.int8) if weight.bits == 8 else data, *floats)
 
 
 # --------------------------------------------------------------------------- references
@@ -149,8 +173,9 @@ def int8_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> t
     return _ref(x, q.short() + 128, scales, -128 * scales)
 
 
-def int4_tiled_linear_ref(x: torch.Tensor, weight: Int4Tiles) -> torch.Tensor:
-    return int4_linear_ref(x, *unpack_tiles(weight))
+def tiled_linear_ref(x: torch.Tensor, weight: WeightTiles) -> torch.Tensor:
+    parts = unpack_tiles(weight)
+    return int4_linear_ref(x, *parts) if weight.bits == 4 else int8_linear_ref(x, *parts)
 
 
 # --------------------------------------------------------------------------- CPU
@@ -171,11 +196,11 @@ def quantize_activations_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q, d, s
 
 
-def _run(symbol: str, x: torch.Tensor, n: int, *weight: torch.Tensor) -> torch.Tensor:
+def _run(symbol: str, x: torch.Tensor, n: int, *weight: torch.Tensor | int) -> torch.Tensor:
     rows = _rows(x)
     m, k = rows.shape
     y = torch.empty(m, n)
-    args = [t.data_ptr() for t in weight]
+    args = [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in weight]
     if _kernel(symbol)(rows.data_ptr(), rows.stride(0), m, k, *args, n, y.data_ptr(), n, torch.get_num_threads()):
         raise MemoryError(f"{symbol}: no memory for the quantized activations or a thread's tile")
     return y.to(x.dtype)
@@ -195,8 +220,8 @@ def int8_linear_cpu(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> t
     return _run("int8_linear_i8", x, q.shape[0], q, scales)
 
 
-def int4_tiled_linear_cpu(x: torch.Tensor, weight: Int4Tiles) -> torch.Tensor:
-    """``x [M, K]`` (int8 per block) times the repacked int4 weight, transposed -> ``[M, n]``."""
+def tiled_linear_cpu(x: torch.Tensor, weight: WeightTiles) -> torch.Tensor:
+    """``x [M, K]`` (int8 per block) times the repacked weight, transposed -> ``[M, n]``."""
     if not tiles_available():
-        return int4_tiled_linear_ref(x, weight)
-    return _run("int4_linear_i8_tiled", x, weight.n, weight.tiles)
+        return tiled_linear_ref(x, weight)
+    return _run("linear_i8_tiled", x, weight.n, weight.tiles, weight.bits)

@@ -9,7 +9,7 @@ Models of the same weights, each in our offline engine:
 - ``int4-exact`` / ``int8-exact``: the same, with every CPU product on the exactly
   dequantized weight (``kernels/quant_linear.py``), none with int8 activations
   (``services/worker/linear.py``'s ``INT8_ACTIVATIONS_MIN_ROWS`` set out of reach and its
-  ``REPACK_INT4`` cleared).
+  ``REPACK_TILES`` cleared).
 
 Accuracy: greedy agreement with ``none`` over ``--num-prompts`` prompts x ``--output-len``
 tokens, two ways: per token (the model reads the prompt and ``none``'s greedy output and
@@ -32,8 +32,8 @@ weight-only ops (``_weight_int8pack_mm``, per-row scales; ``_weight_int4pack_mm_
 groups of 32; only with ``--options``: minutes per step), ours with float activations
 (``kernels/quant_linear.py``: the fused C kernel, and dequantize-then-GEMM), ours with int8
 activations (``kernels/int8_activations.py``; ``tiled``: the int4 weight repacked once, no
-per-call gather), and ``ours auto``: what ``--quantization auto`` runs (int4 layers as
-``cpu_layout`` keeps them, int8 LM head, its kernel chosen by row count).
+per-call gather), and ``ours auto``: what ``--quantization auto`` runs (int4 layers and the
+int8 LM head as ``cpu_layout`` keeps them).
 
 The LAST line printed is one JSON object with every figure.
 """
@@ -206,12 +206,13 @@ def kernel_options(w):
                                    lambda x, p: torch.nn.functional.linear(x, ql.dequantize_int4_cpu(*p))),
         "ours int8 x int8": (int8_parts, lambda x, p: ia.int8_linear_cpu(x, *p)),
         "ours int4 x int8": (lambda w: int4_parts(w)[:3], lambda x, p: ia.int4_linear_cpu(x, *p)),
-        "ours int4 x int8 tiled": (lambda w: ia.repack_int4(*int4_parts(w)[:3]),
-                                   lambda x, p: ia.int4_tiled_linear_cpu(x, p)),
-        # What --quantization auto runs on the default model: int4 layers (repacked where the
-        # kernel reads tiles), the int8 (Q8_0) LM head, its kernel chosen by its row count.
-        "ours auto": (lambda w: quantized_linear(QuantizedTensor(8, *int8_parts(w)) if tuple(w.shape) == HEAD_SHAPE
-                                                 else cpu_layout(QuantizedTensor(4, *int4_parts(w)[:3]))),
+        "ours int4 x int8 tiled": (lambda w: ia.repack_tiles(*int4_parts(w)[:3]),
+                                   lambda x, p: ia.tiled_linear_cpu(x, p)),
+        # What --quantization auto runs on the default model: int4 layers and the int8 (Q8_0)
+        # LM head, as cpu_layout keeps them (repacked where the kernel reads tiles).
+        "ours auto": (lambda w: quantized_linear(cpu_layout(QuantizedTensor(8, *int8_parts(w))
+                                                            if tuple(w.shape) == HEAD_SHAPE
+                                                            else QuantizedTensor(4, *int4_parts(w)[:3]))),
                       lambda x, p: p(x)),
     }
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -308,12 +309,12 @@ def main(argv=None) -> int:
         requantize_gguf(model_path, q8_path, "Q8_0")
     results: dict[str, dict] = {}
     reference: list[list[int]] = []
-    default_min_rows = linear.INT8_ACTIVATIONS_MIN_ROWS, linear.INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_TILES
+    default_min_rows = linear.INT8_ACTIVATIONS_MIN_ROWS, linear.INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_VNNI
     for name in [n for n in MODELS if n in wanted]:
         path, quantization = configs[name]
         (linear.INT8_ACTIVATIONS_MIN_ROWS,
-         linear.INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_TILES) = (2**31, 2**31) if name.endswith("-exact") else default_min_rows
-        linear.REPACK_INT4 = not name.endswith("-exact")
+         linear.INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_VNNI) = (2**31, 2**31) if name.endswith("-exact") else default_min_rows
+        linear.REPACK_TILES = not name.endswith("-exact")
         engine = make_engine(path, quantization, args.dtype)
         row = {"file_bytes": os.path.getsize(path), "weight_bytes": engine.worker.model.weight_bytes()}
         row["weight_to_file"] = row["weight_bytes"] / row["file_bytes"]

@@ -15,11 +15,14 @@
  * runs every activation row over it, MR rows at a time: per group, one weight vector times
  * each row's 4 bytes broadcast.
  *
- * int4_linear_i8_tiled (AVX-512 VNNI build only) skips the gather: it reads an int4 weight
- * repacked once at load (kernels/int8_activations.py repack_int4) into tiles of TILED4_BLOCK_BYTES
- * per block: the 4 packed dwords as 4 vectors (lane n: column n's bytes 4g .. 4g+3, still two
- * nibbles a byte, so no more memory than the row layout), then TILE_N scales and TILE_N offsets.
- * The nibbles are split in the product loop (one and, or shift and and, per two groups).
+ * linear_i8_tiled skips the gather (both builds): it reads a weight repacked once at load
+ * (kernels/int8_activations.py repack_tiles) into tiles, per block:
+ * - int4, TILED4_BLOCK_BYTES: the 4 packed dwords as 4 vectors (lane n: column n's bytes
+ *   4g .. 4g+3, still two nibbles a byte), then TILE_N scales and TILE_N offsets. The nibbles
+ *   are split in the product loop (one and, or shift and and, per two groups).
+ * - int8, TILED8_BLOCK_BYTES: the 8 dwords of signed codes as 8 vectors, then TILE_N scales
+ *   (the AVX-512 product flips each vector to q + 128 as it loads it).
+ * Both take as many bytes as the row layout with float32 scales (and offsets).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -36,13 +39,14 @@
 #define TILE_BLOCK_BYTES (GROUPS * TILE_N * 4 + 2 * TILE_N * 4)
 #define PACKED_GROUPS 4 /* packed dwords per int4 block */
 #define TILED4_BLOCK_BYTES (PACKED_GROUPS * TILE_N * 4 + 2 * TILE_N * 4)
+#define TILED8_BLOCK_BYTES (GROUPS * TILE_N * 4 + TILE_N * 4)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define WIDE 1
 #define MR 8 /* activation rows per micro-tile: 8 int32 + 8 float accumulators */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define WIDE 0
-#define MR 2 /* 16 ymm: 4 int32 + 4 float accumulators */
+#define MR 4 /* 16 ymm: 4 int32 + 4 float accumulators (one half tile at a time) */
 #endif
 
 #ifdef MR
@@ -245,24 +249,35 @@ static inline int32_t act4(const int8_t *qa, int64_t row, int K, int b, int g) {
     return v;
 }
 
-/* y[m0 .. m0+mr, n0 .. n0+nt] from the tile buffer. */
+/* How a tile's blocks are laid out: a thread's gather buffer (TILE_BLOCK_BYTES a block:
+ * codes ready for the product, then scales and offsets), or a weight repacked at load. */
+enum layout {
+    GATHERED,
+    TILED4, /* TILED4_BLOCK_BYTES: 4 packed dwords (two nibbles a byte), scales, offsets */
+    TILED8, /* TILED8_BLOCK_BYTES: 8 dwords of signed int8, scales (offsets are -128 scales) */
+};
+
+static inline int block_bytes(enum layout layout) {
+    return layout == TILED4 ? TILED4_BLOCK_BYTES : layout == TILED8 ? TILED8_BLOCK_BYTES : TILE_BLOCK_BYTES;
+}
+
+/* y[m0 .. m0+mr, n0 .. n0+nt] from the tile's blocks. */
 static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf, int K, const int8_t *qa,
                                                              const float *da, const float *sa, int m0, int mr,
-                                                             int is_int8, int packed4, float *y, int64_t y_stride,
-                                                             int n0, int nt) {
+                                                             int is_int8, enum layout layout, float *y,
+                                                             int64_t y_stride, int n0, int nt) {
     const int nb = K / BLOCK;
-    (void)is_int8;
+    const int vectors = layout == TILED4 ? PACKED_GROUPS : GROUPS;
 #if WIDE
-    /* packed4: buf is a repacked int4 tile (TILED4_BLOCK_BYTES a block, nibbles still packed). */
-    const int vectors = packed4 ? PACKED_GROUPS : GROUPS;
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    (void)is_int8;
+    const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = buf + (int64_t)b * (packed4 ? TILED4_BLOCK_BYTES : TILE_BLOCK_BYTES);
+        const uint8_t *blk = buf + (int64_t)b * block_bytes(layout);
         __m512i iacc[MR];
         for (int i = 0; i < mr; i++) iacc[i] = _mm512_setzero_si512();
-        if (packed4) {
+        if (layout == TILED4) {
             for (int g = 0; g < PACKED_GROUPS; g++) {
                 const __m512i v = _mm512_load_si512(blk + 64 * g);
                 const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
@@ -273,13 +288,15 @@ static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf,
             }
         } else {
             for (int g = 0; g < GROUPS; g++) {
-                const __m512i w = _mm512_load_si512(blk + 64 * g);
+                __m512i w = _mm512_load_si512(blk + 64 * g);
+                if (layout == TILED8) w = _mm512_xor_si512(w, flip); /* q + 128, as the gather stores it */
                 for (int i = 0; i < mr; i++)
                     iacc[i] = _mm512_dpbusd_epi32(iacc[i], w, _mm512_set1_epi32(act4(qa, m0 + i, K, b, g)));
             }
         }
         const __m512 sc = _mm512_load_ps((const float *)(blk + 64 * vectors));
-        const __m512 off = _mm512_load_ps((const float *)(blk + 64 * vectors + 64));
+        const __m512 off = layout == TILED8 ? _mm512_mul_ps(sc, _mm512_set1_ps(-128.0f))
+                                            : _mm512_load_ps((const float *)(blk + 64 * vectors + 64));
         for (int i = 0; i < mr; i++) {
             const int64_t ab = (int64_t)(m0 + i) * nb + b;
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i]), _mm512_mul_ps(sc, _mm512_set1_ps(da[ab])), acc[i]);
@@ -289,72 +306,94 @@ static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf,
     const __mmask16 keep = (__mmask16)((1u << nt) - 1);
     for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + (int64_t)(m0 + i) * y_stride + n0, keep, acc[i]);
 #else
-    (void)packed4; /* repacked tiles are an AVX-512 VNNI build's only */
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MR][2];
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = buf + (int64_t)b * TILE_BLOCK_BYTES;
-        for (int h = 0; h < 2; h++) {
+    /* One half of the tile (8 columns, one ymm) at a time over every block, so MR rows
+     * share each weight vector and its nibble split. int8 codes stay signed here: the
+     * product takes |w| and moves w's sign onto the activation, and the offset is 0. */
+    const int signed8 = layout == TILED8 || (layout == GATHERED && is_int8);
+    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+    for (int h = 0; h < 2 && 8 * h < nt; h++) {
+        __m256 acc[MR];
+        for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = buf + (int64_t)b * block_bytes(layout);
             __m256i iacc[MR];
             for (int i = 0; i < mr; i++) iacc[i] = _mm256_setzero_si256();
-            for (int g = 0; g < GROUPS; g++) {
-                const __m256i w = _mm256_load_si256((const __m256i *)(blk + 64 * g + 32 * h));
-                /* vpmaddubsw saturates int16: int4 pairs reach 2 * 15 * 127, fine; int8 ones
-                 * are taken as |w| times the activation with w's sign (2 * 128 * 127 fits). */
-                const __m256i u = is_int8 ? _mm256_abs_epi8(w) : w;
-                for (int i = 0; i < mr; i++) {
-                    __m256i a = _mm256_set1_epi32(act4(qa, m0 + i, K, b, g));
-                    if (is_int8) a = _mm256_sign_epi8(a, w);
-                    iacc[i] = _mm256_add_epi32(iacc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones));
+            if (layout == TILED4) {
+                for (int g = 0; g < PACKED_GROUPS; g++) {
+                    const __m256i v = _mm256_load_si256((const __m256i *)(blk + 64 * g + 32 * h));
+                    const __m256i lo = _mm256_and_si256(v, nibble);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                    for (int i = 0; i < mr; i++) {
+                        /* Two int4 products summed in int16: 2 * (2 * 15 * 127) fits. */
+                        const __m256i p = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(act4(qa, m0 + i, K, b, g))),
+                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(act4(qa, m0 + i, K, b, 4 + g))));
+                        iacc[i] = _mm256_add_epi32(iacc[i], _mm256_madd_epi16(p, ones));
+                    }
+                }
+            } else {
+                for (int g = 0; g < GROUPS; g++) {
+                    const __m256i w = _mm256_load_si256((const __m256i *)(blk + 64 * g + 32 * h));
+                    /* vpmaddubsw saturates int16: int4 pairs reach 2 * 15 * 127, int8 ones
+                     * 2 * 128 * 127: both fit. */
+                    const __m256i u = signed8 ? _mm256_abs_epi8(w) : w;
+                    for (int i = 0; i < mr; i++) {
+                        __m256i a = _mm256_set1_epi32(act4(qa, m0 + i, K, b, g));
+                        if (signed8) a = _mm256_sign_epi8(a, w);
+                        iacc[i] = _mm256_add_epi32(iacc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), ones));
+                    }
                 }
             }
-            const __m256 sc = _mm256_load_ps((const float *)(blk + 64 * GROUPS + 32 * h));
-            const __m256 off = _mm256_load_ps((const float *)(blk + 64 * GROUPS + 64 + 32 * h));
+            const __m256 sc = _mm256_load_ps((const float *)(blk + 64 * vectors + 32 * h));
             for (int i = 0; i < mr; i++) {
                 const int64_t ab = (int64_t)(m0 + i) * nb + b;
-                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[i]), _mm256_mul_ps(sc, _mm256_set1_ps(da[ab])),
-                                            acc[i][h]);
-                acc[i][h] = _mm256_fmadd_ps(off, _mm256_set1_ps(sa[ab]), acc[i][h]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[i]), _mm256_mul_ps(sc, _mm256_set1_ps(da[ab])), acc[i]);
+                if (!signed8) {
+                    const __m256 off = _mm256_load_ps((const float *)(blk + 64 * vectors + 64 + 32 * h));
+                    acc[i] = _mm256_fmadd_ps(off, _mm256_set1_ps(sa[ab]), acc[i]);
+                }
             }
         }
-    }
-    for (int i = 0; i < mr; i++) {
-        float out[TILE_N];
-        _mm256_storeu_ps(out, acc[i][0]);
-        _mm256_storeu_ps(out + 8, acc[i][1]);
-        memcpy(y + (int64_t)(m0 + i) * y_stride + n0, out, sizeof(float) * nt);
+        const int cols = nt - 8 * h < 8 ? nt - 8 * h : 8;
+        for (int i = 0; i < mr; i++) {
+            float out[8];
+            _mm256_storeu_ps(out, acc[i]);
+            memcpy(y + (int64_t)(m0 + i) * y_stride + n0 + 8 * h, out, sizeof(float) * cols);
+        }
     }
 #endif
 }
 
-/* Every activation row over one tile: full MR micro-tiles, then the rest (mr and packed4
+/* Every activation row over one tile: full MR micro-tiles, then the rest (mr and layout
  * constants in each call, so the loops over rows unroll). */
 static inline __attribute__((always_inline)) void rows_over_tile(const uint8_t *buf, int K, const int8_t *qa,
                                                                   const float *da, const float *sa, int M,
-                                                                  int is_int8, int packed4, float *y,
+                                                                  int is_int8, enum layout layout, float *y,
                                                                   int64_t y_stride, int n0, int nt) {
     int m0 = 0;
-    for (; m0 + MR <= M; m0 += MR) micro_tile(buf, K, qa, da, sa, m0, MR, is_int8, packed4, y, y_stride, n0, nt);
+    for (; m0 + MR <= M; m0 += MR) micro_tile(buf, K, qa, da, sa, m0, MR, is_int8, layout, y, y_stride, n0, nt);
     switch (M - m0) {
 #if MR > 4
-    case 7: micro_tile(buf, K, qa, da, sa, m0, 7, is_int8, packed4, y, y_stride, n0, nt); break;
-    case 6: micro_tile(buf, K, qa, da, sa, m0, 6, is_int8, packed4, y, y_stride, n0, nt); break;
-    case 5: micro_tile(buf, K, qa, da, sa, m0, 5, is_int8, packed4, y, y_stride, n0, nt); break;
-    case 4: micro_tile(buf, K, qa, da, sa, m0, 4, is_int8, packed4, y, y_stride, n0, nt); break;
-    case 3: micro_tile(buf, K, qa, da, sa, m0, 3, is_int8, packed4, y, y_stride, n0, nt); break;
-    case 2: micro_tile(buf, K, qa, da, sa, m0, 2, is_int8, packed4, y, y_stride, n0, nt); break;
+    case 7: micro_tile(buf, K, qa, da, sa, m0, 7, is_int8, layout, y, y_stride, n0, nt); break;
+    case 6: micro_tile(buf, K, qa, da, sa, m0, 6, is_int8, layout, y, y_stride, n0, nt); break;
+    case 5: micro_tile(buf, K, qa, da, sa, m0, 5, is_int8, layout, y, y_stride, n0, nt); break;
+    case 4: micro_tile(buf, K, qa, da, sa, m0, 4, is_int8, layout, y, y_stride, n0, nt); break;
 #endif
-    case 1: micro_tile(buf, K, qa, da, sa, m0, 1, is_int8, packed4, y, y_stride, n0, nt); break;
+#if MR > 2
+    case 3: micro_tile(buf, K, qa, da, sa, m0, 3, is_int8, layout, y, y_stride, n0, nt); break;
+    case 2: micro_tile(buf, K, qa, da, sa, m0, 2, is_int8, layout, y, y_stride, n0, nt); break;
+#endif
+    case 1: micro_tile(buf, K, qa, da, sa, m0, 1, is_int8, layout, y, y_stride, n0, nt); break;
     default: break;
     }
 }
 
-/* Returns 0, -1 when memory could not be had (y is then incomplete). tiles: the int4 weight
- * repacked (data, scales and offsets then unused), else each thread gathers its tiles. */
+/* Returns 0, -1 when memory could not be had (y is then incomplete). tiles: the weight
+ * repacked as `layout` says (data, scales and offsets then unused), else (GATHERED) each
+ * thread gathers its tiles from the row layout. */
 static int i8_linear(const float *x, int64_t x_stride, int M, int K, const void *data, const float *scales,
-                     const float *offsets, const uint8_t *tiles, int N, float *y, int64_t y_stride,
-                     int num_threads) {
+                     const float *offsets, const uint8_t *tiles, enum layout layout, int N, float *y,
+                     int64_t y_stride, int num_threads) {
     const int nb = K / BLOCK;
     int8_t *qa = malloc((size_t)M * K);
     float *da = malloc(sizeof(float) * 2 * (size_t)M * nb);
@@ -372,13 +411,15 @@ static int i8_linear(const float *x, int64_t x_stride, int M, int K, const void 
         for (int n0 = 0; n0 < N; n0 += TILE_N) {
             const int nt = N - n0 < TILE_N ? N - n0 : TILE_N;
             if (tiles != NULL) {
-                const uint8_t *tile = tiles + (int64_t)(n0 / TILE_N) * nb * TILED4_BLOCK_BYTES;
-                if (!failed) rows_over_tile(tile, K, qa, da, sa, M, 0, 1, y, y_stride, n0, nt);
+                const uint8_t *tile = tiles + (int64_t)(n0 / TILE_N) * nb * block_bytes(layout);
+                if (failed) continue;
+                if (layout == TILED4) rows_over_tile(tile, K, qa, da, sa, M, 0, TILED4, y, y_stride, n0, nt);
+                else rows_over_tile(tile, K, qa, da, sa, M, 1, TILED8, y, y_stride, n0, nt);
                 continue;
             }
             if (buf == NULL) continue;
             gather_tile(data, scales, offsets, N, K, n0, buf);
-            rows_over_tile(buf, K, qa, da, sa, M, offsets == NULL, 0, y, y_stride, n0, nt);
+            rows_over_tile(buf, K, qa, da, sa, M, offsets == NULL, GATHERED, y, y_stride, n0, nt);
         }
         free(buf);
     }
@@ -389,30 +430,36 @@ static int i8_linear(const float *x, int64_t x_stride, int M, int K, const void 
 
 int int4_linear_i8(const float *x, int64_t x_stride, int M, int K, const uint8_t *packed, const float *scales,
                    const float *offsets, int N, float *y, int64_t y_stride, int num_threads) {
-    return i8_linear(x, x_stride, M, K, packed, scales, offsets, NULL, N, y, y_stride, num_threads);
+    return i8_linear(x, x_stride, M, K, packed, scales, offsets, NULL, GATHERED, N, y, y_stride, num_threads);
 }
 
 int int8_linear_i8(const float *x, int64_t x_stride, int M, int K, const int8_t *q, const float *scales, int N,
                    float *y, int64_t y_stride, int num_threads) {
-    return i8_linear(x, x_stride, M, K, q, scales, NULL, NULL, N, y, y_stride, num_threads);
+    return i8_linear(x, x_stride, M, K, q, scales, NULL, NULL, GATHERED, N, y, y_stride, num_threads);
 }
 
-/* Returns 0, -1 (no memory), -2 when this build has no tiled path (then nothing is done). */
-int int4_linear_i8_tiled(const float *x, int64_t x_stride, int M, int K, const uint8_t *tiles, int N, float *y,
-                         int64_t y_stride, int num_threads) {
-    if (!WIDE) return -2;
-    return i8_linear(x, x_stride, M, K, NULL, NULL, NULL, tiles, N, y, y_stride, num_threads);
+/* The products of a weight repacked at load (kernels/int8_activations.py repack_tiles):
+ * bits 4 or 8. Returns 0, -1 (no memory). */
+int linear_i8_tiled(const float *x, int64_t x_stride, int M, int K, const uint8_t *tiles, int bits, int N, float *y,
+                    int64_t y_stride, int num_threads) {
+    return i8_linear(x, x_stride, M, K, NULL, NULL, NULL, tiles, bits == 4 ? TILED4 : TILED8, N, y, y_stride,
+                     num_threads);
 }
 
-/* Bytes a block of a repacked int4 tile takes, 0 where this build reads no repacked tiles. */
-int int4_tiled_block_bytes(void) { return WIDE ? TILED4_BLOCK_BYTES : 0; }
+/* Bytes a block of a repacked tile takes for `bits` 4 or 8 (0 from a build without a
+ * vector path). */
+int tiled_block_bytes(int bits) { return bits == 4 ? TILED4_BLOCK_BYTES : TILED8_BLOCK_BYTES; }
+
+/* Whether the products use AVX512_VNNI's vpdpbusd (1) or AVX2's vpmaddubsw (0). */
+int int8_products_use_vnni(void) { return WIDE; }
 
 #else /* neither AVX-512 VNNI nor AVX2: the Python side runs the reference */
 
 int int4_linear_i8(void) { return -2; }
 int int8_linear_i8(void) { return -2; }
-int int4_linear_i8_tiled(void) { return -2; }
-int int4_tiled_block_bytes(void) { return 0; }
+int linear_i8_tiled(void) { return -2; }
+int tiled_block_bytes(void) { return 0; }
+int int8_products_use_vnni(void) { return 0; }
 void quantize_activations(void) {}
 
 #endif

@@ -10,9 +10,9 @@ on CPU, products of few rows through ``kernels/quant_linear.py`` (the exactly de
 weight, float activations: bandwidth-bound, the fewest bytes win), products of more rows
 through ``kernels/int8_activations.py`` (activations quantized to int8 per block, integer
 dot products: compute-bound, VNNI wins); on CUDA, the Triton kernel. ``cpu_layout`` repacks
-an int4 weight once at load into the tiles the int8-activation kernel reads (AVX-512 VNNI):
-it is then kept only so, and every product of it, whatever its row count, runs that kernel
-with no per-call gather (faster than the exact kernel from 1 row on, docs/BENCHMARKS.md).
+a weight once at load into the tiles the int8-activation kernel reads (its AVX-512 VNNI and
+AVX2 builds): it is then kept only so, and every product of it, whatever its row count,
+runs that kernel with no per-call gather (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kernels import int8_activations, quant_linear
-from kernels.int8_activations import Int4Tiles
+from kernels.int8_activations import WeightTiles
 from shared.gguf_quants import QuantizedTensor
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -62,22 +62,22 @@ def prepacked_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
 
 # CPU products of at least this many rows of a row-layout matrix quantize their activations
 # to int8; fewer rows multiply the exact weight (scripts/bench_quant.py --kernels: the
-# crossover on the benchmark CPU, docs/BENCHMARKS.md). Matrices repacked by cpu_layout take
-# int8 activations at every row count; this rule is for the rest (the int8 LM head, the AVX2
-# build). Read at each call: scripts/bench_quant.py and the tests set it high to measure the
-# exact path alone.
+# crossover on the benchmark CPU, docs/BENCHMARKS.md). Matrices repacked by cpu_layout (all,
+# unless REPACK_TILES is cleared or the kernel has no vector build) take int8 activations at
+# every row count. Read at each call: scripts/bench_quant.py and the tests set it high to
+# measure the exact path alone.
 INT8_ACTIVATIONS_MIN_ROWS = 4
-# The same where the kernels have no AVX-512 VNNI build (tiles_available() is false): there
-# the exact kernel's AVX2 build lost to the int8-activation one even at 1 row (142.6 against
-# 23.4 ms per step's products, docs/BENCHMARKS.md, "An AVX2-only CPU, approximated").
-INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_TILES = 1
+# The same where the int8-activation kernel has no AVX512_VNNI (its AVX2 build): there the
+# exact kernel's AVX2 build lost to it even at 1 row (142.6 against 23.4 ms per step's
+# products, docs/BENCHMARKS.md, "An AVX2-only CPU, approximated").
+INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_VNNI = 1
 
 
 def int8_activations_min_rows() -> int:
     """From how many rows a CPU product of a row-layout matrix takes int8 activations."""
-    if int8_activations.tiles_available():
+    if int8_activations.vnni_available():
         return INT8_ACTIVATIONS_MIN_ROWS
-    return INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_TILES
+    return INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_VNNI
 
 
 def _cpu_kernel(exact, int8_activated):
@@ -89,28 +89,27 @@ def _cpu_kernel(exact, int8_activated):
     return product
 
 
-# Whether cpu_layout repacks int4 weights (read at load: scripts/bench_quant.py and the tests
-# clear it for a model whose products all can take the exact kernel).
-REPACK_INT4 = True
+# Whether cpu_layout repacks weights into tiles (read at load: scripts/bench_quant.py and the
+# tests clear it for a model whose products all can take the exact kernel).
+REPACK_TILES = True
 
 
-def cpu_layout(weight: QuantizedTensor) -> QuantizedTensor | Int4Tiles:
-    """``weight`` as its products read it: an int4 weight on CPU repacked into the
-    int8-activation kernel's tiles where that kernel reads them (as many bytes; the row
-    layout is not kept, so the exact kernel can no longer take it), else as it is."""
-    if (REPACK_INT4 and weight.bits == 4 and weight.data.device.type == "cpu"
-            and int8_activations.tiles_available()):
-        return int8_activations.repack_int4(weight.data, weight.scales, weight.offsets)
+def cpu_layout(weight: QuantizedTensor) -> QuantizedTensor | WeightTiles:
+    """``weight`` as its products read it: on CPU repacked into the int8-activation kernel's
+    tiles where that kernel reads them (as many bytes; the row layout is not kept, so the
+    exact kernel can no longer take it), else as it is."""
+    if REPACK_TILES and weight.data.device.type == "cpu" and int8_activations.tiles_available():
+        return int8_activations.repack_tiles(weight.data, weight.scales, weight.offsets)
     return weight
 
 
-def quantized_linear(weight: QuantizedTensor | Int4Tiles, bias: torch.Tensor | None = None) -> Linear:
+def quantized_linear(weight: QuantizedTensor | WeightTiles, bias: torch.Tensor | None = None) -> Linear:
     """``x @ W.T (+ bias)`` with ``W`` kept quantized, on ``weight``'s device: the C kernels
-    on CPU (repacked int4 tiles: the int8-activation kernel at every row count; else by row
+    on CPU (repacked tiles: the int8-activation kernel at every row count; else by row
     count, see INT8_ACTIVATIONS_MIN_ROWS), the Triton kernels on CUDA; the result in ``x``'s
     dtype."""
-    if isinstance(weight, Int4Tiles):
-        kernel, args = int8_activations.int4_tiled_linear_cpu, (weight,)
+    if isinstance(weight, WeightTiles):
+        kernel, args = int8_activations.tiled_linear_cpu, (weight,)
     elif weight.bits == 8:
         kernel = (_cpu_kernel(quant_linear.int8_linear_cpu, int8_activations.int8_linear_cpu)
                   if weight.data.device.type == "cpu" else quant_linear.int8_linear_triton)
@@ -131,7 +130,9 @@ def dequantize(weight: QuantizedTensor) -> torch.Tensor:
     return quant_linear.dequantize_int4_ref(weight.data, weight.scales, weight.offsets)
 
 
-def quantized_embedding(weight: QuantizedTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``ids`` of a quantized embedding table, dequantized to ``dtype``."""
+def quantized_embedding(weight: QuantizedTensor | WeightTiles, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` (1-D) of a quantized embedding table, dequantized to ``dtype``."""
+    if isinstance(weight, WeightTiles):
+        return dequantize(QuantizedTensor(weight.bits, *int8_activations.unpack_tiles(weight, ids))).to(dtype)
     offsets = None if weight.offsets is None else weight.offsets[ids]
     return dequantize(QuantizedTensor(weight.bits, weight.data[ids], weight.scales[ids], offsets)).to(dtype)

@@ -123,25 +123,36 @@ def test_cpu_products_read_strided_rows_and_keep_bfloat16(cpu_isa):
     torch.testing.assert_close(got, ia.int4_linear_ref(xb, *w), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n", [32, 37])
-def test_repacked_tiles_unpack_to_the_weight(n):
-    w = int4_weight(n, 96)
-    tiles = ia.repack_int4(*w)
-    assert tiles.shape == (n, 96) and tiles.nbytes() == -(-n // ia.TILE_N) * ia.TILE_N * (96 // 2 + 2 * 4 * 96 // 32)
+def test_repacked_tiles_unpack_to_the_weight(n, bits):
+    w = int4_weight(n, 96) if bits == 4 else int8_weight(n, 96)
+    tiles = ia.repack_tiles(*w)
+    row_bytes = 96 * bits // 8 + (len(w) - 1) * 4 * 96 // 32
+    assert tiles.shape == (n, 96) and tiles.bits == bits
+    assert tiles.nbytes() == -(-n // ia.TILE_N) * ia.TILE_N * row_bytes
     for got, want in zip(ia.unpack_tiles(tiles), w):
         assert torch.equal(got, want)
+    rows = torch.tensor([n - 1, 0, 17, 17, 5])  # the embedding's lookups: any order, repeats
+    for got, want in zip(ia.unpack_tiles(tiles, rows), w):
+        assert torch.equal(got, want[rows])
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 33])
 @pytest.mark.parametrize("n,k", [(7, 64), (577, 576), (66, 1536)])
-def test_cpu_products_of_repacked_tiles_match_the_reference_and_the_gather(m, n, k, cpu_isa):
-    """The AVX-512 VNNI build reads the tiles (the same arithmetic as after its per-call
-    gather: equal bit for bit); the AVX2 build has no tiled path (the reference runs)."""
-    assert not (cpu_isa == "avx2" and ia.tiles_available())
+def test_cpu_products_of_repacked_tiles_match_the_reference_and_the_gather(m, n, k, bits, cpu_isa):
+    """Both builds read the tiles (the same arithmetic as after their per-call gather: equal
+    bit for bit); VNNI products only in the AVX-512 build."""
+    assert ia.tiles_available()
+    if cpu_isa == "avx2":
+        assert not ia.vnni_available()
     x = activations(m, k, seed=m)
-    w4 = int4_weight(n, k, seed=m)
-    got = ia.int4_tiled_linear_cpu(x, ia.repack_int4(*w4))
-    assert_close_to_reference(got, ia.int4_linear_ref(x, *w4), x, ql.dequantize_int4_ref(*w4))
-    if ia.tiles_available():
-        assert torch.equal(got, ia.int4_linear_cpu(x, *w4))
+    if bits == 4:
+        w, dense, reference, gathered = int4_weight(n, k, seed=m), ql.dequantize_int4_ref, ia.int4_linear_ref, ia.int4_linear_cpu
+    else:
+        w, dense, reference, gathered = int8_weight(n, k, seed=m), ql.dequantize_int8_ref, ia.int8_linear_ref, ia.int8_linear_cpu
+    got = ia.tiled_linear_cpu(x, ia.repack_tiles(*w))
+    assert_close_to_reference(got, reference(x, *w), x, dense(*w))
+    assert torch.equal(got, gathered(x, *w))

@@ -64,10 +64,10 @@ def test_quantized_cpu_products_take_int8_activations_from_their_row_count_on(bi
 
 
 @pytest.mark.skipif(not int8_activations.available(), reason="no C compiler or no AVX2")
-def test_without_tiles_one_row_takes_int8_activations(monkeypatch):
-    """Where the kernels have no tiled (AVX-512 VNNI) build, the exact kernel is the slower
-    one even at 1 row, so every row count takes int8 activations."""
-    monkeypatch.setattr(int8_activations, "tiles_available", lambda: False)
+def test_without_vnni_one_row_takes_int8_activations(monkeypatch):
+    """Where the int8-activation kernel has no AVX512_VNNI (its AVX2 build), the exact
+    kernel is the slower one even at 1 row, so every row count takes int8 activations."""
+    monkeypatch.setattr(int8_activations, "vnni_available", lambda: False)
     gen = torch.Generator().manual_seed(1)
     scales = torch.rand(48, 4, generator=gen) / 16
     weight = QuantizedTensor(4, torch.randint(0, 256, (48, 64), dtype=torch.uint8, generator=gen), scales, -8 * scales)

@@ -9,10 +9,9 @@ position; the share equal to the float model's token is the agreement (one token
 difference does not make the rest of the text count as different). The int4 model holds
 the float model's very values, so on the exact path (every product on the dequantized
 weight, only the float32 summation order differs) it agrees on practically every token;
-as served, the layers' int4 matrices are repacked for the int8-activation kernel (AVX-512
-VNNI: every product of them quantizes its activations to int8) and other products of
-INT8_ACTIVATIONS_MIN_ROWS rows or more do too (services/worker/linear.py), which the issue's
-90% applies to; the exact path is a model loaded without the repacking. docs/BENCHMARKS.md has
+as served, every matrix is repacked for the int8-activation kernel (its AVX-512 VNNI and AVX2
+builds: every product quantizes its activations to int8, services/worker/linear.py), which
+the issue's 90% applies to; the exact path is a model loaded without the repacking. docs/BENCHMARKS.md has
 the figures from scripts/bench_quant.py.
 """
 
@@ -25,7 +24,7 @@ import torch
 
 from services.engine import Engine
 from kernels import int8_activations
-from kernels.int8_activations import Int4Tiles
+from kernels.int8_activations import WeightTiles
 from services.worker import linear
 from services.worker.lora.batched import LoRABatch, lora_delta_reference
 from services.worker.model_runner import ModelRunner
@@ -54,7 +53,7 @@ def int4_rows_worker(smollm_path):
     """The int4 model with every matrix kept in the row layout (none repacked into tiles),
     so that the exact kernel can take every product."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(linear, "REPACK_INT4", False)
+        patch.setattr(linear, "REPACK_TILES", False)
         return quantized_runner(smollm_path)
 
 
@@ -102,7 +101,7 @@ def test_default_model_weights_take_at_most_1_5x_the_gguf_file(int4_worker, smol
     assert model.layers[0].self_attn.qkv_weight.numel() == 0 and model.embed_weight.numel() == 0
     # The layers' int4 matrices only as tiles where the kernel reads them (no second copy).
     kept = model.layers[0].mlp.quantized["down_weight"]
-    assert isinstance(kept, Int4Tiles) == int8_activations.tiles_available()
+    assert isinstance(kept, WeightTiles) == int8_activations.tiles_available()
 
 
 @pytest.fixture
@@ -110,12 +109,12 @@ def exact_products(monkeypatch):
     """Every quantized CPU product of a row-layout matrix on the exactly dequantized weight
     (no int8 activations)."""
     monkeypatch.setattr(linear, "INT8_ACTIVATIONS_MIN_ROWS", 2**31)
-    monkeypatch.setattr(linear, "INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_TILES", 2**31)
+    monkeypatch.setattr(linear, "INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_VNNI", 2**31)
 
 
 def test_int4_greedy_on_the_exact_path_agrees_with_the_float_model(int4_rows_worker, float_outputs, exact_products):
     model = int4_rows_worker.model
-    assert all(not isinstance(t, Int4Tiles) for layer in model.layers for m in (layer.self_attn, layer.mlp)
+    assert all(not isinstance(t, WeightTiles) for layer in model.layers for m in (layer.self_attn, layer.mlp)
                for t in m.quantized.values())
     assert per_token_agreement(int4_rows_worker, *float_outputs) >= 0.98
 
@@ -130,12 +129,19 @@ def test_int8_greedy_agrees_with_the_float_model_on_90_percent_of_tokens(int8_wo
     assert per_token_agreement(int8_worker, *float_outputs) >= 0.90
 
 
-def test_quantized_logits_are_the_float_models_up_to_summation_order(int4_worker, smollm_worker, exact_products):
-    hidden = torch.randn(5, int4_worker.model_config.hidden_size)
-    torch.testing.assert_close(int4_worker.model.compute_logits(hidden), smollm_worker.model.compute_logits(hidden),
-                               atol=1e-3, rtol=1e-4)
-    ids = torch.tensor([0, 17, 49151])
-    torch.testing.assert_close(int4_worker.model.embed(ids), smollm_worker.model.embed(ids), atol=0, rtol=0)
+def test_quantized_logits_are_the_float_models_up_to_summation_order(int4_rows_worker, smollm_worker,
+                                                                      exact_products):
+    hidden = torch.randn(5, int4_rows_worker.model_config.hidden_size)
+    torch.testing.assert_close(int4_rows_worker.model.compute_logits(hidden),
+                               smollm_worker.model.compute_logits(hidden), atol=1e-3, rtol=1e-4)
+
+
+def test_quantized_embedding_rows_are_the_float_models(int4_worker, int4_rows_worker, smollm_worker):
+    """Looked up in the row layout or unpacked from the LM head's tiles (tied): the same values."""
+    assert isinstance(int4_worker.model.quantized["embed_weight"], WeightTiles) == int8_activations.tiles_available()
+    ids = torch.tensor([0, 17, 49151, 17])
+    for worker in (int4_worker, int4_rows_worker):
+        torch.testing.assert_close(worker.model.embed(ids), smollm_worker.model.embed(ids), atol=0, rtol=0)
 
 
 def test_lora_adds_its_delta_to_a_quantized_projection(int4_worker):

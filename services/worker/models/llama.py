@@ -7,9 +7,10 @@ Hugging Face names (see ``shared/model_files.py``); q/k/v and gate/up are fused
 into one matrix each at load. With ``keep_quantized`` (``--quantization auto``), a GGUF
 file's int8 / int4 matrices stay quantized (``shared/gguf_quants.py``): their products
 and the embedding lookup read the blocks (``..linear.quantized_linear``), and the float
-parameter they would have filled is left empty (the layers' int4 matrices on CPU are
-kept as the int8-activation kernel's tiles, ``..linear.cpu_layout``); a fused matrix whose
-parts are not all kept alike is dequantized instead.
+parameter they would have filled is left empty (on CPU the matrices are kept as the
+int8-activation kernel's tiles, ``..linear.cpu_layout``, and the embedding lookup unpacks
+its rows from them); a fused matrix whose parts are not all kept alike is dequantized
+instead.
 
 Tensor parallelism (``ShardLayout`` / ``TensorParallel`` from ``..parallel``): each
 rank holds its query heads' rows of q/k/v (KV heads split across ranks, or the one
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from kernels import AttentionMetadata, KernelOps
-from kernels.int8_activations import Int4Tiles
+from kernels.int8_activations import WeightTiles
 from shared.gguf_quants import QuantizedTensor
 from shared.model_config import ModelConfig
 
@@ -98,9 +99,9 @@ class LlamaAttention(nn.Module):
         self.tp = tp
         self.qkv_proj = plain_linear(self, "qkv_weight", "qkv_bias" if config.attention_bias else None)
         self.o_proj = row_parallel(tp, plain_linear(self, "o_weight"))
-        self.quantized: dict[str, QuantizedTensor | Int4Tiles] = {}  # kept quantized; their parameters are empty
+        self.quantized: dict[str, QuantizedTensor | WeightTiles] = {}  # kept quantized; their parameters are empty
 
-    def keep_quantized(self, weight: str, tensor: QuantizedTensor | Int4Tiles) -> None:
+    def keep_quantized(self, weight: str, tensor: QuantizedTensor | WeightTiles) -> None:
         if weight == "qkv_weight":
             self.qkv_proj = quantized_linear(tensor, self.qkv_bias)
         else:
@@ -136,9 +137,9 @@ class LlamaMLP(nn.Module):
         self.tp = tp
         self.gate_up_proj = plain_linear(self, "gate_up_weight")
         self.down_proj = row_parallel(tp, plain_linear(self, "down_weight"))
-        self.quantized: dict[str, QuantizedTensor | Int4Tiles] = {}  # kept quantized; their parameters are empty
+        self.quantized: dict[str, QuantizedTensor | WeightTiles] = {}  # kept quantized; their parameters are empty
 
-    def keep_quantized(self, weight: str, tensor: QuantizedTensor | Int4Tiles) -> None:
+    def keep_quantized(self, weight: str, tensor: QuantizedTensor | WeightTiles) -> None:
         if weight == "gate_up_weight":
             self.gate_up_proj = quantized_linear(tensor)
         else:
@@ -220,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         self.compute_logits = self._logits_vocab_parallel if tp.enabled else self._logits
         self.lm_head_proj = plain_linear(self, "embed_weight" if self.lm_head is None else "lm_head")
         # "embed_weight" / "lm_head" kept quantized (a tied LM head reads the embedding's).
-        self.quantized: dict[str, QuantizedTensor] = {}
+        self.quantized: dict[str, QuantizedTensor | WeightTiles] = {}
         self.prepacked_bytes = 0
 
     def prepack_linears(self) -> None:
@@ -422,8 +423,8 @@ class LlamaForCausalLM(nn.Module):
                 tensor = QuantizedTensor.cat(parts).to(device) if len(parts) > 1 else parts[0].to(device)
                 param = getattr(module, weight)
                 param.data = torch.empty(0, dtype=param.dtype, device=device)
-                if module is self:  # the embedding (its lookup reads the row layout) / LM head
-                    self.quantized[weight] = tensor
+                if module is self:  # the embedding (its lookups unpack rows of tiles) / LM head
+                    self.quantized[weight] = cpu_layout(tensor)
                 else:
                     module.keep_quantized(weight, cpu_layout(tensor))
                 continue
