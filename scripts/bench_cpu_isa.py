@@ -1,4 +1,4 @@
-"""The bf16 decode attention C kernel built for each instruction set this host can run.
+"""The decode attention C kernel built for each instruction set this host can run.
 
 Builds `kernels/cpu/paged_decode_attention.c` once per NATSLLM_CPU_ISA value (``native``:
 the host's widest, e.g. AVX512_BF16; ``avx2``: AVX-512 off, the AVX2 + FMA path) and times
@@ -8,7 +8,8 @@ in the model), one thread. Reports CPU milliseconds per layer (process time, bes
 steadier than the wall clock on a shared machine) and the largest difference from the
 first build's output.
 
-    .venv/bin/python scripts/bench_cpu_isa.py [--isas native avx2] [--batch 32] [--context 180]
+    .venv/bin/python scripts/bench_cpu_isa.py [--isas native avx2] [--batch 32] [--context 180] \
+        [--dtypes bfloat16 float32]
 """
 
 from __future__ import annotations
@@ -53,25 +54,28 @@ def main(argv=None) -> int:
     p.add_argument("--isas", nargs="+", default=["native", "avx2"], choices=sorted(cpu_build.ISA_CFLAGS))
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=180)
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
+                   help="query and KV cache dtype")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     blocks_per_request = -(-args.context // block_size)
     num_blocks = args.batch * blocks_per_request
-    gen = torch.Generator().manual_seed(0)
-    query = torch.randn(args.batch, heads, head_dim, generator=gen).bfloat16()
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    caches = [(torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16())
-              for _ in range(LAYERS)]
     tables = torch.arange(num_blocks, dtype=torch.int32).view(args.batch, blocks_per_request)
     lens = torch.full((args.batch,), args.context, dtype=torch.int32)
-    first = None
-    print(f"batch {args.batch}, context {args.context}, 9/3 heads of 64, bf16, 1 thread")
-    for isa in args.isas:
-        ms, out, built = time_build(isa, query, caches, tables, lens)
-        first = out if first is None else first
-        print(f"NATSLLM_CPU_ISA={isa:7s} ({built}): {ms:.3f} ms per layer, "
-              f"max diff from the first: {(out.float() - first.float()).abs().max().item():.2e}")
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    for dtype in args.dtypes:
+        gen = torch.Generator().manual_seed(0)
+        query = torch.randn(args.batch, heads, head_dim, generator=gen).to(getattr(torch, dtype))
+        caches = [(torch.randn(shape, generator=gen).to(query.dtype), torch.randn(shape, generator=gen).to(query.dtype))
+                  for _ in range(LAYERS)]
+        first = None
+        print(f"batch {args.batch}, context {args.context}, 9/3 heads of 64, {dtype}, 1 thread")
+        for isa in args.isas:
+            ms, out, built = time_build(isa, query, caches, tables, lens)
+            first = out if first is None else first
+            print(f"NATSLLM_CPU_ISA={isa:7s} ({built}): {ms:.3f} ms per layer, "
+                  f"max diff from the first: {(out.float() - first.float()).abs().max().item():.2e}")
     return 0
 
 

@@ -19,6 +19,8 @@
 #   llama-server     llama.cpp's own C++ server, built from the llama.cpp source that the
 #                    llama-cpp-python sdist vendors, with --parallel slots = the
 #                    largest concurrency and continuous batching; it runs the GGUF as is.
+#                    With NATSLLM_CPU_ISA=avx2 (our kernels held to AVX2, to approximate an
+#                    AVX2-only CPU) it is built without AVX-512 (build/llama.cpp-build-avx2).
 #   llamacpp-python  llama-cpp-python[server] (`python -m llama_cpp.server`) in its own
 #                    venv build/bench-venv, compiled from source (cmake). Its server
 #                    runs ONE request at a time (a global lock; no parallel slots), so
@@ -48,6 +50,14 @@ THREADS=$(nproc)
 BENCH_VENV=${BENCH_VENV:-build/bench-venv}
 LLAMA_SRC=build/llama.cpp-src
 LLAMA_BUILD=build/llama.cpp-build
+LLAMA_ISA=(-DGGML_NATIVE=ON)
+# NATSLLM_CPU_ISA=avx2 (our kernels without AVX-512, to approximate an AVX2-only CPU) builds
+# llama.cpp without AVX-512 too, in its own folder.
+if [ "${NATSLLM_CPU_ISA:-}" = avx2 ]; then
+  LLAMA_BUILD=build/llama.cpp-build-avx2
+  LLAMA_ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+             -DGGML_AVX512=OFF)
+fi
 while [ $# -gt 0 ]; do
   case "$1" in
     --concurrency) CONCURRENCY=$2; shift 2 ;;
@@ -98,7 +108,7 @@ install_llama_server() {
   tar -xzf "$sdist" -C "$LLAMA_SRC" --strip-components=3 "llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
   # The vendored tree's .git is a submodule pointer into a repository that is not here.
   rm -rf "$LLAMA_SRC/.git"
-  nice -n 19 cmake -S "$LLAMA_SRC" -B "$LLAMA_BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  nice -n 19 cmake -S "$LLAMA_SRC" -B "$LLAMA_BUILD" -DCMAKE_BUILD_TYPE=Release "${LLAMA_ISA[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >/dev/null
   nice -n 19 cmake --build "$LLAMA_BUILD" --target llama-server -j "$THREADS" >/dev/null
 }

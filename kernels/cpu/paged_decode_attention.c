@@ -8,7 +8,8 @@
  * runtime PyTorch itself loaded (same soname), so no second thread pool appears. Head dims
  * 64 and 128 get code compiled for that size. bf16 scores and weighted values take
  * AVX512_BF16 (vdpbf16ps) where the library is compiled for it, AVX2 + FMA (bf16 widened
- * to float32 by a shift) where it is compiled for that, and the generic code otherwise.
+ * to float32 by a shift; float32 caches too) where it is compiled for that, and the generic
+ * code otherwise.
  */
 #include <math.h>
 #include <stdint.h>
@@ -49,17 +50,19 @@ ALWAYS_INLINE void load_row(const void *base, int64_t index, float *dst, const i
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define HAVE_SIMD_BF16 1
-#define SCORE_RUN 16       /* tokens per block_scores_bf16 call */
+#define SCORE_RUN 16       /* tokens per block_scores call */
 #define SCORE_HD_MULTIPLE 32
 typedef uint16_t query_t; /* the scores read the bf16 query as it is */
 #define MAX_DOT_GROUP 8
 #define MAX_DOT_HD 128
 #define MAX_VALUE_GROUP 4
+#define SIMD_FLOAT32 0 /* float32 caches take the generic code */
 
-/* The query row of request i as block_scores_bf16 reads it: in place, bfloat16. */
-ALWAYS_INLINE const query_t *simd_query(const Args *a, int i, float *scratch, int n) {
+/* The query row of request i as block_scores reads it: in place, bfloat16. */
+ALWAYS_INLINE const query_t *simd_query(const Args *a, int i, float *scratch, int n, const int bf16) {
     (void)scratch;
     (void)n;
+    (void)bf16;
     return (const uint16_t *)a->query + (int64_t)i * a->query_row_stride;
 }
 
@@ -82,10 +85,12 @@ ALWAYS_INLINE __m512 lane_sums16(const __m512 *v) {
  * bfloat16 only, hd <= 128 a multiple of 32. Each K row is read whole and multiplied with a
  * head's query by vdpbf16ps (products of bf16 pairs summed in float32), leaving 16
  * partial sums per token; lane_sums16 reduces the 16 tokens' partial sums at once.
- * `k` points at the first token's values of this KV head, `q` at the first of the G
+ * k_cache + k_at is the first token's values of this KV head, `q` the first of the G
  * heads' query values; scores[g * len + j] receives the scaled score of token j. */
-ALWAYS_INLINE void block_scores_bf16(const uint16_t *k, int64_t token_stride, int count, const uint16_t *q, float scale,
-                                     float *scores, int len, const int G, const int hd) {
+ALWAYS_INLINE void block_scores(const void *k_cache, int64_t k_at, int64_t token_stride, int count, const uint16_t *q,
+                                float scale, float *scores, int len, const int G, const int hd, const int bf16) {
+    (void)bf16;
+    const uint16_t *k = (const uint16_t *)k_cache + k_at;
     const __mmask16 live = (__mmask16)((1u << count) - 1u);
     for (int g = 0; g < G; g++) {
         __m512i qv[MAX_DOT_HD / 32]; /* fixed sizes (not hd's): the compiler keeps them in registers */
@@ -104,8 +109,10 @@ ALWAYS_INLINE void block_scores_bf16(const uint16_t *k, int64_t token_stride, in
 
 /* acc[g] += sum over `count` tokens of probs[g * len + j] * V[j] for one KV head's G <= 4
  * query heads, bfloat16 V, hd <= 128 a multiple of 16, the accumulators held in registers. */
-ALWAYS_INLINE void block_values_bf16(const uint16_t *v, int64_t token_stride, int count, const float *probs, int len,
-                                     float *acc_io, const int G, const int hd) {
+ALWAYS_INLINE void block_values(const void *v_rows, int64_t token_stride, int count, const float *probs, int len,
+                                float *acc_io, const int G, const int hd, const int bf16) {
+    (void)bf16;
+    const uint16_t *v = v_rows;
     __m512 acc[MAX_VALUE_GROUP][MAX_DOT_HD / 16];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < hd / 16; c++) acc[g][c] = _mm512_loadu_ps(acc_io + g * hd + 16 * c);
@@ -124,7 +131,8 @@ ALWAYS_INLINE void block_values_bf16(const uint16_t *v, int64_t token_stride, in
         for (int c = 0; c < hd / 16; c++) _mm512_storeu_ps(acc_io + g * hd + 16 * c, acc[g][c]);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* AVX2 without native bf16 products: bf16 -> float32 by a 16-bit shift, then FMA. */
+/* AVX2 without native bf16 products: bf16 -> float32 by a 16-bit shift, then FMA; float32
+ * caches take the same code. */
 #include <immintrin.h>
 #define HAVE_SIMD_BF16 1
 #define SCORE_RUN 8
@@ -132,16 +140,19 @@ ALWAYS_INLINE void block_values_bf16(const uint16_t *v, int64_t token_stride, in
 #define MAX_DOT_GROUP 8
 #define MAX_DOT_HD 128
 #define MAX_VALUE_GROUP 4
+#define SIMD_FLOAT32 1
 typedef float query_t; /* the scores read the query converted to float32 once */
 
-ALWAYS_INLINE __m256 bf16x8_to_f32(const uint16_t *p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+/* 8 values from element `at` of a bfloat16 or float32 array, as float32. */
+ALWAYS_INLINE __m256 load8(const void *base, int64_t at, const int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)base + at);
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-/* The query row of request i as block_scores_bf16 reads it: float32, in `scratch`. */
-ALWAYS_INLINE const query_t *simd_query(const Args *a, int i, float *scratch, int n) {
-    load_row(a->query, (int64_t)i * a->query_row_stride, scratch, n, 1);
+/* The query row of request i as block_scores reads it: float32, in `scratch`. */
+ALWAYS_INLINE const query_t *simd_query(const Args *a, int i, float *scratch, int n, const int bf16) {
+    load_row(a->query, (int64_t)i * a->query_row_stride, scratch, n, bf16);
     return scratch;
 }
 
@@ -154,17 +165,18 @@ ALWAYS_INLINE __m256 lane_sums8(const __m256 *v) {
 }
 
 /* Scores of `count` <= 8 consecutive cached tokens for the G query heads of one KV head,
- * bfloat16 keys, hd <= 128 a multiple of 8. The run's keys are converted to float32 once
- * for all G heads; each token keeps 8 partial sums, and lane_sums8 reduces the 8 tokens'
- * at once. `q` points at the first of the G heads' float32 query values; scores[g * len
- * + j] receives the scaled score of token j. */
-ALWAYS_INLINE void block_scores_bf16(const uint16_t *k, int64_t token_stride, int count, const float *q, float scale,
-                                     float *scores, int len, const int G, const int hd) {
+ * bfloat16 or float32 keys, hd <= 128 a multiple of 8. The run's keys are copied as float32
+ * once for all G heads; each token keeps 8 partial sums, and lane_sums8 reduces the 8
+ * tokens' at once. k_cache + k_at is the first token's values of this KV head, `q` the
+ * first of the G heads' float32 query values; scores[g * len + j] receives the scaled
+ * score of token j. */
+ALWAYS_INLINE void block_scores(const void *k_cache, int64_t k_at, int64_t token_stride, int count, const float *q,
+                                float scale, float *scores, int len, const int G, const int hd, const int bf16) {
     float kf[SCORE_RUN * MAX_DOT_HD];
     for (int j = 0; j < SCORE_RUN; j++)
         for (int c = 0; c < hd / 8; c++)
             _mm256_storeu_ps(kf + j * hd + 8 * c,
-                             j < count ? bf16x8_to_f32(k + j * token_stride + 8 * c) : _mm256_setzero_ps());
+                             j < count ? load8(k_cache, k_at + j * token_stride + 8 * c, bf16) : _mm256_setzero_ps());
     for (int g = 0; g < G; g++) {
         __m256 part[SCORE_RUN];
         for (int j = 0; j < SCORE_RUN; j++) part[j] = _mm256_setzero_ps();
@@ -179,10 +191,10 @@ ALWAYS_INLINE void block_scores_bf16(const uint16_t *k, int64_t token_stride, in
 }
 
 /* acc[g] += sum over `count` tokens of probs[g * len + j] * V[j] for one KV head's G <= 4
- * query heads, bfloat16 V, hd <= 128 a multiple of 16: 16 columns at a time, so that the
- * 2G accumulators stay in registers. */
-ALWAYS_INLINE void block_values_bf16(const uint16_t *v, int64_t token_stride, int count, const float *probs, int len,
-                                     float *acc_io, const int G, const int hd) {
+ * query heads, bfloat16 or float32 V, hd <= 128 a multiple of 16: 16 columns at a time, so
+ * that the 2G accumulators stay in registers. */
+ALWAYS_INLINE void block_values(const void *v, int64_t token_stride, int count, const float *probs, int len,
+                                float *acc_io, const int G, const int hd, const int bf16) {
     for (int c = 0; c < hd / 16; c++) {
         __m256 acc[MAX_VALUE_GROUP][2];
         for (int g = 0; g < G; g++) {
@@ -190,8 +202,8 @@ ALWAYS_INLINE void block_values_bf16(const uint16_t *v, int64_t token_stride, in
             acc[g][1] = _mm256_loadu_ps(acc_io + g * hd + 16 * c + 8);
         }
         for (int j = 0; j < count; j++) {
-            const __m256 v0 = bf16x8_to_f32(v + j * token_stride + 16 * c);
-            const __m256 v1 = bf16x8_to_f32(v + j * token_stride + 16 * c + 8);
+            const __m256 v0 = load8(v, j * token_stride + 16 * c, bf16);
+            const __m256 v1 = load8(v, j * token_stride + 16 * c + 8, bf16);
             for (int g = 0; g < G; g++) {
                 const __m256 p = _mm256_broadcast_ss(probs + (int64_t)g * len + j);
                 acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
@@ -206,6 +218,7 @@ ALWAYS_INLINE void block_values_bf16(const uint16_t *v, int64_t token_stride, in
 }
 #else
 #define HAVE_SIMD_BF16 0
+#define SIMD_FLOAT32 0
 #define MAX_DOT_GROUP 1
 #endif
 
@@ -220,8 +233,8 @@ ALWAYS_INLINE void prefetch_block(const void *base, int64_t first_element, int64
 ALWAYS_INLINE void weighted_values(const void *v_rows, int64_t token_stride, int count, const float *probs, int len,
                                    float *acc_io, const int G, const int hd, const int bf16) {
 #if HAVE_SIMD_BF16
-    if (bf16 && hd % 16 == 0 && hd <= MAX_DOT_HD && G <= MAX_VALUE_GROUP) {
-        block_values_bf16(v_rows, token_stride, count, probs, len, acc_io, G, hd);
+    if ((bf16 || SIMD_FLOAT32) && hd % 16 == 0 && hd <= MAX_DOT_HD && G <= MAX_VALUE_GROUP) {
+        block_values(v_rows, token_stride, count, probs, len, acc_io, G, hd, bf16);
         return;
     }
 #endif
@@ -255,8 +268,8 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     for (int h = 0; h < nh; h++) kv_head_of[h] = h / group;
     /* Scores, token by token through the blocks. */
 #if HAVE_SIMD_BF16
-    if (bf16 && hd % SCORE_HD_MULTIPLE == 0 && hd <= MAX_DOT_HD && group <= MAX_DOT_GROUP) {
-        const query_t *q_row = simd_query(a, i, q, nh * hd);
+    if ((bf16 || SIMD_FLOAT32) && hd % SCORE_HD_MULTIPLE == 0 && hd <= MAX_DOT_HD && group <= MAX_DOT_GROUP) {
+        const query_t *q_row = simd_query(a, i, q, nh * hd, bf16);
         /* Runs of up to SCORE_RUN tokens, never across a block's end. */
         for (int start = 0; start < len;) {
             const int in_block = start % bs;
@@ -267,12 +280,13 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
                     prefetch_block(a->key_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
                 prefetch_block(a->value_cache, (int64_t)blocks[start / bs] * block_elements, block_elements, elem);
             }
-            const uint16_t *k = (const uint16_t *)a->key_cache + ((int64_t)blocks[start / bs] * bs + in_block) * token_stride;
+            const int64_t k_at = ((int64_t)blocks[start / bs] * bs + in_block) * token_stride;
             for (int kv = 0; kv < kvh; kv++) {
-                const uint16_t *k_kv = k + (int64_t)kv * hd;
+                const int64_t k_kv = k_at + (int64_t)kv * hd;
                 const query_t *q_kv = q_row + (int64_t)kv * group * hd;
                 float *s_kv = scores + (int64_t)kv * group * len + start;
-#define SCORES(G) case G: block_scores_bf16(k_kv, token_stride, count, q_kv, a->scale, s_kv, len, G, hd); break;
+#define SCORES(G) \
+    case G: block_scores(a->key_cache, k_kv, token_stride, count, q_kv, a->scale, s_kv, len, G, hd, bf16); break;
                 switch (group) { SCORES(1) SCORES(2) SCORES(3) SCORES(4) SCORES(5) SCORES(6) SCORES(7) SCORES(8) }
 #undef SCORES
             }
