@@ -52,6 +52,34 @@ def hf_smollm(smollm_path):
 
 
 @pytest.fixture(scope="session")
+def hf_smollm_greedy(hf_smollm):
+    """``hf_greedy`` of ``hf_smollm``, memoised for the session (``GreedyReferences``): modules
+    that compare with it on the same prompts share one run."""
+    from tests.hf_reference import GreedyReferences
+
+    return GreedyReferences(lambda: hf_smollm)
+
+
+@pytest.fixture(scope="session")
+def hf_lora_greedy(hf_smollm):
+    """``hf_lora_greedy(folder, prompts, max_new_tokens, ...)``: ``hf_greedy`` of Hugging Face +
+    PEFT with the LoRA adapter in ``folder`` on the default model, memoised per folder for the
+    session. The PEFT model is built for each call that has prompts not run yet, then dropped."""
+    from tests.hf_reference import GreedyReferences
+    from tests.lora_reference import hf_with_adapter
+
+    by_folder: dict[str, GreedyReferences] = {}
+
+    def references(folder, prompts, max_new_tokens, stop_at_eos=True):
+        folder = str(folder)
+        if folder not in by_folder:
+            by_folder[folder] = GreedyReferences(lambda: hf_with_adapter(hf_smollm, folder))
+        return by_folder[folder](prompts, max_new_tokens, stop_at_eos)
+
+    return references
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """A random tiny Llama (GQA) saved as a Hugging Face folder: (our worker, HF model)."""
     from services.worker.model_runner import ModelRunner

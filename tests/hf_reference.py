@@ -4,6 +4,9 @@
   and Q/K un-permutation, not ours), cached per file.
 - ``load_hf_model_from_folder``: a Hugging Face folder, cached per folder.
 - ``hf_greedy``: greedy tokens and top-2 logit gaps, one prompt at a time, no padding.
+- ``GreedyReferences``: ``hf_greedy`` of a model nobody changes, memoised per prompt, so
+  that modules comparing with the same model on the same prompts share one run
+  (tests/conftest.py keeps one for the default model and one per LoRA adapter).
 - ``make_tiny_random_llama``: a small random GQA Llama with a byte-level tokenizer,
   saved as a complete Hugging Face folder (safetensors, config, tokenizer, template).
 
@@ -84,6 +87,30 @@ def hf_greedy(
             past = out.past_key_values
         results.append((tokens, gaps))
     return results
+
+
+class GreedyReferences:
+    """``hf_greedy`` of one model, memoised per (prompt, ``stop_at_eos``) for as long as this
+    object lives. Greedy decoding is a prefix of itself: a prompt asked again for as many
+    tokens or fewer is cut from its longest run so far; only prompts asked for more run
+    (again). ``load_model`` is called only then; the model it gives must not change."""
+
+    def __init__(self, load_model) -> None:
+        self._load_model = load_model
+        self._runs: dict[tuple[tuple[int, ...], bool], tuple[int, list[int], list[float]]] = {}
+
+    def __call__(self, prompt_token_ids_list: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True,
+                 run_for: int = 0) -> list[tuple[list[int], list[float]]]:
+        """As ``hf_greedy``. Prompts not run yet run for ``max(max_new_tokens, run_for)``
+        tokens: ``run_for`` is for a caller that knows a longer ask of the same prompts follows."""
+        keys = [(tuple(prompt), stop_at_eos) for prompt in prompt_token_ids_list]
+        missing = list(dict.fromkeys(k for k in keys if k not in self._runs or self._runs[k][0] < max_new_tokens))
+        if missing:
+            length = max(max_new_tokens, run_for)
+            results = hf_greedy(self._load_model(), [list(k[0]) for k in missing], length, stop_at_eos)
+            for key, (tokens, gaps) in zip(missing, results):
+                self._runs[key] = (length, tokens, gaps)
+        return [(self._runs[k][1][:max_new_tokens], self._runs[k][2][:max_new_tokens]) for k in keys]
 
 
 def make_tiny_random_llama(

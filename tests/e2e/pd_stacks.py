@@ -71,7 +71,10 @@ def run_all(stack, prompts: list[list[int]], **params) -> list[str]:
 
 
 def engine_stats(stack, seconds: float = 2.5) -> dict[str, EngineStats]:
-    """The latest stats of each engine heard within ``seconds``."""
+    """The first stats each of the stack's engines publishes from now on (every engine
+    publishes once a second), or those heard within ``seconds``."""
+    engine_ids = {engine_id for engine_id, _ in stack.config.engines()}
+
     async def collect():
         nc = await nats.connect(stack.nats.url, **stack.nats.credentials("admin"))
         latest: dict[str, EngineStats] = {}
@@ -79,7 +82,7 @@ def engine_stats(stack, seconds: float = 2.5) -> dict[str, EngineStats]:
             sub = await nc.subscribe(ENGINE_STATS)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + seconds
-            while loop.time() < deadline:
+            while loop.time() < deadline and not engine_ids <= set(latest):
                 try:
                     msg = await sub.next_msg(timeout=max(0.01, deadline - loop.time()))
                 except Exception:

@@ -27,17 +27,28 @@ def replicated_config(log_dir, args: list[str]) -> StackConfig:
 # quantizes activations to int8).
 EXACT_DTYPE = ["--dtype", "float32"]
 EXACT_WEIGHTS = ["--quantization", "none"]
+# Workers of a stack with more than one (P/D engines, TP ranks) share the cores: an OpenMP
+# thread spinning between regions holds a core that another worker's thread needs, so they
+# run with the passive wait policy (the setting's help), unless the args name one.
+SHARED_CORES_WAIT = ["--omp-wait-policy", "passive"]
+
+
+def num_workers(config: StackConfig) -> int:
+    return config.tensor_parallel_size * max(1, config.prefill_engines + config.decode_engines)
 
 
 @contextlib.contextmanager
 def running_stack(config: StackConfig, timeout: float = 240):
     """Start the stack (its workers in float32 with dequantized weights unless
-    ``config.args`` name a dtype / a quantization), wait until the engine is ready, stop it
+    ``config.args`` name a dtype / a quantization; with the passive OpenMP wait policy when
+    there is more than one worker, unless they name one), wait until the engine is ready, stop it
     afterwards; any traceback in a service's log is printed (pytest shows it for a failed test)."""
     if "--dtype" not in config.args:
         config = dataclasses.replace(config, args=[*EXACT_DTYPE, *config.args])
     if "--quantization" not in config.args:
         config = dataclasses.replace(config, args=[*EXACT_WEIGHTS, *config.args])
+    if num_workers(config) > 1 and "--omp-wait-policy" not in config.args:
+        config = dataclasses.replace(config, args=[*SHARED_CORES_WAIT, *config.args])
     stack = Stack(config)
     stack.start()
     try:

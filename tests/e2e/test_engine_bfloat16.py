@@ -14,9 +14,9 @@ import pytest
 
 from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
 from shared.protocol import SamplingParams
+from tests.e2e import test_engine_greedy
 from tests.e2e.test_engine_greedy import SEEDS, assert_no_leaks, engine_for
 from tests.greedy_compare import assert_greedy_matches
-from tests.hf_reference import hf_greedy
 
 NUM_TOKENS = 16
 # A difference is accepted only where float32's top two logits are this close.
@@ -34,9 +34,10 @@ def bf16_worker(smollm_path):
     )
 
 
-def test_bf16_greedy_parts_from_hf_fp32_only_at_near_ties(bf16_worker, smollm_tokenizer, hf_smollm):
+def test_bf16_greedy_parts_from_hf_fp32_only_at_near_ties(bf16_worker, smollm_tokenizer, hf_smollm_greedy):
     prompts = [smollm_tokenizer.encode(text) for text in SEEDS]
-    refs = hf_greedy(hf_smollm, prompts, NUM_TOKENS, stop_at_eos=False)
+    # test_engine_greedy asks for more tokens of the same prompts: one HF run serves both.
+    refs = hf_smollm_greedy(prompts, NUM_TOKENS, stop_at_eos=False, run_for=test_engine_greedy.NUM_TOKENS)
     engine = engine_for(bf16_worker)
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True))
     assert engine.scheduler.num_preemptions > 0

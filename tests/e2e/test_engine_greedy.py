@@ -67,8 +67,8 @@ def smollm_prompts(smollm_worker, smollm_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def smollm_refs(hf_smollm, smollm_prompts):
-    return hf_greedy(hf_smollm, smollm_prompts, NUM_TOKENS, stop_at_eos=False)
+def smollm_refs(hf_smollm_greedy, smollm_prompts):
+    return hf_smollm_greedy(smollm_prompts, NUM_TOKENS, stop_at_eos=False)
 
 
 def test_requests_are_prepared_as_the_tokenizer_service_does():

@@ -17,8 +17,6 @@ from shared.config import CacheConfig, LoRAConfig, ModelRunConfig, SchedulerConf
 from shared.protocol import FinishReason, LoRARequest, SamplingParams
 from tests.e2e.test_engine_greedy import PARAGRAPH, SEEDS, assert_no_leaks
 from tests.greedy_compare import assert_greedy_matches
-from tests.hf_reference import hf_greedy
-from tests.lora_reference import hf_with_adapter, make_peft_adapter
 
 NUM_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -33,10 +31,9 @@ ADAPTERS = {
 
 
 @pytest.fixture(scope="module")
-def adapters(hf_smollm, tmp_path_factory):
-    root = tmp_path_factory.mktemp("loras")
-    return {name: LoRARequest(name, str(make_peft_adapter(hf_smollm, root / name, **spec)))
-            for name, spec in ADAPTERS.items()}
+def adapters(peft_adapters):
+    """ADAPTERS, made once per session (tests/e2e/conftest.py)."""
+    return peft_adapters
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +53,23 @@ def lora_engine(worker, max_num_batched_tokens=64):
                   worker=worker, lora_config=LORA_CONFIG)
 
 
-def hf_refs(hf_smollm, prompts, lora: LoRARequest | None):
-    model = hf_smollm if lora is None else hf_with_adapter(hf_smollm, lora.lora_path)
-    return hf_greedy(model, prompts, NUM_TOKENS, stop_at_eos=False)
+@pytest.fixture(scope="module")
+def hf_refs(hf_smollm_greedy, hf_lora_greedy):
+    """``hf_refs(prompts, lora)``: HF (+ PEFT with ``lora``; None: the base model) greedy
+    tokens, memoised for the session (tests/conftest.py)."""
+    def refs(prompts, lora: LoRARequest | None):
+        if lora is None:
+            return hf_smollm_greedy(prompts, NUM_TOKENS, stop_at_eos=False)
+        return hf_lora_greedy(lora.lora_path, prompts, NUM_TOKENS, stop_at_eos=False)
+
+    return refs
 
 
-def test_one_adapter_equals_hf_peft(lora_worker, hf_smollm, adapters, prompts):
+def test_one_adapter_equals_hf_peft(lora_worker, hf_refs, adapters, prompts):
     lora = adapters["all-r8"]
     few = prompts[:3]
-    refs = hf_refs(hf_smollm, few, lora)
-    base = hf_refs(hf_smollm, few, None)
+    refs = hf_refs(few, lora)
+    base = hf_refs(few, None)
     assert [r[0] for r in refs] != [b[0] for b in base]  # the adapter changes the output
     engine = lora_engine(lora_worker, max_num_batched_tokens=512)
     results = engine.generate(few, GREEDY, lora)
@@ -74,13 +78,15 @@ def test_one_adapter_equals_hf_peft(lora_worker, hf_smollm, adapters, prompts):
 
 
 @pytest.fixture(scope="module")
-def mixed(hf_smollm, adapters, prompts):
+def mixed(hf_refs, adapters, prompts):
     """Eight prompts, each under one of three adapters or none, and HF + PEFT's greedy
-    tokens for each alone."""
+    tokens for each alone (one HF + PEFT model per adapter)."""
     choices = [adapters["all-r8"], adapters["qv-gate-down-r16-rslora"], adapters["k-o-up-r4"], None] * 2
-    refs = []
-    for prompt, lora in zip(prompts, choices):
-        refs += hf_refs(hf_smollm, [prompt], lora)
+    refs = [None] * len(prompts)
+    for lora in dict.fromkeys(choices):
+        indices = [i for i, choice in enumerate(choices) if choice is lora]
+        for i, ref in zip(indices, hf_refs([prompts[i] for i in indices], lora)):
+            refs[i] = ref
     return choices, refs
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shared.protocol import LoRARequest
 from tests.e2e.test_engine_greedy import assert_no_leaks
-from tests.e2e.test_engine_lora import (  # noqa: F401  (adapters, lora_worker, prompts: fixtures)
+from tests.e2e.test_engine_lora import (  # noqa: F401  (adapters, hf_refs, lora_worker, prompts: fixtures)
     GREEDY,
     NUM_TOKENS,
     adapters,
@@ -19,7 +19,7 @@ from tests.greedy_compare import assert_greedy_matches
 from tests.lora_reference import write_gguf_lora
 
 
-def test_gguf_adapter_equals_its_peft_folder_and_hf_peft(lora_worker, hf_smollm, adapters, prompts, tmp_path):
+def test_gguf_adapter_equals_its_peft_folder_and_hf_peft(lora_worker, hf_refs, adapters, prompts, tmp_path):
     peft = adapters["all-r8"]  # not rsLoRA: the GGUF format scales by alpha / r only
     config = lora_worker.model_config
     file = write_gguf_lora(peft.lora_path, tmp_path / "all-r8.gguf", num_heads=config.num_attention_heads,
@@ -30,5 +30,5 @@ def test_gguf_adapter_equals_its_peft_folder_and_hf_peft(lora_worker, hf_smollm,
     results = engine.generate(few * 2, GREEDY, [gguf] * len(few) + [peft] * len(few))
     from_gguf, from_peft = [r.token_ids for r in results[: len(few)]], [r.token_ids for r in results[len(few):]]
     assert from_gguf == from_peft
-    assert_greedy_matches(from_gguf, hf_refs(hf_smollm, few, peft), NUM_TOKENS)
+    assert_greedy_matches(from_gguf, hf_refs(few, peft), NUM_TOKENS)
     assert_no_leaks(engine)

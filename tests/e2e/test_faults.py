@@ -75,16 +75,23 @@ def assert_idle_and_serving(stack):
                and metric(stack, "natsllm:kv_cache_usage_perc") == 0.0, 30, "requests or KV blocks left over")
 
 
-def test_soak_random_requests_and_disconnects_leave_nothing_behind(stack):
-    """The short soak (scripts/soak.py runs the long one): random shapes, n, stop strings,
-    clients that leave early; afterwards no request or KV block is left in the engine
-    and no service grew much."""
+# (seed, requests) of the warm-up round and of the measured round. CI runs the short soak;
+# the longer one is marked slow (`scripts/test -m slow`), scripts/soak.py runs thousands.
+SHORT_SOAK = ((1, 30), (7, 60))
+LONG_SOAK = ((1, 60), (7, 150))
+
+
+@pytest.mark.parametrize("rounds", [pytest.param(SHORT_SOAK, id="short"),
+                                    pytest.param(LONG_SOAK, id="long", marks=pytest.mark.slow)])
+def test_soak_random_requests_and_disconnects_leave_nothing_behind(stack, rounds):
+    """A short soak: random shapes, n, stop strings, clients that leave early; afterwards
+    no request or KV block is left in the engine and no service grew much."""
     from scripts.soak import rss_mib, soak, wait_idle
 
     # A first round warms up (allocator and oneDNN caches grow with new batch shapes);
     # memory is compared over the second.
-    rounds = []
-    for seed, count in ((1, 60), (7, 150)):
+    measured = []
+    for seed, count in rounds:
         rss = {name: rss_mib(p.pid) for name, p in stack.processes.items()}
         result = asyncio.run(soak(stack.base_url, MODEL, num_requests=count, concurrency=12, seed=seed,
                                   max_seconds=300))
@@ -92,8 +99,8 @@ def test_soak_random_requests_and_disconnects_leave_nothing_behind(stack):
         assert result.completed + result.disconnected == count and result.disconnected > 0
         gauges = wait_idle(stack.base_url)
         assert gauges and not any(gauges.values()), gauges
-        rounds.append(rss)
-    growth = {name: rss_mib(p.pid) - rounds[1][name] for name, p in stack.processes.items()}
+        measured.append(rss)
+    growth = {name: rss_mib(p.pid) - measured[1][name] for name, p in stack.processes.items()}
     print("RSS growth over the measured round (MiB):", growth)
     # The Python services hold per-request state only while a request lives. The worker
     # also grows oneDNN's primitive cache and torch's allocator with each new batch

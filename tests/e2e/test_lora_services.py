@@ -16,8 +16,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from tests.e2e.stacks import replicated_config, running_stack, wait_until
-from tests.hf_reference import hf_greedy
-from tests.lora_reference import hf_with_adapter, make_peft_adapter
+from tests.lora_reference import make_peft_adapter
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "lora-test-key"
@@ -52,12 +51,13 @@ def client(stack):
 
 
 @pytest.fixture(scope="module")
-def refs(hf_smollm, smollm_tokenizer, adapters):
+def refs(hf_smollm_greedy, hf_lora_greedy, smollm_tokenizer, adapters):
     """HF (+ PEFT) greedy text of the question under the base model and each adapter."""
     prompt = smollm_tokenizer.encode(smollm_tokenizer.apply_chat_template(QUESTION), add_special_tokens=False)
-    models = {MODEL: hf_smollm, **{name: hf_with_adapter(hf_smollm, adapters[name]) for name in ("first", "second")}}
-    return {name: smollm_tokenizer.decode(hf_greedy(model, [prompt], 16, stop_at_eos=False)[0][0]).rstrip("\ufffd")
-            for name, model in models.items()}
+    tokens = {MODEL: hf_smollm_greedy([prompt], 16, stop_at_eos=False)[0][0],
+              **{name: hf_lora_greedy(adapters[name], [prompt], 16, stop_at_eos=False)[0][0]
+                 for name in ("first", "second")}}
+    return {name: smollm_tokenizer.decode(ids).rstrip("\ufffd") for name, ids in tokens.items()}
 
 
 def lora_info(stack) -> str:

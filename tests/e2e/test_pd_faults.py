@@ -81,7 +81,7 @@ def test_a_lost_push_of_a_loads_end_is_made_up_by_the_schedulers_poll(pd_stack, 
 
 def test_a_lost_release_frees_the_prefill_blocks_at_the_hold_timeout(pd_stack, smollm_tokenizer):
     prompts = [smollm_tokenizer.encode("Name a fruit."), smollm_tokenizer.encode("Name a river in Europe.")]
-    want = [run_all(pd_stack, [p])[0] for p in prompts]
+    want = run_all(pd_stack, prompts)  # each prompt its own request (ids "...-0-0"): no fault
 
     async def both():
         async with httpx.AsyncClient(base_url=pd_stack.base_url, timeout=120) as http:
@@ -114,7 +114,7 @@ def test_killing_the_prefill_worker_mid_transfer_costs_a_recompute(pd_stack, smo
     texts = asyncio.run(run_and_kill())
     assert decode_stats(pd_stack).kv_transfer_fallbacks >= before.kv_transfer_fallbacks + 1
     wait_until(lambda: engine_stats(pd_stack)["prefill-0"].ready, 180, "the prefill engine did not come back")
-    assert texts == [run_all(pd_stack, [p])[0] for p in prompts]  # as undisturbed requests
+    assert texts == run_all(pd_stack, prompts)  # as undisturbed requests (each its own: no slow transfer)
     wait_until(lambda: kv_idle(pd_stack), 30, "KV blocks left over")
 
 

@@ -17,7 +17,6 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError
 
 from tests.e2e.stacks import replicated_config, running_stack
-from tests.hf_reference import hf_greedy
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = [
@@ -51,14 +50,14 @@ def messages(question):
 
 
 @pytest.fixture(scope="module")
-def greedy_refs(hf_smollm, smollm_tokenizer):
+def greedy_refs(hf_smollm_greedy, smollm_tokenizer):
     """HF greedy text of each question's chat-templated prompt (24 tokens, EOS ignored)."""
     refs = {}
     prompts = [
         smollm_tokenizer.encode(smollm_tokenizer.apply_chat_template(messages(q)), add_special_tokens=False)
         for q in QUESTIONS
     ]
-    for q, (tokens, _gaps) in zip(QUESTIONS, hf_greedy(hf_smollm, prompts, 24, stop_at_eos=False)):
+    for q, (tokens, _gaps) in zip(QUESTIONS, hf_smollm_greedy(prompts, 24, stop_at_eos=False)):
         # A character cut by the token limit is never sent half (as in vLLM).
         refs[q] = smollm_tokenizer.decode(tokens).rstrip("\ufffd")
     return refs
@@ -94,10 +93,10 @@ async def test_stream_concatenates_to_the_non_streamed_text_with_usage(client, g
     assert all(c.usage is None for c in chunks[:-1])
 
 
-async def test_completions_endpoint_stream_and_not(client, smollm_tokenizer, hf_smollm):
+async def test_completions_endpoint_stream_and_not(client, smollm_tokenizer, hf_smollm_greedy):
     prompt = "The three primary colours are"
     ids = smollm_tokenizer.encode(prompt)
-    want = smollm_tokenizer.decode(hf_greedy(hf_smollm, [ids], 16, stop_at_eos=False)[0][0]).rstrip("\ufffd")
+    want = smollm_tokenizer.decode(hf_smollm_greedy([ids], 16, stop_at_eos=False)[0][0]).rstrip("\ufffd")
     resp = await client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16,
                                            extra_body={"ignore_eos": True})
     assert resp.choices[0].text == want and resp.object == "text_completion"

@@ -23,7 +23,6 @@ from services.launch.stack import StackConfig
 from shared.config import CacheConfig, SchedulerConfig
 from shared.protocol import WORKER_READY, SamplingParams, engine_ready_subject
 from tests.e2e.stacks import running_stack
-from tests.hf_reference import hf_greedy
 
 MODEL = "SmolLM2-135M-Instruct"
 TP = 3
@@ -79,9 +78,9 @@ def assert_text_matches_greedy(text, ref_tokens, gaps, tokenizer, tie_tolerance=
     )
 
 
-async def test_tp3_greedy_chat_equals_hf(client, hf_smollm, smollm_tokenizer):
+async def test_tp3_greedy_chat_equals_hf(client, hf_smollm_greedy, smollm_tokenizer):
     prompts = [chat_prompt_ids(smollm_tokenizer, q) for q in QUESTIONS]
-    refs = hf_greedy(hf_smollm, prompts, NUM_TOKENS, stop_at_eos=False)
+    refs = hf_smollm_greedy(prompts, NUM_TOKENS, stop_at_eos=False)
     responses = await asyncio.wait_for(
         asyncio.gather(
             *(client.chat.completions.create(model=MODEL, messages=messages(q), **GREEDY) for q in QUESTIONS)
