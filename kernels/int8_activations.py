@@ -126,7 +126,9 @@ def unpack_tiles(weight: WeightTiles, rows: torch.Tensor | None = None) -> tuple
     tile, lane = rows // TILE_N, rows % TILE_N
     codes = weight.tiles[..., :code_bytes].view(tiles, nb, dwords, TILE_N, 4)[tile, :, :, lane]
     data = codes.reshape(len(rows), nb * dwords * 4)
-    floats = [weight.tiles[..., at:at + 4 * TILE_N].contiguous().view(torch.float32)[tile, :, lane]
+    # Views of the whole tensor, indexed: only the rows' bytes are copied (the embedding's
+    # lookups call this every step).
+    floats = [weight.tiles[..., at:at + 4 * TILE_N].view(torch.float32)[tile, :, lane]
               for at in range(code_bytes, weight.tiles.shape[-1], 4 * TILE_N)]
     return (data.view(torch.int8) if weight.bits == 8 else data, *floats)
 
