@@ -317,21 +317,28 @@ static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf,
         for (int b = 0; b < nb; b++) {
             const uint8_t *blk = buf + (int64_t)b * block_bytes(layout);
             __m256i iacc[MR];
-            for (int i = 0; i < mr; i++) iacc[i] = _mm256_setzero_si256();
             if (layout == TILED4) {
+                /* The block's 8 int4 products summed in int16 (8 * 2 * 15 * 127 = 30480
+                 * fits), widened to int32 once: one vpmaddwd a block, not one a group. */
+                __m256i sum16[MR];
+                for (int i = 0; i < mr; i++) sum16[i] = _mm256_setzero_si256();
                 for (int g = 0; g < PACKED_GROUPS; g++) {
                     const __m256i v = _mm256_load_si256((const __m256i *)(blk + 64 * g + 32 * h));
                     const __m256i lo = _mm256_and_si256(v, nibble);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
                     for (int i = 0; i < mr; i++) {
-                        /* Two int4 products summed in int16: 2 * (2 * 15 * 127) fits. */
-                        const __m256i p = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(act4(qa, m0 + i, K, b, g))),
-                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(act4(qa, m0 + i, K, b, 4 + g))));
-                        iacc[i] = _mm256_add_epi32(iacc[i], _mm256_madd_epi16(p, ones));
+                        sum16[i] = _mm256_add_epi16(
+                            sum16[i], _mm256_add_epi16(
+                                          _mm256_maddubs_epi16(lo, _mm256_set1_epi32(act4(qa, m0 + i, K, b, g))),
+                                          _mm256_maddubs_epi16(hi, _mm256_set1_epi32(act4(qa, m0 + i, K, b, 4 + g)))));
+                        /* Keeps each row's sum a chain: GCC otherwise reassociates the
+                         * integer adds, hoists all 32 products and spills them. */
+                        __asm__("" : "+x"(sum16[i]));
                     }
                 }
+                for (int i = 0; i < mr; i++) iacc[i] = _mm256_madd_epi16(sum16[i], ones);
             } else {
+                for (int i = 0; i < mr; i++) iacc[i] = _mm256_setzero_si256();
                 for (int g = 0; g < GROUPS; g++) {
                     const __m256i w = _mm256_load_si256((const __m256i *)(blk + 64 * g + 32 * h));
                     /* vpmaddubsw saturates int16: int4 pairs reach 2 * 15 * 127, int8 ones
