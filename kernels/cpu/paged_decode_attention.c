@@ -172,17 +172,23 @@ ALWAYS_INLINE __m256 lane_sums8(const __m256 *v) {
  * score of token j. */
 ALWAYS_INLINE void block_scores(const void *k_cache, int64_t k_at, int64_t token_stride, int count, const float *q,
                                 float scale, float *scores, int len, const int G, const int hd, const int bf16) {
+    /* A full run of float32 keys is read in place; otherwise the keys are copied once. */
+    const int in_place = !bf16 && count == SCORE_RUN;
     float kf[SCORE_RUN * MAX_DOT_HD];
-    for (int j = 0; j < SCORE_RUN; j++)
-        for (int c = 0; c < hd / 8; c++)
-            _mm256_storeu_ps(kf + j * hd + 8 * c,
-                             j < count ? load8(k_cache, k_at + j * token_stride + 8 * c, bf16) : _mm256_setzero_ps());
+    if (!in_place)
+        for (int j = 0; j < SCORE_RUN; j++)
+            for (int c = 0; c < hd / 8; c++)
+                _mm256_storeu_ps(kf + j * hd + 8 * c,
+                                 j < count ? load8(k_cache, k_at + j * token_stride + 8 * c, bf16) : _mm256_setzero_ps());
+    const float *keys = in_place ? (const float *)k_cache + k_at : kf;
+    const int64_t key_stride = in_place ? token_stride : hd;
     for (int g = 0; g < G; g++) {
         __m256 part[SCORE_RUN];
         for (int j = 0; j < SCORE_RUN; j++) part[j] = _mm256_setzero_ps();
         for (int c = 0; c < hd / 8; c++) {
             const __m256 qv = _mm256_loadu_ps(q + g * hd + 8 * c);
-            for (int j = 0; j < SCORE_RUN; j++) part[j] = _mm256_fmadd_ps(_mm256_loadu_ps(kf + j * hd + 8 * c), qv, part[j]);
+            for (int j = 0; j < SCORE_RUN; j++)
+                part[j] = _mm256_fmadd_ps(_mm256_loadu_ps(keys + j * key_stride + 8 * c), qv, part[j]);
         }
         float sums[SCORE_RUN];
         _mm256_storeu_ps(sums, _mm256_mul_ps(lane_sums8(part), _mm256_set1_ps(scale)));
