@@ -165,14 +165,13 @@ ALWAYS_INLINE __m256 lane_sums8(const __m256 *v) {
 }
 
 /* Scores of `count` <= 8 consecutive cached tokens for the G query heads of one KV head,
- * bfloat16 or float32 keys, hd <= 128 a multiple of 8. The run's keys are copied as float32
- * once for all G heads; each token keeps 8 partial sums, and lane_sums8 reduces the 8
- * tokens' at once. k_cache + k_at is the first token's values of this KV head, `q` the
+ * bfloat16 or float32 keys, hd <= 128 a multiple of 8. A full run of float32 keys is read in
+ * place; other runs are copied as float32 (zero-padded) once for all G heads. Each token
+ * keeps 8 partial sums, and lane_sums8 reduces the 8 tokens' at once. k_cache + k_at is the first token's values of this KV head, `q` the
  * first of the G heads' float32 query values; scores[g * len + j] receives the scaled
  * score of token j. */
 ALWAYS_INLINE void block_scores(const void *k_cache, int64_t k_at, int64_t token_stride, int count, const float *q,
                                 float scale, float *scores, int len, const int G, const int hd, const int bf16) {
-    /* A full run of float32 keys is read in place; otherwise the keys are copied once. */
     const int in_place = !bf16 && count == SCORE_RUN;
     float kf[SCORE_RUN * MAX_DOT_HD];
     if (!in_place)
