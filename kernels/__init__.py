@@ -5,23 +5,26 @@ Triton kernels (CUDA), "torch" the CPU path (C kernels for decode attention, the
 RMSNorm, the rotary embedding (alone, or fused with the KV write) and SiLU-and-mul where
 one can be built, see
 `kernels.cpu_build`; otherwise the PyTorch references or leaner PyTorch variants of them),
-"auto" picks Triton when CUDA (and Triton) is available. Both backends take and return the
+"auto" picks Triton when CUDA (and Triton) is available. The torch backend's float32 RMSNorm
+and SiLU-and-mul run Hugging Face's operations in Hugging Face's order (bit-for-bit greedy
+parity) unless `float32_hf_order=False`, which takes their C kernels (for quantized weights,
+whose results differ from Hugging Face's anyway). Both backends take and return the
 same tensors; see each kernel's module for shapes and layouts. Attention reads the step's
 `AttentionMetadata`, which the model runner builds once per step.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.paged_attention import paged_attention_triton
 from kernels.paged_attention_torch import paged_attention_cpu
-from kernels.rms_norm import rms_norm_cpu, rms_norm_triton
+from kernels.rms_norm import rms_norm_cpu, rms_norm_cpu_c, rms_norm_triton
 from kernels.rotary import compute_cos_sin_cache, rotary_embedding_cpu, rotary_embedding_triton
 from kernels.rotary_write_kv import rotary_write_kv_cpu, rotary_write_kv_triton
-from kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_triton
+from kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_cpu_c, silu_and_mul_triton
 from kernels.triton_import import HAS_TRITON
 from kernels.write_kv import write_kv_cpu, write_kv_triton
 
@@ -53,6 +56,9 @@ TORCH_OPS = KernelOps(
     paged_attention=paged_attention_cpu,
 )
 
+# The same, float32 included in the C kernels.
+TORCH_C_FLOAT32_OPS = replace(TORCH_OPS, rms_norm=rms_norm_cpu_c, silu_and_mul=silu_and_mul_cpu_c)
+
 TRITON_OPS = KernelOps(
     name="triton",
     rms_norm=rms_norm_triton,
@@ -65,15 +71,18 @@ TRITON_OPS = KernelOps(
 )
 
 
-def get_kernel_ops(backend: str = "auto") -> KernelOps:
-    """The kernel set for backend "torch", "triton" or "auto" (Triton iff CUDA is available)."""
+def get_kernel_ops(backend: str = "auto", float32_hf_order: bool = True) -> KernelOps:
+    """The kernel set for backend "torch", "triton" or "auto" (Triton iff CUDA is available);
+    `float32_hf_order` as the module says (the torch backend only)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
         backend = "triton" if torch.cuda.is_available() and HAS_TRITON else "torch"
     if backend == "triton" and not HAS_TRITON:
         raise ValueError("kernel backend 'triton' needs Triton, which is not installed")
-    return TRITON_OPS if backend == "triton" else TORCH_OPS
+    if backend == "triton":
+        return TRITON_OPS
+    return TORCH_OPS if float32_hf_order else TORCH_C_FLOAT32_OPS
 
 
 __all__ = ["BACKENDS", "AttentionMetadata", "KernelOps", "get_kernel_ops"]

@@ -5,8 +5,10 @@ the model. `rms_norm_ref` is the PyTorch reference; `rms_norm_cpu` the CPU path 
 rows through `kernels/cpu/rms_norm.c`, one call instead of eight small tensor ops; float32
 through `torch.nn.functional.rms_norm`, whose CPU form runs Hugging Face's operations in
 Hugging Face's order, so it matches the reference bit for bit, in one dispatch and with
-fewer temporaries); `rms_norm_triton` is the GPU kernel: one program per token row, the
-whole hidden size in one block.
+fewer temporaries); `rms_norm_cpu_c` takes the C kernel for float32 rows too (a few times
+faster; its vectorized sum of squares moves the last bit of some outputs), for models that
+need no bit-for-bit parity with Hugging Face; `rms_norm_triton` is the GPU kernel: one
+program per token row, the whole hidden size in one block.
 """
 
 import ctypes
@@ -50,6 +52,11 @@ def _rms_norm_kernel_cpu():
     return bind("rms_norm", "rms_norm_bf16", _RMS_NORM_ARGS)
 
 
+@kernel_binding
+def _rms_norm_f32_kernel_cpu():
+    return bind("rms_norm", "rms_norm_f32", _RMS_NORM_ARGS)
+
+
 def rms_norm_cpu(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -66,15 +73,34 @@ def rms_norm_cpu(
             x = residual
         normed = F.rms_norm(x, (x.shape[-1],), weight, eps)
         return normed if residual is None else (normed, residual)
-    kernel = _rms_norm_kernel_cpu() if x.dtype == torch.bfloat16 else None
+    return _rms_norm_c(_rms_norm_kernel_cpu() if x.dtype == torch.bfloat16 else None, x, weight, eps, residual, out)
+
+
+def rms_norm_cpu_c(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm_cpu`, with float32 rows through the C kernel as well (the sum x + residual
+    written into `residual` in place, as for bfloat16)."""
+    kernels = {torch.bfloat16: _rms_norm_kernel_cpu, torch.float32: _rms_norm_f32_kernel_cpu}
+    kernel = kernels[x.dtype]() if x.dtype in kernels else None
+    return _rms_norm_c(kernel, x, weight, eps, residual, out)
+
+
+def _rms_norm_c(kernel, x, weight, eps, residual, out):
+    """Through `kernel` (for x's dtype) where it and the tensors allow, else the reference."""
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if (
         kernel is None
         or x.dim() != 2
         or x.shape[1] > 16384
-        or any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in tensors)
+        or any(t.device.type != "cpu" or t.dtype != x.dtype or t.stride(-1) != 1 for t in tensors)
         or (residual is not None and residual.shape != x.shape)
-        or (out is not None and (out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.shape != x.shape))
+        or (out is not None and (out.dtype != x.dtype or out.stride(-1) != 1 or out.shape != x.shape))
     ):
         return rms_norm_ref(x, weight, eps, residual, out=out)
     if out is None:

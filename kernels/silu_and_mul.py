@@ -6,7 +6,9 @@ The MLP's fused gate_up projection yields x [T, 2*I] = [gate | up]; this returns
 math rounded once, like the reference, in one pass); float32, and bf16 where no C kernel
 can be built, as Hugging Face's LlamaMLP ops in the tensor's own dtype (for fp32 the
 reference's result bit for bit; for bf16 one rounding more, as HF's bf16 model rounds);
-`silu_and_mul_triton` is the GPU kernel: a 2-D grid over (token, column block), in fp32.
+`silu_and_mul_cpu_c` takes the C kernel for float32 rows too (one pass instead of three;
+its exp moves the last bit of some outputs), for models that need no bit-for-bit parity
+with Hugging Face; `silu_and_mul_triton` is the GPU kernel: a 2-D grid over (token, column block), in fp32.
 """
 
 import ctypes
@@ -25,9 +27,26 @@ def _silu_and_mul_kernel_cpu():
     return bind("silu_and_mul", "silu_and_mul_bf16", _SILU_AND_MUL_ARGS)
 
 
+@kernel_binding
+def _silu_and_mul_f32_kernel_cpu():
+    return bind("silu_and_mul", "silu_and_mul_f32", _SILU_AND_MUL_ARGS)
+
+
 def silu_and_mul_cpu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, 2*I] -> silu(x[:, :I]) * x[:, I:] in x's dtype (the reference's result for fp32)."""
     kernel = _silu_and_mul_kernel_cpu() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
+    return _silu_and_mul_c(kernel, x, out)
+
+
+def silu_and_mul_cpu_c(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu_and_mul_cpu`, with float32 rows through the C kernel as well."""
+    kernels = {torch.bfloat16: _silu_and_mul_kernel_cpu, torch.float32: _silu_and_mul_f32_kernel_cpu}
+    kernel = kernels[x.dtype]() if x.dtype in kernels and x.device.type == "cpu" else None
+    return _silu_and_mul_c(kernel, x, out)
+
+
+def _silu_and_mul_c(kernel, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Through `kernel` (for x's dtype) where it and the tensors allow, else Hugging Face's ops."""
     if kernel is not None and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0:
         rows, inter = x.shape[0], x.shape[1] // 2
         if out is None:

@@ -232,6 +232,27 @@ ALWAYS_INLINE void prefetch_block(const void *base, int64_t first_element, int64
     for (int64_t offset = 0; offset < elements * elem_size; offset += 64) __builtin_prefetch(p + offset, 0, 1);
 }
 
+/* Prefetches queued a block at a time and issued a few lines at a time between the
+ * kernel's computations: a block's lines issued all at once fill the core's miss buffers
+ * and stall it until they arrive, so computing and loading would not overlap. */
+typedef struct {
+    const char *at[2];
+    int64_t left[2]; /* bytes */
+} Prefetcher;
+
+ALWAYS_INLINE void prefetch_queue(Prefetcher *pf, int slot, const void *base, int64_t first_element, int64_t elements,
+                                  const int elem_size) {
+    for (; pf->left[slot] > 0; pf->left[slot] -= 64, pf->at[slot] += 64) __builtin_prefetch(pf->at[slot], 0, 1);
+    pf->at[slot] = (const char *)base + first_element * elem_size;
+    pf->left[slot] = elements * elem_size;
+}
+
+ALWAYS_INLINE void prefetch_some(Prefetcher *pf, int lines) {
+    for (int slot = 0; slot < 2; slot++)
+        for (; lines > 0 && pf->left[slot] > 0; lines--, pf->left[slot] -= 64, pf->at[slot] += 64)
+            __builtin_prefetch(pf->at[slot], 0, 1);
+}
+
 /* acc[g] += sum over a block's `count` tokens of probs[g * len + j] * V[j], for one KV
  * head's `G` query heads (probs and V start at the block's first token). With G and hd
  * known at compile time the accumulators stay in registers within the block. */
@@ -269,12 +290,16 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     const int elem = bf16 ? 2 : 4;
     float *scores = work, *q = scores + (int64_t)nh * len, *acc = q + (int64_t)nh * hd, *row = acc + (int64_t)nh * hd;
     memset(acc, 0, sizeof(float) * (size_t)(nh * hd));
+    Prefetcher pf = {{0, 0}, {0, 0}};
     int kv_head_of[MAX_HEADS]; /* no integer division in the token loops */
     for (int h = 0; h < nh; h++) kv_head_of[h] = h / group;
     /* Scores, token by token through the blocks. */
 #if HAVE_SIMD_BF16
     if ((bf16 || SIMD_FLOAT32) && hd % SCORE_HD_MULTIPLE == 0 && hd <= MAX_DOT_HD && group <= MAX_DOT_GROUP) {
         const query_t *q_row = simd_query(a, i, q, nh * hd, bf16);
+        /* Two blocks' lines (K, V) over a block's block_scores calls. */
+        const int block_lines = (int)((block_elements * elem + 63) / 64);
+        const int score_lines = 2 * block_lines / (((bs + SCORE_RUN - 1) / SCORE_RUN) * kvh) + 1;
         /* Runs of up to SCORE_RUN tokens, never across a block's end. */
         for (int start = 0; start < len;) {
             const int in_block = start % bs;
@@ -282,8 +307,8 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
             if (count > len - start) count = len - start;
             if (in_block == 0) { /* the next K block, and this block's V rows for the values pass */
                 if (start + bs < len)
-                    prefetch_block(a->key_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
-                prefetch_block(a->value_cache, (int64_t)blocks[start / bs] * block_elements, block_elements, elem);
+                    prefetch_queue(&pf, 0, a->key_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
+                prefetch_queue(&pf, 1, a->value_cache, (int64_t)blocks[start / bs] * block_elements, block_elements, elem);
             }
             const int64_t k_at = ((int64_t)blocks[start / bs] * bs + in_block) * token_stride;
             for (int kv = 0; kv < kvh; kv++) {
@@ -294,6 +319,7 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     case G: block_scores(a->key_cache, k_kv, token_stride, count, q_kv, a->scale, s_kv, len, G, hd, bf16); break;
                 switch (group) { SCORES(1) SCORES(2) SCORES(3) SCORES(4) SCORES(5) SCORES(6) SCORES(7) SCORES(8) }
 #undef SCORES
+                prefetch_some(&pf, score_lines);
             }
             start += count;
         }
@@ -335,12 +361,14 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     /* Weighted values. */
     if (len > 0) prefetch_block(a->value_cache, (int64_t)blocks[0] * block_elements, block_elements, elem);
     if (hd == 64 && group <= 4) {
+        const int value_lines = (int)((block_elements * elem + 63) / 64) / kvh + 1;
         /* Block by block, each KV head in turn while the block is in cache. */
         for (int start = 0; start < len; start += bs) {
             const int64_t first = (int64_t)blocks[start / bs] * bs;
             const int count = len - start < bs ? len - start : bs;
-            if (start + bs < len) prefetch_block(a->value_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
+            if (start + bs < len) prefetch_queue(&pf, 0, a->value_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
             for (int kv = 0; kv < kvh; kv++) {
+                prefetch_some(&pf, value_lines);
                 const void *v_rows = (const char *)a->value_cache + (first * token_stride + (int64_t)kv * hd) * elem;
                 const float *probs = scores + (int64_t)kv * group * len + start;
                 float *acc_kv = acc + (int64_t)kv * group * hd;

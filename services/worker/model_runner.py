@@ -89,7 +89,6 @@ class ModelRunner:
         self.model_config: ModelConfig = load_model_config(self.model_path)
         self.max_model_len = resolve_max_model_len(self.model_config, run_config.max_model_len)
         self.block_size = cache_config.block_size
-        self.ops = get_kernel_ops(run_config.kernel_backend)
         # This rank's heads / columns / vocabulary rows (checked before joining the group).
         self.shard = ShardLayout.for_rank(
             self.model_config, parallel_config.rank, parallel_config.tensor_parallel_size
@@ -109,6 +108,9 @@ class ModelRunner:
         self.keep_quantized = run_config.keeps_gguf_quantized(model_kind, parallel_config.tensor_parallel_size)
         if run_config.quantization == "auto" and self.tp.enabled:
             logger.info("quantization auto: weights dequantized (tensor_parallel_size > 1)")
+        # Dequantized weights keep Hugging Face's float32 operation order (greedy parity);
+        # quantized ones differ from Hugging Face's results anyway and take the C kernels.
+        self.ops = get_kernel_ops(run_config.kernel_backend, float32_hf_order=not self.keep_quantized)
         # Each rank reads only its rows / columns of the sharded tensors.
         self.model = self._load_model(self.model_path, self.model_config, self.tp)
         self.max_num_seqs = scheduler_config.max_num_seqs

@@ -19,6 +19,17 @@ def test_explicit_backends():
     assert get_kernel_ops("triton").paged_attention is paged_attention_triton
 
 
+def test_float32_hf_order_picks_the_float32_elementwise_kernels():
+    from kernels.rms_norm import rms_norm_cpu, rms_norm_cpu_c
+    from kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_cpu_c
+
+    exact, fast = get_kernel_ops("torch"), get_kernel_ops("torch", float32_hf_order=False)
+    assert (exact.rms_norm, exact.silu_and_mul) == (rms_norm_cpu, silu_and_mul_cpu)
+    assert (fast.rms_norm, fast.silu_and_mul) == (rms_norm_cpu_c, silu_and_mul_cpu_c)
+    assert fast.paged_attention is exact.paged_attention and fast.name == "torch"
+    assert get_kernel_ops("triton", float32_hf_order=False).name == "triton"
+
+
 def test_auto_follows_cuda():
     expected = "triton" if torch.cuda.is_available() else "torch"
     assert get_kernel_ops().name == expected

@@ -4,7 +4,7 @@ without residual."""
 import pytest
 import torch
 
-from kernels.rms_norm import _rms_norm_kernel_cpu, rms_norm_cpu, rms_norm_ref, rms_norm_triton
+from kernels.rms_norm import _rms_norm_kernel_cpu, rms_norm_cpu, rms_norm_cpu_c, rms_norm_ref, rms_norm_triton
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -95,3 +95,25 @@ def test_cpu_path_keeps_float32_bit_for_bit_the_reference(num_tokens, hidden_siz
     out, summed = rms_norm_cpu(x, weight, 1e-6, residual)
     assert torch.equal(out, expected) and torch.equal(summed, expected_sum)
     assert torch.equal(rms_norm_cpu(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+
+
+@needs_c_kernel
+@pytest.mark.parametrize("num_tokens,hidden_size", [(1, 576), (32, 576), (5, 1000), (300, 1024)])
+def test_float32_c_kernel_matches_reference(num_tokens, hidden_size, cpu_isa):
+    # rms_norm_cpu_c (quantized models): float32 through the C kernel. The residual sum is
+    # one float32 add, bit for bit; the normalized rows differ only where the vectorized sum
+    # of squares rounds differently: a few units in the last place.
+    gen = torch.Generator().manual_seed(num_tokens)
+    x, residual = (3 * torch.randn(num_tokens, hidden_size, generator=gen) for _ in range(2))
+    weight = torch.randn(hidden_size, generator=gen)
+    expected, expected_sum = rms_norm_ref(x, weight, 1e-6, residual.clone())
+    out, summed = rms_norm_cpu_c(x, weight, 1e-6, residual)
+    assert summed is residual and torch.equal(summed, expected_sum)  # written in place
+    torch.testing.assert_close(out, expected, rtol=4 * torch.finfo(torch.float32).eps, atol=1e-6)
+    # Rows of a wider buffer, without a residual, into a preallocated output.
+    wide = 3 * torch.randn(num_tokens, hidden_size + 5, generator=gen)
+    buffer = torch.full((num_tokens, hidden_size + 3), float("nan"))
+    plain = rms_norm_cpu_c(wide[:, :hidden_size], weight, 1e-6, out=buffer[:, :hidden_size])
+    torch.testing.assert_close(plain, rms_norm_ref(wide[:, :hidden_size], weight, 1e-6),
+                               rtol=4 * torch.finfo(torch.float32).eps, atol=1e-6)
+    assert torch.isnan(buffer[:, hidden_size:]).all()

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_ref, silu_and_mul_triton
+from kernels.silu_and_mul import silu_and_mul_cpu, silu_and_mul_cpu_c, silu_and_mul_ref, silu_and_mul_triton
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -72,3 +72,22 @@ def test_cpu_path_without_the_c_kernel_matches_hugging_face_ops(monkeypatch):
     x = (3 * torch.randn(7, 2 * 300)).to(torch.bfloat16)
     gate, up = x.chunk(2, dim=-1)
     assert torch.equal(silu_and_mul_cpu(x), F.silu(gate) * up)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the CPU path")
+def test_cpu_float32_c_kernel_matches_reference(cpu_isa):
+    from kernels.silu_and_mul import _silu_and_mul_f32_kernel_cpu
+
+    if _silu_and_mul_f32_kernel_cpu() is None:
+        pytest.skip("no C compiler: the C kernel cannot be built here")
+    # silu_and_mul_cpu_c (quantized models): float32 through the C kernel, whose exp is
+    # fast_expf (relative error < 2e-8) where the reference takes PyTorch's: results within
+    # a few units in the last place. Strided rows, gates from -100 to 100.
+    wide = 20 * torch.randn(33, 2 * 1536 + 7)
+    wide[0, :1536] = torch.linspace(-100, 100, 1536)
+    x = wide[:, : 2 * 1536]
+    out_buffer = torch.full((33, 1600), float("nan"))
+    got = silu_and_mul_cpu_c(x, out=out_buffer[:, :1536])
+    torch.testing.assert_close(got, silu_and_mul_ref(x), rtol=4 * torch.finfo(torch.float32).eps, atol=1e-30)
+    assert torch.isnan(out_buffer[:, 1536:]).all()
+    assert torch.equal(silu_and_mul_cpu_c(x.bfloat16()), silu_and_mul_cpu(x.bfloat16()))  # bf16: the same kernel

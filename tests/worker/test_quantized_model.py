@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from services.engine import Engine
-from kernels import int8_activations
+from kernels import get_kernel_ops, int8_activations
 from kernels.int8_activations import WeightTiles
 from services.worker import linear
 from services.worker.lora.batched import LoRABatch, lora_delta_reference
@@ -126,6 +126,8 @@ def test_int4_greedy_with_int8_activations_agrees_with_the_float_model_on_90_per
 
 def test_int8_greedy_agrees_with_the_float_model_on_90_percent_of_tokens(int8_worker, float_outputs):
     assert int8_worker.model.layers[0].mlp.quantized["gate_up_weight"].bits == 8
+    # Quantized weights take the float32 C kernels (RMSNorm, SiLU-and-mul): measured with them.
+    assert int8_worker.ops is get_kernel_ops("torch", float32_hf_order=False)
     assert per_token_agreement(int8_worker, *float_outputs) >= 0.90
 
 
@@ -174,6 +176,8 @@ def test_lora_adds_its_delta_to_a_quantized_projection(int4_worker):
 def test_quantization_none_keeps_nothing_quantized(smollm_worker):
     model, cfg = smollm_worker.model, smollm_worker.model_config
     assert model.num_quantized() == 0
+    # Dequantized weights keep Hugging Face's float32 operation order (greedy parity).
+    assert smollm_worker.ops is get_kernel_ops("torch") and model.ops is smollm_worker.ops
     per_layer = cfg.hidden_size * (2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size)
     assert model.weight_bytes() >= 4 * (cfg.vocab_size * cfg.hidden_size + cfg.num_hidden_layers * per_layer)
 
