@@ -25,6 +25,10 @@ GEMMs; at batch 32 that copy and those GEMMs took about a quarter of a SmolLM2-1
 here. Batches with prompt chunks, dtypes other than float32 and bfloat16, and machines
 where the kernel cannot be built (no C compiler; see `kernels.cpu_build`) go to
 `paged_attention_ref`.
+
+The caches hold the query's dtype, or bfloat16 under a float32 query (`--kv-cache-dtype
+bfloat16`: half the bytes to store and to read); both paths compute in the query's dtype,
+the reference widening the K/V it reads.
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ def _gather_kv(
     blocks = _used_blocks(block_tables, seq_lens, max_len, cache.shape[1])
     kv = cache[blocks].flatten(1, 2)[:, :max_len]
     return kv.transpose(1, 2)
+
+
+def _widened(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered K/V in the query's dtype (a bfloat16 cache under a float32 query)."""
+    return kv if kv.dtype == dtype else kv.to(dtype)
 
 
 @dataclass
@@ -111,8 +120,8 @@ def _attend_decodes(
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     span = plan.span
-    k = key_cache.index_select(0, plan.blocks).view(n, span, num_kv_heads * head_dim)
-    v = value_cache.index_select(0, plan.blocks).view(n, span, num_kv_heads * head_dim)
+    k = _widened(key_cache.index_select(0, plan.blocks), query.dtype).view(n, span, num_kv_heads * head_dim)
+    v = _widened(value_cache.index_select(0, plan.blocks), query.dtype).view(n, span, num_kv_heads * head_dim)
     rows = query[:n] if plan.query_rows is None else query.index_select(0, plan.query_rows)
     q = rows.view(n, num_kv_heads, group, head_dim)
     if query.dtype == torch.float32:
@@ -167,8 +176,8 @@ def _attend_group(
     is_real = q_offsets[None, :] < query_lens[:, None]  # [N, Lq]
     tokens = torch.where(is_real, query_starts[:, None] + q_offsets, 0)
     q = query[tokens].transpose(1, 2)  # [N, nh, Lq, hd]
-    k = _gather_kv(key_cache, block_tables, seq_lens, max_seq_len)
-    v = _gather_kv(value_cache, block_tables, seq_lens, max_seq_len)
+    k = _widened(_gather_kv(key_cache, block_tables, seq_lens, max_seq_len), query.dtype)
+    v = _widened(_gather_kv(value_cache, block_tables, seq_lens, max_seq_len), query.dtype)
     # Causal over absolute positions; padded query rows see at least key 0, so no row is all
     # masked (which would give NaN). Keys past seq_len are never visible to a real row.
     q_positions = (seq_lens - query_lens)[:, None] + q_offsets  # [N, Lq]
@@ -235,7 +244,12 @@ def paged_attention_ref(
     return out
 
 
-_SYMBOLS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
+# (query dtype, cache dtype) -> the C kernel's entry point.
+_SYMBOLS = {
+    (torch.float32, torch.float32): "decode_attention_f32",
+    (torch.bfloat16, torch.bfloat16): "decode_attention_bf16",
+    (torch.float32, torch.bfloat16): "decode_attention_f32_bf16kv",
+}
 _ARGTYPES = [
     ctypes.c_void_p, ctypes.c_int64,  # query, its row stride
     ctypes.c_void_p, ctypes.c_void_p,  # key cache, value cache
@@ -246,14 +260,15 @@ _ARGTYPES = [
 
 
 @kernel_binding
-def _kernel(dtype: torch.dtype):
-    """The C decode kernel for `dtype`, or None (unsupported dtype, or no build)."""
-    symbol = _SYMBOLS.get(dtype)
+def _kernel(dtype: torch.dtype, cache_dtype: torch.dtype):
+    """The C decode kernel for a `dtype` query over `cache_dtype` caches, or None
+    (unsupported pairing, or no build)."""
+    symbol = _SYMBOLS.get((dtype, cache_dtype))
     return bind("paged_decode_attention", symbol, _ARGTYPES, ctypes.c_int) if symbol else None
 
 
-def native_decode_available(dtype: torch.dtype) -> bool:
-    return _kernel(dtype) is not None
+def native_decode_available(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
+    return _kernel(dtype, cache_dtype or dtype) is not None
 
 
 def decode_attention_native(
@@ -268,11 +283,11 @@ def decode_attention_native(
     """One query token per request (row i of `query` is request i): write `out`'s rows
     with the C kernel and return True, or return False having done nothing, when the
     kernel cannot take these tensors."""
-    kernel = _kernel(query.dtype)
+    kernel = _kernel(query.dtype, key_cache.dtype)
     if (
         kernel is None
         or query.device.type != "cpu"
-        or not (key_cache.dtype == value_cache.dtype == out.dtype == query.dtype)
+        or not (key_cache.dtype == value_cache.dtype and out.dtype == query.dtype)
         or not (key_cache.is_contiguous() and value_cache.is_contiguous())
         or not (heads_packed(query) and heads_packed(out))
     ):

@@ -29,7 +29,12 @@ def rotary_write_kv_ref(positions, q, k, v, cos_sin_cache, head_dim, key_cache, 
     write_kv_ref(k.view(rows, -1, head_dim), v.view(rows, -1, head_dim), key_cache, value_cache, slot_mapping)
 
 
-_SYMBOLS = {torch.float32: "rotary_write_kv_f32", torch.bfloat16: "rotary_write_kv_bf16"}
+# (q/k/v dtype, cache dtype) -> the C kernel's entry point.
+_SYMBOLS = {
+    (torch.float32, torch.float32): "rotary_write_kv_f32",
+    (torch.bfloat16, torch.bfloat16): "rotary_write_kv_bf16",
+    (torch.float32, torch.bfloat16): "rotary_write_kv_f32_bf16kv",  # --kv-cache-dtype bfloat16
+}
 _ARGS = [
     *_ROTARY_ARGS,  # the rotary kernel's, then:
     ctypes.c_void_p, ctypes.c_int64,  # v, its row stride
@@ -38,8 +43,8 @@ _ARGS = [
 
 
 @kernel_binding
-def _kernel_cpu(dtype: torch.dtype):
-    symbol = _SYMBOLS.get(dtype)
+def _kernel_cpu(dtype: torch.dtype, cache_dtype: torch.dtype):
+    symbol = _SYMBOLS.get((dtype, cache_dtype))
     return bind("rotary", symbol, _ARGS, ctypes.c_int) if symbol else None
 
 
@@ -52,7 +57,7 @@ def rotary_write_kv_cpu(positions, q, k, v, cos_sin_cache, head_dim, key_cache, 
     """`rotary_write_kv_ref`'s result: one C call where it applies (float32 or bfloat16 2-D
     q/k/v with packed rows, contiguous caches, int64 positions and slots, a float32
     table), else the rotary and KV-write CPU paths in turn."""
-    kernel = _kernel_cpu(q.dtype)
+    kernel = _kernel_cpu(q.dtype, key_cache.dtype)
     dtype = q.dtype
     if (
         kernel is not None
@@ -62,7 +67,7 @@ def rotary_write_kv_cpu(positions, q, k, v, cos_sin_cache, head_dim, key_cache, 
         and _rows_fit(k, key_cache.shape[2] * head_dim, dtype)
         and _rows_fit(v, k.shape[1], dtype)
         and q.shape[1] % head_dim == 0
-        and key_cache.dtype == value_cache.dtype == dtype
+        and key_cache.dtype == value_cache.dtype
         and key_cache.shape == value_cache.shape
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()

@@ -24,12 +24,13 @@ def write_kv_ref(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter key/value [T, kvh, hd] into the caches in place; negative slots are skipped."""
+    """Scatter key/value [T, kvh, hd] into the caches in place (rounded to the caches' dtype
+    where it is narrower, e.g. bfloat16 under a float32 model); negative slots are skipped."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     # view() (not reshape) so that a non-contiguous cache raises instead of writing a copy.
-    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[valid]
-    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[valid]
+    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[valid].to(key_cache.dtype)
+    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[valid].to(value_cache.dtype)
 
 
 _WRITE_KV_ARGS = [
@@ -80,7 +81,10 @@ def write_kv_cpu(
 ) -> None:
     """`write_kv_ref`'s result: through the C kernel where it applies (CPU tensors of one
     dtype, each token's heads packed, contiguous caches, int64 slots); otherwise without
-    boolean masks when no slot is negative."""
+    boolean masks when no slot is negative. K/V of another dtype than the caches' are
+    converted first."""
+    if key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     if _write_kv_native(key, value, key_cache, value_cache, slot_mapping):
         return
     if slot_mapping.dtype != torch.int64 or bool((slot_mapping < 0).any()):

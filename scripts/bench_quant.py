@@ -9,7 +9,9 @@ Models of the same weights, each in our offline engine:
 - ``int4-exact`` / ``int8-exact``: the same, with every CPU product on the exactly
   dequantized weight (``kernels/quant_linear.py``), none with int8 activations
   (``services/worker/linear.py``'s ``INT8_ACTIVATIONS_MIN_ROWS`` set out of reach and its
-  ``REPACK_TILES`` cleared).
+  ``REPACK_TILES`` cleared);
+- ``int4-bf16kv``: ``int4`` with its K/V stored in bfloat16 (``--kv-cache-dtype bfloat16``,
+  what ``auto`` picks where ``--dtype auto`` falls back to float32).
 
 Accuracy: greedy agreement with ``none`` over ``--num-prompts`` prompts x ``--output-len``
 tokens, two ways: per token (the model reads the prompt and ``none``'s greedy output and
@@ -60,7 +62,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from bench_common import make_dataset  # noqa: E402
 
 BATCHES = (1, 8, 32)
-MODELS = ("none", "int8", "int4", "int8-exact", "int4-exact")
+MODELS = ("none", "int8", "int4", "int8-exact", "int4-exact", "int4-bf16kv")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,11 +93,12 @@ def fixed_text() -> str:
     return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
-def make_engine(path: str, quantization: str, dtype: str, max_num_seqs: int = 32):
+def make_engine(path: str, quantization: str, dtype: str, max_num_seqs: int = 32, kv_cache_dtype: str = "auto"):
     from services.engine import Engine
     from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
 
-    return Engine(ModelRunConfig(model=path, quantization=quantization, dtype=dtype), CacheConfig(num_gpu_blocks=1024),
+    return Engine(ModelRunConfig(model=path, quantization=quantization, dtype=dtype),
+                  CacheConfig(num_gpu_blocks=1024, kv_cache_dtype=kv_cache_dtype),
                   SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048))
 
 
@@ -303,7 +306,8 @@ def main(argv=None) -> int:
     tmp = tempfile.TemporaryDirectory()
     q8_path = str(Path(tmp.name) / "q8_0.gguf")
     configs = {"none": (model_path, "none"), "int8": (q8_path, "auto"), "int4": (model_path, "auto"),
-               "int8-exact": (q8_path, "auto"), "int4-exact": (model_path, "auto")}
+               "int8-exact": (q8_path, "auto"), "int4-exact": (model_path, "auto"),
+               "int4-bf16kv": (model_path, "auto")}
     wanted = args.only.split(",")
     if {"int8", "int8-exact"} & set(wanted):
         requantize_gguf(model_path, q8_path, "Q8_0")
@@ -315,7 +319,8 @@ def main(argv=None) -> int:
         (linear.INT8_ACTIVATIONS_MIN_ROWS,
          linear.INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_VNNI) = (2**31, 2**31) if name.endswith("-exact") else default_min_rows
         linear.REPACK_TILES = not name.endswith("-exact")
-        engine = make_engine(path, quantization, args.dtype)
+        engine = make_engine(path, quantization, args.dtype,
+                             kv_cache_dtype="bfloat16" if name.endswith("-bf16kv") else "auto")
         row = {"file_bytes": os.path.getsize(path), "weight_bytes": engine.worker.model.weight_bytes()}
         row["weight_to_file"] = row["weight_bytes"] / row["file_bytes"]
         if not args.speed_only:

@@ -42,6 +42,9 @@ class EngineServiceConfig:
     profile_steps: bool = setting(False, "time each step's phases (scripts/bench_overhead.py)")
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: block size, pool size and prefix caching."""
@@ -53,8 +56,16 @@ class CacheConfig:
     # On CPU the pool is sized from this many GiB unless num_gpu_blocks is set.
     cpu_kv_cache_gib: float = setting(1.0, "KV cache size on CPU in GiB")
     enable_prefix_caching: bool = setting(True, "prefix caching")
+    kv_cache_dtype: str = setting(
+        "auto", "KV cache storage: auto (the model's dtype; on CPU, bfloat16 where --dtype auto chose float32 "
+        "and the weights stay quantized) | bfloat16 | float32")
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype.startswith("fp8"):
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r}: fp8 KV caches are not supported; "
+                              f"choose one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:

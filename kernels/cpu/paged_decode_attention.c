@@ -4,12 +4,14 @@
  * read in place through block_tables[i] from caches laid out
  * [num_blocks, block_size, num_kv_heads, head_dim]: no gathered copy of K/V. Work is split
  * over requests; each K/V row read serves all the request's query heads. Arithmetic is in
- * float32 whatever the storage type (float32 or bfloat16). Threads come from the OpenMP
- * runtime PyTorch itself loaded (same soname), so no second thread pool appears. Head dims
- * 64 and 128 get code compiled for that size. bf16 scores and weighted values take
- * AVX512_BF16 (vdpbf16ps) where the library is compiled for it, AVX2 + FMA (bf16 widened
- * to float32 by a shift; float32 caches too) where it is compiled for that, and the generic
- * code otherwise.
+ * float32 whatever the storage type: float32 or bfloat16 query and output, caches of the
+ * same type or bfloat16 caches under a float32 query (`--kv-cache-dtype bfloat16`). Threads
+ * come from the OpenMP runtime PyTorch itself loaded (same soname), so no second thread
+ * pool appears. Head dims 64 and 128 get code compiled for that size. A bf16 query over
+ * bf16 caches takes AVX512_BF16 (vdpbf16ps) where the library is compiled for it; the
+ * other pairings, and that one without AVX512_BF16, take AVX2 + FMA (bf16 widened to
+ * float32 by a shift) where the library is compiled for AVX2 (AVX-512 builds included),
+ * and the generic code otherwise.
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,24 +49,14 @@ ALWAYS_INLINE void load_row(const void *base, int64_t index, float *dst, const i
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define HAVE_SIMD_BF16 1
-#define SCORE_RUN 16       /* tokens per block_scores call */
-#define SCORE_HD_MULTIPLE 32
-typedef uint16_t query_t; /* the scores read the bf16 query as it is */
 #define MAX_DOT_GROUP 8
 #define MAX_DOT_HD 128
 #define MAX_VALUE_GROUP 4
-#define SIMD_FLOAT32 0 /* float32 caches take the generic code */
 
-/* The query row of request i as block_scores reads it: in place, bfloat16. */
-ALWAYS_INLINE const query_t *simd_query(const Args *a, int i, float *scratch, int n, const int bf16) {
-    (void)scratch;
-    (void)n;
-    (void)bf16;
-    return (const uint16_t *)a->query + (int64_t)i * a->query_row_stride;
-}
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_512 1 /* bf16 query over bf16 caches: the query read in place */
+#define SCORE_RUN_512 16 /* tokens per block_scores_512 call */
 
 /* Lane j of the result: the sum of v[j]'s 16 lanes (a 16 x 16 transpose folded into adds). */
 ALWAYS_INLINE __m512 lane_sums16(const __m512 *v) {
@@ -87,9 +79,8 @@ ALWAYS_INLINE __m512 lane_sums16(const __m512 *v) {
  * partial sums per token; lane_sums16 reduces the 16 tokens' partial sums at once.
  * k_cache + k_at is the first token's values of this KV head, `q` the first of the G
  * heads' query values; scores[g * len + j] receives the scaled score of token j. */
-ALWAYS_INLINE void block_scores(const void *k_cache, int64_t k_at, int64_t token_stride, int count, const uint16_t *q,
-                                float scale, float *scores, int len, const int G, const int hd, const int bf16) {
-    (void)bf16;
+ALWAYS_INLINE void block_scores_512(const void *k_cache, int64_t k_at, int64_t token_stride, int count,
+                                    const uint16_t *q, float scale, float *scores, int len, const int G, const int hd) {
     const uint16_t *k = (const uint16_t *)k_cache + k_at;
     const __mmask16 live = (__mmask16)((1u << count) - 1u);
     for (int g = 0; g < G; g++) {
@@ -109,9 +100,8 @@ ALWAYS_INLINE void block_scores(const void *k_cache, int64_t k_at, int64_t token
 
 /* acc[g] += sum over `count` tokens of probs[g * len + j] * V[j] for one KV head's G <= 4
  * query heads, bfloat16 V, hd <= 128 a multiple of 16, the accumulators held in registers. */
-ALWAYS_INLINE void block_values(const void *v_rows, int64_t token_stride, int count, const float *probs, int len,
-                                float *acc_io, const int G, const int hd, const int bf16) {
-    (void)bf16;
+ALWAYS_INLINE void block_values_512(const void *v_rows, int64_t token_stride, int count, const float *probs, int len,
+                                    float *acc_io, const int G, const int hd) {
     const uint16_t *v = v_rows;
     __m512 acc[MAX_VALUE_GROUP][MAX_DOT_HD / 16];
     for (int g = 0; g < G; g++)
@@ -130,30 +120,22 @@ ALWAYS_INLINE void block_values(const void *v_rows, int64_t token_stride, int co
     for (int g = 0; g < G; g++)
         for (int c = 0; c < hd / 16; c++) _mm512_storeu_ps(acc_io + g * hd + 16 * c, acc[g][c]);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#else
+#define HAVE_512 0
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
 /* AVX2 without native bf16 products: bf16 -> float32 by a 16-bit shift, then FMA; float32
- * caches take the same code. */
+ * caches take the same code. The query is read converted to float32 once. */
 #include <immintrin.h>
-#define HAVE_SIMD_BF16 1
-#define SCORE_RUN 8
-#define SCORE_HD_MULTIPLE 8
-#define MAX_DOT_GROUP 8
-#define MAX_DOT_HD 128
-#define MAX_VALUE_GROUP 4
-#define SIMD_FLOAT32 1
-typedef float query_t; /* the scores read the query converted to float32 once */
+#define HAVE_256 1
+#define SCORE_RUN_256 8
 
 /* 8 values from element `at` of a bfloat16 or float32 array, as float32. */
 ALWAYS_INLINE __m256 load8(const void *base, int64_t at, const int bf16) {
     if (!bf16) return _mm256_loadu_ps((const float *)base + at);
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-/* The query row of request i as block_scores reads it: float32, in `scratch`. */
-ALWAYS_INLINE const query_t *simd_query(const Args *a, int i, float *scratch, int n, const int bf16) {
-    load_row(a->query, (int64_t)i * a->query_row_stride, scratch, n, bf16);
-    return scratch;
 }
 
 /* Lane j of the result: the sum of v[j]'s 8 lanes. */
@@ -170,26 +152,26 @@ ALWAYS_INLINE __m256 lane_sums8(const __m256 *v) {
  * keeps 8 partial sums, and lane_sums8 reduces the 8 tokens' at once. k_cache + k_at is the first token's values of this KV head, `q` the
  * first of the G heads' float32 query values; scores[g * len + j] receives the scaled
  * score of token j. */
-ALWAYS_INLINE void block_scores(const void *k_cache, int64_t k_at, int64_t token_stride, int count, const float *q,
-                                float scale, float *scores, int len, const int G, const int hd, const int bf16) {
-    const int in_place = !bf16 && count == SCORE_RUN;
-    float kf[SCORE_RUN * MAX_DOT_HD];
+ALWAYS_INLINE void block_scores_256(const void *k_cache, int64_t k_at, int64_t token_stride, int count, const float *q,
+                                    float scale, float *scores, int len, const int G, const int hd, const int bf16) {
+    const int in_place = !bf16 && count == SCORE_RUN_256;
+    float kf[SCORE_RUN_256 * MAX_DOT_HD];
     if (!in_place)
-        for (int j = 0; j < SCORE_RUN; j++)
+        for (int j = 0; j < SCORE_RUN_256; j++)
             for (int c = 0; c < hd / 8; c++)
                 _mm256_storeu_ps(kf + j * hd + 8 * c,
                                  j < count ? load8(k_cache, k_at + j * token_stride + 8 * c, bf16) : _mm256_setzero_ps());
     const float *keys = in_place ? (const float *)k_cache + k_at : kf;
     const int64_t key_stride = in_place ? token_stride : hd;
     for (int g = 0; g < G; g++) {
-        __m256 part[SCORE_RUN];
-        for (int j = 0; j < SCORE_RUN; j++) part[j] = _mm256_setzero_ps();
+        __m256 part[SCORE_RUN_256];
+        for (int j = 0; j < SCORE_RUN_256; j++) part[j] = _mm256_setzero_ps();
         for (int c = 0; c < hd / 8; c++) {
             const __m256 qv = _mm256_loadu_ps(q + g * hd + 8 * c);
-            for (int j = 0; j < SCORE_RUN; j++)
+            for (int j = 0; j < SCORE_RUN_256; j++)
                 part[j] = _mm256_fmadd_ps(_mm256_loadu_ps(keys + j * key_stride + 8 * c), qv, part[j]);
         }
-        float sums[SCORE_RUN];
+        float sums[SCORE_RUN_256];
         _mm256_storeu_ps(sums, _mm256_mul_ps(lane_sums8(part), _mm256_set1_ps(scale)));
         memcpy(scores + (int64_t)g * len, sums, sizeof(float) * (size_t)count);
     }
@@ -198,8 +180,8 @@ ALWAYS_INLINE void block_scores(const void *k_cache, int64_t k_at, int64_t token
 /* acc[g] += sum over `count` tokens of probs[g * len + j] * V[j] for one KV head's G <= 4
  * query heads, bfloat16 or float32 V, hd <= 128 a multiple of 16: 16 columns at a time, so
  * that the 2G accumulators stay in registers. */
-ALWAYS_INLINE void block_values(const void *v, int64_t token_stride, int count, const float *probs, int len,
-                                float *acc_io, const int G, const int hd, const int bf16) {
+ALWAYS_INLINE void block_values_256(const void *v, int64_t token_stride, int count, const float *probs, int len,
+                                    float *acc_io, const int G, const int hd, const int bf16) {
     for (int c = 0; c < hd / 16; c++) {
         __m256 acc[MAX_VALUE_GROUP][2];
         for (int g = 0; g < G; g++) {
@@ -222,9 +204,7 @@ ALWAYS_INLINE void block_values(const void *v, int64_t token_stride, int count, 
     }
 }
 #else
-#define HAVE_SIMD_BF16 0
-#define SIMD_FLOAT32 0
-#define MAX_DOT_GROUP 1
+#define HAVE_256 0
 #endif
 
 ALWAYS_INLINE void prefetch_block(const void *base, int64_t first_element, int64_t elements, const int elem_size) {
@@ -258,12 +238,18 @@ ALWAYS_INLINE void prefetch_some(Prefetcher *pf, int lines) {
  * known at compile time the accumulators stay in registers within the block. */
 ALWAYS_INLINE void weighted_values(const void *v_rows, int64_t token_stride, int count, const float *probs, int len,
                                    float *acc_io, const int G, const int hd, const int bf16) {
-#if HAVE_SIMD_BF16
-    if ((bf16 || SIMD_FLOAT32) && hd % 16 == 0 && hd <= MAX_DOT_HD && G <= MAX_VALUE_GROUP) {
-        block_values(v_rows, token_stride, count, probs, len, acc_io, G, hd, bf16);
-        return;
-    }
+    if (hd % 16 == 0 && hd <= MAX_DOT_HD && G <= MAX_VALUE_GROUP) {
+#if HAVE_512
+        if (bf16) {
+            block_values_512(v_rows, token_stride, count, probs, len, acc_io, G, hd);
+            return;
+        }
 #endif
+#if HAVE_256
+        block_values_256(v_rows, token_stride, count, probs, len, acc_io, G, hd, bf16);
+        return;
+#endif
+    }
     float acc[G][hd];
     memcpy(acc, acc_io, sizeof(float) * (size_t)(G * hd));
     for (int j = 0; j < count; j++) {
@@ -281,29 +267,42 @@ ALWAYS_INLINE void weighted_values(const void *v_rows, int64_t token_stride, int
 /* Request i, all its heads. A block's rows hold every KV head side by side
  * (block_size * num_kv_heads * head_dim contiguous values), so one request reads each of
  * its blocks as one contiguous run, and the next block is prefetched while this one is
- * used. `work` holds num_heads * (seq_lens[i] + 2 * head_dim) + num_kv_heads * head_dim floats. */
-ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const int bf16) {
+ * used. `work` holds num_heads * (seq_lens[i] + 2 * head_dim) + num_kv_heads * head_dim floats.
+ * q_bf16: the query and output are bfloat16 (else float32); bf16: the caches are. */
+ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const int q_bf16, const int bf16) {
     const int group = a->group, kvh = a->num_kv_heads, nh = kvh * group;
     const int len = a->seq_lens[i], bs = a->block_size;
     const int32_t *blocks = a->block_tables + (int64_t)i * a->block_table_stride;
     const int64_t token_stride = (int64_t)kvh * hd, block_elements = (int64_t)bs * token_stride;
     const int elem = bf16 ? 2 : 4;
+    /* Which score code runs: the compiler settles it for each compiled head size. */
+    const int simd_fits = hd <= MAX_DOT_HD && group <= MAX_DOT_GROUP;
+    const int use_512 = HAVE_512 && simd_fits && q_bf16 && bf16 && hd % 32 == 0;
+    const int use_256 = HAVE_256 && simd_fits && !use_512 && hd % 8 == 0;
+    (void)use_256; /* unused where neither SIMD path is compiled */
     float *scores = work, *q = scores + (int64_t)nh * len, *acc = q + (int64_t)nh * hd, *row = acc + (int64_t)nh * hd;
     memset(acc, 0, sizeof(float) * (size_t)(nh * hd));
     Prefetcher pf = {{0, 0}, {0, 0}};
     int kv_head_of[MAX_HEADS]; /* no integer division in the token loops */
     for (int h = 0; h < nh; h++) kv_head_of[h] = h / group;
     /* Scores, token by token through the blocks. */
-#if HAVE_SIMD_BF16
-    if ((bf16 || SIMD_FLOAT32) && hd % SCORE_HD_MULTIPLE == 0 && hd <= MAX_DOT_HD && group <= MAX_DOT_GROUP) {
-        const query_t *q_row = simd_query(a, i, q, nh * hd, bf16);
+#if HAVE_512 || HAVE_256
+    if (use_512 || use_256) {
+        /* The 512-bit code reads the bf16 query in place, the 256-bit code a float32 copy. */
+        if (use_256) load_row(a->query, (int64_t)i * a->query_row_stride, q, nh * hd, q_bf16);
+#if HAVE_512
+        const uint16_t *q_in_place = (const uint16_t *)a->query + (int64_t)i * a->query_row_stride;
+        const int run = use_512 ? SCORE_RUN_512 : SCORE_RUN_256;
+#else
+        const int run = SCORE_RUN_256;
+#endif
         /* Two blocks' lines (K, V) over a block's block_scores calls. */
         const int block_lines = (int)((block_elements * elem + 63) / 64);
-        const int score_lines = 2 * block_lines / (((bs + SCORE_RUN - 1) / SCORE_RUN) * kvh) + 1;
-        /* Runs of up to SCORE_RUN tokens, never across a block's end. */
+        const int score_lines = 2 * block_lines / (((bs + run - 1) / run) * kvh) + 1;
+        /* Runs of up to `run` tokens, never across a block's end. */
         for (int start = 0; start < len;) {
             const int in_block = start % bs;
-            int count = bs - in_block < SCORE_RUN ? bs - in_block : SCORE_RUN;
+            int count = bs - in_block < run ? bs - in_block : run;
             if (count > len - start) count = len - start;
             if (in_block == 0) { /* the next K block, and this block's V rows for the values pass */
                 if (start + bs < len)
@@ -312,13 +311,20 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
             }
             const int64_t k_at = ((int64_t)blocks[start / bs] * bs + in_block) * token_stride;
             for (int kv = 0; kv < kvh; kv++) {
-                const int64_t k_kv = k_at + (int64_t)kv * hd;
-                const query_t *q_kv = q_row + (int64_t)kv * group * hd;
+                const int64_t k_kv = k_at + (int64_t)kv * hd, q_at = (int64_t)kv * group * hd;
                 float *s_kv = scores + (int64_t)kv * group * len + start;
+#if HAVE_512
 #define SCORES(G) \
-    case G: block_scores(a->key_cache, k_kv, token_stride, count, q_kv, a->scale, s_kv, len, G, hd, bf16); break;
-                switch (group) { SCORES(1) SCORES(2) SCORES(3) SCORES(4) SCORES(5) SCORES(6) SCORES(7) SCORES(8) }
+    case G: block_scores_512(a->key_cache, k_kv, token_stride, count, q_in_place + q_at, a->scale, s_kv, len, G, hd); break;
+                if (use_512) switch (group) { SCORES(1) SCORES(2) SCORES(3) SCORES(4) SCORES(5) SCORES(6) SCORES(7) SCORES(8) }
 #undef SCORES
+#endif
+#if HAVE_256
+#define SCORES(G) \
+    case G: block_scores_256(a->key_cache, k_kv, token_stride, count, q + q_at, a->scale, s_kv, len, G, hd, bf16); break;
+                if (use_256) switch (group) { SCORES(1) SCORES(2) SCORES(3) SCORES(4) SCORES(5) SCORES(6) SCORES(7) SCORES(8) }
+#undef SCORES
+#endif
                 prefetch_some(&pf, score_lines);
             }
             start += count;
@@ -327,7 +333,7 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
 #endif
     {
         /* The query in float32, scaled once, for the generic dot products. */
-        load_row(a->query, (int64_t)i * a->query_row_stride, q, nh * hd, bf16);
+        load_row(a->query, (int64_t)i * a->query_row_stride, q, nh * hd, q_bf16);
         for (int d = 0; d < nh * hd; d++) q[d] *= a->scale;
         for (int start = 0; start < len; start += bs) {
             const int64_t first = (int64_t)blocks[start / bs] * bs;
@@ -398,7 +404,7 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     }
     for (int h = 0; h < nh; h++) {
         const int64_t dst = (int64_t)i * a->out_row_stride + (int64_t)h * hd;
-        if (bf16) {
+        if (q_bf16) {
             for (int d = 0; d < hd; d++) ((uint16_t *)a->out)[dst + d] = f32_to_bf16(acc[(int64_t)h * hd + d] * inv_sum[h]);
         } else {
             for (int d = 0; d < hd; d++) ((float *)a->out)[dst + d] = acc[(int64_t)h * hd + d] * inv_sum[h];
@@ -406,12 +412,18 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     }
 }
 
-static void attend_hd64_f32(const Args *a, int i, float *w) { attend(a, i, w, 64, 0); }
-static void attend_hd64_bf16(const Args *a, int i, float *w) { attend(a, i, w, 64, 1); }
-static void attend_hd128_f32(const Args *a, int i, float *w) { attend(a, i, w, 128, 0); }
-static void attend_hd128_bf16(const Args *a, int i, float *w) { attend(a, i, w, 128, 1); }
-static void attend_any_f32(const Args *a, int i, float *w, int hd) { attend(a, i, w, hd, 0); }
-static void attend_any_bf16(const Args *a, int i, float *w, int hd) { attend(a, i, w, hd, 1); }
+/* One compiled copy per head size (64, 128, any) and pairing: q: query and output type,
+ * kv: cache type. */
+#define ATTEND_COPIES(name, q_bf16, kv_bf16)                                                               \
+    static void name##_hd64(const Args *a, int i, float *w) { attend(a, i, w, 64, q_bf16, kv_bf16); }   \
+    static void name##_hd128(const Args *a, int i, float *w) { attend(a, i, w, 128, q_bf16, kv_bf16); } \
+    static void name##_any(const Args *a, int i, float *w, int hd) { attend(a, i, w, hd, q_bf16, kv_bf16); }
+ATTEND_COPIES(attend_f32, 0, 0)
+ATTEND_COPIES(attend_bf16, 1, 1)
+ATTEND_COPIES(attend_f32_bf16kv, 0, 1)
+#undef ATTEND_COPIES
+
+enum pairing { F32, BF16, F32_BF16KV };
 
 /* Returns 0 on success, 1 for shapes the fixed buffers cannot take (nothing written),
  * 2 when a thread could not allocate its score buffer. */
@@ -419,7 +431,7 @@ static int decode_attention(const void *query, int64_t query_row_stride, const v
                             const void *value_cache, const int32_t *block_tables,
                             int64_t block_table_stride, const int32_t *seq_lens, int num_requests,
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                            void *out, int64_t out_row_stride, int num_threads, int bf16) {
+                            void *out, int64_t out_row_stride, int num_threads, enum pairing pairing) {
     if (num_heads > MAX_HEADS || num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0 || head_dim <= 0)
         return 1;
     const Args a = {query, query_row_stride, key_cache, value_cache, block_tables, block_table_stride,
@@ -443,9 +455,12 @@ static int decode_attention(const void *query, int64_t query_row_stride, const v
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < num_requests; i++) {
             if (!work) continue;
-            if (head_dim == 64) bf16 ? attend_hd64_bf16(&a, i, work) : attend_hd64_f32(&a, i, work);
-            else if (head_dim == 128) bf16 ? attend_hd128_bf16(&a, i, work) : attend_hd128_f32(&a, i, work);
-            else bf16 ? attend_any_bf16(&a, i, work, head_dim) : attend_any_f32(&a, i, work, head_dim);
+#define DISPATCH(name) \
+    (head_dim == 64 ? name##_hd64(&a, i, work) : head_dim == 128 ? name##_hd128(&a, i, work) : name##_any(&a, i, work, head_dim))
+            if (pairing == BF16) DISPATCH(attend_bf16);
+            else if (pairing == F32_BF16KV) DISPATCH(attend_f32_bf16kv);
+            else DISPATCH(attend_f32);
+#undef DISPATCH
         }
         free(work);
     }
@@ -459,7 +474,7 @@ int decode_attention_f32(const float *query, int64_t query_row_stride, const flo
                          int num_threads) {
     return decode_attention(query, query_row_stride, key_cache, value_cache, block_tables, block_table_stride,
                             seq_lens, num_requests, num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                            out_row_stride, num_threads, 0);
+                            out_row_stride, num_threads, F32);
 }
 
 int decode_attention_bf16(const uint16_t *query, int64_t query_row_stride, const uint16_t *key_cache,
@@ -469,5 +484,16 @@ int decode_attention_bf16(const uint16_t *query, int64_t query_row_stride, const
                           int num_threads) {
     return decode_attention(query, query_row_stride, key_cache, value_cache, block_tables, block_table_stride,
                             seq_lens, num_requests, num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                            out_row_stride, num_threads, 1);
+                            out_row_stride, num_threads, BF16);
+}
+
+/* A float32 query over bfloat16 caches (`--kv-cache-dtype bfloat16` under a float32 model). */
+int decode_attention_f32_bf16kv(const float *query, int64_t query_row_stride, const uint16_t *key_cache,
+                                const uint16_t *value_cache, const int32_t *block_tables, int64_t block_table_stride,
+                                const int32_t *seq_lens, int num_requests, int num_heads, int num_kv_heads,
+                                int head_dim, int block_size, float scale, float *out, int64_t out_row_stride,
+                                int num_threads) {
+    return decode_attention(query, query_row_stride, key_cache, value_cache, block_tables, block_table_stride,
+                            seq_lens, num_requests, num_heads, num_kv_heads, head_dim, block_size, scale, out,
+                            out_row_stride, num_threads, F32_BF16KV);
 }

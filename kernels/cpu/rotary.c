@@ -58,20 +58,25 @@ DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
  * num_k_heads heads like k's; strides are in elements. Positions and slots are checked
  * first: 1 (a position outside cos_sin's rows) or 2 (a slot at or past num_slots) means
  * nothing was written. */
-#define DEFINE_ROTARY_WRITE_KV(NAME, ROTARY, T)                                                              \
+#define DEFINE_ROTARY_WRITE_KV(NAME, ROTARY, T, CACHE_T, COPY_ROWS, ROW_UNIT)                                 \
     int NAME(const int64_t *positions, int rows, T *q, int64_t q_stride, int num_q_heads, T *k,              \
              int64_t k_stride, int num_k_heads, const float *cos_sin, int64_t cos_sin_stride,                \
              int64_t cos_sin_rows, int head_dim, int num_threads, const T *v, int64_t v_stride,              \
-             T *key_cache, T *value_cache, const int64_t *slots, int64_t num_slots) {                        \
+             CACHE_T *key_cache, CACHE_T *value_cache, const int64_t *slots, int64_t num_slots) {            \
         if (!kv_slots_in_range(slots, rows, num_slots)) return 2;                                            \
         if (ROTARY(positions, rows, q, q_stride, num_q_heads, k, k_stride, num_k_heads, cos_sin,             \
                    cos_sin_stride, cos_sin_rows, head_dim, num_threads))                                     \
             return 1;                                                                                        \
-        copy_kv_rows((const char *)k, k_stride * (int64_t)sizeof(T), (const char *)v,                        \
-                     v_stride * (int64_t)sizeof(T), (char *)key_cache, (char *)value_cache, slots, rows,     \
-                     (int64_t)num_k_heads * head_dim * (int64_t)sizeof(T));                                  \
+        COPY_ROWS((const char *)k, k_stride * (int64_t)sizeof(T), (const char *)v,                           \
+                  v_stride * (int64_t)sizeof(T), key_cache, value_cache, slots, rows,                        \
+                  (int64_t)num_k_heads * head_dim * (int64_t)(ROW_UNIT));                                    \
         return 0;                                                                                            \
     }
 
-DEFINE_ROTARY_WRITE_KV(rotary_write_kv_f32, rotary_f32, float)
-DEFINE_ROTARY_WRITE_KV(rotary_write_kv_bf16, rotary_bf16, uint16_t)
+/* copy_kv_rows takes char caches and a row in bytes; copy_kv_rows_to_bf16 bf16 caches and a
+ * row in values. */
+#define COPY_BYTES(k, ks, v, vs, kc, vc, slots, rows, row) copy_kv_rows(k, ks, v, vs, (char *)(kc), (char *)(vc), slots, rows, row)
+DEFINE_ROTARY_WRITE_KV(rotary_write_kv_f32, rotary_f32, float, float, COPY_BYTES, sizeof(float))
+DEFINE_ROTARY_WRITE_KV(rotary_write_kv_bf16, rotary_bf16, uint16_t, uint16_t, COPY_BYTES, sizeof(uint16_t))
+/* float32 q, k, v over bfloat16 caches (`--kv-cache-dtype bfloat16`). */
+DEFINE_ROTARY_WRITE_KV(rotary_write_kv_f32_bf16kv, rotary_f32, float, uint16_t, copy_kv_rows_to_bf16, 1)

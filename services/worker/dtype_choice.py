@@ -7,6 +7,13 @@ either, bf16 products are widened to float32 on every call and run several times
 slower than float32 (docs/BENCHMARKS.md, /work/shared/CPU-NOTES.md), so ``auto`` is
 float32 there. The decision and its reason are logged; an explicit ``bfloat16`` on a
 CPU without native bf16 dot products runs as asked, with a warning.
+
+The KV cache's dtype from ``--kv-cache-dtype``: ``auto`` is the model's dtype, as in vLLM,
+except on a CPU where ``--dtype auto`` fell back to float32 for speed and the weights stay
+quantized: the cache is bfloat16 there (the checkpoint's own precision, and what vLLM
+stores for it), half the bytes that decode attention streams, while products stay float32.
+Dequantized weights keep a float32 cache, so ``--quantization none`` still matches Hugging
+Face bit for bit. bfloat16 under a float32 model runs on CPU only.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from shared.config import ConfigError
 from shared.cpu_features import cpu_flags, describe, native_bf16_dot
 
 from .linear import can_prepack, prepacked_linear
@@ -73,3 +81,24 @@ def resolve_dtype(
     logger.info("dtype auto -> bfloat16: the CPU has native bf16 dot products (flags: %s) and oneDNN "
                 "prepacks bf16 weights", describe(flags))
     return torch.bfloat16
+
+
+def resolve_kv_cache_dtype(
+    name: str, model_dtype: torch.dtype, device: torch.device, dtype_name: str, keep_quantized: bool
+) -> torch.dtype:
+    """The KV cache dtype ``name`` (auto|bfloat16|float32) means for a ``model_dtype`` model
+    on ``device``, chosen by ``--dtype dtype_name``; raises ConfigError for a pairing the
+    kernels do not run."""
+    if name == "auto":
+        if device.type == "cpu" and dtype_name == "auto" and model_dtype == torch.float32 and keep_quantized:
+            logger.info("kv_cache_dtype auto -> bfloat16: dtype auto chose float32 on this CPU and the weights "
+                        "stay quantized (--kv-cache-dtype float32 keeps float32)")
+            return torch.bfloat16
+        return model_dtype
+    cache_dtype = DTYPES[name]
+    if cache_dtype == model_dtype or (
+        device.type == "cpu" and model_dtype == torch.float32 and cache_dtype == torch.bfloat16
+    ):
+        return cache_dtype
+    raise ConfigError(f"kv_cache_dtype {name} with a {str(model_dtype).removeprefix('torch.')} model on "
+                     f"{device.type}: the cache takes the model's dtype, or bfloat16 under a float32 model on CPU")

@@ -40,7 +40,7 @@ from shared.protocol import ModelRunnerOutput, SchedulerOutput
 from shared.step_profile import NULL_CLOCK
 
 from .draft_model import DraftModel
-from .dtype_choice import resolve_dtype
+from .dtype_choice import resolve_dtype, resolve_kv_cache_dtype
 from .input_batch import CachedRequestState, InputBatch
 from .kv_cache import allocate_kv_caches, kv_block_bytes
 from .linear import can_prepack
@@ -111,6 +111,8 @@ class ModelRunner:
         # Dequantized weights keep Hugging Face's float32 operation order (greedy parity);
         # quantized ones differ from Hugging Face's results anyway and take the C kernels.
         self.ops = get_kernel_ops(run_config.kernel_backend, float32_hf_order=not self.keep_quantized)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.device,
+                                                     run_config.dtype, self.keep_quantized)
         # Each rank reads only its rows / columns of the sharded tensors.
         self.model = self._load_model(self.model_path, self.model_config, self.tp)
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -141,9 +143,9 @@ class ModelRunner:
         )
         logger.info(
             "model %s loaded: %s on %s, kernels=%s, prepacked=%s, rank %d/%d (%d q heads, %d KV heads), "
-            "%d KV blocks of %d tokens",
+            "%d KV blocks of %d tokens in %s",
             self.model_path, self.dtype, self.device, self.ops.name, self.prepacked, self.rank, self.tp.world_size,
-            self.shard.num_heads, self.shard.num_kv_heads, self.num_blocks, self.block_size,
+            self.shard.num_heads, self.shard.num_kv_heads, self.num_blocks, self.block_size, self.kv_cache_dtype,
         )
 
     def _load_model(self, path: str, config: ModelConfig, tp: TensorParallel) -> LlamaForCausalLM:
@@ -199,7 +201,7 @@ class ModelRunner:
         included."""
         cfg = self.model_config
         target = kv_block_bytes(self.block_size, self.shard.num_kv_heads, cfg.head_dim, cfg.num_hidden_layers,
-                                self.dtype)
+                                self.kv_cache_dtype)
         return target + (self.draft_model.kv_block_bytes() if self.draft_model is not None else 0)
 
     def _num_kv_blocks(self) -> int:
@@ -225,7 +227,7 @@ class ModelRunner:
     def _allocate_kv_caches(self, num_blocks: int):
         cfg = self.model_config
         return allocate_kv_caches(num_blocks, self.block_size, self.shard.num_kv_heads, cfg.head_dim,
-                                  cfg.num_hidden_layers, self.dtype, self.device)
+                                  cfg.num_hidden_layers, self.kv_cache_dtype, self.device)
 
     # ------------------------------------------------------------------ state
 

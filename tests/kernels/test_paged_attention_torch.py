@@ -118,6 +118,22 @@ def test_bfloat16_decodes_match_the_reference(shape, block_size, cpu_isa):
 
 
 @needs_c_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_float32_queries_over_bfloat16_caches_match_the_reference(shape, block_size, cpu_isa):
+    # --kv-cache-dtype bfloat16 under a float32 model: the kernel widens each K/V value to
+    # float32, as the reference does with the rows it gathers. Decodes, short queries (one
+    # decode per query token), and a batch with prompt chunks (the reference's SDPA).
+    for query_lens in ([1] * 6, [3, 1, 2, 1, 4, 1], [1, 40, 1, 20, 1, 1]):
+        batch = make_batch(query_lens, [0, 15, 16, 17, 40, 300], *shape, block_size=block_size, seed=4)
+        batch.key_cache, batch.value_cache = batch.key_cache.bfloat16(), batch.value_cache.bfloat16()
+        out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, paged_attention_ref(*batch.args()), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+
+
+@needs_c_kernel
 def test_kernel_takes_strided_query_and_output_rows(cpu_isa):
     # q as a slice of a fused qkv-like row, out as a slice of a wider buffer.
     batch = decode_batch([5, 20, 33], (6, 2, 64), torch.float32, seed=3)
@@ -165,7 +181,7 @@ def test_mixed_batches_and_other_dtypes_take_the_reference(monkeypatch):
 
 
 def test_without_the_kernel_the_reference_runs(monkeypatch):
-    monkeypatch.setattr(torch_attention, "_kernel", lambda dtype: None)
+    monkeypatch.setattr(torch_attention, "_kernel", lambda dtype, cache_dtype: None)
     batch = decode_batch([2, 30], (9, 3, 64), torch.float32, seed=7)
     out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
     torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)

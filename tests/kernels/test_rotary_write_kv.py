@@ -32,7 +32,11 @@ def run(fn, positions, qkv, qkv_views, key_cache, value_cache, slots, head_dim):
     fn(positions, *qkv_views, cache, head_dim, key_cache, value_cache, slots)
 
 
-@pytest.mark.skipif(_kernel_cpu(torch.float32) is None, reason="no C compiler: the C kernel cannot be built here")
+needs_c_kernel = pytest.mark.skipif(_kernel_cpu(torch.float32, torch.float32) is None,
+                                    reason="no C compiler: the C kernel cannot be built here")
+
+
+@needs_c_kernel
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_path_equals_reference_bit_for_bit(shape, dtype, cpu_isa):
@@ -46,10 +50,30 @@ def test_cpu_path_equals_reference_bit_for_bit(shape, dtype, cpu_isa):
     assert not torch.equal(got[3], make_inputs(*shape, dtype, seed=shape[0])[3]), "nothing was written"
 
 
+@needs_c_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_float32_rows_into_bfloat16_caches_equal_the_reference_bit_for_bit(shape, cpu_isa):
+    # --kv-cache-dtype bfloat16 under a float32 model: the rotated k and v rounded to bf16
+    # once, as the reference's conversion rounds them; q keeps float32.
+    head_dim = shape[3]
+    expected, got = (make_inputs(*shape, torch.float32, seed=shape[0]) for _ in range(2))
+    for inputs in (expected, got):
+        inputs[3].data, inputs[4].data = inputs[3].bfloat16(), inputs[4].bfloat16()
+    run(rotary_write_kv_ref, *expected, head_dim)
+    run(rotary_write_kv_cpu, *got, head_dim)
+    assert got[3].dtype == torch.bfloat16
+    for want, have in zip((expected[1], expected[3], expected[4]), (got[1], got[3], got[4])):
+        assert torch.equal(want, have)
+    positions, qkv, (q, k, v), key_cache, _, slots = got
+    written = slots >= 0
+    assert torch.equal(key_cache.view(-1, *key_cache.shape[2:])[slots[written]],
+                       k[written].view(-1, *key_cache.shape[2:]).bfloat16())
+
+
 def test_cpu_path_without_the_c_kernel_equals_reference(monkeypatch):
     import kernels.rotary_write_kv as module
 
-    monkeypatch.setattr(module, "_kernel_cpu", lambda dtype: None)
+    monkeypatch.setattr(module, "_kernel_cpu", lambda dtype, cache_dtype: None)
     expected = make_inputs(*SHAPES[1], torch.bfloat16, seed=3)
     got = make_inputs(*SHAPES[1], torch.bfloat16, seed=3)
     run(rotary_write_kv_ref, *expected, 128)

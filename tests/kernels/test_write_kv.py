@@ -77,6 +77,24 @@ def test_cpu_path_matches_reference(shape, dtype, padding, cpu_isa):
     torch.testing.assert_close(value_cache, expected_v, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(ON_CUDA, reason="bfloat16 caches under a float32 model are a CPU option")
+@pytest.mark.parametrize("padding", [False, True])
+def test_float32_rows_into_bfloat16_caches_round_once(padding, cpu_isa):
+    # --kv-cache-dtype bfloat16 under a float32 model: each value rounded to bf16 as
+    # PyTorch's conversion rounds it, in both paths.
+    key, value, key_cache, value_cache, slots = make_inputs(11, 6, 4, 3, 64, torch.float32)
+    if not padding:
+        slots = torch.randperm(6 * 4)[:11]
+    key_cache, value_cache = key_cache.bfloat16(), value_cache.bfloat16()
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    write_kv_ref(key, value, expected_k, expected_v, slots)
+    write_kv_cpu(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+    written = slots >= 0
+    assert torch.equal(key_cache.view(-1, 3, 64)[slots[written]], key[written].bfloat16())
+    assert torch.equal(value_cache.view(-1, 3, 64)[slots[written]], value[written].bfloat16())
+
+
 def test_cpu_path_without_the_c_kernel_matches_reference(monkeypatch):
     import kernels.write_kv as write_kv_module
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from services.worker import dtype_choice
-from services.worker.dtype_choice import bf16_prepack_works, resolve_dtype
+from services.worker.dtype_choice import bf16_prepack_works, resolve_dtype, resolve_kv_cache_dtype
+from shared.config import CacheConfig, ConfigError
 
 CPU = torch.device("cpu")
 AVX2_ONLY = frozenset({"avx", "avx2", "fma"})
@@ -66,3 +67,39 @@ def test_the_probe_agrees_with_torch():
     # The real probe on this machine: it prepacks exactly where torch says oneDNN has bf16.
     supported = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert bf16_prepack_works() == supported
+
+
+@pytest.mark.parametrize("dtype_name,model_dtype,keep_quantized,expected", [
+    ("auto", torch.float32, True, torch.bfloat16),  # auto fell back to float32, weights quantized
+    ("auto", torch.float32, False, torch.float32),  # --quantization none: Hugging Face parity
+    ("float32", torch.float32, True, torch.float32),  # an explicit float32 model, as in vLLM
+    ("auto", torch.bfloat16, True, torch.bfloat16),
+    ("bfloat16", torch.bfloat16, False, torch.bfloat16),
+])
+def test_kv_cache_dtype_auto_on_cpu(dtype_name, model_dtype, keep_quantized, expected, caplog):
+    with caplog.at_level(logging.INFO, logger=dtype_choice.__name__):
+        assert resolve_kv_cache_dtype("auto", model_dtype, CPU, dtype_name, keep_quantized) == expected
+    assert ("kv_cache_dtype auto -> bfloat16" in caplog.text) == (model_dtype != expected)
+
+
+def test_kv_cache_dtype_auto_on_cuda_is_the_models():
+    cuda = torch.device("cuda")
+    assert resolve_kv_cache_dtype("auto", torch.float32, cuda, "auto", True) == torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda, "auto", True) == torch.bfloat16
+
+
+def test_explicit_kv_cache_dtypes_and_the_pairings_refused():
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, CPU, "float32", False) == torch.bfloat16
+    assert resolve_kv_cache_dtype("float32", torch.float32, CPU, "auto", True) == torch.float32
+    with pytest.raises(ConfigError, match="bfloat16 under a float32 model on CPU"):
+        resolve_kv_cache_dtype("float32", torch.bfloat16, CPU, "bfloat16", True)
+    with pytest.raises(ConfigError, match="on cuda"):
+        resolve_kv_cache_dtype("bfloat16", torch.float32, torch.device("cuda"), "float32", True)
+
+
+@pytest.mark.parametrize("name,message", [("fp8", "fp8 KV caches are not supported"),
+                                          ("fp8_e5m2", "fp8 KV caches are not supported"),
+                                          ("float16", "auto, bfloat16, float32")])
+def test_cache_config_refuses_kv_cache_dtypes_it_cannot_honour(name, message):
+    with pytest.raises(ConfigError, match=message):
+        CacheConfig(kv_cache_dtype=name)

@@ -38,9 +38,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "The largest planet in our solar system is", "import numpy as np\nx ="]
 
 
-def quantized_runner(path: str) -> ModelRunner:
+def quantized_runner(path: str, kv_cache_dtype: str = "auto") -> ModelRunner:
     return ModelRunner(ModelRunConfig(model=path, kernel_backend="torch", dtype="float32", quantization="auto"),
-                       CacheConfig(num_gpu_blocks=64), SchedulerConfig(max_num_seqs=NUM_PROMPTS))
+                       CacheConfig(num_gpu_blocks=64, kv_cache_dtype=kv_cache_dtype),
+                       SchedulerConfig(max_num_seqs=NUM_PROMPTS))
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +123,17 @@ def test_int4_greedy_on_the_exact_path_agrees_with_the_float_model(int4_rows_wor
 def test_int4_greedy_with_int8_activations_agrees_with_the_float_model_on_90_percent_of_tokens(
         int4_worker, float_outputs):
     assert per_token_agreement(int4_worker, *float_outputs) >= 0.90
+    assert int4_worker.kv_cache_dtype == torch.float32  # an explicit --dtype float32 keeps float32 K/V
+
+
+def test_int4_greedy_over_a_bfloat16_kv_cache_agrees_with_the_float_model_on_90_percent_of_tokens(
+        smollm_path, float_outputs):
+    # What the defaults run where --dtype auto picks float32 (no native bf16 products): the
+    # quantized model, its K/V stored in bfloat16.
+    worker = quantized_runner(smollm_path, kv_cache_dtype="bfloat16")
+    assert worker.kv_cache_dtype == torch.bfloat16 and worker.dtype == torch.float32
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in worker.kv_caches)
+    assert per_token_agreement(worker, *float_outputs) >= 0.90
 
 
 def test_int8_greedy_agrees_with_the_float_model_on_90_percent_of_tokens(int8_worker, float_outputs):
