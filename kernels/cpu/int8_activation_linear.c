@@ -372,13 +372,23 @@ static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf,
 }
 
 /* Every activation row over one tile: full MR micro-tiles, then the rest (mr and layout
- * constants in each call, so the loops over rows unroll). */
+ * constants in each call, so the loops over rows unroll). `next` (next_bytes long, or
+ * NULL) is prefetched a share before each micro-tile: the next tile's first pass then
+ * finds it near, where a decode step's few rows leave too little work per tile for the
+ * hardware prefetcher to run ahead of. */
 static inline __attribute__((always_inline)) void rows_over_tile(const uint8_t *buf, int K, const int8_t *qa,
                                                                   const float *da, const float *sa, int M,
                                                                   int is_int8, enum layout layout, float *y,
-                                                                  int64_t y_stride, int n0, int nt) {
+                                                                  int64_t y_stride, int n0, int nt,
+                                                                  const uint8_t *next, int64_t next_bytes) {
+    const int64_t share = next ? (next_bytes / ((M + MR - 1) / MR) + 63) / 64 * 64 : 0;
+    int64_t fetched = 0;
     int m0 = 0;
-    for (; m0 + MR <= M; m0 += MR) micro_tile(buf, K, qa, da, sa, m0, MR, is_int8, layout, y, y_stride, n0, nt);
+    for (; m0 + MR <= M; m0 += MR) {
+        for (const int64_t end = fetched + share < next_bytes ? fetched + share : next_bytes; fetched < end; fetched += 64)
+            __builtin_prefetch(next + fetched, 0, 1);
+        micro_tile(buf, K, qa, da, sa, m0, MR, is_int8, layout, y, y_stride, n0, nt);
+    }
     switch (M - m0) {
 #if MR > 4
     case 7: micro_tile(buf, K, qa, da, sa, m0, 7, is_int8, layout, y, y_stride, n0, nt); break;
@@ -418,15 +428,17 @@ static int i8_linear(const float *x, int64_t x_stride, int M, int K, const void 
         for (int n0 = 0; n0 < N; n0 += TILE_N) {
             const int nt = N - n0 < TILE_N ? N - n0 : TILE_N;
             if (tiles != NULL) {
-                const uint8_t *tile = tiles + (int64_t)(n0 / TILE_N) * nb * block_bytes(layout);
+                const int64_t tile_bytes = (int64_t)nb * block_bytes(layout);
+                const uint8_t *tile = tiles + (int64_t)(n0 / TILE_N) * tile_bytes;
+                const uint8_t *next = n0 + TILE_N < N ? tile + tile_bytes : NULL;
                 if (failed) continue;
-                if (layout == TILED4) rows_over_tile(tile, K, qa, da, sa, M, 0, TILED4, y, y_stride, n0, nt);
-                else rows_over_tile(tile, K, qa, da, sa, M, 1, TILED8, y, y_stride, n0, nt);
+                if (layout == TILED4) rows_over_tile(tile, K, qa, da, sa, M, 0, TILED4, y, y_stride, n0, nt, next, tile_bytes);
+                else rows_over_tile(tile, K, qa, da, sa, M, 1, TILED8, y, y_stride, n0, nt, next, tile_bytes);
                 continue;
             }
             if (buf == NULL) continue;
             gather_tile(data, scales, offsets, N, K, n0, buf);
-            rows_over_tile(buf, K, qa, da, sa, M, offsets == NULL, GATHERED, y, y_stride, n0, nt);
+            rows_over_tile(buf, K, qa, da, sa, M, offsets == NULL, GATHERED, y, y_stride, n0, nt, NULL, 0);
         }
         free(buf);
     }
