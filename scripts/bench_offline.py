@@ -7,11 +7,14 @@ lengths (ours: ``max_tokens`` with ``ignore_eos``; HF: ``min_new_tokens`` =
 ``--hf-batch-size`` prompts (default: all at once) with left padding; ours gets all
 prompts at once and schedules them itself (continuous batching, chunked prefill).
 Only generation is timed (not loading, not the warm-up), as output tokens / seconds.
+``--repeats N`` times each side N times, alternating (ours, HF, ours, HF, ...; ours on a
+fresh engine each time, so its prefix cache carries nothing over), and reports the medians:
+on a shared machine one run of either side can move by 10%.
 
-    .venv/bin/python scripts/bench_offline.py [--num-prompts 32] [--output-len 128]
+    .venv/bin/python scripts/bench_offline.py [--num-prompts 32] [--output-len 128] [--repeats 1]
 
-Prints both results and their ratio; the LAST line is one JSON object with at least
-``ours_tok_s``, ``hf_tok_s`` and ``ratio``.
+Prints every run and the ratio of the medians; the LAST line is one JSON object with at
+least ``ours_tok_s``, ``hf_tok_s`` and ``ratio`` (medians), and each run's figures.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,10 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-dtype", default="float32", help="HF's torch_dtype (float32: transformers' default)")
     p.add_argument("--only", choices=("both", "ours", "hf"), default="both")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs of each side, alternating; medians reported")
     p.add_argument("--result-file", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
-    if args.num_prompts < 1 or args.output_len < 1 or args.input_len < 1:
-        p.error("--num-prompts, --input-len and --output-len must be >= 1")
+    if args.num_prompts < 1 or args.output_len < 1 or args.input_len < 1 or args.repeats < 1:
+        p.error("--num-prompts, --input-len, --output-len and --repeats must be >= 1")
     return args
 
 
@@ -93,6 +99,11 @@ def run_ours(model_path: str, prompts: list[list[int]], output_len: int, args) -
 
 
 def run_hf(model_path: str, prompts: list[list[int]], output_len: int, args) -> dict:
+    return hf_runner(model_path, prompts, output_len, args)()
+
+
+def hf_runner(model_path: str, prompts: list[list[int]], output_len: int, args) -> Callable[[], dict]:
+    """HF's model loaded and warmed up; each call of the result is one timed run."""
     import torch
 
     from tests.hf_reference import load_hf_model_from_gguf
@@ -123,12 +134,16 @@ def run_hf(model_path: str, prompts: list[list[int]], output_len: int, args) -> 
 
     if not args.no_warmup:
         generate(warmup_prompts(prompts), 4)
-    t0 = time.perf_counter()
-    outputs = []
-    for i in range(0, len(prompts), batch_size):
-        outputs.extend(generate(prompts[i : i + batch_size], output_len))
-    elapsed = time.perf_counter() - t0
-    return {"outputs": outputs, "seconds": elapsed, "load_s": load_s, "dtype": str(next(model.parameters()).dtype)}
+
+    def timed() -> dict:
+        t0 = time.perf_counter()
+        outputs = []
+        for i in range(0, len(prompts), batch_size):
+            outputs.extend(generate(prompts[i : i + batch_size], output_len))
+        elapsed = time.perf_counter() - t0
+        return {"outputs": outputs, "seconds": elapsed, "load_s": load_s, "dtype": str(next(model.parameters()).dtype)}
+
+    return timed
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
@@ -171,22 +186,34 @@ def main(argv=None) -> int:
         "ours_cpu_prepack": args.cpu_prepack, "hf_batch_size": args.hf_batch_size or len(prompts),
     }
     ours = hf = None
-    if args.only in ("both", "ours"):
-        ours = run_ours(model_path, prompts, output_len, args)
-        got = sum(len(o) for o in ours["outputs"])
-        record.update(ours_s=ours["seconds"], ours_tok_s=got / ours["seconds"], ours_output_tokens=got, ours_dtype=ours["dtype"],
-                      ours_load_s=ours["load_s"])
-        print(f"ours: {got} tokens in {ours['seconds']:.2f} s = {record['ours_tok_s']:.1f} tok/s "
-              f"(load {ours['load_s']:.1f} s)", flush=True)
-    if args.only in ("both", "hf"):
-        hf = run_hf(model_path, prompts, output_len, args)
-        got = sum(len(o) for o in hf["outputs"])
-        record.update(hf_s=hf["seconds"], hf_tok_s=got / hf["seconds"], hf_output_tokens=got,
-                      hf_load_s=hf["load_s"], hf_dtype=hf["dtype"])
-        print(f"hf transformers (static batch {record['hf_batch_size']}): {got} tokens in {hf['seconds']:.2f} s "
-              f"= {record['hf_tok_s']:.1f} tok/s (load {hf['load_s']:.1f} s)", flush=True)
+    ours_runs: list[float] = []
+    hf_runs: list[float] = []
+    hf_timed = hf_runner(model_path, prompts, output_len, args) if args.only in ("both", "hf") else None
+    for _ in range(args.repeats):
+        if args.only in ("both", "ours"):
+            ours = run_ours(model_path, prompts, output_len, args)
+            got = sum(len(o) for o in ours["outputs"])
+            ours_runs.append(got / ours["seconds"])
+            record.update(ours_output_tokens=got, ours_dtype=ours["dtype"], ours_load_s=ours["load_s"])
+            print(f"ours: {got} tokens in {ours['seconds']:.2f} s = {ours_runs[-1]:.1f} tok/s "
+                  f"(load {ours['load_s']:.1f} s)", flush=True)
+        if hf_timed is not None:
+            hf = hf_timed()
+            got = sum(len(o) for o in hf["outputs"])
+            hf_runs.append(got / hf["seconds"])
+            record.update(hf_output_tokens=got, hf_load_s=hf["load_s"], hf_dtype=hf["dtype"])
+            print(f"hf transformers (static batch {record['hf_batch_size']}): {got} tokens in {hf['seconds']:.2f} s "
+                  f"= {hf_runs[-1]:.1f} tok/s (load {hf['load_s']:.1f} s)", flush=True)
+    if ours_runs:
+        record.update(ours_tok_s=statistics.median(ours_runs), ours_tok_s_runs=ours_runs,
+                      ours_s=n_out / statistics.median(ours_runs))
+    if hf_runs:
+        record.update(hf_tok_s=statistics.median(hf_runs), hf_tok_s_runs=hf_runs, hf_s=n_out / statistics.median(hf_runs))
     if ours and hf:
         record["ratio"] = record["ours_tok_s"] / record["hf_tok_s"]
+        if args.repeats > 1:
+            print(f"medians of {args.repeats} runs each: ours {record['ours_tok_s']:.1f} tok/s, "
+                  f"hf {record['hf_tok_s']:.1f} tok/s", flush=True)
         same, lead = agreement(ours["outputs"], hf["outputs"])
         record.update(identical_outputs=same, leading_agreement=lead)
         print(f"ratio ours/hf: {record['ratio']:.2f}x; greedy outputs identical for {same:.0%} of prompts, "
