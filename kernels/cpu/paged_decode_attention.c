@@ -467,33 +467,18 @@ static int decode_attention(const void *query, int64_t query_row_stride, const v
     return failed ? 2 : 0;
 }
 
-int decode_attention_f32(const float *query, int64_t query_row_stride, const float *key_cache,
-                         const float *value_cache, const int32_t *block_tables, int64_t block_table_stride,
-                         const int32_t *seq_lens, int num_requests, int num_heads, int num_kv_heads,
-                         int head_dim, int block_size, float scale, float *out, int64_t out_row_stride,
-                         int num_threads) {
-    return decode_attention(query, query_row_stride, key_cache, value_cache, block_tables, block_table_stride,
-                            seq_lens, num_requests, num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                            out_row_stride, num_threads, F32);
-}
+/* The entry points: Q the query's and output's element type, KV the caches'. */
+#define DECODE_ATTENTION_ENTRY(NAME, Q, KV, PAIRING)                                                            \
+    int NAME(const Q *query, int64_t query_row_stride, const KV *key_cache, const KV *value_cache,             \
+             const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens, int num_requests, \
+             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, Q *out,                 \
+             int64_t out_row_stride, int num_threads) {                                                          \
+        return decode_attention(query, query_row_stride, key_cache, value_cache, block_tables,                  \
+                                block_table_stride, seq_lens, num_requests, num_heads, num_kv_heads, head_dim,  \
+                                block_size, scale, out, out_row_stride, num_threads, PAIRING);                  \
+    }
 
-int decode_attention_bf16(const uint16_t *query, int64_t query_row_stride, const uint16_t *key_cache,
-                          const uint16_t *value_cache, const int32_t *block_tables, int64_t block_table_stride,
-                          const int32_t *seq_lens, int num_requests, int num_heads, int num_kv_heads,
-                          int head_dim, int block_size, float scale, uint16_t *out, int64_t out_row_stride,
-                          int num_threads) {
-    return decode_attention(query, query_row_stride, key_cache, value_cache, block_tables, block_table_stride,
-                            seq_lens, num_requests, num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                            out_row_stride, num_threads, BF16);
-}
-
+DECODE_ATTENTION_ENTRY(decode_attention_f32, float, float, F32)
+DECODE_ATTENTION_ENTRY(decode_attention_bf16, uint16_t, uint16_t, BF16)
 /* A float32 query over bfloat16 caches (`--kv-cache-dtype bfloat16` under a float32 model). */
-int decode_attention_f32_bf16kv(const float *query, int64_t query_row_stride, const uint16_t *key_cache,
-                                const uint16_t *value_cache, const int32_t *block_tables, int64_t block_table_stride,
-                                const int32_t *seq_lens, int num_requests, int num_heads, int num_kv_heads,
-                                int head_dim, int block_size, float scale, float *out, int64_t out_row_stride,
-                                int num_threads) {
-    return decode_attention(query, query_row_stride, key_cache, value_cache, block_tables, block_table_stride,
-                            seq_lens, num_requests, num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                            out_row_stride, num_threads, F32_BF16KV);
-}
+DECODE_ATTENTION_ENTRY(decode_attention_f32_bf16kv, float, uint16_t, F32_BF16KV)
