@@ -57,6 +57,10 @@ def _rms_norm_f32_kernel_cpu():
     return bind("rms_norm", "rms_norm_f32", _RMS_NORM_ARGS)
 
 
+# rms_norm_cpu_c's kernel for each dtype.
+_C_KERNELS = {torch.bfloat16: _rms_norm_kernel_cpu, torch.float32: _rms_norm_f32_kernel_cpu}
+
+
 def rms_norm_cpu(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -86,9 +90,8 @@ def rms_norm_cpu_c(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm_cpu`, with float32 rows through the C kernel as well (the sum x + residual
     written into `residual` in place, as for bfloat16)."""
-    kernels = {torch.bfloat16: _rms_norm_kernel_cpu, torch.float32: _rms_norm_f32_kernel_cpu}
-    kernel = kernels[x.dtype]() if x.dtype in kernels else None
-    return _rms_norm_c(kernel, x, weight, eps, residual, out)
+    binding = _C_KERNELS.get(x.dtype)
+    return _rms_norm_c(binding() if binding else None, x, weight, eps, residual, out)
 
 
 def _rms_norm_c(kernel, x, weight, eps, residual, out):

@@ -32,6 +32,10 @@ def _silu_and_mul_f32_kernel_cpu():
     return bind("silu_and_mul", "silu_and_mul_f32", _SILU_AND_MUL_ARGS)
 
 
+# silu_and_mul_cpu_c's kernel for each dtype.
+_C_KERNELS = {torch.bfloat16: _silu_and_mul_kernel_cpu, torch.float32: _silu_and_mul_f32_kernel_cpu}
+
+
 def silu_and_mul_cpu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, 2*I] -> silu(x[:, :I]) * x[:, I:] in x's dtype (the reference's result for fp32)."""
     kernel = _silu_and_mul_kernel_cpu() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
@@ -40,9 +44,8 @@ def silu_and_mul_cpu(x: torch.Tensor, *, out: torch.Tensor | None = None) -> tor
 
 def silu_and_mul_cpu_c(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """`silu_and_mul_cpu`, with float32 rows through the C kernel as well."""
-    kernels = {torch.bfloat16: _silu_and_mul_kernel_cpu, torch.float32: _silu_and_mul_f32_kernel_cpu}
-    kernel = kernels[x.dtype]() if x.dtype in kernels and x.device.type == "cpu" else None
-    return _silu_and_mul_c(kernel, x, out)
+    binding = _C_KERNELS.get(x.dtype) if x.device.type == "cpu" else None
+    return _silu_and_mul_c(binding() if binding else None, x, out)
 
 
 def _silu_and_mul_c(kernel, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
