@@ -10,9 +10,9 @@ CPU without native bf16 dot products runs as asked, with a warning.
 
 The KV cache's dtype from ``--kv-cache-dtype``: ``auto`` is the model's dtype, as in vLLM,
 except on a CPU where ``--dtype auto`` fell back to float32 for speed and the weights stay
-quantized: the cache is bfloat16 there (the precision SmolLM2's config names, which vLLM's
-own auto runs and stores), half the bytes that decode attention streams, while products
-stay float32.
+quantized: the cache is bfloat16 there (the precision such checkpoints' configs name, e.g.
+SmolLM2's, which vLLM's own auto runs and stores), half the bytes that decode attention
+streams, while products stay float32.
 Dequantized weights keep a float32 cache, so ``--quantization none`` still matches Hugging
 Face bit for bit. bfloat16 under a float32 model runs on CPU only.
 """
