@@ -88,7 +88,7 @@ def parse_tensor_name(name: str, num_layers: int) -> tuple[int, str, str]:
 
 
 def _open(path: str | Path):
-    from gguf import GGUFReader
+    from shared.gguf_reader import PlainViewGGUFReader
 
     try:
         with open(path, "rb") as f:
@@ -99,7 +99,7 @@ def _open(path: str | Path):
         raise LoRAAdapterError(f"LoRA adapter file {str(path)!r} is not a GGUF file "
                                f"(a PEFT adapter is a folder)")
     try:
-        return GGUFReader(path, "r")
+        return PlainViewGGUFReader(path, "r")
     except (OSError, ValueError, IndexError, KeyError, struct.error, UnicodeDecodeError) as e:
         raise LoRAAdapterError(f"cannot read GGUF file {str(path)!r}: {e}") from None
 

@@ -155,9 +155,9 @@ def resolve_model_path(path: str | os.PathLike) -> tuple[str, Path]:
 
 @functools.lru_cache(maxsize=4)
 def _open_gguf(path: str, mtime_ns: int):
-    from gguf import GGUFReader
+    from shared.gguf_reader import PlainViewGGUFReader
 
-    return GGUFReader(path)
+    return PlainViewGGUFReader(path)
 
 
 def open_gguf(path: str | os.PathLike):
