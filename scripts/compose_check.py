@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -639,7 +640,10 @@ class Check:
                 left.setdefault(kind, set()).update(listed.stdout.split())
         if any(left.values()):
             raise CheckFailed(f"left behind: {left}")
-        return "no container, network or volume of the project is left"
+        images = run("docker", "images", "--format", "{{.Repository}}", "--filter", "reference=natsllm*").stdout.split()
+        images += run("docker", "images", "--format", "{{.Repository}}", "--filter", "reference=natsllm-base/*").stdout.split()
+        return (f"no container, network or volume of the project is left; kept for the next run: the images "
+                f"{', '.join(sorted(set(images)))} and their build cache")
 
     # ---- the whole run
 
@@ -664,9 +668,10 @@ class Check:
             self.step("load", self.load_step)
             self.step("pd", self.pd_step)
             self.step("down", self.down_step)
-        except (CheckFailed, subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+        except (Exception, KeyboardInterrupt) as e:
             failed = True
             if not isinstance(e, CheckFailed):
+                traceback.print_exc()
                 print(f"compose-check: stopped: {type(e).__name__}: {e}", flush=True)
             self.post_mortem()
         finally:
