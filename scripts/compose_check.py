@@ -65,6 +65,9 @@ HEALTHY_TIMEOUT = 900  # seconds for a stack to become healthy (model loads, fir
 RECOVERY_TIMEOUT = 300  # seconds for a killed container to serve again
 REQUEST_TIMEOUT = 300  # seconds one streamed request may take (it may wait for a restart)
 LOCAL = ROOT / "docker" / "local"  # what this host lends the build (Dockerfile)
+# In order; each is Check.<name>_step.
+STEPS = ("engine", "ports", "no-env", "secrets", "base", "lend", "build", "lb-follow", "models", "up", "streams",
+         "scale", "kill-worker", "kill-tokenizer", "load", "pd", "down")
 
 
 class CheckFailed(Exception):
@@ -596,6 +599,12 @@ class Check:
                 f"healthy and serving in {recovered:.1f}s as instance {now['instance_id']} "
                 f"({counter}={now[counter]}); {total - done} requests completed since the kill, none failed")
 
+    def kill_worker_step(self) -> str:
+        return self.kill_step("worker", "num_sampled_tokens")
+
+    def kill_tokenizer_step(self) -> str:
+        return self.kill_step("tokenizer", "num_requests")
+
     def load_step(self) -> str:
         self.load.stop()
         if self.load.failures:
@@ -651,23 +660,8 @@ class Check:
         print(f"compose-check: {ROOT} as compose project {PROJECT!r}; work files in {self.workdir}", flush=True)
         failed = False
         try:
-            self.step("engine", self.engine_step)
-            self.step("ports", self.ports_step)
-            self.step("no-env", self.no_env_step)
-            self.step("secrets", self.secrets_step)
-            self.step("base", self.base_step)
-            self.step("lend", self.lend_step)
-            self.step("build", self.build_step)
-            self.step("lb-follow", self.lb_follow_step)
-            self.step("models", self.models_step)
-            self.step("up", self.up_step)
-            self.step("streams", self.streams_step)
-            self.step("scale", self.scale_step)
-            self.step("kill-worker", lambda: self.kill_step("worker", "num_sampled_tokens"))
-            self.step("kill-tokenizer", lambda: self.kill_step("tokenizer", "num_requests"))
-            self.step("load", self.load_step)
-            self.step("pd", self.pd_step)
-            self.step("down", self.down_step)
+            for name in STEPS:
+                self.step(name, getattr(self, name.replace("-", "_") + "_step"))
         except (Exception, KeyboardInterrupt) as e:
             failed = True
             if not isinstance(e, CheckFailed):
