@@ -209,10 +209,16 @@ def make_random_llama(
         model.model.norm.weight.mul_(final_norm_scale)
         if not tie_word_embeddings:
             model.lm_head.weight.mul_(lm_head_scale)
+    # Buffers (the rotary inverse frequencies) are not saved: a loader computes them again,
+    # so the model returned keeps them unrounded.
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     if save_dtype is not None:
         model.to(save_dtype)
     model.save_pretrained(folder, safe_serialization=True)
     model.float()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
     save_byte_level_tokenizer(folder, vocab_size)
     return folder, model
 

@@ -2,7 +2,8 @@
 
     python scripts/gpu_check/step.py MODULE --result FILE --work DIR --deadline EPOCH [--dry-run]
 
-imports ``MODULE`` (e.g. ``gpu_check.greedy``) and calls its ``run(ctx)``. Whatever the step
+imports ``MODULE`` (e.g. ``gpu_check.greedy``) and calls its ``run(ctx)`` (``MODULE:NAME``: its
+``NAME(ctx)``). Whatever the step
 records goes to ``FILE`` at once (JSON: ``status``, ``failures``, ``data``), so the check
 reads what a step had found even when the step is stopped at its time limit. A step records
 a mismatch as a failure and goes on (``ctx.fail``); an exception ends it as an error.
@@ -92,7 +93,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     ctx = StepContext(args.result, args.work, args.deadline, args.dry_run)
     try:
-        importlib.import_module(args.module).run(ctx)
+        module, _, function = args.module.partition(":")
+        getattr(importlib.import_module(module), function or "run")(ctx)
     except BaseException as exc:  # SystemExit from the time limit included: record, then end
         traceback.print_exc()
         ctx.fail(f"{type(exc).__name__}: {exc}"[:2000])

@@ -124,6 +124,19 @@ def download(dest: Path, python_version: str = PYTHON_VERSION) -> dict:
     return check_folder(dest)
 
 
+def summary(data: dict) -> str:
+    """The check's wheels step (``main.install_wheels``), in one line."""
+    imports = data.get("imports", {})
+    broken = [m for m, v in imports.items() if str(v).startswith("ERROR")]
+    where = f"installed into {data['installed_into']}" if data.get("installed_into") else "no wheel folder"
+    return (f"{data.get('wheel_files', 0)} wheels ({data.get('wheel_bytes', 0) / 2**20:.1f} MiB) {where}; "
+            f"{len(imports) - len(broken)}/{len(imports)} modules import")
+
+
+def section(data: dict) -> list[str]:
+    return [f"- imports: {data.get('imports')}", f"- nats-server: {data.get('nats_server', 'not installed here')}"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Download the wheels the GPU check carries (see module doc).")
     parser.add_argument("--dest", type=Path, default=WHEEL_DIR)
