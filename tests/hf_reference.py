@@ -164,16 +164,15 @@ def make_random_llama(
     tie_word_embeddings: bool,
     init_std: float,
     lm_head_scale: float = 1.0,
-    final_norm_scale: float = 1.0,
     device: str | torch.device = "cpu",
     save_dtype: torch.dtype | None = None,
 ):
     """A random ``LlamaForCausalLM`` of any shape, built on ``device`` and saved into ``dir``
     with a byte-level tokenizer of ``vocab_size`` tokens: (folder, the float32 model, eval).
 
-    Norm weights are jittered around 1 (a mix-up of norms would show); ``lm_head_scale``
-    (untied models) or ``final_norm_scale`` (any) spread the logits out, so greedy choices
-    are rarely near ties. ``save_dtype`` (e.g. bfloat16) stores the weights rounded to it;
+    Norm weights are jittered around 1 (a mix-up of norms would show); ``init_std`` and
+    ``lm_head_scale`` (untied models) spread the logits out, so greedy choices are rarely
+    near ties. ``save_dtype`` (e.g. bfloat16) stores the weights rounded to it;
     the model returned then holds those rounded values, so it equals what a loader reads.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -206,19 +205,19 @@ def make_random_llama(
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
-        model.model.norm.weight.mul_(final_norm_scale)
         if not tie_word_embeddings:
             model.lm_head.weight.mul_(lm_head_scale)
-    # Buffers (the rotary inverse frequencies) are not saved: a loader computes them again,
-    # so the model returned keeps them unrounded.
-    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    if save_dtype is not None:
-        model.to(save_dtype)
-    model.save_pretrained(folder, safe_serialization=True)
-    model.float()
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            buffer.copy_(buffers[name])
+    if save_dtype is None:
+        model.save_pretrained(folder, safe_serialization=True)
+    else:
+        # Buffers (the rotary inverse frequencies) are not saved: a loader computes them
+        # again, so the model returned keeps them unrounded.
+        buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        model.to(save_dtype).save_pretrained(folder, safe_serialization=True)
+        model.float()
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(buffers[name])
     save_byte_level_tokenizer(folder, vocab_size)
     return folder, model
 

@@ -52,11 +52,15 @@ def run(ctx: StepContext) -> None:
                             start_new_session=True)
     tail = collections.deque(maxlen=OUTPUT_TAIL_LINES)
     timer = _Deadline(proc, ctx.seconds_left() - 10)
-    for line in proc.stdout:
-        print(line, end="", flush=True)
-        tail.append(line.rstrip())
-    proc.wait()
-    timer.cancel()
+    try:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            tail.append(line.rstrip())
+        proc.wait()
+    finally:  # this step stopped at its own limit too: pytest (its own session) goes with it
+        timer.cancel()
+        if proc.poll() is None:
+            timer.stop()
     tally = _tally(outcomes_file)
     ctx.record("exit_code", proc.returncode)
     ctx.record("counts", tally["counts"])
@@ -80,12 +84,15 @@ class _Deadline:
 
         self.fired = False
         self._proc = proc
-        self._timer = threading.Timer(max(1.0, seconds), self._stop)
+        self._timer = threading.Timer(max(1.0, seconds), self._fire)
         self._timer.daemon = True
         self._timer.start()
 
-    def _stop(self) -> None:
+    def _fire(self) -> None:
         self.fired = True
+        self.stop()
+
+    def stop(self) -> None:
         try:
             os.killpg(self._proc.pid, signal.SIGKILL)
         except ProcessLookupError:

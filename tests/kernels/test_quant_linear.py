@@ -87,8 +87,9 @@ def test_cpu_products_read_strided_rows_and_keep_bfloat16():
 
 # On a GPU also products over many tiles: a decode batch and a prompt chunk of SmolLM2's MLP.
 TRITON_SHAPES = [(1, 70, 64), (19, 64, 96)] + ([(32, 1536, 576), (300, 577, 1536)] if ON_CUDA else [])
-# Half-precision activations: the kernel computes in float32 as the reference does; the
-# two results round to the same half value but where the float32 sums straddle a rounding.
+# Half-precision activations: the kernel computes in float32 as the reference does, so the
+# two results are the same half value except where their float32 sums straddle a rounding
+# boundary (one unit in the last place).
 HALF_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
