@@ -1,6 +1,6 @@
 """scripts/compose-check from a fresh clone: docker compose for real (slow).
 
-Takes ~5 minutes where the images were built before (the build's layers are cached)
+Takes 5 to 10 minutes where the images were built before (the build's layers are cached)
 and ~12 minutes from nothing (debootstrap, the image build) on 2 vCPU (AMD EPYC Zen 4),
 so it is marked slow: `scripts/test -m slow tests/test_compose_check.py`. It needs a
 Docker engine, or root with dockerd installed (the check starts one); docs/compose-check.md
