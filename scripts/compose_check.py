@@ -74,10 +74,10 @@ class CheckFailed(Exception):
     pass
 
 
-def run(*args: str, check: bool = True, timeout: float = 1800, env: dict | None = None,
-        capture: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(args, cwd=ROOT, text=True, timeout=timeout, env=env,
-                            stdout=subprocess.PIPE if capture else None, stderr=subprocess.STDOUT if capture else None)
+def run(*args: str, check: bool = True, timeout: float = 1800, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a command in the checkout, its output (stderr too) captured; a failure raises CheckFailed."""
+    result = subprocess.run(args, cwd=ROOT, text=True, timeout=timeout, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
     if check and result.returncode != 0:
         tail = "\n".join((result.stdout or "").splitlines()[-25:])
         raise CheckFailed(f"`{' '.join(args)}` exited {result.returncode}:\n{tail}")
@@ -327,9 +327,10 @@ class Load:
                 else:
                     self.failures.append(result.error)
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """No new requests; with ``wait``, until the ones in flight ended."""
         self._stop.set()
-        for thread in self._threads:
+        for thread in self._threads if wait else []:
             thread.join(REQUEST_TIMEOUT + 30)
 
     def completed_after(self, count: int, more: int, timeout: float) -> int:
@@ -676,7 +677,7 @@ class Check:
 
     def post_mortem(self) -> None:
         if self.load is not None:
-            self.load._stop.set()
+            self.load.stop(wait=False)
         if self.compose is None:
             return
         for container in self.compose.containers(all_states=True):
