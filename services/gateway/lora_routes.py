@@ -33,7 +33,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from shared.config import LoRAConfig
-from shared.lora import LoRAAdapterError, check_lora_adapter, check_pinning
+from shared.lora import check_lora_adapter, check_pinning
+from shared.lora_shapes import LoRAAdapterError
 from shared.model_config import ModelConfig
 from shared.protocol import LORA_ADAPTERS, LORA_ADAPTERS_MSG, LORA_LIST, LoRAAdapters, LoRARequest
 
