@@ -51,6 +51,10 @@ class GatewayConfig:
         False, 'tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)')
     tool_call_parser: str = setting(
         "", f"how the model's text is read as tool calls under tool_choice auto: {', '.join(TOOL_PARSERS)}")
+    # vLLM's flag. Responses here always carry usage.prompt_tokens_details.cached_tokens (the
+    # prompt tokens whose KV came from the prefix cache or the KV tiers), so it changes nothing.
+    enable_prompt_tokens_details: bool = setting(
+        False, "usage.prompt_tokens_details.cached_tokens in responses (vLLM's flag; always given here)")
 
     def __post_init__(self) -> None:
         if self.tool_call_parser and self.tool_call_parser not in TOOL_PARSERS:
