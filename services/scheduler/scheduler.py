@@ -209,6 +209,11 @@ class Scheduler:
         return ((self.connector is not None and bool(self.connector.loads))
                 or (self.offload is not None and bool(self.offload.loads)))
 
+    def has_connector_meta(self) -> bool:
+        """The tiers have copies for the workers (units of a request that just ended): a step
+        should go out even with no request to run."""
+        return self.offload is not None and self.offload.has_meta()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 

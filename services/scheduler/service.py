@@ -354,7 +354,7 @@ class SchedulerService(Service):
             self.stops.ended_outputs(outputs)
             await self.stops.send()
         clock.lap("publish_outputs")
-        more_work = scheduler.has_unfinished_requests()
+        more_work = scheduler.has_unfinished_requests() or scheduler.has_connector_meta()
         if self.profile is not None:
             num_reqs = len(step.scheduled_req_ids)
             self.profile.end_step(num_reqs, clock.durations, result.timings, result_decode, more_work)

@@ -464,6 +464,11 @@ class OffloadingConnectorScheduler:
 
     # ------------------------------------------------------------------ per step
 
+    def has_meta(self) -> bool:
+        """Copies wait for the next step (a request that ended left units to file): the step
+        loop sends one, even with nothing to run."""
+        return bool(self._spills or self._stores or self._load_specs or self._cancels)
+
     def build_meta(self) -> tuple[list[KVOffloadSpill], list[KVOffloadStore], list[KVOffloadLoad], list[str]]:
         """The step's spills, stores, loads and cancelled loads; resets them."""
         parts = (self._spills, self._stores, self._load_specs, self._cancels)
