@@ -117,7 +117,7 @@ def test_a_prompt_prefilled_on_one_engine_is_a_disk_hit_on_another(stack_a, stac
     hits = 'natsllm:kv_offload_tiering_block_hits_total{model_name="%s",tier="DISK"}' % MODEL
     text_b, cached = text_and_cached(stack_b, prompt)
     assert text_b == text_a and cached >= 128
-    assert metric(stack_b, hits) >= 8
+    wait_until(lambda: metric(stack_b, hits) >= 8, 10, "no disk hits in /metrics")  # stats come every second
 
 
 def test_a_slow_load_past_its_timeout_is_recomputed_with_the_same_text(stack_b, folder):
@@ -130,7 +130,8 @@ def test_a_slow_load_past_its_timeout_is_recomputed_with_the_same_text(stack_b, 
     # The fourth prompt's load from disk is held back 3 s; the load timeout is 1 s.
     body = complete(stack_b, ["Hello", "Name a colour.", "Count to three.", prompt])
     assert sorted(body["choices"], key=lambda c: c["index"])[3]["text"] == want
-    assert metric(stack_b, 'natsllm:kv_offload_load_failures_total{model_name="%s"}' % MODEL) >= 1
+    failures = 'natsllm:kv_offload_load_failures_total{model_name="%s"}' % MODEL
+    wait_until(lambda: metric(stack_b, failures) >= 1, 10, "no load failure in /metrics")
     assert text_and_cached(stack_b, "Still serving?")[0]
 
 
@@ -145,7 +146,8 @@ def test_corrupt_files_are_recomputed_with_the_same_text(stack_a, stack_b, folde
         path.write_bytes(data)
     text, cached = text_and_cached(stack_b, prompt)
     assert text == want and cached < 16
-    assert metric(stack_b, 'natsllm:kv_offload_corrupt_files_total{model_name="%s"}' % MODEL) >= 1
+    corrupt = 'natsllm:kv_offload_corrupt_files_total{model_name="%s"}' % MODEL
+    wait_until(lambda: metric(stack_b, corrupt) >= 1, 10, "no corrupt file in /metrics")
     assert text_and_cached(stack_b, prompt)[0] == want  # and it keeps serving it
 
 
