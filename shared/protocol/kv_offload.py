@@ -11,8 +11,9 @@ what they report (docs/ARCHITECTURE.md, "Tiered KV cache").
 Tiers are named by vLLM's media: "GPU" is the worker's paged KV cache (on a CPU worker too),
 "CPU" the host tier (each rank's memory), "DISK" the disk tier (a folder). Blocks move in
 **units**: up to ``unit_blocks`` consecutive blocks of one prompt's hash chain, starting at a
-multiple of ``unit_blocks`` (blocks ``c * unit_blocks ..``); a unit is filed under the hash
-of its last block, which names the whole chain up to it.
+multiple of ``unit_blocks`` (blocks ``c * unit_blocks ..``). A unit file is named by the hash
+of each of its blocks (one file, a hard link per name): a block's hash names the whole chain
+up to it, so any prefix ending in the unit finds the file.
 """
 
 from __future__ import annotations
@@ -27,28 +28,29 @@ MEDIUM_DISK = "DISK"
 
 class KVOffloadStore(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Copy device blocks ``block_ids`` (a unit's blocks from its first, in order) into host
-    slot ``slot`` (-1: none) and/or the disk file ``disk_key`` (b"": none). Workers do it
-    before the step's forward pass: the pool may hand those blocks out in this very step."""
+    slot ``slot`` (-1: none) and/or, when ``block_hashes`` (theirs) are given, into a unit
+    file. Workers do it before the step's forward pass: the pool may hand those blocks out
+    in this very step."""
 
     block_ids: list[int]
     slot: int = -1
-    disk_key: bytes = b""
+    block_hashes: list[bytes] = []
 
 
 class KVOffloadSpill(msgspec.Struct, array_like=True, gc=False):
-    """Write the first ``num_blocks`` blocks of host slot ``slot`` to the disk file
-    ``disk_key`` (the host tier evicts that unit: its slot is reused after this). Taken
-    from the slot before the step's stores."""
+    """Write the unit in host slot ``slot`` (its blocks' hashes: ``block_hashes``) to a unit
+    file: the host tier evicts it, and its slot is reused after this. Taken from the slot
+    before the step's stores."""
 
     slot: int
-    num_blocks: int
-    disk_key: bytes
+    block_hashes: list[bytes]
 
 
 class KVOffloadSegment(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Blocks ``offset .. offset + len(block_ids)`` of one unit into device blocks
-    ``block_ids``: from host slot ``slot``, or (``slot`` -1) from the disk file ``disk_key``
-    holding ``unit_blocks`` blocks."""
+    ``block_ids``: from host slot ``slot``, or (``slot`` -1) from the unit file named
+    ``disk_key`` (a block of that unit at or past the segment's last) holding ``unit_blocks``
+    blocks."""
 
     block_ids: list[int]
     offset: int

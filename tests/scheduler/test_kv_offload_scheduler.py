@@ -13,7 +13,7 @@ from services.scheduler.kv_offload.connector import OffloadingConnectorScheduler
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from shared.config import KV_BOTH, CacheConfig, KVOffloadConfig, KVTransferConfig, SchedulerConfig
-from shared.kv_offload_layout import unit_path
+from shared.kv_unit_file import header_size, unit_path
 from shared.protocol import KVOffloadWorkerInfo, ModelRunnerOutput, SamplingParams
 
 BS = 4
@@ -28,6 +28,18 @@ class Clock:
 
     def __call__(self):
         return self.now
+
+
+BLOCK_BYTES = 500  # the fake workers' unit_bytes (1000) over UNIT
+
+
+def file_unit(folder, block_hashes, names=None):
+    """A unit file as the workers file it (the right size; the scheduler only stats it)."""
+    for name in names or block_hashes:
+        path = unit_path(str(folder), "ns", name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(bytes(header_size(len(block_hashes)) + len(block_hashes) * BLOCK_BYTES))
 
 
 def make(num_blocks=8, host_slots=16, path="", clock=None, policy="write_back", costs=CHEAP, pd=False, **config):
@@ -81,7 +93,7 @@ def test_evicted_blocks_go_to_the_host_tier_as_units_and_nothing_the_device_stil
     assert stores_of(steps) == []  # nothing evicted yet: nothing copied
     steps = run(sched, request("b", PROMPT_B))  # needs 5 of the 6 blocks: A's go
     stores = stores_of(steps)
-    assert stores and all(s.slot >= 0 and not s.disk_key for s in stores)
+    assert stores and all(s.slot >= 0 and not s.block_hashes for s in stores)
     host = sched.offload.host
     a_hashes = request("x", PROMPT_A).block_hashes
     # A's blocks went down as whole units of 2, each from its unit's first block.
@@ -126,11 +138,9 @@ def test_a_hit_is_credited_only_where_loading_beats_recomputing(tmp_path):
     sched = make(num_blocks=6, host_slots=0, path=str(tmp_path), costs=costly_disk)
     run(sched, request("a", PROMPT_A))
     stores = stores_of(run(sched, request("b", PROMPT_B)))
-    assert stores and all(s.slot < 0 and s.disk_key for s in stores)  # no host tier: straight to disk
+    assert stores and all(s.slot < 0 and s.block_hashes for s in stores)  # no host tier: straight to disk
     for store in stores:  # as the workers would
-        path = unit_path(str(tmp_path), "ns", store.disk_key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        open(path, "wb").close()
+        file_unit(tmp_path, store.block_hashes)
     again = request("a2", PROMPT_A)
     sched.add_request(again)
     step = sched.schedule()
@@ -142,14 +152,14 @@ def test_a_hit_is_credited_only_where_loading_beats_recomputing(tmp_path):
 def test_disk_hits_name_the_longest_unit_file_holding_each_block(tmp_path):
     sched = make(num_blocks=16, host_slots=0, path=str(tmp_path))
     hashes = request("x", PROMPT_A).block_hashes
-    for key in (hashes[1], hashes[2]):  # a full unit [0, 1] and a partial one [2]
-        path = unit_path(str(tmp_path), "ns", key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        open(path, "wb").close()
+    file_unit(tmp_path, hashes[0:2])  # a whole unit [0, 1], under both its blocks' names
+    # Unit [2, 3] of another chain that shares block 2: only block 2 is ours (its name).
+    other = request("y", PROMPT_A[:12] + [1, 2, 3, 4]).block_hashes
+    file_unit(tmp_path, other[2:4])
     sched.add_request(request("a", PROMPT_A))
     [load] = sched.schedule().kv_connector_metadata.offload_loads
     assert [(seg.disk_key, seg.offset, seg.unit_blocks, len(seg.block_ids)) for seg in load.segments] == [
-        (hashes[1], 0, 2, 2), (hashes[2], 0, 1, 1)]
+        (hashes[1], 0, 2, 2), (hashes[2], 0, 2, 1)]
 
 
 def test_a_failed_load_recomputes_and_is_not_looked_up_again():
@@ -230,9 +240,9 @@ def test_write_through_files_a_finished_requests_units_once(tmp_path):
     steps = run(sched, request("a", PROMPT_A))
     steps += run(sched, request("a-again", PROMPT_A))  # found on the device: nothing new to file
     steps.append(sched.schedule())
-    disk_stores = [s for s in stores_of(steps) if s.disk_key]
+    disk_stores = [s for s in stores_of(steps) if s.block_hashes]
     hashes = request("x", PROMPT_A).block_hashes
-    assert [s.disk_key for s in disk_stores] == [hashes[1], hashes[3]]  # two whole units
+    assert [s.block_hashes for s in disk_stores] == [hashes[0:2], hashes[2:4]]  # two whole units
     assert all(s.slot < 0 for s in disk_stores)
 
 

@@ -14,9 +14,9 @@ import torch
 from services.worker.kv_cache import allocate_kv_caches
 from services.worker.kv_offload.connector import OffloadingConnectorWorker
 from services.worker.kv_offload.disk_tier import DiskTier, UnitMissing, disk_namespace
-from services.worker.kv_offload.unit_file import HEADER_SIZE, UnitFileError
 from services.worker.kv_transfer.load_reports import LoadReports
 from shared.kv_transfer_faults import KVTransferFaults
+from shared.kv_unit_file import UnitFileError, header_size
 from shared.protocol import (
     KV_OFFLOAD_TRANSFERS,
     KVConnectorMetadata,
@@ -26,53 +26,60 @@ from shared.protocol import (
     KVOffloadStore,
 )
 
-KEY = bytes(range(32))
-OTHER = bytes(range(1, 33))
+FIRST = bytes(range(32))
+KEY = bytes(range(1, 33))  # a two-block unit: FIRST, KEY
+OTHER = bytes(range(2, 34))
 
 
-def test_a_unit_file_round_trips_and_is_touched_when_read(tmp_path):
+def test_a_unit_file_round_trips_under_each_blocks_name_and_is_touched_when_read(tmp_path):
     disk = DiskTier(str(tmp_path), "ns", 1 << 20)
-    assert disk.write(KEY, 2, b"x" * 100)
+    assert disk.write([FIRST, KEY], b"x" * 100)
     path = disk.path(KEY)
-    assert path.startswith(str(tmp_path / "ns" / KEY.hex()[:2])) and os.path.getsize(path) == HEADER_SIZE + 100
+    assert path.startswith(str(tmp_path / "ns" / KEY.hex()[:2])) and os.path.getsize(path) == header_size(2) + 100
+    assert os.path.samefile(path, disk.path(FIRST))  # one file, one name per block
     os.utime(path, (1, 1))
-    assert disk.read(KEY, 2, 100) == b"x" * 100
+    assert disk.read(KEY, 1, 2, 100) == b"x" * 100
+    assert disk.read(FIRST, 0, 2, 100) == b"x" * 100  # a prefix ending at the first block finds it too
     assert os.path.getmtime(path) > 1  # least recently used goes first: a read makes it recent
     assert not [p for p in (tmp_path / "ns").rglob("*.tmp")]  # written under a temporary name, renamed
+    with pytest.raises(UnitFileError):
+        disk.read(FIRST, 1, 2, 100)  # ... but not for its second block: FIRST names another chain there
 
 
 @pytest.mark.parametrize("damage", ["flip a payload byte", "truncate", "flip a header byte", "another unit's file"])
 def test_a_damaged_file_is_detected_deleted_and_never_served(tmp_path, damage):
     disk = DiskTier(str(tmp_path), "ns", 1 << 20)
-    disk.write(KEY, 2, bytes(range(100)))
+    disk.write([FIRST, KEY], bytes(range(100)))
     path = disk.path(KEY)
     data = bytearray(open(path, "rb").read())
     if damage == "flip a payload byte":
-        data[HEADER_SIZE + 50] ^= 1
+        data[header_size(2) + 50] ^= 1
     elif damage == "truncate":
         data = data[:-10]
     elif damage == "flip a header byte":
         data[10] ^= 1
     else:
-        disk.write(OTHER, 2, bytes(100))
+        disk.write([FIRST, OTHER], bytes(100))
         data = bytearray(open(disk.path(OTHER), "rb").read())
-    open(path, "wb").write(data)
+    with open(path, "r+b") as f:  # in place: every name of the file sees it
+        f.write(data)
+        f.truncate()
     with pytest.raises(UnitFileError):
-        disk.read(KEY, 2, 100)
+        disk.read(KEY, 1, 2, 100)
     assert not os.path.exists(path) and disk.corrupt_files == 1
     with pytest.raises(UnitMissing):
-        disk.read(KEY, 2, 100)
+        disk.read(KEY, 1, 2, 100)
 
 
 def test_the_least_recently_used_files_go_when_the_folder_passes_its_limit(tmp_path):
-    unit = HEADER_SIZE + 1000
+    unit = header_size(1) + 1000
     disk = DiskTier(str(tmp_path), "ns", 3 * unit)
     keys = [bytes([i]) * 32 for i in range(3)]
     for i, key in enumerate(keys):
-        disk.write(key, 1, bytes(1000))
+        disk.write([key], bytes(1000))
         os.utime(disk.path(key), (100 + i, 100 + i))
-    disk.read(keys[0], 1, 1000)  # now the most recently used
-    disk.write(bytes([9]) * 32, 1, bytes(1000))  # over the limit: down to 90% of it
+    disk.read(keys[0], 0, 1, 1000)  # now the most recently used
+    disk.write([bytes([9]) * 32], bytes(1000))  # over the limit: down to 90% of it
     assert [disk.exists(k) for k in keys] == [True, False, False]
     assert disk.used_bytes == 2 * unit
 
@@ -86,19 +93,19 @@ def test_a_full_disk_skips_stores_for_a_while_and_a_deleted_folder_comes_back(tm
 
     with monkeypatch.context() as m:
         m.setattr(disk, "_write_file", full)
-        assert not disk.write(KEY, 1, b"x")
-    assert not disk.write(KEY, 1, b"x") and disk.stores_skipped == 2  # paused
+        assert not disk.write([KEY], b"x")
+    assert not disk.write([KEY], b"x") and disk.stores_skipped == 2  # paused
     now[0] += 10
-    assert disk.write(KEY, 1, b"x")
+    assert disk.write([KEY], b"x")
     import shutil
 
     shutil.rmtree(tmp_path / "ns")
-    assert disk.write(OTHER, 1, b"y") and disk.read(OTHER, 1, 1) == b"y"
+    assert disk.write([OTHER], b"y") and disk.read(OTHER, 0, 1, 1) == b"y"
 
 
 def test_a_unit_larger_than_the_tier_is_not_stored(tmp_path):
     disk = DiskTier(str(tmp_path), "ns", 100)
-    assert not disk.write(KEY, 1, bytes(200)) and disk.stores_skipped == 1
+    assert not disk.write([KEY], bytes(200)) and disk.stores_skipped == 1
 
 
 def test_the_namespace_changes_with_everything_the_bytes_depend_on(tmp_path):
@@ -172,8 +179,8 @@ def test_a_spill_takes_the_slot_before_the_same_steps_store_refills_it(tmp_path)
     src = _caches()
     worker, reports = _worker(src, tmp_path, slots=1)
     worker.apply(True, KVConnectorMetadata(offload_stores=[KVOffloadStore([1, 2], slot=0)])).result()
-    meta = KVConnectorMetadata(offload_spills=[KVOffloadSpill(0, 2, KEY)],
-                               offload_stores=[KVOffloadStore([5], slot=0, disk_key=OTHER)])
+    meta = KVConnectorMetadata(offload_spills=[KVOffloadSpill(0, [FIRST, KEY])],
+                               offload_stores=[KVOffloadStore([5], slot=0, block_hashes=[OTHER])])
     worker.apply(False, meta).result()
     worker._disk.submit(lambda: None).result()  # the files are written
     load = KVOffloadLoad("r", [KVOffloadSegment([8, 9], 0, disk_key=KEY, unit_blocks=2),
@@ -191,7 +198,7 @@ def test_a_spill_takes_the_slot_before_the_same_steps_store_refills_it(tmp_path)
 def test_a_missing_or_corrupt_file_fails_the_load_and_writes_nothing(tmp_path):
     src = _caches()
     worker, reports = _worker(src, tmp_path)
-    worker.apply(True, KVConnectorMetadata(offload_stores=[KVOffloadStore([1], disk_key=KEY)])).result()
+    worker.apply(True, KVConnectorMetadata(offload_stores=[KVOffloadStore([1], block_hashes=[KEY])])).result()
     worker._disk.submit(lambda: None).result()
     path = worker.disk.path(KEY)
     data = bytearray(open(path, "rb").read())

@@ -117,8 +117,8 @@ class OffloadingConnectorScheduler:
         self._clock = clock
         host_slots = min(w.host_slots for w in workers)
         self.host = HostIndex(host_slots) if host_slots else None
-        self.disk = DiskProbe(config.kv_offloading_path, [w.disk_namespace for w in workers]) \
-            if config.kv_offloading_path else None
+        self.disk = DiskProbe(config.kv_offloading_path, [w.disk_namespace for w in workers],
+                              [w.unit_bytes // self.unit_blocks for w in workers]) if config.kv_offloading_path else None
         self.disk_limit_bytes = int(config.kv_offloading_disk_size * (1 << 30)) if self.disk else 0
         self.recompute_seconds_per_token = max(w.recompute_seconds_per_token for w in workers)
         self.host_seconds_per_unit = max(w.host_load_seconds_per_unit for w in workers)
@@ -178,12 +178,12 @@ class OffloadingConnectorScheduler:
                 hits.append(TierHit(MEDIUM_CPU, found[1], unit=found[0]))
                 j += 1
                 continue
-            end = self._disk_unit_end(hashes, j)
+            end, unit_blocks = self._disk_unit_end(hashes, j)
             if end < 0:
                 break
             start = j - j % self.unit_blocks
             for i in range(j, min(end + 1, max_blocks)):
-                hits.append(TierHit(MEDIUM_DISK, i - start, disk_key=hashes[end], unit_blocks=end - start + 1))
+                hits.append(TierHit(MEDIUM_DISK, i - start, disk_key=hashes[end], unit_blocks=unit_blocks))
             j = end + 1
         if first_lookup:
             self._count_queries(max_blocks - first, hits)
@@ -205,15 +205,17 @@ class OffloadingConnectorScheduler:
             if hit.unit is not None:
                 hit.unit.pins -= 1
 
-    def _disk_unit_end(self, hashes: list[bytes], j: int) -> int:
-        """The last block of the longest unit file holding block ``j`` (-1: none)."""
+    def _disk_unit_end(self, hashes: list[bytes], j: int) -> tuple[int, int]:
+        """The last block from ``j`` on, within ``j``'s unit, that a unit file holds (its name
+        is that block's hash), and that file's block count; (-1, 0): none."""
         if self.disk is None:
-            return -1
+            return -1, 0
         start = j - j % self.unit_blocks
         for end in range(min(start + self.unit_blocks, len(hashes)) - 1, j - 1, -1):
-            if self.disk.has(hashes[end]):
-                return end
-        return -1
+            unit_blocks = self.disk.blocks(hashes[end])
+            if unit_blocks > end - start:
+                return end, unit_blocks
+        return -1, 0
 
     def _count_queries(self, num_blocks: int, hits: list[TierHit]) -> None:
         stats = self.stats
@@ -353,7 +355,8 @@ class OffloadingConnectorScheduler:
             if selective and min(self._hit_counts.get(h, 0) for h in hashes[start:end + 1]) < \
                     self.config.kv_offloading_disk_hit_threshold:
                 continue
-            self._stores.append(KVOffloadStore([b.block_id for b in blocks[start:end + 1]], disk_key=hashes[end]))
+            self._stores.append(KVOffloadStore([b.block_id for b in blocks[start:end + 1]],
+                                               block_hashes=hashes[start:end + 1]))
             self._mark_filed(hashes[end])
 
     def on_evict(self, block) -> None:
@@ -408,7 +411,7 @@ class OffloadingConnectorScheduler:
     def _store(self, block_hashes: list[bytes], block_ids: list[int]) -> HostUnit | None:
         """Copy a unit's device blocks down: to a host slot, or to disk without a host tier."""
         if self.host is None:
-            self._stores.append(KVOffloadStore(block_ids, disk_key=block_hashes[-1]))
+            self._stores.append(KVOffloadStore(block_ids, block_hashes=list(block_hashes)))
             self._mark_filed(block_hashes[-1])
             return None
         unit = self.host.add(tuple(block_hashes), self._spill)
@@ -426,7 +429,7 @@ class OffloadingConnectorScheduler:
         policy = self.config.kv_offloading_disk_write_policy
         if policy == "write_through_selective" and unit.hits < self.config.kv_offloading_disk_hit_threshold:
             return
-        self._spills.append(KVOffloadSpill(unit.slot, unit.num_blocks, unit.key))
+        self._spills.append(KVOffloadSpill(unit.slot, list(unit.block_hashes)))
         self._mark_filed(unit.key)
 
     def _device_blocks(self, block_hashes: list[bytes]) -> list[int] | None:
@@ -443,7 +446,7 @@ class OffloadingConnectorScheduler:
         filed = self._filed.get(key)
         if filed is not None and self._clock() - filed < FILED_SECONDS:
             return True
-        return self.disk is not None and self.disk.has(key)
+        return self.disk is not None and self.disk.blocks(key) > 0
 
     def _mark_filed(self, key: bytes) -> None:
         self._filed[key] = self._clock()

@@ -78,21 +78,22 @@ def measure_costs(worker: OffloadingConnectorWorker, runner) -> None:
 def _time_disk_load(worker: OffloadingConnectorWorker, block_ids: list[int]) -> float:
     """A unit written, dropped from the page cache, read back and scattered; its file removed."""
     disk, copier = worker.disk, worker.copier
-    key = os.urandom(32)
+    names = [os.urandom(32) for _ in block_ids]
     unit = copier.empty(len(block_ids))
     copier.gather(block_ids, unit)
     payload = bytes(copier.to_bytes(unit))
-    if not disk.write(key, len(block_ids), payload):
+    if not disk.write(names, payload):
         logger.warning("disk tier %s: the start-up probe could not be written; its loads count as costly", disk.dir)
         return float("inf")
-    path = disk.path(key)
+    path = disk.path(names[-1])
     try:
         with open(path, "rb") as f:
             os.fsync(f.fileno())  # written back, so its pages can be dropped
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         start = time.perf_counter()
-        data = disk.read(key, len(block_ids), len(payload))
+        data = disk.read(names[-1], len(names) - 1, len(names), len(payload))
         copier.scatter(block_ids, copier.from_bytes(data, len(block_ids)))
         return time.perf_counter() - start
     finally:
-        disk._unlink(path)
+        for name in names:
+            disk._unlink(disk.path(name))

@@ -115,16 +115,15 @@ class OffloadingConnectorWorker:
     def _store_all(self, spills: list[KVOffloadSpill], stores: list[KVOffloadStore]) -> None:
         for spill in spills:  # before the stores: they may refill these slots
             start = time.perf_counter()
-            data = bytes(self.copier.to_bytes(self._host(spill.slot, spill.num_blocks)))
-            self._disk.submit(self._write_file, spill.disk_key, spill.num_blocks, data, "CPU_to_DISK",
-                              time.perf_counter() - start)
+            data = bytes(self.copier.to_bytes(self._host(spill.slot, len(spill.block_hashes))))
+            self._disk.submit(self._write_file, spill.block_hashes, data, "CPU_to_DISK", time.perf_counter() - start)
         for store in stores:
             n = len(store.block_ids)
             start = time.perf_counter()
             if store.slot >= 0:
                 self.copier.gather(store.block_ids, self._host(store.slot, n))
                 self._count("GPU_to_CPU", n, time.perf_counter() - start)
-            if store.disk_key:
+            if store.block_hashes:
                 start = time.perf_counter()
                 if store.slot >= 0:
                     data = bytes(self.copier.to_bytes(self._host(store.slot, n)))
@@ -132,19 +131,19 @@ class OffloadingConnectorWorker:
                     buffer = self.copier.empty(n)
                     self.copier.gather(store.block_ids, buffer)
                     data = self.copier.to_bytes(buffer)
-                self._disk.submit(self._write_file, store.disk_key, n, data, "GPU_to_DISK",
+                self._disk.submit(self._write_file, store.block_hashes, data, "GPU_to_DISK",
                                   time.perf_counter() - start)
         self.copier.fence()
 
-    def _write_file(self, key: bytes, num_blocks: int, data, transfer: str, copy_seconds: float) -> None:
+    def _write_file(self, block_hashes: list[bytes], data, transfer: str, copy_seconds: float) -> None:
         start = time.perf_counter()
         try:
-            written = self.disk.write(key, num_blocks, data)
+            written = self.disk.write(block_hashes, data)
         except Exception:  # a store is a cache entry: never an error for the engine
             logger.exception("disk tier: a unit could not be written")
             written = False
         if written:
-            self._count(transfer, num_blocks, copy_seconds + time.perf_counter() - start)
+            self._count(transfer, len(block_hashes), copy_seconds + time.perf_counter() - start)
 
     def _host(self, slot: int, num_blocks: int, offset: int = 0):
         return self.copier.host_view(self.slots, slot, num_blocks, offset)
@@ -165,7 +164,7 @@ class OffloadingConnectorWorker:
                 if segment.slot >= 0:
                     parts, transfer = self._host(segment.slot, n, segment.offset), "CPU_to_GPU"
                 else:
-                    data = self.disk.read(segment.disk_key, segment.unit_blocks,
+                    data = self.disk.read(segment.disk_key, segment.offset + n - 1, segment.unit_blocks,
                                           segment.unit_blocks * self.copier.block_bytes)
                     unit = self.copier.from_bytes(data, segment.unit_blocks)
                     parts, transfer = unit[:, segment.offset:segment.offset + n], "DISK_to_GPU"

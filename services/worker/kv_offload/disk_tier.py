@@ -1,20 +1,22 @@
 """The disk tier: one worker rank's unit files in a folder the host's engines share.
 
-``<--kv-offloading-path>/<namespace>/<first two hex digits of the key>/<key in hex>.kv``
-(``shared/kv_offload_layout.py``). The namespace (``disk_namespace``) names everything a unit's bytes depend on besides its
-tokens: the model's files, the KV dtype, the block size and unit size, the KV layout (layers,
-this rank's KV heads, head size) and the TP size and rank. Engines with the same namespace
-read each other's files; a restarted engine finds its own. The key is the hash of the
-unit's last block (``services/scheduler/block_hash.py``: sha256 of the chain, the same in
-every process), so the scheduler finds a file from a prompt alone (``os.stat``).
+``<--kv-offloading-path>/<namespace>/<first two hex digits of a name>/<name in hex>.kv``
+(``shared/kv_unit_file.py``). The namespace (``disk_namespace``) names everything a
+unit's bytes depend on besides its tokens: the model's files, the KV dtype, the block size
+and unit size, the KV layout (layers, this rank's KV heads, head size) and the TP size and
+rank. Engines with the same namespace read each other's files; a restarted engine finds its
+own. A unit file has one name per block: the block's hash (``services/scheduler/block_hash.py``:
+sha256 of the chain up to it, the same in every process), the last block's written first and
+the others as hard links to it; so the scheduler finds a file from any prompt that shares a
+prefix ending in the unit (``os.stat``, whose size tells the block count).
 
-Every file is checked when read (``unit_file.py``); a bad one is deleted and its load fails
-(the request recomputes). Reads touch the file's mtime: the folder's least recently used
-files go first when its size passes ``--kv-offloading-disk-size`` (a scan, at most every
-``SCAN_INTERVAL`` while writing, that also sees what other engines wrote, and drops stale
-temporary files). A write that finds the disk full (ENOSPC / EDQUOT) is skipped and stores
-pause for ``FULL_PAUSE`` seconds: a full disk stops stores, never serving. A deleted folder
-is made again at the next write.
+Every file is checked when read (``shared/kv_unit_file.py``); a bad one is deleted (all its names, when
+its header is whole) and its load fails (the request recomputes). Reads touch the file's
+mtime: the folder's least recently used files (all names of one) go first when its size
+passes ``--kv-offloading-disk-size`` (a scan, at most every ``SCAN_INTERVAL`` while writing,
+that also sees what other engines wrote, and drops stale temporary files). A write that finds
+the disk full (ENOSPC / EDQUOT) is skipped and stores pause for ``FULL_PAUSE`` seconds: a full
+disk stops stores, never serving. A deleted folder is made again at the next write.
 
 Used from one thread (the worker's disk thread) only.
 """
@@ -30,9 +32,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from shared.kv_offload_layout import UNIT_SUFFIX, unit_path
-
-from .unit_file import HEADER_SIZE, UnitFileError, check_header, check_payload, encode_header
+from shared.kv_unit_file import (
+    FIXED_SIZE,
+    HASH_BYTES,
+    UNIT_SUFFIX,
+    UnitFileError,
+    check_header,
+    check_payload,
+    encode_header,
+    header_size,
+    unit_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,21 +97,23 @@ class DiskTier:
 
     # ------------------------------------------------------------------ writing
 
-    def write(self, key: bytes, num_blocks: int, payload) -> bool:
-        """Store a unit (``payload``: its bytes); False when skipped (disk full or failing,
-        or the unit larger than the tier). A unit already filed (by any engine) is only
-        touched."""
-        size = HEADER_SIZE + len(payload)
+    def write(self, block_hashes: list[bytes], payload) -> bool:
+        """File a unit (its blocks' hashes, first to last, and its bytes) under each block's
+        hash; False when skipped (disk full or failing, or the unit larger than the tier). A
+        unit whose last block is filed already (in it, or in a longer unit) is only touched."""
+        size = header_size(len(block_hashes)) + len(payload)
         if self._clock() < self._paused_until or size > self.limit_bytes:
             self.stores_skipped += 1
             return False
-        final = self.path(key)
+        final = self.path(block_hashes[-1])
         if self._touch(final):
             return True
         for attempt in range(2):
             try:
                 os.makedirs(os.path.dirname(final), exist_ok=True)
-                self._write_file(final, encode_header(key, num_blocks, payload), payload)
+                self._write_file(final, encode_header(block_hashes, payload), payload)
+                for block_hash in block_hashes[:-1]:
+                    self._link(final, self.path(block_hash))
                 break
             except FileNotFoundError:  # the folder was deleted under us: make it again, once
                 if attempt:
@@ -122,18 +134,30 @@ class DiskTier:
         return True
 
     def _write_file(self, final: str, header: bytes, payload) -> None:
-        tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp = self._temporary(final)
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
                 f.write(payload)
             os.replace(tmp, final)
         except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            self._unlink(tmp)
             raise
+
+    def _link(self, final: str, name: str) -> None:
+        """Another name of ``final``, replacing what had that name (a shorter unit's)."""
+        os.makedirs(os.path.dirname(name), exist_ok=True)
+        tmp = self._temporary(name)
+        try:
+            os.link(final, tmp)
+            os.replace(tmp, name)
+        except BaseException:
+            self._unlink(tmp)
+            raise
+
+    @staticmethod
+    def _temporary(path: str) -> str:
+        return f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
 
     def _maybe_evict(self) -> None:
         over = self.used_bytes < 0 or self.used_bytes > self.limit_bytes
@@ -142,9 +166,9 @@ class DiskTier:
 
     def scan(self) -> None:
         """Measure the folder (other engines write to it too), drop stale temporary files, and
-        delete the least recently used units while it is over its limit."""
+        delete the least recently used units (every name of each) while it is over its limit."""
         self._last_scan = self._clock()
-        files = []
+        units: dict[int, list] = {}  # inode -> [mtime, size, its names]
         now = time.time()
         try:
             subdirs = list(os.scandir(self.dir))
@@ -167,31 +191,33 @@ class DiskTier:
                     if now - st.st_mtime > STALE_TEMP_SECONDS:
                         self._unlink(entry.path)
                 elif entry.name.endswith(UNIT_SUFFIX):
-                    files.append((st.st_mtime, st.st_size, entry.path))
-        used = sum(size for _, size, _ in files)
+                    units.setdefault(st.st_ino, [st.st_mtime, st.st_size, []])[2].append(entry.path)
+        used = sum(size for _, size, _ in units.values())
         if used > self.limit_bytes:
-            files.sort()
             target = self.limit_bytes * LOW_WATER
-            for _, size, path in files:
+            for _, size, names in sorted(units.values(), key=lambda unit: unit[0]):
                 if used <= target:
                     break
-                self._unlink(path)
+                for name in names:
+                    self._unlink(name)
                 used -= size
         self.used_bytes = used
 
     # ------------------------------------------------------------------ reading
 
-    def read(self, key: bytes, num_blocks: int, payload_len: int) -> bytearray:
-        """The unit's bytes, checked; UnitMissing if there is no file, UnitFileError (the
-        file deleted) if it is not the whole unit."""
-        path = self.path(key)
+    def read(self, name: bytes, name_at_least: int, num_blocks: int, payload_len: int) -> bytearray:
+        """The bytes of the unit file named ``name`` (its block ``name_at_least`` or a later one),
+        checked; UnitMissing if there is no such file, UnitFileError (the file deleted) if it
+        is not the whole unit of that chain."""
+        path = self.path(name)
         try:
             f = open(path, "rb")
         except FileNotFoundError:
             raise UnitMissing(path) from None
         with f:
+            header = f.read(header_size(num_blocks))
             try:
-                payload_crc = check_header(f.read(HEADER_SIZE), key, num_blocks, payload_len)
+                payload_crc = check_header(header, name, name_at_least, num_blocks, payload_len)
                 payload = bytearray(payload_len)
                 got = f.readinto(payload)
                 if got != payload_len or f.read(1):
@@ -200,10 +226,29 @@ class DiskTier:
             except UnitFileError as e:
                 self.corrupt_files += 1
                 logger.warning("disk tier: %s is corrupt (%s): deleted; its blocks are recomputed", path, e)
-                self._unlink(path)
+                self._delete_names(path, header, num_blocks)
                 raise
         self._touch(path)
         return payload
+
+    def _delete_names(self, path: str, header: bytes, num_blocks: int) -> None:
+        """Every name of a bad file that its header still tells (never a good file that took
+        one of those names since), and the name it was read by."""
+        try:
+            inode = os.stat(path).st_ino
+        except OSError:
+            inode = None
+        self._unlink(path)
+        names = header[FIXED_SIZE:FIXED_SIZE + num_blocks * HASH_BYTES]
+        if inode is None or len(names) != num_blocks * HASH_BYTES:
+            return
+        for i in range(num_blocks):
+            other = self.path(names[i * HASH_BYTES:(i + 1) * HASH_BYTES])
+            try:
+                if os.stat(other).st_ino == inode:
+                    self._unlink(other)
+            except OSError:
+                continue
 
     def exists(self, key: bytes) -> bool:
         return os.path.exists(self.path(key))
