@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kv_tiers_bench import complete, documents, header, question, serving, summary  # noqa: E402
 
+from shared.kv_unit_file import unit_files  # noqa: E402
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -40,7 +42,7 @@ def main() -> int:
             rows["first engine again (device prefix cache)"] = complete(first.base_url, prompt, 8)
             time.sleep(1.0)  # its units are filed when the request ends
             rows["second engine (disk hit)"] = complete(second.base_url, prompt, 8)
-        files = len(list(Path(folder).rglob("*.kv")))
+        files = len(unit_files(folder))
         with serving(flags) as restarted:
             rows["second engine restarted (disk hit)"] = complete(restarted.base_url, prompt, 8)
     cached_texts = {t.text for name, t in rows.items() if "computed" not in name}

@@ -26,6 +26,7 @@ import httpx  # noqa: E402
 from bench_common import describe_cpu, load_sentences, text_of_tokens  # noqa: E402
 from services.launch.nats_server import free_port  # noqa: E402
 from services.launch.stack import Stack, StackConfig  # noqa: E402
+from shared.kv_unit_file import unit_files  # noqa: E402
 from shared.model_config import default_model_path  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
 
@@ -125,7 +126,7 @@ def metric(values: dict[str, float], name: str, **labels) -> float:
 
 def drop_page_cache(folder: str) -> None:
     """Evict the folder's unit files from the page cache (a cold disk read next)."""
-    for path in Path(folder).rglob("*.kv"):
+    for path in unit_files(folder):
         with open(path, "rb") as f:
             os.fsync(f.fileno())
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)

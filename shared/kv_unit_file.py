@@ -42,6 +42,25 @@ class UnitFileError(Exception):
     """The file is not the whole unit it should be (corrupt, truncated, another unit)."""
 
 
+def unit_files(folder) -> list[str]:
+    """Every unit file under ``folder``, one name each (its other names are hard links of it),
+    sorted: what to count, measure or damage once per file."""
+    seen, out = set(), []
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            if not name.endswith(UNIT_SUFFIX):
+                continue
+            path = os.path.join(dirpath, name)
+            try:
+                inode = os.stat(path).st_ino
+            except FileNotFoundError:
+                continue
+            if inode not in seen:
+                seen.add(inode)
+                out.append(path)
+    return sorted(out)
+
+
 def header_size(num_blocks: int) -> int:
     return FIXED_SIZE + num_blocks * HASH_BYTES + _CRC.size
 

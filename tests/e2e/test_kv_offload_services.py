@@ -23,6 +23,7 @@ import pytest
 
 from services.launch.nats_server import free_port
 from services.launch.stack import StackConfig
+from shared.kv_unit_file import unit_files
 from tests.e2e.pd_stacks import MODEL
 from tests.e2e.stacks import metric, running_stack, wait_until
 
@@ -70,7 +71,8 @@ def text_and_cached(stack, prompt) -> tuple[str, int]:
 
 
 def files(folder: Path) -> list[Path]:
-    return sorted(folder.rglob("*.kv"))
+    """One name per unit file (a file has a name per block: hard links)."""
+    return [Path(p) for p in unit_files(folder)]
 
 
 def wait_for_files(folder: Path, more_than: int) -> None:
