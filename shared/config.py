@@ -239,6 +239,13 @@ class ModelRunConfig:
                    "when other processes share the cores) | active (it spins); GOMP_SPINCOUNT, if set, overrides "
                    "the spin time of any of them")
 
+    # On by default: it costs no throughput here (docs/BENCHMARKS.md, "Batch invariance"). vLLM's
+    # counterpart is the opt-in VLLM_BATCH_INVARIANT; kernels/paged_attention_torch.py, services/worker/linear.py.
+    batch_invariant: bool = setting(
+        True, "CPU: a request's tokens do not depend on the other requests in its steps nor on how its prompt "
+              "was chunked or cached (every query token attended alone, products computed row by row in one "
+              "order); off: attention of prompt chunks by padded SDPA calls and products chosen by row count")
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "omp_wait_policy", self.omp_wait_policy.lower())
         if self.omp_wait_policy not in OMP_WAIT_POLICIES:

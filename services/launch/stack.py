@@ -2,9 +2,11 @@
 
 ``scripts/serve`` runs it in the foreground; the end-to-end tests start the same
 stack. Every service is its own OS process (``python -m services.<name>``) in its
-own process group, started through a ``Supervisor``: once the stack is ready, a
-service that dies is started again (and the counts reach the gateways' /metrics);
-stopping the stack, or killing the launcher, leaves nothing running. nats-server runs
+own process group, started through a ``Supervisor``, nats-server too: once the stack
+is ready, a process that dies is started again (and the counts reach the gateways'
+/metrics); one that keeps dying spends its crash-loop budget and is named by
+``crash_loops()``, the launcher's cue to give up; stopping the stack, or killing the
+launcher, leaves nothing running. nats-server runs
 with one user per service role and one for the gateway (fresh passwords per run), each
 service gets its user's credentials in its environment; the gateway's user name is its
 id (``GATEWAY_ID``). Extra flags go to the services that take them
@@ -22,8 +24,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.launch.nats_server import SUPERVISED_NAME as NATS_SERVER
 from services.launch.nats_server import NatsServer, free_port
-from services.launch.supervisor import Supervisor
+from services.launch.supervisor import CrashLoopBudget, Supervisor
 from shared.bus import flush_in_order
 from shared.bus_auth import gateway_user
 from shared.config import KV_CONSUMER, KV_PRODUCER, ConfigError, kv_transfer_config_json
@@ -59,6 +62,8 @@ class StackConfig:
     # tensor_parallel_size worker ranks) instead of one engine; both 0: one plain engine.
     prefill_engines: int = 0
     decode_engines: int = 0
+    # A process that dies more often than this is given up on (supervisor.CrashLoopBudget).
+    crash_loop: CrashLoopBudget = CrashLoopBudget()
 
     def engines(self) -> list[tuple[str, str]]:
         """(engine id, kv_role) of each engine to start; ("", "") is the one plain engine."""
@@ -80,7 +85,7 @@ class Stack:
             raise ConfigError(f"{', '.join(sorted(role_flags))}: with --prefill-engines / --decode-engines the "
                               f"launcher gives each engine its kv_role")
         self.nats: NatsServer | None = None
-        self.supervisor = Supervisor()
+        self.supervisor = Supervisor(crash_loop=config.crash_loop)
         self._supervising: threading.Thread | None = None
         self._stopping = threading.Event()
 
@@ -119,7 +124,7 @@ class Stack:
         cfg = self.config
         log = os.path.join(cfg.log_dir, "nats.log") if cfg.log_dir else None
         self.nats = NatsServer(port=cfg.nats_port, log_file=log, authenticated=cfg.authenticated_bus,
-                               gateway_ids=[GATEWAY_ID])
+                               gateway_ids=[GATEWAY_ID], supervisor=self.supervisor)
         model = ["--model", cfg.model] if cfg.model else []
         extra = self.service_args
         for engine_id, kv_role in cfg.engines():
@@ -211,6 +216,10 @@ class Stack:
         """Services that exited and are not running again (yet)."""
         return self.supervisor.dead()
 
+    def crash_loops(self) -> dict[str, str]:
+        """Processes given up on for dying too often, each with why (``Supervisor.crash_loops``)."""
+        return self.supervisor.crash_loops()
+
     def start_supervising(self) -> None:
         """Restart services that die, from a thread that lives as long as the stack (the
         children's parent-death signal is tied to the thread that starts them)."""
@@ -252,7 +261,8 @@ class Stack:
         self._stopping.set()
         if self._supervising is not None:
             self._supervising.join()
-        self.supervisor.stop(timeout)
+        # Services first, so they drain into a live bus.
+        self.supervisor.stop(timeout, spare=frozenset({NATS_SERVER}))
         if self.nats is not None:
             self.nats.stop()
 

@@ -80,7 +80,15 @@ def int8_activations_min_rows() -> int:
     return INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_VNNI
 
 
-def _cpu_kernel(exact, int8_activated):
+def _cpu_kernel(exact, int8_activated, batch_invariant: bool):
+    """A row-layout matrix's CPU product: by row count (``INT8_ACTIVATIONS_MIN_ROWS``), or with
+    ``batch_invariant`` one kernel whatever the row count (each computes every row alone, in
+    one order): int8 activations where that kernel is built, else the exact fused kernel
+    (never the whole-matrix GEMM its prompt-sized products take)."""
+    if batch_invariant:
+        return lambda x, *weight: (int8_activated(x, *weight) if int8_activations.available()
+                                   else exact(x, *weight, gemm_min_rows=None))
+
     def product(x: torch.Tensor, *weight: torch.Tensor) -> torch.Tensor:
         few_rows = x.shape[0] < int8_activations_min_rows()
         kernel = exact if few_rows or not int8_activations.available() else int8_activated
@@ -103,19 +111,20 @@ def cpu_layout(weight: QuantizedTensor) -> QuantizedTensor | WeightTiles:
     return weight
 
 
-def quantized_linear(weight: QuantizedTensor | WeightTiles, bias: torch.Tensor | None = None) -> Linear:
+def quantized_linear(weight: QuantizedTensor | WeightTiles, bias: torch.Tensor | None = None,
+                     batch_invariant: bool = False) -> Linear:
     """``x @ W.T (+ bias)`` with ``W`` kept quantized, on ``weight``'s device: the C kernels
     on CPU (repacked tiles: the int8-activation kernel at every row count; else by row
-    count, see INT8_ACTIVATIONS_MIN_ROWS), the Triton kernels on CUDA; the result in ``x``'s
-    dtype."""
+    count, see INT8_ACTIVATIONS_MIN_ROWS, or with ``batch_invariant`` one kernel for every
+    row count), the Triton kernels on CUDA; the result in ``x``'s dtype."""
     if isinstance(weight, WeightTiles):
         kernel, args = int8_activations.tiled_linear_cpu, (weight,)
     elif weight.bits == 8:
-        kernel = (_cpu_kernel(quant_linear.int8_linear_cpu, int8_activations.int8_linear_cpu)
+        kernel = (_cpu_kernel(quant_linear.int8_linear_cpu, int8_activations.int8_linear_cpu, batch_invariant)
                   if weight.data.device.type == "cpu" else quant_linear.int8_linear_triton)
         args = (weight.data, weight.scales)
     else:
-        kernel = (_cpu_kernel(quant_linear.int4_linear_cpu, int8_activations.int4_linear_cpu)
+        kernel = (_cpu_kernel(quant_linear.int4_linear_cpu, int8_activations.int4_linear_cpu, batch_invariant)
                   if weight.data.device.type == "cpu" else quant_linear.int4_linear_triton)
         args = (weight.data, weight.scales, weight.offsets)
     if bias is None:

@@ -110,7 +110,8 @@ class ModelRunner:
             logger.info("quantization auto: weights dequantized (tensor_parallel_size > 1)")
         # Dequantized weights keep Hugging Face's float32 operation order (greedy parity);
         # quantized ones differ from Hugging Face's results anyway and take the C kernels.
-        self.ops = get_kernel_ops(run_config.kernel_backend, float32_hf_order=not self.keep_quantized)
+        self.ops = get_kernel_ops(run_config.kernel_backend, float32_hf_order=not self.keep_quantized,
+                                  batch_invariant=run_config.batch_invariant)
         self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.device,
                                                      run_config.dtype, self.keep_quantized)
         # Each rank reads only its rows / columns of the sharded tensors.

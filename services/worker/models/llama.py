@@ -103,9 +103,9 @@ class LlamaAttention(nn.Module):
 
     def keep_quantized(self, weight: str, tensor: QuantizedTensor | WeightTiles) -> None:
         if weight == "qkv_weight":
-            self.qkv_proj = quantized_linear(tensor, self.qkv_bias)
+            self.qkv_proj = quantized_linear(tensor, self.qkv_bias, self.ops.batch_invariant)
         else:
-            self.o_proj = row_parallel(self.tp, quantized_linear(tensor))
+            self.o_proj = row_parallel(self.tp, quantized_linear(tensor, batch_invariant=self.ops.batch_invariant))
         self.quantized[weight] = tensor
 
     def prepack(self) -> None:
@@ -141,9 +141,9 @@ class LlamaMLP(nn.Module):
 
     def keep_quantized(self, weight: str, tensor: QuantizedTensor | WeightTiles) -> None:
         if weight == "gate_up_weight":
-            self.gate_up_proj = quantized_linear(tensor)
+            self.gate_up_proj = quantized_linear(tensor, batch_invariant=self.ops.batch_invariant)
         else:
-            self.down_proj = row_parallel(self.tp, quantized_linear(tensor))
+            self.down_proj = row_parallel(self.tp, quantized_linear(tensor, batch_invariant=self.ops.batch_invariant))
         self.quantized[weight] = tensor
 
     def prepack(self) -> None:
@@ -431,9 +431,10 @@ class LlamaForCausalLM(nn.Module):
             for name, part in zip(names, parts):
                 if part is not None:
                     self._put(plan[name], dequantize(part), name)
+        invariant = self.ops.batch_invariant
         if "embed_weight" in self.quantized:
             self.embed = self._embed_quantized
             if self.lm_head is None:
-                self.lm_head_proj = quantized_linear(self.quantized["embed_weight"])
+                self.lm_head_proj = quantized_linear(self.quantized["embed_weight"], batch_invariant=invariant)
         if "lm_head" in self.quantized:
-            self.lm_head_proj = quantized_linear(self.quantized["lm_head"])
+            self.lm_head_proj = quantized_linear(self.quantized["lm_head"], batch_invariant=invariant)
