@@ -2,8 +2,8 @@
 
 ``scripts/serve`` runs it in the foreground; the end-to-end tests start the same
 stack. Every service is its own OS process (``python -m services.<name>``) in its
-own process group, started through a ``Supervisor``, nats-server too: once the stack
-is ready, a process that dies is started again (and the counts reach the gateways'
+own process group, started through a ``Supervisor``, nats-server too: from the start,
+a process that dies is started again (and the counts reach the gateways'
 /metrics); one that keeps dying spends its crash-loop budget and is named by
 ``crash_loops()``, the launcher's cue to give up; stopping the stack, or killing the
 launcher, leaves nothing running. nats-server runs
@@ -137,6 +137,7 @@ class Stack:
             "gateway", "services.gateway",
             [*model, "--host", cfg.host, "--port", str(cfg.port), *extra["gateway"]],
         )
+        self.start_supervising()
 
     def _start_engine(self, engine_id: str, kv_role: str, model: list[str]) -> None:
         """One engine: its worker ranks and its scheduler. The plain engine's processes are
@@ -157,20 +158,19 @@ class Stack:
         self.start_service(f"{prefix}scheduler", "services.scheduler", [*model, *tp, *role, *extra["scheduler"]])
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        """Until /health says the gateway reaches a tokenizer and the engine is ready; a
-        service that exits meanwhile is a start-up error. Then services that die are
-        restarted (``supervise``)."""
+        """Until /health says the gateway reaches a tokenizer and the engine is ready. A
+        service that dies meanwhile is restarted as at any time; one in a crash loop is a
+        start-up error."""
         import urllib.request
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            dead = self.dead_services()
-            if dead:
-                raise RuntimeError(f"service(s) exited during start-up: {dead}")
+            looping = self.crash_loops()
+            if looping:
+                raise RuntimeError(f"crash loop during start-up: {'; '.join(looping.values())}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=1) as r:
                     if r.status == 200 and self.engine_ready():
-                        self.start_supervising()
                         return
             except OSError:
                 pass
