@@ -214,8 +214,9 @@ class ModelRunConfig:
     dtype: str = setting("auto", "auto|float32|bfloat16|float16 (auto: bfloat16 on CUDA and on CPUs with native bf16 dot products, else float32)")
     device: str = setting("auto", "auto|cpu|cuda|cuda:N")
     kernel_backend: str = setting("auto", "auto|torch|triton")
-    # CPU: reorder weight matrices once for oneDNN (services/worker/linear.py).
-    cpu_prepack: bool = setting(True, "CPU: oneDNN-prepacked weight matrices")
+    # CPU: services/worker/linear.py weight_packer.
+    cpu_prepack: bool = setting(True, "CPU: float weight matrices laid out once for their products (oneDNN's "
+                                      "prepacking, or the batch-invariant kernel's tiles); off: F.linear")
     # vLLM's flag name; services/worker/models/llama.py, shared/gguf_quants.py. auto by
     # default: on the benchmark CPU the quantized products (int8 activations from 4 rows on)
     # are ~1.8x bfloat16 oneDNN's at 1 row and 1.0-1.3x from 8 rows on, in 1/3 of the

@@ -12,7 +12,10 @@ through ``kernels/int8_activations.py`` (activations quantized to int8 per block
 dot products: compute-bound, VNNI wins); on CUDA, the Triton kernel. ``cpu_layout`` repacks
 a weight once at load into the tiles the int8-activation kernel reads (its AVX-512 VNNI and
 AVX2 builds): it is then kept only so, and every product of it, whatever its row count,
-runs that kernel with no per-call gather (docs/BENCHMARKS.md).
+runs that kernel with no per-call gather (docs/BENCHMARKS.md). ``weight_packer`` picks how
+float weight matrices are laid out once at load: oneDNN's prepacking, or with
+``--batch-invariant`` the tiles of ``kernels/dense_linear.py``, whose products give a row
+the same bits at any row count (oneDNN's do not: its K blocking follows the row count).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels import int8_activations, quant_linear
+from kernels import dense_linear, int8_activations, quant_linear
 from kernels.int8_activations import WeightTiles
 from shared.gguf_quants import QuantizedTensor
 
@@ -58,6 +61,27 @@ def prepacked_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     return linear
+
+
+def invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """``x @ weight.T (+ bias)`` through the batch-invariant kernel on a copy of ``weight``
+    repacked once (``kernels/dense_linear.py``)."""
+    tiles = dense_linear.repack(weight)
+    bias = None if bias is None else bias.detach()
+    return lambda x: dense_linear.dense_linear_cpu(x, tiles, bias)
+
+
+def weight_packer(device: torch.device, dtype: torch.dtype, cpu_prepack: bool,
+                  batch_invariant: bool) -> Callable[..., Linear] | None:
+    """How the model's float weight matrices are laid out once for their products, where
+    ``cpu_prepack`` allows it (without, their products read the checkpoint layout,
+    ``plain_linear``: None): ``invariant_linear`` (``batch_invariant``, CPU, where the
+    kernel is built), else ``prepacked_linear`` (where oneDNN takes the dtype)."""
+    if not cpu_prepack:
+        return None
+    if batch_invariant and device.type == "cpu" and dense_linear.available(dtype):
+        return invariant_linear
+    return prepacked_linear if can_prepack(device, dtype) else None
 
 
 # CPU products of at least this many rows of a row-layout matrix quantize their activations
