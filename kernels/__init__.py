@@ -66,6 +66,20 @@ TORCH_OPS = KernelOps(
 # The same, float32 included in the C kernels.
 TORCH_C_FLOAT32_OPS = replace(TORCH_OPS, rms_norm=rms_norm_cpu_c, silu_and_mul=silu_and_mul_cpu_c)
 
+
+def _batch_invariant(ops: KernelOps) -> KernelOps:
+    return replace(ops, name=f"{ops.name}, batch invariant", paged_attention=paged_attention_cpu_batch_invariant,
+                   batch_invariant=True)
+
+
+# The torch backend's sets by (float32_hf_order, batch_invariant).
+_TORCH_SETS = {
+    (True, False): TORCH_OPS,
+    (False, False): TORCH_C_FLOAT32_OPS,
+    (True, True): _batch_invariant(TORCH_OPS),
+    (False, True): _batch_invariant(TORCH_C_FLOAT32_OPS),
+}
+
 TRITON_OPS = KernelOps(
     name="triton",
     rms_norm=rms_norm_triton,
@@ -89,11 +103,7 @@ def get_kernel_ops(backend: str = "auto", float32_hf_order: bool = True, batch_i
         raise ValueError("kernel backend 'triton' needs Triton, which is not installed")
     if backend == "triton":
         return TRITON_OPS
-    ops = TORCH_OPS if float32_hf_order else TORCH_C_FLOAT32_OPS
-    if batch_invariant:
-        return replace(ops, name=f"{ops.name}, batch invariant", paged_attention=paged_attention_cpu_batch_invariant,
-                       batch_invariant=True)
-    return ops
+    return _TORCH_SETS[bool(float32_hf_order), bool(batch_invariant)]
 
 
 __all__ = ["BACKENDS", "AttentionMetadata", "KernelOps", "get_kernel_ops"]

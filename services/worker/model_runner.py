@@ -19,6 +19,7 @@ whole, with its own KV cache under the target's block ids.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -95,6 +96,8 @@ class ModelRunner:
         )
         # Joins the engine's ranks (a no-op with one rank; the worker service joins first).
         self.tp = init_distributed(parallel_config, self.device)
+        if run_config.batch_invariant:
+            self.tp = dataclasses.replace(self.tp, ordered_sums=True)
         self.rank = self.tp.rank
         self.is_driver = self.rank == 0
 
