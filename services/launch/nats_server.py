@@ -23,6 +23,9 @@ from shared.bus_auth import authorization_config, connect_credentials, new_passw
 
 MAX_PAYLOAD = 8 * 1024 * 1024
 SUPERVISED_NAME = "nats-server"  # its name among a supervisor's children
+# Its restart backoff's cap: it starts in milliseconds and every service waits on it (a bus
+# down for the engines' heartbeat timeout, 5 s, fails their requests at the gateways).
+SUPERVISED_BACKOFF_MAX = 1.0
 
 
 def find_nats_server() -> str:
@@ -67,7 +70,8 @@ class NatsServer:
         argv = [find_nats_server(), "-c", config]
         self._supervisor = supervisor
         if supervisor is not None:
-            supervisor.start(SUPERVISED_NAME, argv, dict(os.environ), self._dir, log_file or os.devnull)
+            supervisor.start(SUPERVISED_NAME, argv, dict(os.environ), self._dir, log_file or os.devnull,
+                             backoff_max=SUPERVISED_BACKOFF_MAX)
         else:
             log = open(log_file, "ab") if log_file else subprocess.DEVNULL
             self._process = subprocess.Popen(

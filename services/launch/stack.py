@@ -36,6 +36,7 @@ from services.launch.service_flags import split_service_args
 ROOT = Path(__file__).resolve().parents[2]
 SUPERVISE_INTERVAL = 0.5  # seconds between looks for dead services
 RESTARTS_REPUBLISH_INTERVAL = 10.0
+PUBLISH_TIMEOUT = 2.0  # seconds the supervising thread may spend publishing restart counts
 GATEWAY_ID = "0"  # the one gateway's id (its NATS user is gateway-0), kept across restarts
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,11 @@ class Stack:
         engine_ids = {engine_id for engine_id, _ in self.config.engines() if engine_id}
 
         async def ask() -> bool:
-            nc = await nats.connect(self.nats.url, **self.nats.credentials("admin"))
+            try:
+                nc = await nats.connect(self.nats.url, connect_timeout=1, allow_reconnect=False,
+                                        max_reconnect_attempts=0, **self.nats.credentials("admin"))
+            except Exception:
+                return False  # the bus is down (being restarted): not ready
             try:
                 if engine_ids:
                     ready: set[str] = set()
@@ -243,16 +248,21 @@ class Stack:
 
         import nats
 
+        # Bounded: this thread also restarts nats-server, so a dead bus must not hold it
+        # (nats-py's default first connect retries for minutes).
         async def publish() -> None:
-            nc = await nats.connect(self.nats.url, **self.nats.credentials("admin"))
+            nc = await nats.connect(self.nats.url, connect_timeout=1, allow_reconnect=False,
+                                    max_reconnect_attempts=0, **self.nats.credentials("admin"))
             try:
                 await nc.publish(SERVICE_RESTARTS, SERVICE_RESTARTS_MSG.encode(ServiceRestarts(counts)))
                 await flush_in_order(nc)
             finally:
                 await nc.close()
 
+        if self.nats.process.poll() is not None:
+            return  # down: the next round tries again
         try:
-            asyncio.run(publish())
+            asyncio.run(asyncio.wait_for(publish(), PUBLISH_TIMEOUT))
         except Exception as e:  # the bus may be down; the next round tries again
             logger.warning("restart counts not published: %r", e)
 

@@ -2,9 +2,9 @@
 
 The launcher (``services/launch/stack.py``) starts every service through a
 ``Supervisor``. A child that exits is started again with the same command after a
-backoff (0.5 s, doubling up to 10 s while it keeps dying young; a child that ran for
-``stable_after`` seconds starts over at 0.5 s), with a log line and a count per
-service. Only a child that keeps dying is given up on: one that exits when it has
+backoff (0.5 s, doubling up to 10 s, or the child's own cap, while it keeps dying young;
+a child that ran for ``stable_after`` seconds starts over at 0.5 s), with a log line and
+a count per service. Only a child that keeps dying is given up on: one that exits when it has
 already been restarted ``CrashLoopBudget.restarts`` times within the last
 ``CrashLoopBudget.window`` seconds stays dead, and ``crash_loops()`` names it (the
 launcher then stops the stack; a death it can heal never does). ``stop()`` ends
@@ -83,6 +83,7 @@ class Child:
     restart_at: float | None = None  # when a dead child is due to start again
     exit_codes: list[int] = field(default_factory=list)
     restart_times: deque = field(default_factory=deque)  # monotonic times of its restarts
+    backoff_max: float | None = None  # its own cap on the backoff (None: the supervisor's)
     gave_up: bool = False  # it kept dying: its crash-loop budget is spent, it stays dead
 
     @property
@@ -100,8 +101,8 @@ class Supervisor:
         self.stopping = False
 
     def start(self, name: str, argv: list[str], env: dict[str, str], cwd: str,
-              log_path: str | None = None) -> subprocess.Popen:
-        child = self.children.get(name) or Child(name, argv, env, cwd, log_path)
+              log_path: str | None = None, backoff_max: float | None = None) -> subprocess.Popen:
+        child = self.children.get(name) or Child(name, argv, env, cwd, log_path, backoff_max=backoff_max)
         self.children[name] = child
         self._spawn(child)
         return child.process
@@ -161,7 +162,7 @@ class Supervisor:
                 child.restart_at = now + child.backoff
                 logger.warning("service %s exited with %s after %.1fs; restarting in %.1fs",
                                child.name, code, now - child.started_at, child.backoff)
-                child.backoff = min(child.backoff * 2, self.backoff_max)
+                child.backoff = min(child.backoff * 2, child.backoff_max or self.backoff_max)
             if now >= child.restart_at:
                 child.restarts += 1
                 child.restart_times.append(now)
