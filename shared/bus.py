@@ -136,15 +136,16 @@ class Service:
         logger.info("%s %s: up on %s", self.name, self.instance_id, self.nats_url)
 
     async def _beat(self) -> None:
-        """Touch the heartbeat file after each round trip to nats-server: it goes stale
-        when the loop stops or the bus connection is lost."""
+        """Write the heartbeat file (what a ping answers) after each round trip to
+        nats-server: it goes stale when the loop stops or the bus connection is lost."""
         warned = False
         while True:
             try:
                 # While reconnecting, nats-py's flush returns without a round trip.
                 if self.nc.is_connected:
                     await self.nc.flush(timeout=self.heartbeat_interval)
-                    healthcheck.touch(self.heartbeat_file)
+                    healthcheck.beat(self.heartbeat_file,
+                                     {"service": self.name, "instance_id": self.instance_id, **self.info()})
             except OSError as e:
                 if not warned:
                     logger.warning("%s %s: heartbeat file %s: %r", self.name, self.instance_id, self.heartbeat_file, e)

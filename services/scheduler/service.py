@@ -101,6 +101,7 @@ from shared.protocol import (
 )
 
 from shared.step_profile import NULL_CLOCK, NullClock, PhaseClock, StepProfile
+from shared.wait_log import WaitLog
 
 from .config import SchedulerServiceConfig
 from .kv_connector import KVConnectorScheduler
@@ -198,6 +199,7 @@ class SchedulerService(Service):
         self._stops_finished: list[str] = []
         self.num_stop_queries = 0
         self._spec_log = SpecDecodeLog(engine_id)
+        self._wait_log = WaitLog(logger, f"engine {engine_id}")
         if scheduler_config.speculative is not None and scheduler_config.async_scheduling:
             logger.info("engine %s: speculative decoding (%s) turns async scheduling off", engine_id,
                         scheduler_config.speculative.method)
@@ -754,6 +756,12 @@ class SchedulerService(Service):
     async def _stats_loop(self) -> None:
         while True:
             self._check_workers()
+            if self.ready:
+                self._wait_log.done("serving")
+            else:
+                missing = self.workers.world_size - len(self.workers.members)
+                self._wait_log.waiting(f"{missing} of its {self.workers.world_size} worker rank(s) to announce "
+                                       f"themselves on {engine_ready_subject(self.engine_id)}")
             if self.scheduler is not None and self.scheduler.has_connector_work():
                 self._work.set()  # deadlines of holds and loads are checked in schedule()
             stats = EngineStats(

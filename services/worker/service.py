@@ -98,6 +98,8 @@ class WorkerService(Service):
         self._incarnation = ""  # of the scheduler whose steps this worker follows
         self._last_step = time.monotonic()
         self._heap_trimmed = False
+        self.num_steps = 0
+        self.num_sampled_tokens = 0
         # P/D: serves this rank's held KV blocks and pulls others' (None: no KV transfer).
         self.kv_connector: KVConnectorWorker | None = None
         if kv_transfer_config.kv_role:
@@ -105,7 +107,8 @@ class WorkerService(Service):
                                                   kv_transfer_config, KVTransferFaults.from_env())
 
     def info(self) -> dict:
-        return {"engine_id": self.engine_id, "rank": self.rank}
+        return {"engine_id": self.engine_id, "rank": self.rank, "num_steps": self.num_steps,
+                "num_sampled_tokens": self.num_sampled_tokens}
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(
@@ -199,6 +202,8 @@ class WorkerService(Service):
             logger.exception("engine %s rank %d: step %d failed", self.engine_id, self.rank, scheduler_output.step_id)
             output = ModelRunnerOutput(step_id=scheduler_output.step_id, error=f"{type(e).__name__}: {e}")
         output.incarnation = scheduler_output.incarnation
+        self.num_steps += 1
+        self.num_sampled_tokens += sum(map(len, output.sampled_token_ids))
         if self.kv_connector is not None and self.rank == 0:
             output.finished_recving, output.failed_recving, output.kv_bytes_recvd = self.kv_connector.take_finished()
         self._last_step, self._heap_trimmed = time.monotonic(), False

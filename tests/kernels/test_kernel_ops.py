@@ -39,6 +39,7 @@ def test_batch_invariant_sets_take_the_per_token_attention():
     assert not get_kernel_ops("torch").batch_invariant
 
 
+@pytest.mark.cuda
 def test_auto_follows_cuda():
     expected = "triton" if torch.cuda.is_available() else "torch"
     assert get_kernel_ops().name == expected
