@@ -14,7 +14,7 @@ from scripts.chaos import print_report, run
 
 
 @pytest.mark.parametrize("minutes,pool,concurrency", [
-    pytest.param(1.0, 24, 8, id="short"),
+    pytest.param(1.0, 16, 8, id="short"),
     pytest.param(10.0, 160, 16, id="full", marks=pytest.mark.slow),
 ])
 def test_chaos_loses_nothing(minutes, pool, concurrency, tmp_path):
