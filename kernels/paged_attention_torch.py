@@ -327,9 +327,7 @@ def paged_attention_cpu(
     ):
         return out
     if 1 < attn.max_query_len <= SHORT_QUERY_MAX and query.shape[0] > 0:
-        if attn.token_decodes is None:
-            attn.token_decodes = _token_decodes(attn)
-        block_tables, seq_lens = attn.token_decodes
+        block_tables, seq_lens = _token_decodes(attn)
         if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
             return out
     return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out)
@@ -354,9 +352,7 @@ def paged_attention_cpu_batch_invariant(
     if _all_decodes(query, attn):
         block_tables, seq_lens = attn.block_tables, attn.seq_lens
     else:
-        if attn.token_decodes is None:
-            attn.token_decodes = _token_decodes(attn)
-        block_tables, seq_lens = attn.token_decodes
+        block_tables, seq_lens = _token_decodes(attn)
     if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
         return out
     return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out)
@@ -371,7 +367,14 @@ SHORT_QUERY_MAX = 17
 
 def _token_decodes(attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query token as a decode: its request's block table row, and its context (the
-    tokens up to and including its own, which causal attention sees)."""
+    tokens up to and including its own, which causal attention sees); built by the step's
+    first layer, kept in ``attn`` for the others."""
+    if attn.token_decodes is None:
+        attn.token_decodes = _build_token_decodes(attn)
+    return attn.token_decodes
+
+
+def _build_token_decodes(attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     starts = attn.query_start_loc.long()
     query_lens = starts[1:] - starts[:-1]
     request_of = torch.repeat_interleave(torch.arange(len(query_lens), device=starts.device), query_lens)
