@@ -73,6 +73,16 @@ def test_a_child_that_keeps_dying_spends_its_crash_loop_budget_and_stays_dead():
         sup.stop()
 
 
+def test_a_child_may_cap_its_own_backoff():
+    sup = Supervisor()
+    try:
+        sup.start("bus", [sys.executable, "-c", "raise SystemExit(1)"], dict(os.environ), str(ROOT), backoff_max=0.5)
+        until(lambda: sup.poll() is not None and sup.restart_counts()["bus"] >= 3, timeout=10)
+        assert sup.children["bus"].backoff == 0.5  # not 1, 2, 4 s
+    finally:
+        sup.stop()
+
+
 def test_deaths_further_apart_than_the_window_never_spend_the_budget():
     sup = Supervisor(crash_loop=CrashLoopBudget(restarts=1, window=0.3))
     try:
