@@ -116,7 +116,7 @@ class ModelRunner:
         # Each rank reads only its rows / columns of the sharded tensors.
         self.model = self._load_model(self.model_path, self.model_config, self.tp)
         self.max_num_seqs = scheduler_config.max_num_seqs
-        # Seeded alike on every rank: unseeded random requests draw the same noise everywhere.
+        # Seeded alike on every rank: unseeded random requests draw the same uniforms everywhere.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
         # The draft_model method's model, loaded before the KV cache is sized: its cache
         # takes the same number of blocks.
