@@ -196,10 +196,12 @@ def paged_attention_ref(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, nh, hd] -> out [T, nh, hd]; see the module docstring for the layout.
 
-    `out`, if given, is a preallocated [T, nh, hd] tensor the result is written into.
+    `out`, if given, is a preallocated [T, nh, hd] tensor the result is written into;
+    `skip` [N] bool: requests whose rows are left alone (another path attends them).
     An all-decode step's first call stores its decode plan in `attn` for the other layers.
 
     The caches must hold finite values everywhere (zeros or old K/V, never torch.empty
@@ -210,7 +212,7 @@ def paged_attention_ref(
     if query.shape[0] == 0:
         return out
     block_size = key_cache.shape[1]
-    if _all_decodes(query, attn):
+    if skip is None and _all_decodes(query, attn):
         if attn.decode_plan is None:
             attn.decode_plan = _decode_plan(attn.block_tables, None, attn.seq_lens, attn.max_seq_len, block_size)
         _attend_decodes(query, key_cache, value_cache, attn.decode_plan, scale, out)
@@ -225,6 +227,8 @@ def paged_attention_ref(
     # Requests with no query token this step (bucket -1) have nothing to attend.
     buckets = torch.ceil(torch.log2(query_lens.clamp(min=1).double())).long()
     buckets = torch.where(query_lens > 0, buckets, -1)
+    if skip is not None:
+        buckets = torch.where(skip, -1, buckets)
     for bucket in torch.unique(buckets).tolist():
         if bucket < 0:
             continue
@@ -335,7 +339,66 @@ def paged_attention_cpu(
         block_tables, seq_lens = attn.token_decodes
         if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
             return out
+    if attn.max_query_len >= LONG_QUERY_MIN:
+        query_lens = (attn.query_start_loc[1:] - attn.query_start_loc[:-1]).long()
+        long = query_lens >= LONG_QUERY_MIN
+        starts, lens, seq_lens = (t.tolist() for t in (attn.query_start_loc[:-1][long], query_lens[long],
+                                                       attn.seq_lens[long]))
+        for table, start, length, seq_len in zip(attn.block_tables[long], starts, lens, seq_lens):
+            _attend_long(query, key_cache, value_cache, table, start, length, seq_len, scale, out)
+        if bool(long.all()):
+            return out
+        return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out, skip=long)
     return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out)
+
+
+# Prompt chunks of at least this many query tokens attend request by request, causally
+# (`_attend_long`): a padded SDPA call with a mask computes every (query, key) score of its
+# square, twice the causal ones for a chunk without a prefix; per request, the Python
+# around the calls is small next to the chunk's work.
+LONG_QUERY_MIN = 256
+
+
+def _attend_long(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+    start: int, length: int, seq_len: int, scale: float, out: torch.Tensor,
+) -> None:
+    """One request's chunk of `length` query tokens (rows start..start+length) at the end of
+    its `seq_len` keys: the C kernel where it applies (`prefill_attention_native`), else
+    PyTorch's flash attention: the chunk's own keys causally (only the scores at or below
+    the diagonal), the keys before it (a cached prefix, or earlier chunks) in full and
+    unmasked, the two softmaxes merged by their log-sum-exps."""
+    if prefill_attention_native(query, key_cache, value_cache, block_table, start, length, seq_len, scale, out):
+        return
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    prefix = seq_len - length
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    keys = _widened(key_cache[blocks].flatten(0, 1)[:seq_len], query.dtype).transpose(0, 1)  # [kvh, S, hd]
+    values = _widened(value_cache[blocks].flatten(0, 1)[:seq_len], query.dtype).transpose(0, 1)
+    q = query[start : start + length].transpose(0, 1)  # [nh, Lq, hd]
+    rows = out[start : start + length]
+    if prefix == 0:
+        o = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True, scale=scale,
+                                           enable_gqa=group > 1)
+        rows.copy_(o[0].transpose(0, 1))
+        return
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    # The chunk's own keys, causal from its first query (SDPA's top-left diagonal).
+    own_k = keys[:, prefix:].repeat_interleave(group, dim=0)
+    own_v = values[:, prefix:].repeat_interleave(group, dim=0)
+    o_own, lse_own = flash(q[None], own_k[None], own_v[None], 0.0, True, scale=scale)
+    # The keys before it, seen by every query: a KV head's query heads side by side along
+    # the query axis, so K/V are read once per KV head and never copied per query head.
+    q_by_kv = q.reshape(num_kv_heads, group * length, head_dim)
+    o_pre, lse_pre = flash(q_by_kv[None], keys[None, :, :prefix], values[None, :, :prefix], 0.0, False,
+                           scale=scale)
+    o_pre, lse_pre = o_pre.reshape(num_heads, length, head_dim), lse_pre.reshape(num_heads, length)
+    lse = torch.logaddexp(lse_own[0], lse_pre)
+    merged = o_own[0].float() * torch.exp(lse_own[0] - lse).unsqueeze(-1)
+    merged.addcmul_(o_pre.float(), torch.exp(lse_pre - lse).unsqueeze(-1))
+    rows.copy_(merged.transpose(0, 1))
 
 
 # Queries up to this many tokens per request (a decode and its draft tokens) run as one
@@ -355,3 +418,44 @@ def _token_decodes(attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]
     first_position = attn.seq_lens.long() - query_lens
     seq_lens = first_position[request_of] + offset + 1
     return attn.block_tables[request_of], seq_lens.to(torch.int32)
+
+
+_PREFILL_ARGTYPES = [
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # query, stride, caches, table
+    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # seq, q len, nh, kvh, hd, bs
+    ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # scale, out, its row stride, threads
+]
+
+
+@kernel_binding
+def _prefill_kernel():
+    return bind("prefill_attention", "prefill_attention_bf16", _PREFILL_ARGTYPES, ctypes.c_int)
+
+
+def prefill_attention_native(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+    start: int, length: int, seq_len: int, scale: float, out: torch.Tensor,
+) -> bool:
+    """`_attend_long`'s rows through `kernels/cpu/prefill_attention.c` (bfloat16 query and
+    caches, AVX512_BF16): True when done, False having done nothing where it cannot."""
+    kernel = _prefill_kernel()
+    if (
+        kernel is None
+        or query.device.type != "cpu"
+        or not (query.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.bfloat16)
+        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+        or not (heads_packed(query) and heads_packed(out))
+    ):
+        return False
+    table = block_table.to(torch.int32).contiguous()
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    status = kernel(
+        query[start:].data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), table.data_ptr(),
+        seq_len, length, query.shape[1], num_kv_heads, head_dim, block_size, scale, out[start:].data_ptr(),
+        out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    if status == 1:
+        return False
+    if status != 0:
+        raise MemoryError("prefill attention kernel: out of memory for its K/V copies")
+    return True

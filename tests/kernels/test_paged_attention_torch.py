@@ -3,6 +3,8 @@ K/V, with its decode plan built once per step; decode batches through the C kern
 against dense attention and the reference; what the kernel cannot take goes to the
 reference."""
 
+import functools
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from kernels.paged_attention_torch import (
     paged_attention_cpu,
     paged_attention_ref,
 )
+from shared.cpu_features import cpu_flags
 from tests.kernels.paged_batch import HEAD_CONFIGS, dense_attention, make_batch, mixed_lens, poisoned_out
 
 needs_c_kernel = pytest.mark.skipif(
@@ -205,3 +208,61 @@ def test_short_queries_run_through_the_c_kernel_one_decode_per_token(shape, monk
     assert calls == [27]  # one decode per query token
     block_tables, seq_lens = batch.attn.token_decodes
     assert seq_lens.tolist()[:7] == [1, 16, 17, 18, 19, 20, 30]
+
+
+# ------------------------------------------------------------------ long prompt chunks
+
+
+def long_chunk_batch(shape, dtype):
+    """Chunks of LONG_QUERY_MIN tokens or more (the first chunk of a prompt, a later chunk,
+    one after a cached prefix, lengths not multiples of the kernels' blocks) beside a decode
+    and a short chunk."""
+    n = torch_attention.LONG_QUERY_MIN
+    num_heads, num_kv_heads, head_dim = shape
+    return make_batch([n, n + 37, 1, 40, 2 * n + 5], [0, 301, 90, 17, n], num_heads, num_kv_heads, head_dim,
+                      dtype=dtype, seed=4)
+
+
+LONG_SHAPES = [(9, 3, 64), (16, 2, 128), (8, 1, 64)]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@functools.cache
+def long_chunk_case(shape, dtype):
+    """The batch and its dense attention (computed once: float64 attention over 500-token
+    chunks is the slow part of these tests)."""
+    batch = long_chunk_batch(shape, dtype)
+    return batch, dense_attention(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", LONG_SHAPES)
+def test_long_chunks_attend_causally_with_and_without_a_prefix(shape, dtype, monkeypatch):
+    """Long chunks go request by request, through PyTorch's flash attention in two parts
+    merged (the C kernel kept out), the others through the other paths; all against dense
+    attention."""
+    monkeypatch.setattr(torch_attention, "prefill_attention_native", lambda *args: False)
+    batch, want = long_chunk_case(shape, dtype)
+    out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("shape", LONG_SHAPES)
+def test_the_prefill_kernel_takes_bfloat16_chunks_where_it_is_built(shape, cpu_isa):
+    """The C kernel where this build has AVX512_BF16 (else it declines, and the flash path
+    above runs): every request of the batch, long or not, against dense attention."""
+    batch, want = long_chunk_case(shape, torch.bfloat16)
+    built = torch_attention._prefill_kernel() is not None and "avx512_bf16" in cpu_flags() and cpu_isa == "native"
+    attn = batch.attn
+    for i in range(len(attn.seq_lens)):
+        start, end = int(attn.query_start_loc[i]), int(attn.query_start_loc[i + 1])
+        out = poisoned_out(batch.query)
+        took = torch_attention.prefill_attention_native(batch.query, batch.key_cache, batch.value_cache,
+                                                        attn.block_tables[i], start, end - start,
+                                                        int(attn.seq_lens[i]), batch.scale, out)
+        assert took == built
+        if took:
+            torch.testing.assert_close(out[start:end].double(), want[start:end], rtol=2e-2, atol=2e-2)
+    if built:
+        out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+        torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
