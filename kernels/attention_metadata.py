@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kernels.paged_attention_torch import DecodePlan
+    from kernels.paged_attention_torch import DecodePlan, PrefillPlan
 
 
 @dataclass
@@ -35,3 +35,6 @@ class AttentionMetadata:
     # A step of short queries (speculative decoding's drafts) as one decode per query
     # token: (block table row per token, context length per token); None until built.
     token_decodes: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A step with prompt chunks: which requests the CPU's chunk path attends, and its
+    # arguments (kernels.paged_attention_torch.PrefillPlan); None until built.
+    prefill_plan: PrefillPlan | None = None

@@ -1,4 +1,4 @@
-"""The "torch" backend's paged attention: the PyTorch reference, and the C decode kernel.
+"""The "torch" backend's paged attention: the PyTorch reference, and the C decode and prefill kernels.
 
 The worker calls `paged_attention` once per layer after `write_kv` has put the step's new
 K/V into the paged cache; the step's requests, their query tokens and their block tables
@@ -22,9 +22,15 @@ head) pair reads its K/V rows in place through the block table, one pass for the
 a float32 softmax, one pass for the weighted values. The PyTorch decode path must first
 gather every request's blocks into one padded copy and then multiply it in small batched
 GEMMs; at batch 32 that copy and those GEMMs took about a quarter of a SmolLM2-135M step
-here. Batches with prompt chunks, dtypes other than float32 and bfloat16, and machines
-where the kernel cannot be built (no C compiler; see `kernels.cpu_build`) go to
-`paged_attention_ref`.
+here. Prompt chunks (more than SHORT_QUERY_MAX query tokens) of a bfloat16 model go, all of
+a step's in one call, to `kernels/cpu/prefill_attention.c` where it is built for
+AVX512_BF16: flash attention that computes nothing above the causal diagonal and reads each
+KV head's K/V once for its group of query heads (the padded SDPA call computes every score
+of its square, masked, twice the causal work for a chunk without a prefix; the kernel runs
+~3x faster per layer). Elsewhere chunks of LONG_QUERY_MIN tokens or more take PyTorch's
+flash attention request by request (`_attend_long`). What is left (shorter chunks, the
+decodes of a mixed step, machines where no kernel can be built: no C compiler, see
+`kernels.cpu_build`) goes to `paged_attention_ref`.
 
 The caches hold the query's dtype, or bfloat16 under a float32 query (`--kv-cache-dtype
 bfloat16`: half the bytes to store and to read); both paths compute in the query's dtype,
@@ -41,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.cpu_build import bind, heads_packed, kernel_binding
+from kernels.cpu_build import bind, heads_packed, kernel_binding, library_isa
 
 
 def _used_blocks(
@@ -339,23 +345,53 @@ def paged_attention_cpu(
         block_tables, seq_lens = attn.token_decodes
         if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
             return out
-    if attn.max_query_len >= LONG_QUERY_MIN:
-        query_lens = (attn.query_start_loc[1:] - attn.query_start_loc[:-1]).long()
-        long = query_lens >= LONG_QUERY_MIN
-        starts, lens, seq_lens = (t.tolist() for t in (attn.query_start_loc[:-1][long], query_lens[long],
-                                                       attn.seq_lens[long]))
-        for table, start, length, seq_len in zip(attn.block_tables[long], starts, lens, seq_lens):
-            _attend_long(query, key_cache, value_cache, table, start, length, seq_len, scale, out)
-        if bool(long.all()):
+    if attn.max_query_len > SHORT_QUERY_MAX:
+        if attn.prefill_plan is None:
+            attn.prefill_plan = _prefill_plan(query, key_cache, attn)
+        plan = attn.prefill_plan
+        if plan.native is not None:
+            _run_prefill_kernel(query, key_cache, value_cache, plan.native, scale, out)
+        else:
+            for table, start, length, seq_len in plan.long:
+                _attend_long(query, key_cache, value_cache, table, start, length, seq_len, scale, out)
+        if plan.all_taken:
             return out
-        return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out, skip=long)
+        return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out, skip=plan.taken)
     return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out)
 
 
-# Prompt chunks of at least this many query tokens attend request by request, causally
-# (`_attend_long`): a padded SDPA call with a mask computes every (query, key) score of its
-# square, twice the causal ones for a chunk without a prefix; per request, the Python
-# around the calls is small next to the chunk's work.
+@dataclass
+class PrefillPlan:
+    """What every layer's attention of a step with prompt chunks shares: the requests the
+    chunk path takes (`taken` [N] bool) and, for the C kernel (`native`: its int32 arrays,
+    None where it cannot run), or else per long request (table, start, length, seq_len)."""
+
+    taken: torch.Tensor
+    all_taken: bool
+    native: tuple[torch.Tensor, ...] | None
+    long: list[tuple[torch.Tensor, int, int, int]]
+
+
+def _prefill_plan(query: torch.Tensor, key_cache: torch.Tensor, attn: AttentionMetadata) -> PrefillPlan:
+    """The C kernel takes every request with more than SHORT_QUERY_MAX query tokens (one
+    call per layer for all of them); without it, requests of LONG_QUERY_MIN tokens or more
+    take PyTorch's flash attention one by one; the others stay with the reference."""
+    query_lens = (attn.query_start_loc[1:] - attn.query_start_loc[:-1]).long()
+    chunks = query_lens > SHORT_QUERY_MAX
+    if prefill_kernel_takes(query, key_cache):
+        native = tuple(t.to(torch.int32).contiguous() for t in (
+            attn.block_tables[chunks], attn.query_start_loc[:-1][chunks], query_lens[chunks], attn.seq_lens[chunks]))
+        return PrefillPlan(chunks, bool(chunks.all()), native, [])
+    long = query_lens >= LONG_QUERY_MIN
+    starts, lens, seq_lens = (t.tolist() for t in (attn.query_start_loc[:-1][long], query_lens[long],
+                                                   attn.seq_lens[long]))
+    return PrefillPlan(long, bool(long.all()), None, list(zip(attn.block_tables[long], starts, lens, seq_lens)))
+
+
+# Without the C prefill kernel, prompt chunks of at least this many query tokens attend
+# request by request, causally (`_attend_long`): a padded SDPA call with a mask computes
+# every (query, key) score of its square, twice the causal ones for a chunk without a
+# prefix; per request, the Python around the calls is small next to the chunk's work.
 LONG_QUERY_MIN = 256
 
 
@@ -364,12 +400,9 @@ def _attend_long(
     start: int, length: int, seq_len: int, scale: float, out: torch.Tensor,
 ) -> None:
     """One request's chunk of `length` query tokens (rows start..start+length) at the end of
-    its `seq_len` keys: the C kernel where it applies (`prefill_attention_native`), else
-    PyTorch's flash attention: the chunk's own keys causally (only the scores at or below
-    the diagonal), the keys before it (a cached prefix, or earlier chunks) in full and
-    unmasked, the two softmaxes merged by their log-sum-exps."""
-    if prefill_attention_native(query, key_cache, value_cache, block_table, start, length, seq_len, scale, out):
-        return
+    its `seq_len` keys, through PyTorch's flash attention: the chunk's own keys causally
+    (only the scores at or below the diagonal), the keys before it (a cached prefix, or
+    earlier chunks) in full and unmasked, the two softmaxes merged by their log-sum-exps."""
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
@@ -421,41 +454,43 @@ def _token_decodes(attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]
 
 
 _PREFILL_ARGTYPES = [
-    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # query, stride, caches, table
-    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # seq, q len, nh, kvh, hd, bs
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,  # query, its row stride, caches
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # tables, ...
+    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # nh, kvh, hd, block size
     ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # scale, out, its row stride, threads
 ]
+# Head dims the C prefill kernel takes (multiples of 32 up to 256).
+_PREFILL_HEAD_DIMS = range(32, 257, 32)
 
 
 @kernel_binding
 def _prefill_kernel():
-    return bind("prefill_attention", "prefill_attention_bf16", _PREFILL_ARGTYPES, ctypes.c_int)
+    """`kernels/cpu/prefill_attention.c`'s entry point, None where it is not built for AVX512_BF16."""
+    kernel = bind("prefill_attention", "prefill_attention_bf16", _PREFILL_ARGTYPES, ctypes.c_int)
+    return kernel if kernel is not None and library_isa("prefill_attention") == "avx512_bf16" else None
 
 
-def prefill_attention_native(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-    start: int, length: int, seq_len: int, scale: float, out: torch.Tensor,
-) -> bool:
-    """`_attend_long`'s rows through `kernels/cpu/prefill_attention.c` (bfloat16 query and
-    caches, AVX512_BF16): True when done, False having done nothing where it cannot."""
-    kernel = _prefill_kernel()
-    if (
-        kernel is None
-        or query.device.type != "cpu"
-        or not (query.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.bfloat16)
-        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
-        or not (heads_packed(query) and heads_packed(out))
-    ):
-        return False
-    table = block_table.to(torch.int32).contiguous()
+def prefill_kernel_takes(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the C prefill kernel runs this step's chunks: bfloat16 query and caches on
+    the CPU, a head dim it has code for, a build with AVX512_BF16."""
+    return (query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.bfloat16
+            and key_cache.shape[-1] in _PREFILL_HEAD_DIMS and query.shape[1] % key_cache.shape[2] == 0
+            and _prefill_kernel() is not None)
+
+
+def _run_prefill_kernel(query, key_cache, value_cache, native, scale, out) -> None:
+    """The C prefill kernel over the plan's requests (`native`: block tables, query starts,
+    query lengths, context lengths, int32)."""
+    tables, starts, lens, seq_lens = native
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous() and heads_packed(query) and heads_packed(out)
+            and value_cache.dtype == out.dtype == torch.bfloat16):
+        raise ValueError("prefill attention kernel: caches must be contiguous, query/out rows heads-packed bf16")
     _, block_size, num_kv_heads, head_dim = key_cache.shape
-    status = kernel(
-        query[start:].data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), table.data_ptr(),
-        seq_len, length, query.shape[1], num_kv_heads, head_dim, block_size, scale, out[start:].data_ptr(),
-        out.stride(0), torch.get_num_threads(),
+    status = _prefill_kernel()(
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+        tables.stride(0), starts.data_ptr(), lens.data_ptr(), seq_lens.data_ptr(), len(lens), query.shape[1],
+        num_kv_heads, head_dim, block_size, scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
     )  # fmt: skip
-    if status == 1:
-        return False
     if status != 0:
-        raise MemoryError("prefill attention kernel: out of memory for its K/V copies")
-    return True
+        raise MemoryError("prefill attention kernel: out of memory for its K/V copies") if status < 0 else \
+            ValueError("prefill attention kernel: shapes it cannot take")

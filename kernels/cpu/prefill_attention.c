@@ -1,25 +1,27 @@
-/* Causal attention of one request's prompt chunk over its paged K/V, bfloat16, with
- * AVX512_BF16 (see kernels/paged_attention_torch.py, `prefill_attention_native`).
+/* Causal attention of requests' prompt chunks over their paged K/V, bfloat16, with
+ * AVX512_BF16 (see kernels/paged_attention_torch.py, `_prefill_plan`).
  *
- * The chunk's q_len queries sit at positions prefix .. prefix + q_len - 1 of the request's
- * seq_len keys (prefix = seq_len - q_len: a cached prefix or earlier chunks); query i sees
- * keys 0 .. prefix + i. Flash attention's online softmax, so no [queries, keys] matrix is
- * ever held:
+ * A request's q_len queries sit at positions prefix .. prefix + q_len - 1 of its seq_len
+ * keys (prefix = seq_len - q_len: a cached prefix or earlier chunks); query i sees keys
+ * 0 .. prefix + i. Flash attention's online softmax, so no [queries, keys] matrix is ever
+ * held:
  *
- *   1. each KV head's K and V are copied once from the cache's blocks into the layouts
- *      vdpbf16ps reads (products of bf16 pairs summed in float32): K as, per 16 keys and per
- *      pair of dims, one vector of the 16 keys' pairs; V as, per pair of keys and per 16
- *      dims, one vector of the 16 dims' key pairs;
- *   2. a work item is one KV head and BQ query positions, for all the query heads of that KV
- *      head (GQA: its K/V are read once for the group); per BK keys, only up to the last
- *      position the item sees (above the diagonal nothing is computed): the scores of 4 rows
- *      x 64 keys held in registers over the head dim, the causal mask on the diagonal block,
- *      the softmax update in float32 (running max and sum, the output rescaled), and the
- *      weights rounded to bf16 times V, again 4 rows x 64 dims in registers.
+ *   1. each request's K and V, per KV head, are copied once from the cache's blocks into
+ *      the layouts vdpbf16ps reads (products of bf16 pairs summed in float32): K as, per 16
+ *      keys and per pair of dims, one vector of the 16 keys' pairs; V as, per pair of keys
+ *      and per 16 dims, one vector of the 16 dims' key pairs;
+ *   2. a work item is one request, one KV head and BQ query positions, for all the query
+ *      heads of that KV head (GQA: its K/V are read once for the group); per BK keys, only
+ *      up to the last position the item sees (above the diagonal nothing is computed): the
+ *      scores of 4 rows x 64 keys held in registers over the head dim, the causal mask on
+ *      the diagonal block, the softmax update in float32 (running max and sum, the output
+ *      rescaled), and the weights rounded to bf16 times V, again 4 rows x 64 dims in
+ *      registers.
  *
- * Work items are spread over the OpenMP threads, largest first (the last positions see the
- * most keys). Returns 1 where this build or the shapes cannot (no AVX512_BF16, head_dim not
- * a multiple of 32 up to 256): the caller takes another path.
+ * Work items of all the requests are spread over the OpenMP threads, largest first (the
+ * last positions see the most keys). Returns 1 where this build or the shapes cannot (no
+ * AVX512_BF16, head_dim not a multiple of 32 up to 256), -1 without memory for the K/V
+ * copies.
  */
 #include <math.h>
 #include <stdint.h>
@@ -164,33 +166,72 @@ static void softmax_block(item_scratch_t *s, int rows, const int *last_visible, 
     }
 }
 
+typedef struct {
+    int request, head, query_block;
+    int64_t cost; /* keys seen by the block's last query */
+} work_item_t;
+
+static int by_cost_desc(const void *a, const void *b) {
+    const work_item_t *x = a, *y = b;
+    return (x->cost < y->cost) - (x->cost > y->cost);
+}
+
 int prefill_attention_bf16(const uint16_t *query, int64_t q_stride, const uint16_t *key_cache,
-                           const uint16_t *value_cache, const int32_t *block_table, int seq_len, int q_len,
+                           const uint16_t *value_cache, const int32_t *block_tables, int64_t table_stride,
+                           const int32_t *q_starts, const int32_t *q_lens, const int32_t *seq_lens, int num_requests,
                            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, uint16_t *out,
                            int64_t out_stride, int num_threads) {
-    if (head_dim % 32 || head_dim > MAX_HD || num_heads % num_kv_heads || q_len < 1 || q_len > seq_len) return 1;
-    const paged_kv_t kv = {key_cache, value_cache, block_table, block_size, num_kv_heads, head_dim};
+    if (head_dim % 32 || head_dim > MAX_HD || num_heads % num_kv_heads) return 1;
+    for (int r = 0; r < num_requests; r++)
+        if (q_lens[r] < 1 || q_lens[r] > seq_lens[r]) return 1;
     const int group = num_heads / num_kv_heads, rows = group * BQ, pairs = head_dim / 2;
-    const int prefix = seq_len - q_len;
-    const int key_blocks = (seq_len + BK - 1) / BK; /* of BK keys; K/V padded with zeros to them */
-    const int64_t k_head = (int64_t)key_blocks * (BK / 16) * pairs * 16, v_head = (int64_t)key_blocks * (BK / 2) * head_dim;
-    uint32_t *packed_k = malloc((size_t)(k_head * num_kv_heads) * sizeof *packed_k);
-    uint32_t *packed_v = malloc((size_t)(v_head * num_kv_heads) * sizeof *packed_v);
-    const int query_blocks = (q_len + BQ - 1) / BQ, items = num_kv_heads * query_blocks;
+    /* Per request: where its packed K/V start (in 64-key blocks) and its work items. */
+    int64_t *first_block = malloc((size_t)(num_requests + 1) * sizeof *first_block);
+    int num_items = 0;
+    if (!first_block) return -1;
+    first_block[0] = 0;
+    for (int r = 0; r < num_requests; r++) {
+        first_block[r + 1] = first_block[r] + (seq_lens[r] + BK - 1) / BK;
+        num_items += num_kv_heads * ((q_lens[r] + BQ - 1) / BQ);
+    }
+    const int64_t total_blocks = first_block[num_requests];
+    /* Packed K/V per (request, head): 64-key blocks of BK/16 x pairs x 16 and BK/2 x hd words. */
+    const int64_t k_block = (int64_t)(BK / 16) * pairs * 16, v_block = (int64_t)(BK / 2) * head_dim;
+    uint32_t *packed_k = malloc((size_t)(total_blocks * num_kv_heads * k_block) * sizeof *packed_k);
+    uint32_t *packed_v = malloc((size_t)(total_blocks * num_kv_heads * v_block) * sizeof *packed_v);
+    work_item_t *work = malloc((size_t)num_items * sizeof *work);
     static const uint32_t zero_words[MAX_HD / 2];
-    int failed = !packed_k || !packed_v;
+    int failed = !packed_k || !packed_v || !work;
+    if (!failed) {
+        int n = 0;
+        for (int r = 0; r < num_requests; r++)
+            for (int qb = 0; qb < (q_lens[r] + BQ - 1) / BQ; qb++)
+                for (int h = 0; h < num_kv_heads; h++) {
+                    const int last = qb * BQ + BQ < q_lens[r] ? qb * BQ + BQ : q_lens[r];
+                    work[n++] = (work_item_t){r, h, qb, seq_lens[r] - q_lens[r] + last};
+                }
+        qsort(work, (size_t)num_items, sizeof *work, by_cost_desc); /* largest first */
+    }
+    /* K/V of (request r, head h) start at block (first_block[r] * num_kv_heads + h * blocks of r). */
+#define KV_BLOCK_AT(r, h) (first_block[r] * num_kv_heads + (int64_t)(h) * (first_block[(r) + 1] - first_block[r]))
 #pragma omp parallel num_threads(num_threads) if (!failed)
     {
+        for (int r = 0; r < num_requests; r++) {
+            const paged_kv_t kv = {key_cache, value_cache, block_tables + r * table_stride, block_size, num_kv_heads,
+                                   head_dim};
+            const int blocks = (int)(first_block[r + 1] - first_block[r]);
 #pragma omp for schedule(static) nowait
-        for (int i = 0; i < num_kv_heads * key_blocks * (BK / 16); i++) {
-            const int head = i / (key_blocks * (BK / 16)), kb = i % (key_blocks * (BK / 16));
-            pack_keys(&kv, head, kb, seq_len, packed_k + head * k_head + (int64_t)kb * pairs * 16);
+            for (int i = 0; i < num_kv_heads * blocks * (BK / 16); i++) {
+                const int head = i / (blocks * (BK / 16)), kb = i % (blocks * (BK / 16));
+                pack_keys(&kv, head, kb, seq_lens[r], packed_k + KV_BLOCK_AT(r, head) * k_block + (int64_t)kb * pairs * 16);
+            }
+#pragma omp for schedule(static) nowait
+            for (int i = 0; i < num_kv_heads * blocks * (BK / 2); i++) {
+                const int head = i / (blocks * (BK / 2)), jp = i % (blocks * (BK / 2));
+                pack_values(&kv, head, jp, seq_lens[r], packed_v + KV_BLOCK_AT(r, head) * v_block + (int64_t)jp * head_dim);
+            }
         }
-#pragma omp for schedule(static)
-        for (int i = 0; i < num_kv_heads * key_blocks * (BK / 2); i++) {
-            const int head = i / (key_blocks * (BK / 2)), jp = i % (key_blocks * (BK / 2));
-            pack_values(&kv, head, jp, seq_len, packed_v + head * v_head + (int64_t)jp * head_dim);
-        }
+#pragma omp barrier
         item_scratch_t s;
         s.scores = malloc((size_t)rows * BK * sizeof *s.scores);
         s.weights = malloc((size_t)rows * BK * sizeof *s.weights);
@@ -207,35 +248,37 @@ int prefill_attention_bf16(const uint16_t *query, int64_t q_stride, const uint16
         s.rescale = ok ? s.row_max + 2 * rows : NULL;
         /* Every thread takes part in the loop (an OpenMP rule); one without scratch skips its items. */
 #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < items; item++) {
+        for (int item = 0; item < num_items; item++) {
             if (!ok) continue;
-            /* Largest first: the last query blocks see the most keys. */
-            const int qb = query_blocks - 1 - item / num_kv_heads, head = item % num_kv_heads;
-            const int i0 = qb * BQ, nq = q_len - i0 < BQ ? q_len - i0 : BQ;
+            const int r = work[item].request, head = work[item].head;
+            const int q_len = q_lens[r], prefix = seq_lens[r] - q_len;
+            const int i0 = work[item].query_block * BQ, nq = q_len - i0 < BQ ? q_len - i0 : BQ;
+            const uint16_t *q_rows = query + (int64_t)q_starts[r] * q_stride;
             for (int g = 0; g < group; g++)
                 for (int i = 0; i < BQ; i++) {
-                    const int r = g * BQ + i;
-                    q_words[r] = i < nq ? (const uint32_t *)(query + (i0 + i) * q_stride + (head * group + g) * head_dim)
-                                        : zero_words;
-                    last_visible[r] = prefix + i0 + (i < nq ? i : nq - 1);
-                    s.row_max[r] = -INFINITY;
-                    s.row_sum[r] = 0.0f;
+                    const int row = g * BQ + i;
+                    q_words[row] = i < nq ? (const uint32_t *)(q_rows + (i0 + i) * q_stride + (head * group + g) * head_dim)
+                                          : zero_words;
+                    last_visible[row] = prefix + i0 + (i < nq ? i : nq - 1);
+                    s.row_max[row] = -INFINITY;
+                    s.row_sum[row] = 0.0f;
                 }
             memset(s.acc, 0, (size_t)rows * head_dim * sizeof *s.acc);
+            const uint32_t *k_head = packed_k + KV_BLOCK_AT(r, head) * k_block;
+            const uint32_t *v_head = packed_v + KV_BLOCK_AT(r, head) * v_block;
             const int last_block = (prefix + i0 + nq - 1) / BK;
             for (int kb = 0; kb <= last_block; kb++) {
-                block_scores(q_words, rows, packed_k + head * k_head + (int64_t)kb * (BK / 16) * pairs * 16, pairs,
-                             scale, s.scores);
+                block_scores(q_words, rows, k_head + kb * k_block, pairs, scale, s.scores);
                 softmax_block(&s, rows, last_visible, kb * BK);
-                block_values(s.weights, s.rescale, rows, packed_v + head * v_head + (int64_t)kb * (BK / 2) * head_dim,
-                             head_dim, s.acc);
+                block_values(s.weights, s.rescale, rows, v_head + kb * v_block, head_dim, s.acc);
             }
+            uint16_t *o_rows = out + (int64_t)q_starts[r] * out_stride;
             for (int g = 0; g < group; g++)
                 for (int i = 0; i < nq; i++) {
-                    const int r = g * BQ + i;
-                    const float inv = 1.0f / s.row_sum[r];
-                    uint16_t *o = out + (i0 + i) * out_stride + (head * group + g) * head_dim;
-                    for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(s.acc[(int64_t)r * head_dim + d] * inv);
+                    const int row = g * BQ + i;
+                    const float inv = 1.0f / s.row_sum[row];
+                    uint16_t *o = o_rows + (i0 + i) * out_stride + (head * group + g) * head_dim;
+                    for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(s.acc[(int64_t)row * head_dim + d] * inv);
                 }
         }
         free(s.scores);
@@ -245,19 +288,23 @@ int prefill_attention_bf16(const uint16_t *query, int64_t q_stride, const uint16
         free(q_words);
         free(last_visible);
     }
+#undef KV_BLOCK_AT
+    free(first_block);
     free(packed_k);
     free(packed_v);
+    free(work);
     return failed ? -1 : 0;
 }
 
 #else
 int prefill_attention_bf16(const uint16_t *query, int64_t q_stride, const uint16_t *key_cache,
-                           const uint16_t *value_cache, const int32_t *block_table, int seq_len, int q_len,
+                           const uint16_t *value_cache, const int32_t *block_tables, int64_t table_stride,
+                           const int32_t *q_starts, const int32_t *q_lens, const int32_t *seq_lens, int num_requests,
                            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, uint16_t *out,
                            int64_t out_stride, int num_threads) {
-    (void)query, (void)q_stride, (void)key_cache, (void)value_cache, (void)block_table, (void)seq_len, (void)q_len;
-    (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)out, (void)out_stride;
-    (void)num_threads;
+    (void)query, (void)q_stride, (void)key_cache, (void)value_cache, (void)block_tables, (void)table_stride;
+    (void)q_starts, (void)q_lens, (void)seq_lens, (void)num_requests, (void)num_heads, (void)num_kv_heads;
+    (void)head_dim, (void)block_size, (void)scale, (void)out, (void)out_stride, (void)num_threads;
     return 1;
 }
 #endif

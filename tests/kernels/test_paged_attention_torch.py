@@ -3,6 +3,7 @@ K/V, with its decode plan built once per step; decode batches through the C kern
 against dense attention and the reference; what the kernel cannot take goes to the
 reference."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -235,34 +236,51 @@ def long_chunk_case(shape, dtype):
     return batch, dense_attention(batch)
 
 
+def fresh_long_chunk_case(shape, dtype):
+    """``long_chunk_case`` with metadata of its own (no plan left by another test)."""
+    batch, want = long_chunk_case(shape, dtype)
+    return dataclasses.replace(batch, attn=dataclasses.replace(batch.attn, prefill_plan=None)), want
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", LONG_SHAPES)
 def test_long_chunks_attend_causally_with_and_without_a_prefix(shape, dtype, monkeypatch):
-    """Long chunks go request by request, through PyTorch's flash attention in two parts
-    merged (the C kernel kept out), the others through the other paths; all against dense
-    attention."""
-    monkeypatch.setattr(torch_attention, "prefill_attention_native", lambda *args: False)
-    batch, want = long_chunk_case(shape, dtype)
+    """Without the C prefill kernel, long chunks go request by request through PyTorch's
+    flash attention in two parts merged, the others through the other paths; all against
+    dense attention."""
+    monkeypatch.setattr(torch_attention, "prefill_kernel_takes", lambda *args: False)
+    batch, want = fresh_long_chunk_case(shape, dtype)
     out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
     torch.testing.assert_close(out.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    assert batch.attn.prefill_plan.native is None and len(batch.attn.prefill_plan.long) == 3
+
+
+def prefill_kernel_built(cpu_isa: str) -> bool:
+    return "avx512_bf16" in cpu_flags() and cpu_isa == "native" and torch_attention._prefill_kernel() is not None
 
 
 @pytest.mark.parametrize("shape", LONG_SHAPES)
-def test_the_prefill_kernel_takes_bfloat16_chunks_where_it_is_built(shape, cpu_isa):
-    """The C kernel where this build has AVX512_BF16 (else it declines, and the flash path
-    above runs): every request of the batch, long or not, against dense attention."""
-    batch, want = long_chunk_case(shape, torch.bfloat16)
-    built = torch_attention._prefill_kernel() is not None and "avx512_bf16" in cpu_flags() and cpu_isa == "native"
-    attn = batch.attn
-    for i in range(len(attn.seq_lens)):
-        start, end = int(attn.query_start_loc[i]), int(attn.query_start_loc[i + 1])
-        out = poisoned_out(batch.query)
-        took = torch_attention.prefill_attention_native(batch.query, batch.key_cache, batch.value_cache,
-                                                        attn.block_tables[i], start, end - start,
-                                                        int(attn.seq_lens[i]), batch.scale, out)
-        assert took == built
-        if took:
-            torch.testing.assert_close(out[start:end].double(), want[start:end], rtol=2e-2, atol=2e-2)
-    if built:
-        out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
-        torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+def test_the_prefill_kernel_takes_every_chunk_of_a_bfloat16_step(shape, cpu_isa):
+    """The C kernel, where this build has AVX512_BF16, takes every request with more than
+    SHORT_QUERY_MAX query tokens in one call (the decode and the 17-token chunk stay with the
+    other paths); against dense attention."""
+    if not prefill_kernel_built(cpu_isa):
+        pytest.skip("the C prefill kernel needs AVX512_BF16 and a native build")
+    batch, want = fresh_long_chunk_case(shape, torch.bfloat16)
+    out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+    plan = batch.attn.prefill_plan
+    assert plan.native is not None and plan.taken.tolist() == [True, True, False, True, True]
+
+
+def test_the_prefill_kernel_takes_many_short_chunks_at_once(cpu_isa):
+    """A step of many short prompts (some after a cached prefix), as at high concurrency."""
+    if not prefill_kernel_built(cpu_isa):
+        pytest.skip("the C prefill kernel needs AVX512_BF16 and a native build")
+    gen = torch.Generator().manual_seed(9)
+    query_lens = torch.randint(18, 140, (24,), generator=gen).tolist()
+    context_lens = [int(c) * 16 for c in torch.randint(0, 4, (24,), generator=gen)]
+    batch = make_batch(query_lens, context_lens, 9, 3, 64, dtype=torch.bfloat16, seed=5)
+    out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=2e-2, atol=2e-2)
+    assert batch.attn.prefill_plan.all_taken
