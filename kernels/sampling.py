@@ -190,6 +190,32 @@ def _mass_at_least(x_row, vocab, row_max, scale, min_p, floor, threshold, BLOCK:
 
 
 @triton.jit
+def _kept_weights(x, row_max, scale, min_p, floor):
+    """``_weights``, 0 below the threshold bit pattern ``floor`` (top-k and top-p's)."""
+    e = _weights(x, row_max, scale, min_p)
+    return tl.where(e.to(tl.int32, bitcast=True) >= floor, e, 0.0)
+
+
+@triton.jit
+def _largest_threshold(x_row, vocab, row_max, scale, min_p, floor, want, BY_MASS: tl.constexpr,
+                       BLOCK: tl.constexpr, ONE: tl.constexpr, STEPS: tl.constexpr):
+    """By bisection, the largest bit pattern t >= ``floor`` at which the entries e >= t
+    reach ``want`` in count (or in mass, ``BY_MASS``)."""
+    lo = floor
+    hi = tl.full((), ONE + 1, dtype=tl.int32)
+    for _ in range(STEPS):
+        mid = lo + (hi - lo) // 2
+        count, mass = _mass_at_least(x_row, vocab, row_max, scale, min_p, floor, mid, BLOCK)
+        if BY_MASS:
+            enough = mass >= want
+        else:
+            enough = count >= want
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    return lo
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr, logits_stride, vocab, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, uniforms_ptr, tokens_ptr,
     probs_ptr, probs_stride, WANT_TOKENS: tl.constexpr, WANT_PROBS: tl.constexpr, BLOCK: tl.constexpr,
@@ -219,33 +245,17 @@ def _sample_kernel(
     # than k entries are non-zero), by bisection; then top-p the same way over the mass.
     floor = tl.zeros((), dtype=tl.int32)
     if (top_k > 0) & (top_k < vocab):
-        lo = tl.zeros((), dtype=tl.int32)
-        hi = tl.full((), ONE + 1, dtype=tl.int32)
-        for _ in range(STEPS):
-            mid = lo + (hi - lo) // 2
-            count, _mass = _mass_at_least(x_row, vocab, row_max, scale, min_p, floor, mid, BLOCK)
-            lo = tl.where(count >= top_k, mid, lo)
-            hi = tl.where(count >= top_k, hi, mid)
-        floor = lo
+        floor = _largest_threshold(x_row, vocab, row_max, scale, min_p, floor, top_k, False, BLOCK, ONE, STEPS)
     if top_p < 1.0:
         _count, kept_mass = _mass_at_least(x_row, vocab, row_max, scale, min_p, floor, floor, BLOCK)
-        target = top_p * kept_mass
-        lo = floor
-        hi = tl.full((), ONE + 1, dtype=tl.int32)
-        for _ in range(STEPS):
-            mid = lo + (hi - lo) // 2
-            _count, mass = _mass_at_least(x_row, vocab, row_max, scale, min_p, floor, mid, BLOCK)
-            lo = tl.where(mass >= target, mid, lo)
-            hi = tl.where(mass >= target, hi, mid)
-        floor = lo
+        floor = _largest_threshold(x_row, vocab, row_max, scale, min_p, floor, top_p * kept_mass, True, BLOCK, ONE,
+                                   STEPS)
 
     # The kept mass, block by block in the order the draw walks them.
     total = tl.zeros((), dtype=tl.float64)
     for start in range(0, vocab, BLOCK):
         x = tl.load(x_row + start + offs, mask=start + offs < vocab, other=float("-inf"))
-        e = _weights(x, row_max, scale, min_p)
-        e = tl.where(e.to(tl.int32, bitcast=True) >= floor, e, 0.0)
-        total += tl.sum(e, axis=0).to(tl.float64)
+        total += tl.sum(_kept_weights(x, row_max, scale, min_p, floor), axis=0).to(tl.float64)
 
     if WANT_TOKENS:
         target = tl.load(uniforms_ptr + row) * total
@@ -254,8 +264,7 @@ def _sample_kernel(
         last_positive = tl.zeros((), dtype=tl.int64)
         for start in range(0, vocab, BLOCK):
             x = tl.load(x_row + start + offs, mask=start + offs < vocab, other=float("-inf"))
-            e = _weights(x, row_max, scale, min_p)
-            e = tl.where(e.to(tl.int32, bitcast=True) >= floor, e, 0.0)
+            e = _kept_weights(x, row_max, scale, min_p, floor)
             block_sum = tl.sum(e, axis=0).to(tl.float64)
             inside = cum + tl.cumsum(e, axis=0).to(tl.float64)
             first = tl.min(tl.where((inside > target) & (e > 0), offs, BLOCK), axis=0)
@@ -273,8 +282,7 @@ def _sample_kernel(
         for start in range(0, vocab, BLOCK):
             mask = start + offs < vocab
             x = tl.load(x_row + start + offs, mask=mask, other=float("-inf"))
-            e = _weights(x, row_max, scale, min_p)
-            e = tl.where(e.to(tl.int32, bitcast=True) >= floor, e, 0.0)
+            e = _kept_weights(x, row_max, scale, min_p, floor)
             tl.store(probs_ptr + row * probs_stride + start + offs, e * inv, mask=mask)
 
 
