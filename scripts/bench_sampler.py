@@ -10,13 +10,15 @@ the torch threads the worker would use (all cores). Run it with another checkout
 PYTHONPATH to time another version of the sampler (the "before" of a change).
 
     .venv/bin/python scripts/bench_sampler.py [--batch 1 8 32 128] [--vocab 49152 262144]
-        [--settings greedy default chat llama_cpp penalties seeded] [--repeats 15] [--flat] [--json FILE]
+        [--settings greedy default chat llama_cpp penalties seeded] [--repeats 15] [--flat]
+        [--threads N] [--cpu-time] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -69,19 +71,21 @@ def make_logits(batch: int, vocab: int, flat: bool = False) -> torch.Tensor:
     return -1.5 * torch.log(ranks.float()) + 0.3 * torch.randn(batch, vocab, generator=gen)
 
 
-def time_setting(setting: str, batch: int, vocab: int, repeats: int, flat: bool = False) -> float:
-    """Median milliseconds of building the metadata and sampling one step."""
+def time_setting(setting: str, batch: int, vocab: int, repeats: int, flat: bool = False, cpu: bool = False) -> float:
+    """Median milliseconds of building the metadata and sampling one step (wall, or with
+    ``cpu`` this process's CPU time)."""
     from services.worker.sampler import Sampler
 
     logits = make_logits(batch, vocab, flat)
     sampler = Sampler(torch.Generator().manual_seed(0))
     input_batch, rows = metadata_for(setting, batch, vocab)
+    clock = time.process_time if cpu else time.perf_counter
     times = []
     for i in range(repeats + 2):
-        start = time.perf_counter()
+        start = clock()
         sampler(logits, input_batch.make_sampling_metadata(rows))
         if i >= 2:
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     return statistics.median(times) * 1e3
 
 
@@ -92,19 +96,28 @@ def main(argv=None) -> int:
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--flat", action="store_true", help="Gaussian logits (std 2.5), not Zipf-like")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores, as the worker)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time by this process's CPU time, not the wall clock (steadier on a busy machine; "
+                        "with more than one thread it adds the threads' times)")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
-    print(f"# {describe_cpu()}; torch threads {torch.get_num_threads()}")
-    print(f"# milliseconds per step (median): metadata + sampler; {'Gaussian' if args.flat else 'Zipf-like'} logits")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = "CPU" if args.cpu_time else "wall"
+    print(f"# {describe_cpu()}; torch threads {torch.get_num_threads()}; load {os.getloadavg()[0]:.1f}")
+    print(f"# {clock} milliseconds per step (median): metadata + sampler; "
+          f"{'Gaussian' if args.flat else 'Zipf-like'} logits")
     print(f"{'vocab':>7} {'batch':>5} " + " ".join(f"{s:>10}" for s in args.settings))
     results = []
     for vocab in args.vocab:
         for batch in args.batch:
-            row = {s: time_setting(s, batch, vocab, args.repeats, args.flat) for s in args.settings}
+            row = {s: time_setting(s, batch, vocab, args.repeats, args.flat, args.cpu_time) for s in args.settings}
             results.append(dict(vocab=vocab, batch=batch, ms=row))
             print(f"{vocab:>7} {batch:>5} " + " ".join(f"{row[s]:>10.3f}" for s in args.settings), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(cpu=describe_cpu(), results=results), indent=1))
+        Path(args.json).write_text(json.dumps(dict(cpu=describe_cpu(), clock=clock, threads=torch.get_num_threads(),
+                                                   results=results), indent=1))
     return 0
 
 
