@@ -101,6 +101,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
         torch.manual_seed(run_config.seed)
+        # The threads the model runs on; a CPU step of few tokens takes one (execute_model).
+        self.num_threads = torch.get_num_threads()
         self.prepacked = run_config.cpu_prepack and can_prepack(self.device, self.dtype)
         # A rank's shard of a matrix is not a whole quantized tensor: under tensor
         # parallelism the weights are dequantized.
@@ -313,6 +315,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput, clock=NULL_CLOCK) -> ModelRunnerOutput:
         """``clock``: a step_profile.PhaseClock to time the phases, when profiling."""
         self._update_states(out)
+        self._set_threads(out.total_num_scheduled_tokens)
         clock.lap("update_states")
         batch = self.input_batch
         num_reqs = batch.num_reqs
@@ -379,6 +382,15 @@ class ModelRunner:
             output.prompt_logprobs = [prompt_logprobs.get(i) for i in range(num_reqs)]
         clock.lap("output")
         return output
+
+    def _set_threads(self, num_tokens: int) -> None:
+        """On CPU, one thread for a step of at most ``cpu_single_thread_max_tokens`` tokens,
+        all of them otherwise (``ModelRunConfig``)."""
+        if self.device.type != "cpu":
+            return
+        threads = 1 if num_tokens <= self.run_config.cpu_single_thread_max_tokens else self.num_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, num_scheduled: np.ndarray) -> dict:
         """Row -> the prompt logprobs this step's chunk yields, for requests that want them
