@@ -14,12 +14,33 @@ the first layer that needs it (see `kernels.paged_attention_torch`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from kernels.paged_attention_torch import DecodePlan, PrefillPlan
+
+@dataclass
+class DecodePlan:
+    """What every layer's decode attention shares within one all-decode step (the "torch"
+    backend builds it with its first layer)."""
+
+    blocks: torch.Tensor  # [n * num_blocks] int64: each request's blocks, in order
+    span: int  # num_blocks * block_size: keys read per request
+    bias: torch.Tensor  # [n, 1, span] float32: 0 for visible keys, -inf past seq_len
+    query_rows: torch.Tensor | None  # [n] int64 rows of `query`; None: row i is request i
+
+
+@dataclass
+class PrefillPlan:
+    """What every layer's attention of a step with prompt chunks shares (the "torch"
+    backend builds it with its first layer): the requests the chunk path takes (`taken`
+    [N] bool) and, for the C prefill kernel, its int32 arrays (`native`: block tables,
+    query starts, query lengths, context lengths; None where it cannot run), or else per
+    long request (block table, start, length, seq_len) for PyTorch's flash attention."""
+
+    taken: torch.Tensor
+    all_taken: bool
+    native: tuple[torch.Tensor, ...] | None
+    long: list[tuple[torch.Tensor, int, int, int]]
 
 
 @dataclass
@@ -36,5 +57,5 @@ class AttentionMetadata:
     # token: (block table row per token, context length per token); None until built.
     token_decodes: tuple[torch.Tensor, torch.Tensor] | None = None
     # A step with prompt chunks: which requests the CPU's chunk path attends, and its
-    # arguments (kernels.paged_attention_torch.PrefillPlan); None until built.
+    # arguments (`PrefillPlan`); None until built.
     prefill_plan: PrefillPlan | None = None

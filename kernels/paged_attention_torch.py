@@ -41,12 +41,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, DecodePlan, PrefillPlan
 from kernels.cpu_build import bind, heads_packed, kernel_binding, library_isa
 
 
@@ -74,16 +73,6 @@ def _gather_kv(
 def _widened(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Gathered K/V in the query's dtype (a bfloat16 cache under a float32 query)."""
     return kv if kv.dtype == dtype else kv.to(dtype)
-
-
-@dataclass
-class DecodePlan:
-    """What every layer's decode attention shares within one step."""
-
-    blocks: torch.Tensor  # [n * num_blocks] int64: each request's blocks, in order
-    span: int  # num_blocks * block_size: keys read per request
-    bias: torch.Tensor  # [n, 1, span] float32: 0 for visible keys, -inf past seq_len
-    query_rows: torch.Tensor | None  # [n] int64 rows of `query`; None: row i is request i
 
 
 def _decode_plan(
@@ -358,18 +347,6 @@ def paged_attention_cpu(
             return out
         return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out, skip=plan.taken)
     return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out)
-
-
-@dataclass
-class PrefillPlan:
-    """What every layer's attention of a step with prompt chunks shares: the requests the
-    chunk path takes (`taken` [N] bool) and, for the C kernel (`native`: its int32 arrays,
-    None where it cannot run), or else per long request (table, start, length, seq_len)."""
-
-    taken: torch.Tensor
-    all_taken: bool
-    native: tuple[torch.Tensor, ...] | None
-    long: list[tuple[torch.Tensor, int, int, int]]
 
 
 def _prefill_plan(query: torch.Tensor, key_cache: torch.Tensor, attn: AttentionMetadata) -> PrefillPlan:

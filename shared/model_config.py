@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.config import ConfigError
+from shared.config_error import ConfigError
 
 logger = logging.getLogger(__name__)
 
