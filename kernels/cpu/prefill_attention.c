@@ -6,22 +6,27 @@
  * 0 .. prefix + i. Flash attention's online softmax, so no [queries, keys] matrix is ever
  * held:
  *
- *   1. each request's K and V, per KV head, are copied once from the cache's blocks into
- *      the layouts vdpbf16ps reads (products of bf16 pairs summed in float32): K as, per 16
- *      keys and per pair of dims, one vector of the 16 keys' pairs; V as, per pair of keys
- *      and per 16 dims, one vector of the 16 dims' key pairs;
- *   2. a work item is one request, one KV head and BQ query positions, for all the query
- *      heads of that KV head (GQA: its K/V are read once for the group); per BK keys, only
- *      up to the last position the item sees (above the diagonal nothing is computed): the
- *      scores of 4 rows x 64 keys held in registers over the head dim, the causal mask on
- *      the diagonal block, the softmax update in float32 (running max and sum, the output
- *      rescaled), and the weights rounded to bf16 times V, again 4 rows x 64 dims in
- *      registers.
+ *   1. a work item is one request, one KV head and BQ query positions (all of them when
+ *      fewer), for all the query heads of that KV head (GQA: its K/V are read once for the
+ *      group); it copies the head's keys up to its last visible one from the cache's blocks
+ *      into the layouts vdpbf16ps reads (products of bf16 pairs summed in float32), kept for
+ *      the thread's next item of the same head: K as, per 16 keys and per pair of dims, one
+ *      vector of the 16 keys' pairs (a 16 x 16 transpose of 32-bit words); V as, per pair
+ *      of keys and per 16 dims, one vector of the 16 dims' key pairs;
+ *   2. per BK keys, only up to the last position the item sees (above the diagonal nothing
+ *      is computed): the scores of 4 rows x 64 keys held in registers over the head dim,
+ *      the causal mask on the diagonal block, the softmax update in float32 (running max and
+ *      sum, the output rescaled), and the weights rounded to bf16 times V, again 4 rows x
+ *      64 dims in registers.
  *
- * Work items of all the requests are spread over the OpenMP threads, largest first (the
- * last positions see the most keys). Returns 1 where this build or the shapes cannot (no
- * AVX512_BF16, head_dim not a multiple of 32 up to 256), -1 without memory for the K/V
- * copies.
+ * A row's arithmetic depends only on its query and its context's K/V (blocks of keys at
+ * fixed positions from 0, in order; blocks past a row's last key change nothing), so a
+ * token gets the same bits however its prompt is chunked and whatever else the call
+ * holds. It is not the decode kernel's arithmetic (kernels/cpu/paged_decode_attention.c):
+ * the same token attended as a decode differs in the last bits. Work items of all the
+ * requests are spread over the OpenMP threads, a head's last query block first. Returns 1
+ * where this build or the shapes cannot (no AVX512_BF16, head_dim not a multiple of 32 up
+ * to 256), -1 without memory for a thread's scratch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -50,25 +55,54 @@ static inline const uint16_t *kv_row(const paged_kv_t *kv, const uint16_t *cache
     return cache + ((block * kv->block_size + position % kv->block_size) * kv->num_kv_heads + head) * kv->head_dim;
 }
 
-/* K of head h, keys [16 kb, 16 kb + 16): per pair of dims d2, the 16 keys' (d, d + 1) pairs. */
-static void pack_keys(const paged_kv_t *kv, int head, int kb, int seq_len, uint32_t *out) {
-    const int pairs = kv->head_dim / 2;
-    for (int j = 0; j < 16; j++) {
-        const int position = 16 * kb + j;
-        if (position < seq_len) {
-            const uint32_t *row = (const uint32_t *)kv_row(kv, kv->key_cache, position, head);
-            for (int d2 = 0; d2 < pairs; d2++) out[d2 * 16 + j] = row[d2];
-        } else {
-            for (int d2 = 0; d2 < pairs; d2++) out[d2 * 16 + j] = 0;
-        }
+/* A 16 x 16 transpose of 32-bit words: out[d] lane j = in[j] lane d. */
+static inline void transpose_16x16(const __m512i in[16], __m512i out[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane L, u[4 i + m] holds rows 4i..4i+3 of word 4L + m */
+        u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int m = 0; m < 4; m++) { /* word 4L + m of all 16 rows: lane L of u[m], u[4 + m], u[8 + m], u[12 + m] */
+        const __m512i x0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88), x1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xDD);
+        const __m512i y0 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88);
+        const __m512i y1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xDD);
+        out[m] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+        out[8 + m] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+        out[4 + m] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+        out[12 + m] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
     }
 }
 
-/* V of head h, keys 2 jp and 2 jp + 1: per 16 dims, the 16 dims' (key 2 jp, key 2 jp + 1) pairs. */
+/* K of head h, keys [16 g, 16 g + 16): per pair of dims d2, the 16 keys' (d, d + 1) pairs
+ * (zeros past seq_len). */
+static void pack_keys(const paged_kv_t *kv, int head, int g, int seq_len, uint32_t *out) {
+    const int pairs = kv->head_dim / 2;
+    const uint16_t *rows[16];
+    for (int j = 0; j < 16; j++) rows[j] = 16 * g + j < seq_len ? kv_row(kv, kv->key_cache, 16 * g + j, head) : NULL;
+    for (int c = 0; c < pairs; c += 16) { /* 16 pairs of dims at a time */
+        __m512i in[16], t[16];
+        for (int j = 0; j < 16; j++) in[j] = rows[j] ? _mm512_loadu_si512(rows[j] + 2 * c) : _mm512_setzero_si512();
+        transpose_16x16(in, t);
+        for (int d = 0; d < 16; d++) _mm512_storeu_si512(out + (int64_t)(c + d) * 16, t[d]);
+    }
+}
+
+/* V of head h, keys 2 jp and 2 jp + 1: per 16 dims, the 16 dims' (key 2 jp, key 2 jp + 1)
+ * pairs (zeros past seq_len). */
 static void pack_values(const paged_kv_t *kv, int head, int jp, int seq_len, uint32_t *out) {
     const uint16_t *a = 2 * jp < seq_len ? kv_row(kv, kv->value_cache, 2 * jp, head) : NULL;
     const uint16_t *b = 2 * jp + 1 < seq_len ? kv_row(kv, kv->value_cache, 2 * jp + 1, head) : NULL;
-    for (int d = 0; d < kv->head_dim; d++) out[d] = (uint32_t)(a ? a[d] : 0) | (uint32_t)(b ? b[d] : 0) << 16;
+    for (int d = 0; d < kv->head_dim; d += 16) {
+        const __m512i lo = a ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + d))) : _mm512_setzero_si512();
+        const __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + d))) : _mm512_setzero_si512();
+        _mm512_storeu_si512(out + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
 }
 
 /* Per thread: one work item's rows (group x BQ) of scores, bf16 weights, output and softmax state. */
@@ -168,12 +202,98 @@ static void softmax_block(item_scratch_t *s, int rows, const int *last_visible, 
 
 typedef struct {
     int request, head, query_block;
-    int64_t cost; /* keys seen by the block's last query */
 } work_item_t;
 
-static int by_cost_desc(const void *a, const void *b) {
-    const work_item_t *x = a, *y = b;
-    return (x->cost < y->cost) - (x->cost > y->cost);
+/* Query positions per work item of a request with q_len queries: BQ, or all of them when
+ * fewer (a decode is one). */
+static inline int item_positions(int q_len) { return q_len < BQ ? q_len : BQ; }
+
+/* Rows of a work item: its positions for each query head of the group, a multiple of 4. */
+static inline int item_rows(int group, int positions) { return (group * positions + 3) / 4 * 4; }
+
+/* One thread's scratch, kept between calls (grown as needed). */
+typedef struct {
+    uint32_t *packed_k, *packed_v; /* one KV head's keys up to an item's last, packed */
+    item_scratch_t item;
+    const uint32_t **q_words;
+    int *last_visible;
+    int64_t key_capacity, row_capacity, dim_capacity;
+    /* What packed_k / packed_v hold: keys 0 .. packed_keys - 1 of (call, request, head). */
+    int64_t packed_call;
+    int packed_request, packed_head, packed_keys;
+} thread_scratch_t;
+
+static thread_scratch_t *thread_scratch(int64_t keys, int rows, int head_dim) {
+    static __thread thread_scratch_t t;
+    if (t.key_capacity >= keys && t.row_capacity >= rows && t.dim_capacity >= head_dim) return &t;
+    free(t.packed_k), free(t.packed_v), free(t.item.scores), free(t.item.weights), free(t.item.acc);
+    free(t.item.row_max), free(t.q_words), free(t.last_visible);
+    if (keys < t.key_capacity) keys = t.key_capacity;
+    if (rows < t.row_capacity) rows = (int)t.row_capacity;
+    if (head_dim < t.dim_capacity) head_dim = (int)t.dim_capacity;
+    t.packed_k = malloc((size_t)keys * head_dim / 2 * sizeof *t.packed_k);
+    t.packed_v = malloc((size_t)keys * head_dim / 2 * sizeof *t.packed_v);
+    t.item.scores = malloc((size_t)rows * BK * sizeof *t.item.scores);
+    t.item.weights = malloc((size_t)rows * BK * sizeof *t.item.weights);
+    t.item.acc = malloc((size_t)rows * head_dim * sizeof *t.item.acc);
+    t.item.row_max = malloc((size_t)rows * 3 * sizeof *t.item.row_max);
+    t.q_words = malloc((size_t)rows * sizeof *t.q_words);
+    t.last_visible = malloc((size_t)rows * sizeof *t.last_visible);
+    const int ok = t.packed_k && t.packed_v && t.item.scores && t.item.weights && t.item.acc && t.item.row_max &&
+                   t.q_words && t.last_visible;
+    t.packed_call = -1;
+    t.key_capacity = ok ? keys : 0;
+    t.row_capacity = ok ? rows : 0;
+    t.dim_capacity = ok ? head_dim : 0;
+    if (!ok) return NULL;
+    t.item.row_sum = t.item.row_max + rows;
+    t.item.rescale = t.item.row_max + 2 * rows;
+    return &t;
+}
+
+/* One work item: positions i0 .. i0 + nq - 1 of request `request`'s queries, KV head `head`. */
+static void attend_item(const uint16_t *query, int64_t q_stride, const paged_kv_t *kv, int64_t call, int request,
+                        int q_start, int q_len, int seq_len, int head, int group, int i0, int positions, float scale,
+                        uint16_t *out, int64_t out_stride, thread_scratch_t *t) {
+    static const uint32_t zero_words[MAX_HD / 2];
+    const int hd = kv->head_dim, pairs = hd / 2, prefix = seq_len - q_len;
+    const int nq = q_len - i0 < positions ? q_len - i0 : positions, rows = item_rows(group, positions);
+    const int last_block = (prefix + i0 + nq - 1) / BK, keys = (last_block + 1) * BK;
+    /* This head's keys up to the item's last visible one, packed (zeros past seq_len); what
+     * this thread packed for the same head's previous item is kept. */
+    int from = 0;
+    if (t->packed_call == call && t->packed_request == request && t->packed_head == head) from = t->packed_keys;
+    for (int g16 = from / 16; g16 < keys / 16; g16++)
+        pack_keys(kv, head, g16, seq_len, t->packed_k + (int64_t)g16 * pairs * 16);
+    for (int jp = from / 2; jp < keys / 2; jp++)
+        pack_values(kv, head, jp, seq_len, t->packed_v + (int64_t)jp * hd);
+    if (keys > from || t->packed_call != call || t->packed_request != request || t->packed_head != head) {
+        t->packed_call = call, t->packed_request = request, t->packed_head = head;
+        t->packed_keys = keys > from ? keys : from;
+    }
+    item_scratch_t *s = &t->item;
+    const uint16_t *q_rows = query + (int64_t)q_start * q_stride;
+    for (int r = 0; r < rows; r++) {
+        const int g = r / positions, i = r % positions, real = g < group && i < nq;
+        t->q_words[r] = real ? (const uint32_t *)(q_rows + (i0 + i) * q_stride + (head * group + g) * hd) : zero_words;
+        t->last_visible[r] = prefix + i0 + (real ? i : 0);
+        s->row_max[r] = -INFINITY;
+        s->row_sum[r] = 0.0f;
+    }
+    memset(s->acc, 0, (size_t)rows * hd * sizeof *s->acc);
+    for (int kb = 0; kb <= last_block; kb++) {
+        block_scores(t->q_words, rows, t->packed_k + (int64_t)kb * (BK / 16) * pairs * 16, pairs, scale, s->scores);
+        softmax_block(s, rows, t->last_visible, kb * BK);
+        block_values(s->weights, s->rescale, rows, t->packed_v + (int64_t)kb * (BK / 2) * hd, hd, s->acc);
+    }
+    uint16_t *o_rows = out + (int64_t)q_start * out_stride;
+    for (int g = 0; g < group; g++)
+        for (int i = 0; i < nq; i++) {
+            const int r = g * positions + i;
+            const float inv = 1.0f / s->row_sum[r];
+            uint16_t *o = o_rows + (i0 + i) * out_stride + (head * group + g) * hd;
+            for (int d = 0; d < hd; d++) o[d] = f32_to_bf16(s->acc[(int64_t)r * hd + d] * inv);
+        }
 }
 
 int prefill_attention_bf16(const uint16_t *query, int64_t q_stride, const uint16_t *key_cache,
@@ -182,116 +302,45 @@ int prefill_attention_bf16(const uint16_t *query, int64_t q_stride, const uint16
                            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, uint16_t *out,
                            int64_t out_stride, int num_threads) {
     if (head_dim % 32 || head_dim > MAX_HD || num_heads % num_kv_heads) return 1;
-    for (int r = 0; r < num_requests; r++)
-        if (q_lens[r] < 1 || q_lens[r] > seq_lens[r]) return 1;
-    const int group = num_heads / num_kv_heads, rows = group * BQ, pairs = head_dim / 2;
-    /* Per request: where its packed K/V start (in 64-key blocks) and its work items. */
-    int64_t *first_block = malloc((size_t)(num_requests + 1) * sizeof *first_block);
-    int num_items = 0;
-    if (!first_block) return -1;
-    first_block[0] = 0;
+    int num_items = 0, max_keys = 0;
     for (int r = 0; r < num_requests; r++) {
-        first_block[r + 1] = first_block[r] + (seq_lens[r] + BK - 1) / BK;
-        num_items += num_kv_heads * ((q_lens[r] + BQ - 1) / BQ);
+        if (q_lens[r] < 1 || q_lens[r] > seq_lens[r]) return 1;
+        const int positions = item_positions(q_lens[r]);
+        num_items += num_kv_heads * ((q_lens[r] + positions - 1) / positions);
+        const int keys = (seq_lens[r] + BK - 1) / BK * BK;
+        if (keys > max_keys) max_keys = keys;
     }
-    const int64_t total_blocks = first_block[num_requests];
-    /* Packed K/V per (request, head): 64-key blocks of BK/16 x pairs x 16 and BK/2 x hd words. */
-    const int64_t k_block = (int64_t)(BK / 16) * pairs * 16, v_block = (int64_t)(BK / 2) * head_dim;
-    uint32_t *packed_k = malloc((size_t)(total_blocks * num_kv_heads * k_block) * sizeof *packed_k);
-    uint32_t *packed_v = malloc((size_t)(total_blocks * num_kv_heads * v_block) * sizeof *packed_v);
+    const int group = num_heads / num_kv_heads, max_rows = item_rows(group, BQ);
     work_item_t *work = malloc((size_t)num_items * sizeof *work);
-    static const uint32_t zero_words[MAX_HD / 2];
-    int failed = !packed_k || !packed_v || !work;
-    if (!failed) {
-        int n = 0;
-        for (int r = 0; r < num_requests; r++)
-            for (int qb = 0; qb < (q_lens[r] + BQ - 1) / BQ; qb++)
-                for (int h = 0; h < num_kv_heads; h++) {
-                    const int last = qb * BQ + BQ < q_lens[r] ? qb * BQ + BQ : q_lens[r];
-                    work[n++] = (work_item_t){r, h, qb, seq_lens[r] - q_lens[r] + last};
-                }
-        qsort(work, (size_t)num_items, sizeof *work, by_cost_desc); /* largest first */
-    }
-    /* K/V of (request r, head h) start at block (first_block[r] * num_kv_heads + h * blocks of r). */
-#define KV_BLOCK_AT(r, h) (first_block[r] * num_kv_heads + (int64_t)(h) * (first_block[(r) + 1] - first_block[r]))
-#pragma omp parallel num_threads(num_threads) if (!failed)
-    {
-        for (int r = 0; r < num_requests; r++) {
-            const paged_kv_t kv = {key_cache, value_cache, block_tables + r * table_stride, block_size, num_kv_heads,
-                                   head_dim};
-            const int blocks = (int)(first_block[r + 1] - first_block[r]);
-#pragma omp for schedule(static) nowait
-            for (int i = 0; i < num_kv_heads * blocks * (BK / 16); i++) {
-                const int head = i / (blocks * (BK / 16)), kb = i % (blocks * (BK / 16));
-                pack_keys(&kv, head, kb, seq_lens[r], packed_k + KV_BLOCK_AT(r, head) * k_block + (int64_t)kb * pairs * 16);
-            }
-#pragma omp for schedule(static) nowait
-            for (int i = 0; i < num_kv_heads * blocks * (BK / 2); i++) {
-                const int head = i / (blocks * (BK / 2)), jp = i % (blocks * (BK / 2));
-                pack_values(&kv, head, jp, seq_lens[r], packed_v + KV_BLOCK_AT(r, head) * v_block + (int64_t)jp * head_dim);
-            }
-        }
-#pragma omp barrier
-        item_scratch_t s;
-        s.scores = malloc((size_t)rows * BK * sizeof *s.scores);
-        s.weights = malloc((size_t)rows * BK * sizeof *s.weights);
-        s.acc = malloc((size_t)rows * head_dim * sizeof *s.acc);
-        s.row_max = malloc((size_t)rows * 3 * sizeof *s.row_max);
-        const uint32_t **q_words = malloc((size_t)rows * sizeof *q_words);
-        int *last_visible = malloc((size_t)rows * sizeof *last_visible);
-        const int ok = s.scores && s.weights && s.acc && s.row_max && q_words && last_visible;
-        if (!ok) {
+    if (!work) return -1;
+    /* Per request and KV head, the last query block first: a thread that takes the next item
+     * of the same head finds its keys packed already, and the smallest items come last. */
+    int n = 0;
+    for (int r = 0; r < num_requests; r++)
+        for (int h = 0; h < num_kv_heads; h++)
+            for (int qb = (q_lens[r] + item_positions(q_lens[r]) - 1) / item_positions(q_lens[r]) - 1; qb >= 0; qb--)
+                work[n++] = (work_item_t){r, h, qb};
+    static int64_t calls; /* tells one call's packed keys from another's */
+    int64_t call;
+#pragma omp atomic capture
+    call = ++calls;
+    if (num_threads > num_items) num_threads = num_items > 0 ? num_items : 1;
+    int failed = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
+    for (int item = 0; item < num_items; item++) {
+        thread_scratch_t *t = thread_scratch(max_keys, max_rows, head_dim);
+        if (!t) {
 #pragma omp atomic write
             failed = 1;
+            continue;
         }
-        s.row_sum = ok ? s.row_max + rows : NULL;
-        s.rescale = ok ? s.row_max + 2 * rows : NULL;
-        /* Every thread takes part in the loop (an OpenMP rule); one without scratch skips its items. */
-#pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < num_items; item++) {
-            if (!ok) continue;
-            const int r = work[item].request, head = work[item].head;
-            const int q_len = q_lens[r], prefix = seq_lens[r] - q_len;
-            const int i0 = work[item].query_block * BQ, nq = q_len - i0 < BQ ? q_len - i0 : BQ;
-            const uint16_t *q_rows = query + (int64_t)q_starts[r] * q_stride;
-            for (int g = 0; g < group; g++)
-                for (int i = 0; i < BQ; i++) {
-                    const int row = g * BQ + i;
-                    q_words[row] = i < nq ? (const uint32_t *)(q_rows + (i0 + i) * q_stride + (head * group + g) * head_dim)
-                                          : zero_words;
-                    last_visible[row] = prefix + i0 + (i < nq ? i : nq - 1);
-                    s.row_max[row] = -INFINITY;
-                    s.row_sum[row] = 0.0f;
-                }
-            memset(s.acc, 0, (size_t)rows * head_dim * sizeof *s.acc);
-            const uint32_t *k_head = packed_k + KV_BLOCK_AT(r, head) * k_block;
-            const uint32_t *v_head = packed_v + KV_BLOCK_AT(r, head) * v_block;
-            const int last_block = (prefix + i0 + nq - 1) / BK;
-            for (int kb = 0; kb <= last_block; kb++) {
-                block_scores(q_words, rows, k_head + kb * k_block, pairs, scale, s.scores);
-                softmax_block(&s, rows, last_visible, kb * BK);
-                block_values(s.weights, s.rescale, rows, v_head + kb * v_block, head_dim, s.acc);
-            }
-            uint16_t *o_rows = out + (int64_t)q_starts[r] * out_stride;
-            for (int g = 0; g < group; g++)
-                for (int i = 0; i < nq; i++) {
-                    const int row = g * BQ + i;
-                    const float inv = 1.0f / s.row_sum[row];
-                    uint16_t *o = o_rows + (i0 + i) * out_stride + (head * group + g) * head_dim;
-                    for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(s.acc[(int64_t)row * head_dim + d] * inv);
-                }
-        }
-        free(s.scores);
-        free(s.weights);
-        free(s.acc);
-        free(s.row_max);
-        free(q_words);
-        free(last_visible);
+        const int r = work[item].request;
+        const paged_kv_t kv = {key_cache, value_cache, block_tables + r * table_stride, block_size, num_kv_heads,
+                               head_dim};
+        const int positions = item_positions(q_lens[r]);
+        attend_item(query, q_stride, &kv, call, r, q_starts[r], q_lens[r], seq_lens[r], work[item].head, group,
+                    work[item].query_block * positions, positions, scale, out, out_stride, t);
     }
-#undef KV_BLOCK_AT
-    free(first_block);
-    free(packed_k);
-    free(packed_v);
     free(work);
     return failed ? -1 : 0;
 }

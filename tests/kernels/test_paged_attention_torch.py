@@ -284,3 +284,29 @@ def test_the_prefill_kernel_takes_many_short_chunks_at_once(cpu_isa):
     out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
     torch.testing.assert_close(out.double(), dense_attention(batch), rtol=2e-2, atol=2e-2)
     assert batch.attn.prefill_plan.all_taken
+
+
+def test_the_prefill_kernel_gives_a_token_the_same_bits_however_its_prompt_is_chunked_or_batched(cpu_isa):
+    """A token's result depends on its query and its context's K/V only: the same 300-token
+    prompt as one chunk, as its second half after the first, and beside other requests."""
+    if not prefill_kernel_built(cpu_isa):
+        pytest.skip("the C prefill kernel needs AVX512_BF16 and a native build")
+    whole = make_batch([300], [0], 9, 3, 64, dtype=torch.bfloat16, seed=6)
+    out_whole = paged_attention_cpu(*whole.args(), out=poisoned_out(whole.query))
+    # The second half alone, over the same cache: its rows of the query, the prompt's first
+    # 150 positions as context.
+    half = dataclasses.replace(whole, query=whole.query[150:].clone(), attn=dataclasses.replace(
+        whole.attn, query_start_loc=torch.tensor([0, 150], dtype=torch.int32), max_query_len=150,
+        prefill_plan=None))
+    out_half = paged_attention_cpu(*half.args(), out=poisoned_out(half.query))
+    assert torch.equal(out_half, out_whole[150:])
+    # Beside other requests (their caches elsewhere): the same rows, bit for bit.
+    others = make_batch([40, 300, 77], [10, 0, 200], 9, 3, 64, dtype=torch.bfloat16, seed=7)
+    start = int(others.attn.query_start_loc[1])
+    others.query[start : start + 300] = whole.query
+    table = others.attn.block_tables[1]
+    for i in range(-(-300 // 16)):
+        others.key_cache[table[i]] = whole.key_cache[whole.attn.block_tables[0, i]]
+        others.value_cache[table[i]] = whole.value_cache[whole.attn.block_tables[0, i]]
+    out_others = paged_attention_cpu(*others.args(), out=poisoned_out(others.query))
+    assert torch.equal(out_others[start : start + 300], out_whole)
