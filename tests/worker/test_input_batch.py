@@ -97,6 +97,7 @@ def test_the_metadata_of_every_row_is_reused_until_a_row_changes():
     second = batch.make_sampling_metadata(np.arange(2))
     assert second is not first and second.temperature.tolist() == [1.0, 0.5]
     batch.remove_request("r1")
+    batch.condense()
     third = batch.make_sampling_metadata(np.arange(1))
     assert third is not second and len(third.temperature) == 1
     # Penalties read each step's output ids: never reused.
