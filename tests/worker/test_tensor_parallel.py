@@ -83,9 +83,9 @@ def run_workload(runner) -> dict:
     digest = hashlib.sha256()
     execute = runner.execute_model
 
-    def recording(out):
+    def recording(out, *args):
         digest.update(SCHEDULER_OUTPUT.encode(out))
-        return execute(out)
+        return execute(out, *args)
 
     runner.execute_model = recording
     result: dict = {"tokens": {}, "logprobs": {}}
