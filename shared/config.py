@@ -245,8 +245,18 @@ class ModelRunConfig:
               "was chunked or cached (every query token attended alone, products computed row by row in one "
               "order); off: attention of prompt chunks by padded SDPA calls and products chosen by row count")
 
+    # services/worker/model_runner.py. A batch-1 decode step is a chain of small products and
+    # kernels that a second thread barely speeds up (SmolLM2-135M here: 6.5 ms against 6.9 at
+    # best, docs/BENCHMARKS.md), while the rest of the stack (scheduler, bus, detokenizer,
+    # gateway) needs a core for every token it streams.
+    cpu_single_thread_max_tokens: int = setting(
+        1, "CPU: steps of at most this many tokens (decoding one request) run on one thread, the other "
+           "cores left to the stack's other services; 0: every step on all threads")
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "omp_wait_policy", self.omp_wait_policy.lower())
+        if self.cpu_single_thread_max_tokens < 0:
+            raise ConfigError(f"cpu_single_thread_max_tokens must be >= 0, got {self.cpu_single_thread_max_tokens}")
         if self.omp_wait_policy not in OMP_WAIT_POLICIES:
             raise ConfigError(f"omp_wait_policy must be passive|active|default, got {self.omp_wait_policy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

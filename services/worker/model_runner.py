@@ -106,6 +106,8 @@ class ModelRunner:
         torch.manual_seed(run_config.seed)
         # How float weight matrices are laid out for their products (services/worker/linear.py).
         self.pack = weight_packer(self.device, self.dtype, run_config.cpu_prepack, run_config.batch_invariant)
+        # The threads the model runs on; a CPU step of few tokens takes one (execute_model).
+        self.num_threads = torch.get_num_threads()
         # A rank's shard of a matrix is not a whole quantized tensor: under tensor
         # parallelism the weights are dequantized.
         model_kind, _ = resolve_model_path(self.model_path)
@@ -121,7 +123,7 @@ class ModelRunner:
         # Each rank reads only its rows / columns of the sharded tensors.
         self.model = self._load_model(self.model_path, self.model_config, self.tp)
         self.max_num_seqs = scheduler_config.max_num_seqs
-        # Seeded alike on every rank: unseeded random requests draw the same noise everywhere.
+        # Seeded alike on every rank: unseeded random requests draw the same uniforms everywhere.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
         # The draft_model method's model, loaded before the KV cache is sized: its cache
         # takes the same number of blocks.
@@ -318,6 +320,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput, clock=NULL_CLOCK) -> ModelRunnerOutput:
         """``clock``: a step_profile.PhaseClock to time the phases, when profiling."""
         self._update_states(out)
+        self._set_threads(out.total_num_scheduled_tokens)
         clock.lap("update_states")
         batch = self.input_batch
         num_reqs = batch.num_reqs
@@ -384,6 +387,15 @@ class ModelRunner:
             output.prompt_logprobs = [prompt_logprobs.get(i) for i in range(num_reqs)]
         clock.lap("output")
         return output
+
+    def _set_threads(self, num_tokens: int) -> None:
+        """On CPU, one thread for a step of at most ``cpu_single_thread_max_tokens`` tokens,
+        all of them otherwise (``ModelRunConfig``)."""
+        if self.device.type != "cpu":
+            return
+        threads = 1 if num_tokens <= self.run_config.cpu_single_thread_max_tokens else self.num_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, num_scheduled: np.ndarray) -> dict:
         """Row -> the prompt logprobs this step's chunk yields, for requests that want them
