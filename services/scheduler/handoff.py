@@ -174,9 +174,10 @@ class HandoffReceiver:
             request.prompt_logprobs_sent = True  # they went with the first token
             return request
 
-        _, error = self._intake.admit(handoff.request.request_id, handoff.request.gateway_id, make_request)
+        queued, error = self._intake.admit(handoff.request.request_id, handoff.request.gateway_id, make_request)
         message = "" if error is None else error.message
-        await respond(msg, KV_HANDOFF_CHANNEL, KVHandoffReply(error is None, message, self.engine_id, self.incarnation))
+        await respond(msg, KV_HANDOFF_CHANNEL, KVHandoffReply(error is None, message, self.engine_id, self.incarnation,
+                                                              self._intake.num_admitted if queued else 0))
 
     async def on_kv_loads_done(self, msg: Msg) -> None:
         """The workers pushed the ends of loads (no step was running there)."""

@@ -1,0 +1,81 @@
+"""The routing policies: which of the ready engines takes a request.
+
+``kv`` (the default) prices each engine in prompt tokens of work before the request's
+first token: the prefill tokens already queued there (its stats plus what was sent since),
+the request's own prompt past the blocks that engine already holds (``PrefixIndex``), and
+``DECODE_COST_TOKENS`` per request it runs or queues (each adds a row to every step). The
+cheapest wins; ties go to the engine after the last one chosen. Engines over the busy
+threshold (KV cache nearly full with requests waiting) are skipped while another is not.
+Where no engine holds any of the prompt, the price is the load alone: ``kv`` then chooses
+as ``least-loaded`` does, which prices every engine as if it held nothing.
+``round-robin`` and ``random`` ignore load and prefixes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from .loads import Engine
+
+# A running or waiting request's cost, in prompt tokens of prefill (a decode row of each
+# step): what turns an engine's queue of short requests into a price next to prompt tokens.
+DECODE_COST_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Candidate:
+    engine_id: str
+    engine: Engine
+    hit_blocks: int = 0  # the request's leading blocks the engine holds
+
+
+@dataclass(frozen=True)
+class Choice:
+    engine_id: str
+    reason: str
+    hit_blocks: int = 0
+
+
+def is_busy(engine: Engine, threshold: float) -> bool:
+    return engine.stats.kv_cache_usage_perc >= threshold and engine.num_waiting > 0
+
+
+def price(candidate: Candidate, num_prompt_tokens: int, block_size: int) -> int:
+    engine = candidate.engine
+    new_tokens = max(0, num_prompt_tokens - candidate.hit_blocks * block_size)
+    return engine.prefill_tokens + new_tokens + DECODE_COST_TOKENS * engine.num_requests
+
+
+class Policies:
+    """The policies over an ordered list of candidates; keeps the round-robin position."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+        self._last: str = ""
+
+    def _rotated(self, candidates: list[Candidate]) -> list[Candidate]:
+        """Candidates in their order, starting after the engine chosen last."""
+        ids = [c.engine_id for c in candidates]
+        start = (ids.index(self._last) + 1) if self._last in ids else 0
+        return candidates[start:] + candidates[:start]
+
+    def _chose(self, candidate: Candidate, reason: str) -> Choice:
+        self._last = candidate.engine_id
+        return Choice(candidate.engine_id, reason, candidate.hit_blocks)
+
+    def round_robin(self, candidates: list[Candidate]) -> Choice:
+        return self._chose(self._rotated(candidates)[0], "round_robin")
+
+    def random(self, candidates: list[Candidate]) -> Choice:
+        return self._chose(self._rng.choice(candidates), "random")
+
+    def by_price(self, candidates: list[Candidate], num_prompt_tokens: int, block_size: int, busy_threshold: float,
+                 reason: str) -> Choice:
+        """The cheapest engine not over the busy threshold (all busy: the cheapest of all)."""
+        free = [c for c in candidates if not is_busy(c.engine, busy_threshold)]
+        pool = self._rotated(free or candidates)
+        best = min(pool, key=lambda c: price(c, num_prompt_tokens, block_size))
+        if not free:
+            reason = "all_busy"
+        return self._chose(best, reason)
