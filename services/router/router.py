@@ -83,10 +83,10 @@ class Router:
         return all(self._events_of(engine_id).in_sync for engine_id, engine in self.loads.ready().items()
                    if engine.stats.kv_events_seq)
 
-    def route(self, request: EngineRequest) -> Route | None:
-        """The engine for ``request`` (None: no engine is known to be ready; the caller
-        falls back to the schedulers' queue group)."""
-        ready = self.loads.ready()
+    def route(self, request: EngineRequest, exclude: frozenset[str] = frozenset()) -> Route | None:
+        """The engine for ``request`` among those not in ``exclude`` (None: no engine is known
+        to be ready; a tokenizer falls back to the schedulers' queue group)."""
+        ready = {e: engine for e, engine in self.loads.ready().items() if e not in exclude}
         if not ready:
             self.decisions["no_engine"] += 1
             return None

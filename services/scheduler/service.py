@@ -41,6 +41,9 @@ from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
+from services.router.bus import RouterOnBus
+from services.router.loads import takes_handoffs
+from services.router.router import Router
 from shared.aio import wait_for
 from shared.bus import Service, respond
 from shared.config import CacheConfig, KVTransferConfig, LoRAConfig, SchedulerConfig
@@ -146,8 +149,10 @@ class SchedulerService(Service):
         self.intake = Intake(engine_id, self.incarnation, cache_config.block_size,
                              service_config.max_waiting_requests, kv_transfer_config.hands_off, self.recovery,
                              self.outputs, self.stops, self.counters, lambda: self.ready, wake)
+        # P/D, prefill side: the decode engine of each hand-off (kv: prefix and load).
+        self.decode_router = Router(eligible=takes_handoffs)
         self.handoff_sender = HandoffSender(engine_id, self.incarnation, self.recovery, self.intake, self.outputs,
-                                            self.publish, self.request, self.spawn, wake)
+                                            self.publish, self.request, self.spawn, wake, self.decode_router)
         self.handoff_receiver = HandoffReceiver(engine_id, self.incarnation, cache_config.block_size, self.recovery,
                                                 self.intake, self.publish, self.spawn, wake)
         self.kv_events: KVEventsPublisher | None = None
@@ -197,7 +202,7 @@ class SchedulerService(Service):
             await self.subscribe(KV_LOADS_DONE_CHANNEL.subject(engine), self.handoff_receiver.on_kv_loads_done)
         if self.kv_transfer_config.hands_off:
             await self.subscribe(KV_RELEASE_CHANNEL.subject(engine), self.handoff_sender.on_release)
-            await self.subscribe(ENGINE_STATS_CHANNEL.subject(), self.handoff_sender.on_engine_stats)
+            await RouterOnBus(self, self.decode_router, publish_stats=False).setup()
         await self.subscribe(ABORT_CHANNEL.subject("*"), self.intake.on_abort)
         await self.subscribe(RESEND_CHANNEL.subject("*"), self.intake.on_resend)
         await self.subscribe(STOP_STRINGS_QUERY_CHANNEL.subject(engine), self.stops.on_query)
