@@ -5,7 +5,8 @@ this router sent to an engine count as waiting there, with the prompt tokens the
 (``sent``), until the engine's stats count them: its answer to a request says the engine's
 count of admissions with that request (``EngineRequestReply.admission``), and a request
 counts until stats with ``num_requests_admitted`` at least that arrive. A request that got
-no answer counts for ``UNANSWERED_TTL`` seconds. Routers do not see each other's requests:
+no answer counts for ``UNANSWERED_TTL`` seconds. Its prompt tokens count until the engine's
+KV events store its prompt's last full block (``prefill_done``): it decodes from then on. Routers do not see each other's requests:
 each learns of them from the next stats.
 """
 
@@ -31,6 +32,7 @@ class Sent:
     engine_id: str
     prefill_tokens: int
     at: float
+    last_block: bytes | None = None  # the hash of its prompt's last full block
     admission: int = 0  # 0: no answer yet
 
 
@@ -94,13 +96,21 @@ class EngineLoads:
     def get(self, engine_id: str) -> Engine | None:
         return self._engines.get(engine_id)
 
-    def sent(self, engine_id: str, prefill_tokens: int) -> Sent | None:
+    def sent(self, engine_id: str, prefill_tokens: int, last_block: bytes | None = None) -> Sent | None:
         engine = self._engines.get(engine_id)
         if engine is None:
             return None
-        entry = Sent(engine_id, prefill_tokens, self._clock())
+        entry = Sent(engine_id, prefill_tokens, self._clock(), last_block)
         engine.sent.append(entry)
         return entry
+
+    def prefill_done(self, engine_id: str, stored: set[bytes]) -> None:
+        """The engine stored these block hashes: requests sent there whose prompt ends with
+        one of them have computed their prompt."""
+        engine = self._engines.get(engine_id)
+        for entry in engine.sent if engine is not None else ():
+            if entry.last_block in stored:
+                entry.prefill_tokens = 0
 
     def answered(self, entry: Sent | None, admission: int) -> None:
         """The engine's answer: admitted as its ``admission``-th request (0: refused, or a

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.scheduler.block_hash import extend_block_hashes, lora_hash_key
-from shared.protocol import EngineRequest, EngineStats, KVEventBatch, RouterStats
+from shared.protocol import BlockStored, EngineRequest, EngineStats, KVEventBatch, RouterStats
 
 from .config import RouterConfig
 from .events import EngineEvents
@@ -76,6 +76,9 @@ class Router:
         of engines this router does not send to (or has no stats of yet) are dropped."""
         if self.mode != "kv" or self.loads.get(batch.engine_id) is None:
             return False
+        stored = {h for event in batch.events if isinstance(event, BlockStored) for h in event.block_hashes}
+        if stored:
+            self.loads.prefill_done(batch.engine_id, stored)
         return self._events_of(batch.engine_id).on_batch(batch)
 
     def in_sync(self) -> bool:
@@ -118,7 +121,7 @@ class Router:
         if hashes:
             self.index.predict(choice.engine_id, hashes)
         return Route(choice.engine_id, choice.reason, choice.hit_blocks,
-                     self.loads.sent(choice.engine_id, new_tokens))
+                     self.loads.sent(choice.engine_id, new_tokens, hashes[-1] if hashes else None))
 
     def _hit_blocks(self, candidate: Candidate, hashes: list[bytes], block_size: int) -> int:
         if candidate.engine.stats.block_size not in (0, block_size):

@@ -685,10 +685,16 @@ class Scheduler:
 
     def num_prefill_tokens_pending(self) -> int:
         """Prompt tokens (and, for resumed or preempted requests, known output tokens) the
-        waiting and running requests have yet to compute: a router's measure of the
-        prefill work queued here."""
-        return sum(r.num_tokens - r.num_computed_tokens for queue in (self.waiting, self.running) for r in queue
-                   if r.num_computed_tokens < r.num_tokens - 1)
+        waiting and running requests have yet to compute, past what a waiting request would
+        find in the prefix cache now: a router's measure of the prefill work queued here."""
+        pending = 0
+        for request in self.waiting:
+            num_hit = 0
+            if not request.num_computed_tokens:
+                num_hit = self.kv_cache_manager.get_computed_blocks(request)[1]
+            pending += request.num_tokens - max(request.num_computed_tokens, num_hit)
+        return pending + sum(r.num_tokens - r.num_computed_tokens for r in self.running
+                             if r.num_computed_tokens < r.num_tokens - 1)
 
     def _kv_transfer_stats(self) -> dict:
         if self.connector is None:
