@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -102,6 +103,31 @@ class StackConfig:
         return entries
 
 
+def visible_gpus(environ=os.environ) -> list[str]:
+    """The GPUs this launcher's processes may use, as CUDA_VISIBLE_DEVICES entries: that
+    variable's, else ``nvidia-smi -L``'s indices (none without a driver)."""
+    if environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        return [g for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(line for line in listing.splitlines() if line.startswith("GPU "))]
+
+
+def engine_gpus(num_engines: int, tensor_parallel_size: int, gpus: list[str] | None = None) -> list[str | None]:
+    """Each engine's CUDA_VISIBLE_DEVICES: with several engines and a GPU for each of their
+    ranks, engine i gets GPUs ``i * tp ..`` (its rank r then uses its r-th); otherwise None
+    (every process sees every GPU, and rank r uses GPU ``r % count``, shared between engines)."""
+    gpus = visible_gpus() if gpus is None else gpus
+    if num_engines < 2 or len(gpus) < num_engines * tensor_parallel_size:
+        return [None] * num_engines
+    tp = tensor_parallel_size
+    return [",".join(gpus[i * tp:(i + 1) * tp]) for i in range(num_engines)]
+
+
 class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
@@ -142,12 +168,14 @@ class Stack:
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env
 
-    def start_service(self, name: str, module: str, args: list[str]) -> subprocess.Popen | None:
+    def start_service(self, name: str, module: str, args: list[str],
+                      env: dict[str, str] | None = None) -> subprocess.Popen | None:
         role = module.removeprefix("services.")
         if role in self.config.without:
             return None
         log = os.path.join(self.config.log_dir, f"{name}.log") if self.config.log_dir is not None else None
-        return self.supervisor.start(name, [sys.executable, "-m", module, *args], self._env(role), str(ROOT), log)
+        return self.supervisor.start(name, [sys.executable, "-m", module, *args], {**self._env(role), **(env or {})},
+                                     str(ROOT), log)
 
     def restart_service(self, name: str) -> subprocess.Popen:
         """Kill a service (if running) and start it again with its first arguments."""
@@ -164,8 +192,10 @@ class Stack:
         model = ["--model", cfg.model] if cfg.model else []
         extra = self.service_args
         cores = iter(self.worker_cores)
+        gpus = iter(engine_gpus(len(cfg.engines()), cfg.tensor_parallel_size))
         for engine_id, kv_role in cfg.engines():
-            self._start_engine(engine_id, kv_role, model, [next(cores) for _ in range(cfg.tensor_parallel_size)])
+            self._start_engine(engine_id, kv_role, model, [next(cores) for _ in range(cfg.tensor_parallel_size)],
+                               next(gpus))
         for i in range(cfg.num_tokenizers):
             self.start_service(f"tokenizer-{i}", "services.tokenizer", [*model, *extra["tokenizer"]])
         for i in range(cfg.num_detokenizers):
@@ -175,8 +205,10 @@ class Stack:
             [*model, "--host", cfg.host, "--port", str(cfg.port), *extra["gateway"]],
         )
 
-    def _start_engine(self, engine_id: str, kv_role: str, model: list[str], cores: list[str]) -> None:
-        """One engine: its worker ranks (on ``cores``, one entry per rank) and its scheduler.
+    def _start_engine(self, engine_id: str, kv_role: str, model: list[str], cores: list[str],
+                      gpus: str | None = None) -> None:
+        """One engine: its worker ranks (on ``cores``, one entry per rank; on the GPUs
+        ``gpus`` names, if given, as their CUDA_VISIBLE_DEVICES) and its scheduler.
         The plain engine's processes are ``worker-<rank>`` and ``scheduler``; a data-parallel
         engine's ``engine-<id>-worker-<rank>`` and ``engine-<id>-scheduler``; a P/D engine's
         ``<engine id>-worker-<rank>`` and ``<engine id>-scheduler``."""
@@ -197,7 +229,7 @@ class Stack:
         for rank in range(cfg.tensor_parallel_size):
             self.start_service(f"{prefix}worker-{rank}", "services.worker",
                                [*model, *tp, *role, "--rank", str(rank), *dist, "--cpu-omp-threads-bind", cores[rank],
-                                *extra["worker"]])
+                                *extra["worker"]], env={"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None)
         self.start_service(f"{prefix}scheduler", "services.scheduler",
                            [*model, *tp, *role, *events, *extra["scheduler"]])
 
