@@ -35,15 +35,28 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
-class EngineStatsStore:
-    """The latest ``EngineStats`` per engine id, forgetting engines gone silent."""
+class _LatestStats:
+    """The latest stats message per sender, forgetting senders gone silent."""
 
     def __init__(self, ttl: float = ENGINE_STATS_TTL) -> None:
         self.ttl = ttl
-        self._latest: dict[str, tuple[float, EngineStats]] = {}
+        self._latest: dict[str, tuple[float, object]] = {}
+
+    def _put(self, sender: str, stats) -> None:
+        self._latest[sender] = (time.monotonic(), stats)
+
+    def current(self) -> list:
+        cutoff = time.monotonic() - self.ttl
+        for sender in [s for s, (seen, _) in self._latest.items() if seen < cutoff]:
+            del self._latest[sender]
+        return [stats for _, stats in self._latest.values()]
+
+
+class EngineStatsStore(_LatestStats):
+    """The latest ``EngineStats`` per engine id."""
 
     def update(self, stats: EngineStats) -> None:
-        self._latest[stats.engine_id] = (time.monotonic(), stats)
+        self._put(stats.engine_id, stats)
 
     def ready_engines(self, max_age: float) -> list[str]:
         """Ids of the engines whose stats, at most ``max_age`` seconds old, say ready."""
@@ -55,28 +68,12 @@ class EngineStatsStore:
         seen = self._latest.get(engine_id)
         return seen[0] if seen else 0.0
 
-    def current(self) -> list[EngineStats]:
-        cutoff = time.monotonic() - self.ttl
-        for engine_id in [e for e, (seen, _) in self._latest.items() if seen < cutoff]:
-            del self._latest[engine_id]
-        return [stats for _, stats in self._latest.values()]
 
-
-class RouterStatsStore:
-    """The latest ``RouterStats`` per router (tokenizer replica), forgetting silent ones."""
-
-    def __init__(self, ttl: float = ENGINE_STATS_TTL) -> None:
-        self.ttl = ttl
-        self._latest: dict[str, tuple[float, RouterStats]] = {}
+class RouterStatsStore(_LatestStats):
+    """The latest ``RouterStats`` per router (tokenizer replica)."""
 
     def update(self, stats: RouterStats) -> None:
-        self._latest[stats.instance_id] = (time.monotonic(), stats)
-
-    def current(self) -> list[RouterStats]:
-        cutoff = time.monotonic() - self.ttl
-        for instance_id in [i for i, (seen, _) in self._latest.items() if seen < cutoff]:
-            del self._latest[instance_id]
-        return [stats for _, stats in self._latest.values()]
+        self._put(stats.instance_id, stats)
 
 
 class _RouterCollector:

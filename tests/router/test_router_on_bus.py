@@ -22,60 +22,17 @@ from services.scheduler.service import SchedulerService
 from services.tokenizer.service import TokenizerService
 from shared.config import CacheConfig, SchedulerConfig
 from shared.kv_event_faults import KVEventFaults
-from shared.protocol import (
-    ENGINE_REQUEST_CHANNEL,
-    MODEL_RUNNER_OUTPUT,
-    SCHEDULER_OUTPUT,
-    WORKER_READY,
-    EngineRequest,
-    ModelRunnerOutput,
-    SamplingParams,
-    WorkerReady,
-    engine_ready_subject,
-    engine_result_subject,
-    engine_step_subject,
-)
+from shared.protocol import ENGINE_REQUEST_CHANNEL, EngineRequest, SamplingParams
+from tests.scheduler.test_scheduler_service import FakeWorker as ScriptedWorker
 
 BS = 16
 EVENTS = '{"enable_kv_cache_events": true, "publisher": "nats", "buffer_steps": %d}'
 
 
-class FakeWorker:
-    """Announces itself for ``engine_id`` and answers each step with token 7 for each request
-    whose known tokens are all computed."""
-
-    def __init__(self, nc, engine_id: str) -> None:
-        self.nc = nc
-        self.engine_id = engine_id
-        self.computed: dict[str, int] = {}
-        self.lengths: dict[str, int] = {}
-        self.ready = WorkerReady(engine_id, 0, 1, f"w-{engine_id}", num_blocks=64, max_model_len=1024,
-                                 block_size=BS)
-
-    async def start(self) -> "FakeWorker":
-        await self.nc.subscribe(engine_step_subject(self.engine_id), cb=self.on_step)
-        self.task = asyncio.get_running_loop().create_task(self.heartbeat())
-        return self
-
-    async def heartbeat(self) -> None:
-        while True:
-            await self.nc.publish(engine_ready_subject(self.engine_id), WORKER_READY.encode(self.ready))
-            await asyncio.sleep(0.2)
-
-    async def on_step(self, msg) -> None:
-        step = SCHEDULER_OUTPUT.decode(msg.data)
-        if step.reset_state:
-            self.computed.clear()
-        for new in step.scheduled_new_reqs:
-            self.lengths[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
-        tokens = []
-        for req_id, n in zip(step.scheduled_req_ids, step.num_scheduled_tokens):
-            self.computed[req_id] = self.computed.get(req_id, 0) + n
-            done = self.computed[req_id] >= self.lengths[req_id]
-            self.lengths[req_id] += done
-            tokens.append([7] if done else [])
-        out = ModelRunnerOutput(step.step_id, list(step.scheduled_req_ids), tokens, incarnation=step.incarnation)
-        await self.nc.publish(engine_result_subject(self.engine_id), MODEL_RUNNER_OUTPUT.encode(out))
+def scripted_worker(nc, engine_id: str) -> ScriptedWorker:
+    """test_scheduler_service's scripted worker (token 7 for each request whose known tokens
+    are all computed) for ``engine_id``, with room for these prompts."""
+    return ScriptedWorker(nc, f"w-{engine_id}", engine_id=engine_id, num_blocks=64, max_model_len=1024)
 
 
 async def wait_for(predicate, timeout=10.0, what="condition"):
@@ -119,14 +76,16 @@ async def two_engines(buffer_steps: int = 1000):
     with NatsServer() as server:
         nc = await nats.connect(server.url)
         engines = [make_scheduler(server.url, e, buffer_steps) for e in ("e0", "e1")]
-        for engine in engines:
+        workers = [scripted_worker(nc, e.engine_id) for e in engines]
+        for engine, worker in zip(engines, workers):
             await engine.start()
-            await FakeWorker(nc, engine.engine_id).start()
+            await worker.start()
         await wait_for(lambda: all(e.ready for e in engines), what="engines ready")
         try:
             yield server, engines
         finally:
-            for engine in engines:
+            for engine, worker in zip(engines, workers):
+                worker.task.cancel()
                 await engine.close()
             await nc.close()
 
@@ -219,11 +178,13 @@ async def test_without_a_known_engine_the_queue_group_takes_the_request():
     with NatsServer() as server:
         nc = await nats.connect(server.url)
         engine = make_scheduler(server.url, "e0")
+        worker = scripted_worker(nc, "e0")
         async with started(engine), started(make_router(server.url)) as tok:
-            await FakeWorker(nc, "e0").start()
+            await worker.start()
             await wait_for(lambda: engine.ready, what="engine ready")
             tok.router.loads._engines.clear()  # as if no stats had come yet (submit routes at once)
             reply = await tok.submit(request("q", list(range(40))))
             assert reply.error is None and reply.engine_id == "e0"
             assert tok.router.decisions == {"no_engine": 1}
+        worker.task.cancel()
         await nc.close()
