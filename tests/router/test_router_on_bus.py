@@ -22,7 +22,7 @@ from services.scheduler.service import SchedulerService
 from services.tokenizer.service import TokenizerService
 from shared.config import CacheConfig, SchedulerConfig
 from shared.kv_event_faults import KVEventFaults
-from shared.protocol import ENGINE_REQUEST_CHANNEL, EngineRequest, SamplingParams
+from shared.protocol import ENGINE_REQUEST_CHANNEL, EngineRequest, EngineStats, SamplingParams
 from tests.scheduler.test_scheduler_service import FakeWorker as ScriptedWorker
 
 BS = 16
@@ -174,7 +174,7 @@ async def test_other_modes_place_requests_on_engines_own_subjects(mode):
         assert sum(tok.router.decisions.values()) == 8
 
 
-async def test_without_a_known_engine_the_queue_group_takes_the_request():
+async def test_without_a_known_engine_or_a_responder_the_queue_group_takes_the_request():
     with NatsServer() as server:
         nc = await nats.connect(server.url)
         engine = make_scheduler(server.url, "e0")
@@ -186,5 +186,11 @@ async def test_without_a_known_engine_the_queue_group_takes_the_request():
             reply = await tok.submit(request("q", list(range(40))))
             assert reply.error is None and reply.engine_id == "e0"
             assert tok.router.decisions == {"no_engine": 1}
+            # An engine whose scheduler died after its last stats: no responder, the queue group.
+            tok.router.loads._engines.clear()
+            tok.router.on_stats(EngineStats("ghost", ready=True, incarnation="x", block_size=BS))
+            reply = await tok.submit(request("q2", list(range(40))))
+            assert reply.error is None and reply.engine_id == "e0"
+            assert tok.router.decisions["kv_load"] == 1 and not tok.router.loads.get("ghost").sent
         worker.task.cancel()
         await nc.close()
