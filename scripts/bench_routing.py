@@ -21,6 +21,7 @@ window of ``--window`` requests, beside kv's. Prompts are real text (``bench_com
 each run has its own ``cache_salt``, so no run hits another's blocks.
 
     .venv/bin/python scripts/bench_routing.py --policies kv,least-loaded,round-robin,random --fault
+    .venv/bin/python scripts/bench_routing.py --merge a.json b.json   # the ratios over several runs' files
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def run(label: str, loads: dict[str, list[list[int]]], args, mode: str = "kv", d
     env = {FAULTS_ENV: "drop=0.01,seed=1"} if fault else {}
     config = StackConfig(port=free_port(), data_parallel_size=dp, num_tokenizers=2, env=env, log_dir=args.log_dir,
                          args=["--router-mode", mode, "--num-gpu-blocks", str(blocks or args.num_gpu_blocks),
-                               "--max-num-seqs", "64"])
+                               "--max-num-seqs", "64", "--omp-wait-policy", args.omp_wait_policy])
     stack = Stack(config)
     stack.start()
     out = {}
@@ -188,6 +189,20 @@ def ratios(results: dict) -> dict:
     return got
 
 
+def report(results: dict, args) -> dict:
+    """Print the acceptance ratios and, with a fault run, both runs' hit rate per window."""
+    got = ratios(results)
+    for key, value in got.items():
+        print(f"{key}: {value:.3f}")
+    shared = {k: v["shared-prefix"] for k, v in results.items() if "shared-prefix" in v}
+    if "kv" in shared and "kv-faults" in shared:
+        print(f"hit rate per window of {args.window} requests, kv / kv-faults (a router killed after request "
+              f"{args.requests // 2}):")
+        print(" ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(shared["kv"]["hit_rate_windows"],
+                                                          shared["kv-faults"]["hit_rate_windows"])))
+    return got
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--policies", default=",".join(POLICIES))
@@ -203,11 +218,21 @@ def main() -> int:
                         help="also one engine with both engines' blocks (shared-prefix)")
     parser.add_argument("--fault", action="store_true", help="also kv with dropped events and a router restart")
     parser.add_argument("--window", type=int, default=20, help="requests per hit-rate window")
+    parser.add_argument("--omp-wait-policy", default="passive",
+                        help="the workers' (they share the cores with the other services; see the setting)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--result-file", default=None)
+    parser.add_argument("--merge", nargs="+", default=None, help="result files: print their runs' ratios, run nothing")
     args = parser.parse_args()
+    if args.merge:
+        results = {}
+        for path in args.merge:
+            for label, runs in json.loads(Path(path).read_text())["results"].items():
+                results.setdefault(label, {}).update(runs)
+        report(results, args)
+        return 0
     tokenizer = load_tokenizer(default_model_path())
     sentences = load_sentences()
     makers = {"shared-prefix": shared_prefix_load, "no-reuse": no_reuse_load}
@@ -229,14 +254,7 @@ def main() -> int:
                                    blocks=2 * args.num_gpu_blocks)
     if args.fault and "shared-prefix" in loads:
         results["kv-faults"] = run("kv-faults", {"shared-prefix": loads["shared-prefix"]}, args, fault=True)
-    got = ratios(results)
-    for key, value in got.items():
-        print(f"{key}: {value:.3f}")
-    if args.fault and "kv" in results and "shared-prefix" in results["kv"]:
-        print("hit rate per window of", args.window, "requests (kv / kv-faults, restart after request",
-              args.requests // 2, "):")
-        print(" ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(results["kv"]["shared-prefix"]["hit_rate_windows"],
-                                                          results["kv-faults"]["shared-prefix"]["hit_rate_windows"])))
+    got = report(results, args)
     if args.result_file:
         Path(args.result_file).write_text(json.dumps({"args": vars(args), "cpu": describe_cpu(), "results": results,
                                                       "ratios": got}, indent=2))

@@ -1,7 +1,8 @@
 """The router on the bus, inside a service (a tokenizer replica, a P/D prefill scheduler).
 
-Every router hears every engine: ``EngineStats`` (``llm.engine.stats``) and, with ``kv``,
-every engine's KV event batches (``llm.kv_events.*``, no queue group). When the router
+Every router hears every engine's ``EngineStats`` (``llm.engine.stats``) and, with ``kv``,
+the KV event batches of every engine it routes to (``llm.kv_events.<engine>``, subscribed when
+its first stats come; no queue group: each router hears them all). When the router
 misses batches (``events.py``), one task per engine asks that engine for them: a replay
 (``llm.engine.<id>.kv_events.replay``) or a dump of its cached block hashes, page by page
 (``llm.engine.<id>.kv_events.dump``), each within ``SYNC_TIMEOUT``; an engine that does not
@@ -43,16 +44,18 @@ class RouterOnBus:
         self.router = router
         self.publish_stats = publish_stats
         self._syncing: set[str] = set()
+        self._followed: set[str] = set()  # engines whose KV events this router subscribed to
 
     async def setup(self) -> None:
         await self.service.subscribe(ENGINE_STATS_CHANNEL.subject(), self._on_stats)
-        if self.router.mode == "kv":
-            await self.service.subscribe(KV_EVENTS_CHANNEL.subject("*"), self._on_batch)
         if self.publish_stats:
             self.service.spawn(self._stats_loop())
 
     async def _on_stats(self, msg: Msg) -> None:
         stats = ENGINE_STATS_CHANNEL.decode(msg.data)
+        if self.router.follows_events(stats) and stats.engine_id not in self._followed:
+            self._followed.add(stats.engine_id)
+            await self.service.subscribe(KV_EVENTS_CHANNEL.subject(stats.engine_id), self._on_batch)
         if self.router.on_stats(stats):
             self._sync(stats.engine_id)
 

@@ -1,10 +1,15 @@
 """The routing policies: which of the ready engines takes a request.
 
-``kv`` (the default) prices each engine in prompt tokens of work before the request's
-first token: the prefill tokens already queued there (its stats plus what was sent since),
-the request's own prompt past the blocks that engine already holds (``PrefixIndex``), and
+``kv`` (the default) prices each engine in prompt tokens: the request's own prompt past the
+blocks that engine already holds (``PrefixIndex``), plus ``LOAD_WEIGHT`` times the work queued
+there: the prefill tokens waiting (its stats plus what was sent since) and
 ``DECODE_COST_TOKENS`` per request it runs or queues (each adds a row to every step). The
-cheapest wins; ties go to the engine after the last one chosen. Engines over the busy
+cheapest wins; ties go to the engine after the last one chosen. Queued work counts for less
+than the prompt's own tokens because a prefix computed again is dearer than its tokens: it
+takes blocks that other requests of that prefix would have hit, on an engine whose cache is
+already full of other prefixes; and a request just sent with the same prompt is part of the
+queue, whose blocks this one finds computed. So a request follows its prefix until the
+engine holding it is busier than another by twice the prefix's tokens. Engines over the busy
 threshold (KV cache nearly full with requests waiting) are skipped while another is not.
 Where no engine holds any of the prompt, the price is the load alone: ``kv`` then chooses
 as ``least-loaded`` does, which prices every engine as if it held nothing.
@@ -21,6 +26,8 @@ from .loads import Engine
 # A running or waiting request's cost, in prompt tokens of prefill (a decode row of each
 # step): what turns an engine's queue of short requests into a price next to prompt tokens.
 DECODE_COST_TOKENS = 16
+# What an engine's queued work weighs against the request's own uncached tokens.
+LOAD_WEIGHT = 0.5
 
 
 @dataclass(frozen=True)
@@ -41,10 +48,10 @@ def is_busy(engine: Engine, threshold: float) -> bool:
     return engine.stats.kv_cache_usage_perc >= threshold and engine.num_waiting > 0
 
 
-def price(candidate: Candidate, num_prompt_tokens: int, block_size: int) -> int:
+def price(candidate: Candidate, num_prompt_tokens: int, block_size: int) -> float:
     engine = candidate.engine
     new_tokens = max(0, num_prompt_tokens - candidate.hit_blocks * block_size)
-    return engine.prefill_tokens + new_tokens + DECODE_COST_TOKENS * engine.num_requests
+    return new_tokens + LOAD_WEIGHT * (engine.prefill_tokens + DECODE_COST_TOKENS * engine.num_requests)
 
 
 class Policies:

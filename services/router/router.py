@@ -64,6 +64,10 @@ class Router:
             events = self.events[engine_id] = EngineEvents(engine_id, self.index)
         return events
 
+    def follows_events(self, stats: EngineStats) -> bool:
+        """Whether this router wants the KV events of the engine of ``stats``."""
+        return self.mode == "kv" and self._eligible(stats) and stats.kv_events_seq > 0
+
     def on_stats(self, stats: EngineStats) -> bool:
         """An engine's stats; whether it must now be asked for KV events this router missed."""
         if not self._eligible(stats):

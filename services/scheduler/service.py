@@ -47,6 +47,7 @@ from services.router.router import Router
 from shared.aio import wait_for
 from shared.bus import Service, respond
 from shared.config import CacheConfig, KVTransferConfig, LoRAConfig, SchedulerConfig
+from shared.kv_event_faults import KVEventFaults
 from shared.protocol import (
     ABORT_CHANNEL,
     ENGINE_REQUEST_CHANNEL,
@@ -67,7 +68,6 @@ from shared.protocol import (
     WORKER_READY_CHANNEL,
     SchedulerOutput,
 )
-from shared.kv_event_faults import KVEventFaults
 from shared.step_profile import NULL_CLOCK, NullClock, PhaseClock, StepProfile
 from shared.wait_log import WaitLog
 
