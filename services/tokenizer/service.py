@@ -7,9 +7,9 @@ sampling settings and the prompt, renders messages with the model's chat templat
 tokenizes, checks the context length) and forwards the ``EngineRequest`` to a
 scheduler: the one its router chooses (``services/router``: request/reply on that engine's
 ``llm.engine.<id>.requests``), or, when the router knows no ready engine or the chosen one
-has no responder, any (the schedulers' queue group on ``llm.engine.requests``). One ``TokenizeRequest`` is
-one prompt with its ``n`` samples: the prompt is prepared once, and each sample goes
-to a scheduler as its own ``EngineRequest`` (own request id, seed + i). The gateway
+has no responder, any (the schedulers' queue group on ``llm.engine.requests``).
+One ``TokenizeRequest`` is one prompt with its ``n`` samples: the prompt is prepared once,
+and each sample goes to a scheduler as its own ``EngineRequest`` (own request id, seed + i). The gateway
 gets a ``TokenizeReply``: the prompt length and each sample's answer (queued, or the
 scheduler's error; 503 when none answers), or the prompt's refusal in OpenAI's shape
 (400 for bad input).
