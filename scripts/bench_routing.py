@@ -213,7 +213,7 @@ def main() -> int:
     parser.add_argument("--prefix-len", type=int, default=256)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--num-gpu-blocks", type=int, default=96, help="KV cache blocks per engine")
+    parser.add_argument("--num-gpu-blocks", type=int, default=80, help="KV cache blocks per engine")
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                         help="also one engine with both engines' blocks (shared-prefix)")
     parser.add_argument("--fault", action="store_true", help="also kv with dropped events and a router restart")

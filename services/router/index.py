@@ -55,8 +55,10 @@ class PrefixIndex:
         for block_hash in block_hashes:
             predicted[block_hash] = now + PREDICTION_TTL
 
-    def num_held(self, engine_id: str) -> int:
-        return sum(len(hashes) for hashes in self._held.get(engine_id, {}).values())
+    def num_held(self, engine_id: str, predicted: bool = False) -> int:
+        """The hashes ``engine_id`` holds (with ``predicted``: and those expected there)."""
+        held = sum(len(hashes) for hashes in self._held.get(engine_id, {}).values())
+        return held + (len(self._predicted.get(engine_id, {})) if predicted else 0)
 
     def match(self, engine_id: str, block_hashes: list[bytes]) -> int:
         """How many of ``block_hashes`` (a prompt's chain) ``engine_id`` holds from the start."""

@@ -4,7 +4,10 @@
 blocks that engine already holds (``PrefixIndex``), plus ``LOAD_WEIGHT`` times the work queued
 there: the prefill tokens waiting (its stats plus what was sent since) and
 ``DECODE_COST_TOKENS`` per request it runs or queues (each adds a row to every step). The
-cheapest wins; ties go to the engine after the last one chosen. Queued work counts for less
+cheapest wins; ties go to the engine after the last one chosen. The blocks the request would
+evict there (its new blocks past the room the engine's cache has for them: its blocks less
+the hashes it holds) add ``EVICTION_WEIGHT`` of their tokens: each is a prefix some later
+request may miss, so a new prefix goes where it evicts least. Queued work counts for less
 than the prompt's own tokens because a prefix computed again is dearer than its tokens: it
 takes blocks that other requests of that prefix would have hit, on an engine whose cache is
 already full of other prefixes; and a request just sent with the same prompt is part of the
@@ -28,6 +31,8 @@ from .loads import Engine
 DECODE_COST_TOKENS = 16
 # What an engine's queued work weighs against the request's own uncached tokens.
 LOAD_WEIGHT = 0.5
+# What a block the request evicts weighs, per token of it (it may be hit again, or not).
+EVICTION_WEIGHT = 0.5
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class Candidate:
     engine_id: str
     engine: Engine
     hit_blocks: int = 0  # the request's leading blocks the engine holds
+    evicted_blocks: int = 0  # cached blocks the request's new blocks would take there
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,8 @@ def is_busy(engine: Engine, threshold: float) -> bool:
 def price(candidate: Candidate, num_prompt_tokens: int, block_size: int) -> float:
     engine = candidate.engine
     new_tokens = max(0, num_prompt_tokens - candidate.hit_blocks * block_size)
-    return new_tokens + LOAD_WEIGHT * (engine.prefill_tokens + DECODE_COST_TOKENS * engine.num_requests)
+    return (new_tokens + LOAD_WEIGHT * (engine.prefill_tokens + DECODE_COST_TOKENS * engine.num_requests)
+            + EVICTION_WEIGHT * candidate.evicted_blocks * block_size)
 
 
 class Policies:

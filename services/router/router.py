@@ -114,8 +114,7 @@ class Router:
                                        "kv_unsynced")
         else:
             max_hit = (num_tokens - 1) // block_size  # the scheduler always computes the last token
-            candidates = [Candidate(c.engine_id, c.engine, self._hit_blocks(c, hashes[:max_hit], block_size))
-                          for c in candidates]
+            candidates = [self._priced(c, hashes[:max_hit], num_tokens, block_size) for c in candidates]
             choice = policies.by_price(candidates, num_tokens, block_size, self.config.router_busy_threshold,
                                        "kv_load")
             if choice.hit_blocks and choice.reason == "kv_load":
@@ -127,10 +126,18 @@ class Router:
         return Route(choice.engine_id, choice.reason, choice.hit_blocks,
                      self.loads.sent(choice.engine_id, new_tokens, hashes[-1] if hashes else None))
 
-    def _hit_blocks(self, candidate: Candidate, hashes: list[bytes], block_size: int) -> int:
-        if candidate.engine.stats.block_size not in (0, block_size):
-            return 0  # hashed with another block size: nothing comparable
-        return self.index.match(candidate.engine_id, hashes)
+    def _priced(self, candidate: Candidate, hashes: list[bytes], num_tokens: int, block_size: int) -> Candidate:
+        """The candidate with the request's blocks it holds and the cached blocks it would evict."""
+        stats = candidate.engine.stats
+        hit = 0
+        if stats.block_size in (0, block_size):  # else hashed with another block size: nothing comparable
+            hit = self.index.match(candidate.engine_id, hashes)
+        evicted = 0
+        if stats.num_gpu_blocks:
+            new_blocks = -(-num_tokens // block_size) - hit
+            room = stats.num_gpu_blocks - self.index.num_held(candidate.engine_id, predicted=True)
+            evicted = max(0, new_blocks - max(0, room))
+        return Candidate(candidate.engine_id, candidate.engine, hit, evicted)
 
     def answered(self, route: Route, admission: int) -> None:
         """The engine's answer to a routed request (``admission`` 0: not admitted now)."""

@@ -677,6 +677,7 @@ class Scheduler:
             "prefix_cache_hits": kv.prefix_cache_stats.hits,
             "num_preemptions": self.num_preemptions,
             "block_size": self.block_size,
+            "num_gpu_blocks": self.num_blocks,
             "num_prefill_tokens_pending": self.num_prefill_tokens_pending(),
             **self.spec_decode_stats.as_engine_stats(),
             **self._kv_transfer_stats(),

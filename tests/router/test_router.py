@@ -266,3 +266,18 @@ def test_router_config_checks_its_values():
         RouterConfig(router_mode="session")
     with pytest.raises(ConfigError, match="busy"):
         RouterConfig(router_busy_threshold=0)
+
+
+def test_a_new_prefix_goes_where_it_evicts_least():
+    router, _ = kv_router()
+    for engine_id, held in (("a", 90), ("b", 40)):  # both 100 blocks; "a" nearly full of other prefixes
+        router.on_stats(stats(engine_id, seq=1, num_gpu_blocks=100))
+        router.on_batch(batch(engine_id, 2, [stored([bytes([engine_id == "a", i]) * 16 for i in range(held)])]))
+    assert router.route(engine_request(list(range(320)))).engine_id == "b"  # 20 new blocks: "a" would evict 10
+    # With the same room everywhere (a cache full of one-off blocks, say), by load as before.
+    router, _ = kv_router()
+    for engine_id in "ab":
+        router.on_stats(stats(engine_id, seq=1, num_gpu_blocks=100))
+        router.on_batch(batch(engine_id, 2, [stored([bytes([engine_id == "a", i]) * 16 for i in range(100)])]))
+    chosen = [router.route(engine_request([i] * 40 + list(range(i, i + 280)))).engine_id for i in range(10)]
+    assert chosen.count("a") == chosen.count("b") == 5
