@@ -26,6 +26,14 @@ here. Batches with prompt chunks, dtypes other than float32 and bfloat16, and ma
 where the kernel cannot be built (no C compiler; see `kernels.cpu_build`) go to
 `paged_attention_ref`.
 
+`paged_attention_cpu_batch_invariant` (the default, `--batch-invariant`) runs every query
+token of every step that way, prompt chunks included: a token's result is then a function
+of its query, its context's K/V and nothing else (not the step's other requests, not how
+its prompt was chunked, not whether its prefix came from the prefix cache), so greedy
+output does not depend on the batch. It costs no speed here: the per-token C kernel ran a
+prompt chunk's attention faster than the padded SDPA call (docs/BENCHMARKS.md, "Batch
+invariance").
+
 The caches hold the query's dtype, or bfloat16 under a float32 query (`--kv-cache-dtype
 bfloat16`: half the bytes to store and to read); both paths compute in the query's dtype,
 the reference widening the K/V it reads.
@@ -319,11 +327,34 @@ def paged_attention_cpu(
     ):
         return out
     if 1 < attn.max_query_len <= SHORT_QUERY_MAX and query.shape[0] > 0:
-        if attn.token_decodes is None:
-            attn.token_decodes = _token_decodes(attn)
-        block_tables, seq_lens = attn.token_decodes
+        block_tables, seq_lens = _token_decodes(attn)
         if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
             return out
+    return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out)
+
+
+def paged_attention_cpu_batch_invariant(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_attention_ref`'s result with every query token attended alone by the C decode
+    kernel (one pass per token over its context, in one fixed order); the reference, which
+    is not batch invariant, only where the kernel cannot take these tensors."""
+    if out is None:
+        out = torch.empty_like(query)
+    if query.shape[0] == 0:
+        return out
+    if _all_decodes(query, attn):
+        block_tables, seq_lens = attn.block_tables, attn.seq_lens
+    else:
+        block_tables, seq_lens = _token_decodes(attn)
+    if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
+        return out
     return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out)
 
 
@@ -336,7 +367,14 @@ SHORT_QUERY_MAX = 17
 
 def _token_decodes(attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query token as a decode: its request's block table row, and its context (the
-    tokens up to and including its own, which causal attention sees)."""
+    tokens up to and including its own, which causal attention sees); built by the step's
+    first layer, kept in ``attn`` for the others."""
+    if attn.token_decodes is None:
+        attn.token_decodes = _build_token_decodes(attn)
+    return attn.token_decodes
+
+
+def _build_token_decodes(attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     starts = attn.query_start_loc.long()
     query_lens = starts[1:] - starts[:-1]
     request_of = torch.repeat_interleave(torch.arange(len(query_lens), device=starts.device), query_lens)

@@ -213,8 +213,9 @@ class ModelRunConfig:
     dtype: str = setting("auto", "auto|float32|bfloat16|float16 (auto: bfloat16 on CUDA and on CPUs with native bf16 dot products, else float32)")
     device: str = setting("auto", "auto|cpu|cuda|cuda:N")
     kernel_backend: str = setting("auto", "auto|torch|triton")
-    # CPU: reorder weight matrices once for oneDNN (services/worker/linear.py).
-    cpu_prepack: bool = setting(True, "CPU: oneDNN-prepacked weight matrices")
+    # CPU: services/worker/linear.py weight_packer.
+    cpu_prepack: bool = setting(True, "CPU: float weight matrices laid out once for their products (oneDNN's "
+                                      "prepacking, or the batch-invariant kernel's tiles); off: F.linear")
     # vLLM's flag name; services/worker/models/llama.py, shared/gguf_quants.py. auto by
     # default: on the benchmark CPU the quantized products (int8 activations from 4 rows on)
     # are ~1.8x bfloat16 oneDNN's at 1 row and 1.0-1.3x from 8 rows on, in 1/3 of the
@@ -243,6 +244,13 @@ class ModelRunConfig:
         "auto", "CPU: the cores this worker's threads run on (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto|nobind (every "
                 "core it may use), a list such as 0-3,8, or one list per TP rank separated by | (rank r takes "
                 "entry r); its OpenMP pool gets one thread per core")
+
+    # On by default: it costs no throughput here (docs/BENCHMARKS.md, "Batch invariance"). vLLM's
+    # counterpart is the opt-in VLLM_BATCH_INVARIANT; kernels/paged_attention_torch.py, services/worker/linear.py.
+    batch_invariant: bool = setting(
+        True, "CPU: a request's tokens do not depend on the other requests in its steps nor on how its prompt "
+              "was chunked or cached (every query token attended alone, products computed row by row in one "
+              "order); off: attention of prompt chunks by padded SDPA calls and products chosen by row count")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "omp_wait_policy", self.omp_wait_policy.lower())

@@ -1,7 +1,8 @@
 """Paged attention on the CPU: the PyTorch reference against dense attention on unpaged
 K/V, with its decode plan built once per step; decode batches through the C kernel
 against dense attention and the reference; what the kernel cannot take goes to the
-reference."""
+reference. The batch-invariant attention: every token's result bit for bit the same
+whatever the rest of the step and however its prompt was chunked."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from kernels.paged_attention_torch import (
     decode_attention_native,
     native_decode_available,
     paged_attention_cpu,
+    paged_attention_cpu_batch_invariant,
     paged_attention_ref,
 )
 from tests.kernels.paged_batch import HEAD_CONFIGS, dense_attention, make_batch, mixed_lens, poisoned_out
@@ -205,3 +207,50 @@ def test_short_queries_run_through_the_c_kernel_one_decode_per_token(shape, monk
     assert calls == [27]  # one decode per query token
     block_tables, seq_lens = batch.attn.token_decodes
     assert seq_lens.tolist()[:7] == [1, 16, 17, 18, 19, 20, 30]
+
+
+# ------------------------------------------------------------------ batch invariance
+
+
+def _chunk_of(batch, request: int, start: int, stop: int) -> torch.Tensor:
+    """Query tokens start..stop of one request of ``batch`` attended as a step of their own
+    (its context: the tokens before ``stop``), through the batch-invariant attention."""
+    from kernels.attention_metadata import AttentionMetadata
+
+    first = int(batch.attn.query_start_loc[request])
+    context_before = int(batch.attn.seq_lens[request]) - (int(batch.attn.query_start_loc[request + 1]) - first)
+    attn = AttentionMetadata(
+        slot_mapping=batch.attn.slot_mapping[first + start:first + stop],
+        block_tables=batch.attn.block_tables[request:request + 1],
+        query_start_loc=torch.tensor([0, stop - start], dtype=torch.int32),
+        seq_lens=torch.tensor([context_before + stop], dtype=torch.int32),
+        max_query_len=stop - start, max_seq_len=context_before + stop,
+    )
+    query = batch.query[first + start:first + stop]
+    return paged_attention_cpu_batch_invariant(query, batch.key_cache, batch.value_cache, attn, batch.scale,
+                                               out=poisoned_out(query))
+
+
+@needs_c_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (16, 2, 128)])
+def test_batch_invariant_attention_gives_each_token_the_same_bits_in_any_step(dtype, shape, cpu_isa):
+    """Prompt chunks and decodes in one step; then each request's tokens alone, in chunks of
+    other sizes, and decode by decode: every token's output is bit for bit the same."""
+    batch = make_batch([1, 40, 7, 1, 100], [30, 0, 50, 3, 20], *shape, dtype=dtype, seed=9)
+    together = paged_attention_cpu_batch_invariant(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(together.double(), dense_attention(batch), rtol=2e-2, atol=2e-2)
+    starts = batch.attn.query_start_loc.tolist()
+    for request in range(5):
+        n = starts[request + 1] - starts[request]
+        for chunk in (n, 16, 3, 1):
+            pieces = [_chunk_of(batch, request, at, min(at + chunk, n)) for at in range(0, n, chunk)]
+            assert torch.equal(torch.cat(pieces), together[starts[request]:starts[request + 1]]), (request, chunk)
+
+
+def test_batch_invariant_attention_without_the_kernel_runs_the_reference(monkeypatch):
+    monkeypatch.setattr(torch_attention, "_kernel", lambda dtype, cache_dtype: None)
+    query_lens, context_lens = mixed_lens(seed=1)
+    batch = make_batch(query_lens, context_lens, 6, 2, 64, seed=10)
+    out = paged_attention_cpu_batch_invariant(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
