@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 
 from shared.config_error import ConfigError
+from shared.cpu_sets import check_bind
 
 
 def setting(default, help: str):
@@ -238,6 +239,12 @@ class ModelRunConfig:
                    "when other processes share the cores) | active (it spins); GOMP_SPINCOUNT, if set, overrides "
                    "the spin time of any of them")
 
+    # services/worker/cpu_binding.py; scripts/serve gives each of several workers its share.
+    cpu_omp_threads_bind: str = setting(
+        "auto", "CPU: the cores this worker's threads run on (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto|nobind (every "
+                "core it may use), a list such as 0-3,8, or one list per TP rank separated by | (rank r takes "
+                "entry r); its OpenMP pool gets one thread per core")
+
     # On by default: it costs no throughput here (docs/BENCHMARKS.md, "Batch invariance"). vLLM's
     # counterpart is the opt-in VLLM_BATCH_INVARIANT; kernels/paged_attention_torch.py, services/worker/linear.py.
     batch_invariant: bool = setting(
@@ -257,6 +264,10 @@ class ModelRunConfig:
         object.__setattr__(self, "omp_wait_policy", self.omp_wait_policy.lower())
         if self.cpu_single_thread_max_tokens < 0:
             raise ConfigError(f"cpu_single_thread_max_tokens must be >= 0, got {self.cpu_single_thread_max_tokens}")
+        try:
+            check_bind(self.cpu_omp_threads_bind)
+        except ValueError as e:
+            raise ConfigError(f"cpu_omp_threads_bind {self.cpu_omp_threads_bind!r}: {e}") from None
         if self.omp_wait_policy not in OMP_WAIT_POLICIES:
             raise ConfigError(f"omp_wait_policy must be passive|active|default, got {self.omp_wait_policy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
