@@ -47,14 +47,14 @@ class GatewayConfig:
         5.0, "seconds of engine silence after which its open requests fail with 503 (engine_lost)")
     stream_idle_timeout: float = setting(
         0.0, "a stream that got no token for this many seconds ends with 504 (0: only --request-timeout)")
+    enable_prompt_tokens_details: bool = setting(
+        True, "usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix cache or the KV "
+              "tiers) in responses; "
+              "vLLM's flag, on here unless --no-enable-prompt-tokens-details")
     enable_auto_tool_choice: bool = setting(
         False, 'tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)')
     tool_call_parser: str = setting(
         "", f"how the model's text is read as tool calls under tool_choice auto: {', '.join(TOOL_PARSERS)}")
-    # vLLM's flag. Responses here always carry usage.prompt_tokens_details.cached_tokens (the
-    # prompt tokens whose KV came from the prefix cache or the KV tiers), so it changes nothing.
-    enable_prompt_tokens_details: bool = setting(
-        False, "usage.prompt_tokens_details.cached_tokens in responses (vLLM's flag; always given here)")
 
     def __post_init__(self) -> None:
         if self.tool_call_parser and self.tool_call_parser not in TOOL_PARSERS:

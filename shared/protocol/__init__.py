@@ -9,7 +9,7 @@ boundary:
     control      membership, health, stats, restarts, LoRA adapters
     kv_transfer  P/D disaggregation: hand-offs, held blocks, KV pulls
     kv_offload   the tiered KV cache: stores, spills and loads of the host and disk tiers
-    events       KV cache events (to come)
+    events       KV cache events (vLLM's schema), their replay and dump, the routers' stats
     codec        Codec (one message type's encoder/decoder) and Channel (a subject bound
                  to its message type; ``shared/bus.py`` publishes through them)
 
