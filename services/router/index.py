@@ -3,7 +3,10 @@
 Per engine and medium a set of hashes (a ``BlockStored`` adds, a ``BlockRemoved`` takes
 away, ``AllBlocksCleared`` empties every medium), plus the blocks of requests this router
 sent there and whose events have not come yet (``predict``): they count until the engine's
-events store them, or for ``PREDICTION_TTL`` seconds. A hash held in any medium counts.
+events store them, or for ``PREDICTION_TTL`` seconds. A hash held in any medium is a hit;
+``match_by_medium`` tells which of them are on the device (the ``GPU`` medium, or
+predicted): one only in a lower tier (the KV offloading tiers' ``CPU``) is loaded into a
+device block, not computed, and the router credits it at less (``router.py``).
 """
 
 from __future__ import annotations
@@ -56,19 +59,28 @@ class PrefixIndex:
             predicted[block_hash] = now + PREDICTION_TTL
 
     def num_held(self, engine_id: str, predicted: bool = False) -> int:
-        """The hashes ``engine_id`` holds (with ``predicted``: and those expected there)."""
-        held = sum(len(hashes) for hashes in self._held.get(engine_id, {}).values())
+        """The hashes ``engine_id`` holds in its device cache (with ``predicted``: and those
+        expected there)."""
+        held = len(self._held.get(engine_id, {}).get(MEDIUM_GPU, ()))
         return held + (len(self._predicted.get(engine_id, {})) if predicted else 0)
 
     def match(self, engine_id: str, block_hashes: list[bytes]) -> int:
         """How many of ``block_hashes`` (a prompt's chain) ``engine_id`` holds from the start."""
-        media = list(self._held.get(engine_id, {}).values())
+        return self.match_by_medium(engine_id, block_hashes)[0]
+
+    def match_by_medium(self, engine_id: str, block_hashes: list[bytes]) -> tuple[int, int]:
+        """How many of ``block_hashes`` ``engine_id`` holds from the start in any medium, and
+        how many of those are on the device (or predicted there)."""
+        media = self._held.get(engine_id, {})
+        device = media.get(MEDIUM_GPU, set())
+        lower = [hashes for medium, hashes in media.items() if medium != MEDIUM_GPU]
         predicted = self._predicted.get(engine_id, {})
         now = self._clock()
+        on_device = 0
         for i, block_hash in enumerate(block_hashes):
-            if any(block_hash in hashes for hashes in media):
-                continue
             until = predicted.get(block_hash)
-            if until is None or until < now:
-                return i
-        return len(block_hashes)
+            if block_hash in device or (until is not None and until >= now):
+                on_device += 1
+            elif not any(block_hash in hashes for hashes in lower):
+                return i, on_device
+        return len(block_hashes), on_device

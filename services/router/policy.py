@@ -14,7 +14,9 @@ already full of other prefixes; and a request just sent with the same prompt is 
 queue, whose blocks this one finds computed. So a request follows its prefix until the
 engine holding it is busier than another by twice the prefix's tokens. Engines over the busy
 threshold (KV cache nearly full with requests waiting) are skipped while another is not.
-Where no engine holds any of the prompt, the price is the load alone: ``kv`` then chooses
+A block the engine holds only in a lower tier (the KV offloading tiers' host memory) saves
+``LOWER_TIER_CREDIT`` of its tokens: it is loaded, not computed, but the load takes time and
+a device block. Where no engine holds any of the prompt, the price is the load alone: ``kv`` then chooses
 as ``least-loaded`` does, which prices every engine as if it held nothing.
 ``round-robin`` and ``random`` ignore load and prefixes.
 """
@@ -33,6 +35,10 @@ DECODE_COST_TOKENS = 16
 LOAD_WEIGHT = 0.5
 # What a block the request evicts weighs, per token of it (it may be hit again, or not).
 EVICTION_WEIGHT = 0.5
+# What a hit in a lower tier saves against one on the device, per token: a host-tier load
+# takes a few percent of recomputing the block here (docs/BENCHMARKS.md, "KV tiers"), but
+# the request waits a step for it and it takes a device block all the same.
+LOWER_TIER_CREDIT = 0.8
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class Candidate:
     engine: Engine
     hit_blocks: int = 0  # the request's leading blocks the engine holds
     evicted_blocks: int = 0  # cached blocks the request's new blocks would take there
+    hit_credit: float = -1.0  # what the hits save, in blocks (-1: hit_blocks, all on the device)
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,8 @@ def is_busy(engine: Engine, threshold: float) -> bool:
 
 def price(candidate: Candidate, num_prompt_tokens: int, block_size: int) -> float:
     engine = candidate.engine
-    new_tokens = max(0, num_prompt_tokens - candidate.hit_blocks * block_size)
+    saved = candidate.hit_credit if candidate.hit_credit >= 0 else candidate.hit_blocks
+    new_tokens = max(0.0, num_prompt_tokens - saved * block_size)
     return (new_tokens + LOAD_WEIGHT * (engine.prefill_tokens + DECODE_COST_TOKENS * engine.num_requests)
             + EVICTION_WEIGHT * candidate.evicted_blocks * block_size)
 

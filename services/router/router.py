@@ -22,7 +22,7 @@ from .config import RouterConfig
 from .events import EngineEvents
 from .index import PrefixIndex
 from .loads import EngineLoads, Sent, takes_new_requests
-from .policy import Candidate, Policies
+from .policy import LOWER_TIER_CREDIT, Candidate, Policies
 
 # A prompt's block size before any engine said its own (the engines' default).
 DEFAULT_BLOCK_SIZE = 16
@@ -129,15 +129,16 @@ class Router:
     def _priced(self, candidate: Candidate, hashes: list[bytes], num_tokens: int, block_size: int) -> Candidate:
         """The candidate with the request's blocks it holds and the cached blocks it would evict."""
         stats = candidate.engine.stats
-        hit = 0
+        hit = on_device = 0
         if stats.block_size in (0, block_size):  # else hashed with another block size: nothing comparable
-            hit = self.index.match(candidate.engine_id, hashes)
+            hit, on_device = self.index.match_by_medium(candidate.engine_id, hashes)
         evicted = 0
         if stats.num_gpu_blocks:
-            new_blocks = -(-num_tokens // block_size) - hit
+            new_blocks = -(-num_tokens // block_size) - on_device  # blocks loaded from a tier take one too
             room = stats.num_gpu_blocks - self.index.num_held(candidate.engine_id, predicted=True)
             evicted = max(0, new_blocks - max(0, room))
-        return Candidate(candidate.engine_id, candidate.engine, hit, evicted)
+        credit = on_device + LOWER_TIER_CREDIT * (hit - on_device)
+        return Candidate(candidate.engine_id, candidate.engine, hit, evicted, credit)
 
     def answered(self, route: Route, admission: int) -> None:
         """The engine's answer to a routed request (``admission`` 0: not admitted now)."""

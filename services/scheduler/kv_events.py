@@ -61,16 +61,18 @@ class KVEventRecorder:
         self._events: list[BlockStored | BlockRemoved | AllBlocksCleared] = [AllBlocksCleared()]
 
     def stored(self, block_hashes: list[bytes], parent_hash: bytes | None, token_ids: list[int],
-               lora_name: str | None) -> None:
+               lora_name: str | None, medium: str | None = None) -> None:
+        """``medium``: another tier's (the KV offloading tiers' "CPU"); None: the pool's."""
         self._events.append(BlockStored(list(block_hashes), parent_hash, list(token_ids), self.block_size,
-                                        None, self.medium, lora_name))
+                                        None, medium or self.medium, lora_name))
 
-    def removed(self, block_hash: bytes) -> None:
+    def removed(self, block_hash: bytes, medium: str | None = None) -> None:
+        medium = medium or self.medium
         last = self._events[-1] if self._events else None
-        if isinstance(last, BlockRemoved):
+        if isinstance(last, BlockRemoved) and last.medium == medium:
             last.block_hashes.append(block_hash)
         else:
-            self._events.append(BlockRemoved([block_hash], self.medium))
+            self._events.append(BlockRemoved([block_hash], medium))
 
     def cleared(self) -> None:
         """Everything recorded before is moot: the cache is empty now."""

@@ -281,3 +281,23 @@ def test_a_new_prefix_goes_where_it_evicts_least():
         router.on_batch(batch(engine_id, 2, [stored([bytes([engine_id == "a", i]) * 16 for i in range(100)])]))
     chosen = [router.route(engine_request([i] * 40 + list(range(i, i + 280)))).engine_id for i in range(10)]
     assert chosen.count("a") == chosen.count("b") == 5
+
+
+def test_a_host_tier_hit_counts_but_less_than_a_device_hit():
+    prompt = list(range(320))
+    hashes = prompt_block_hashes(engine_request(prompt), BS)
+    host = BlockStored(list(hashes[:16]), None, [], BS, None, "CPU", None)  # as the offloading connector's
+    # Only "b" holds the prefix, in its host tier: a hit there.
+    router, _ = kv_router()
+    router.on_batch(batch("b", 2, [host]))
+    route = router.route(engine_request(prompt))
+    assert (route.engine_id, route.reason, route.hit_blocks) == ("b", "kv_prefix", 16)
+    # "a" holds it on the device, "b" in its host tier: "a" wins.
+    router, _ = kv_router()
+    router.on_batch(batch("a", 2, [stored(hashes[:16])]))
+    router.on_batch(batch("b", 2, [host]))
+    assert router.route(engine_request(prompt)).engine_id == "a"
+    # Host-tier blocks take no device room; removed from the host tier, they are no hit.
+    assert router.index.num_held("b") == 0 and router.index.match_by_medium("b", hashes[:16]) == (16, 0)
+    router.on_batch(batch("b", 3, [BlockRemoved(list(hashes[:16]), "CPU")]))
+    assert router.index.match("b", hashes[:16]) == 0

@@ -9,12 +9,13 @@ import os
 import pytest
 
 from services.scheduler.kv_connector import KVConnectorScheduler
+from services.scheduler.kv_events import KVEventRecorder
 from services.scheduler.kv_offload.connector import OffloadingConnectorScheduler
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from shared.config import KV_BOTH, CacheConfig, KVOffloadConfig, KVTransferConfig, SchedulerConfig
 from shared.kv_unit_file import header_size, unit_path
-from shared.protocol import KVOffloadWorkerInfo, ModelRunnerOutput, SamplingParams
+from shared.protocol import BlockRemoved, BlockStored, KVOffloadWorkerInfo, ModelRunnerOutput, SamplingParams
 
 BS = 4
 UNIT = 2  # blocks per unit
@@ -42,7 +43,8 @@ def file_unit(folder, block_hashes, names=None):
             f.write(bytes(header_size(len(block_hashes)) + len(block_hashes) * BLOCK_BYTES))
 
 
-def make(num_blocks=8, host_slots=16, path="", clock=None, policy="write_back", costs=CHEAP, pd=False, **config):
+def make(num_blocks=8, host_slots=16, path="", clock=None, policy="write_back", costs=CHEAP, pd=False, events=None,
+         **config):
     offload_config = KVOffloadConfig(kv_offloading_size=1.0, kv_offloading_path=path,
                                      kv_offloading_block_size=UNIT * BS, kv_offloading_disk_write_policy=policy,
                                      kv_offloading_load_timeout=5.0, **config)
@@ -50,7 +52,7 @@ def make(num_blocks=8, host_slots=16, path="", clock=None, policy="write_back", 
     offload = OffloadingConnectorScheduler(offload_config, BS, [info], clock=clock or Clock())
     connector = KVConnectorScheduler(KVTransferConfig(kv_role=KV_BOTH), "e", "inc", BS, 1) if pd else None
     return Scheduler(SchedulerConfig(async_scheduling=False, max_num_seqs=4), CacheConfig(block_size=BS), num_blocks,
-                     256, kv_offload=offload, kv_connector=connector)
+                     256, kv_offload=offload, kv_connector=connector, kv_events=events)
 
 
 def request(req_id, prompt, max_tokens=1):
@@ -101,6 +103,24 @@ def test_evicted_blocks_go_to_the_host_tier_as_units_and_nothing_the_device_stil
     assert all(f is not None for f in found)
     assert [offset for _, offset in found] == [0, 1, 0, 1]
     assert sum(len(s.block_ids) for s in stores) == 4  # each block copied once
+
+
+def test_the_host_tier_has_kv_events_of_its_own_medium():
+    events = KVEventRecorder(BS)
+    sched = make(num_blocks=6, host_slots=2, events=events)  # room for one prompt's two units
+    run(sched, request("a", PROMPT_A))
+    run(sched, request("b", PROMPT_B))  # A's blocks go to the host tier
+    run(sched, request("c", list(range(300, 317))))  # B's too: A's units leave it
+    a_hashes, b_hashes = request("x", PROMPT_A).block_hashes[:4], request("y", PROMPT_B).block_hashes[:4]
+    recorded = events.take()
+
+    def on_host(kind):
+        return sorted(h for e in recorded if isinstance(e, kind) and e.medium == "CPU" for h in e.block_hashes)
+
+    assert on_host(BlockStored) == sorted(a_hashes + b_hashes)
+    assert on_host(BlockRemoved) == sorted(a_hashes)
+    # The device's own events are there as before.
+    assert {e.medium for e in recorded if isinstance(e, BlockStored | BlockRemoved)} == {"GPU", "CPU"}
 
 
 def test_a_prompt_whose_blocks_a_tier_holds_loads_them_and_counts_them_cached():

@@ -25,6 +25,9 @@ Blocks go down without the scheduler asking:
 - **swap** (``--preemption-mode swap``): a preempted request's blocks are stored to the host
   tier at once and pinned there until it is loaded back.
 
+With KV events on, the host tier's stores and evictions are events of medium ``CPU`` beside
+the device pool's (the disk tier, shared with other engines, has none).
+
 To know a block's chain when it is evicted, the connector remembers, for each cached block
 a request frees, that request's hashes and the block's index (``on_free``).
 """
@@ -50,6 +53,7 @@ from shared.protocol import (
     KVOffloadWorkerInfo,
 )
 
+from ..kv_events import KVEventRecorder
 from ..request import Request
 from .disk_probe import DiskProbe
 from .host_index import HostIndex, HostUnit
@@ -116,7 +120,7 @@ class OffloadingConnectorScheduler:
         self.enable_caching = enable_caching
         self._clock = clock
         host_slots = min(w.host_slots for w in workers)
-        self.host = HostIndex(host_slots) if host_slots else None
+        self.host = HostIndex(host_slots, self._host_removed) if host_slots else None
         self.disk = DiskProbe(config.kv_offloading_path, [w.disk_namespace for w in workers],
                               [w.unit_bytes // self.unit_blocks for w in workers]) if config.kv_offloading_path else None
         self.disk_limit_bytes = int(config.kv_offloading_disk_size * (1 << 30)) if self.disk else 0
@@ -124,6 +128,7 @@ class OffloadingConnectorScheduler:
         self.host_seconds_per_unit = max(w.host_load_seconds_per_unit for w in workers)
         self.disk_seconds_per_unit = max(w.disk_load_seconds_per_unit for w in workers)
         self.block_pool = None
+        self.kv_events: KVEventRecorder | None = None
         self.loads: dict[str, TierLoad] = {}
         self.stats = OffloadStats()
         self._pending: dict[str, list[TierHit]] = {}  # looked up, not allocated yet
@@ -140,8 +145,10 @@ class OffloadingConnectorScheduler:
         self._external_tokens: dict[str, int] = {}  # loaded, for the request's first run
 
     def attach(self, kv_cache_manager) -> None:
-        """Hook into the device pool: told of every block it evicts and every request it frees."""
+        """Hook into the device pool: told of every block it evicts and every request it frees;
+        the host tier's KV events go with the pool's (when they are on)."""
         self.block_pool = kv_cache_manager.block_pool
+        self.kv_events = self.block_pool.kv_events
         self.block_pool.eviction_listener = self.on_evict
         kv_cache_manager.free_listener = self.on_free
 
@@ -420,7 +427,15 @@ class OffloadingConnectorScheduler:
             return None
         if unit.fresh:
             self._stores.append(KVOffloadStore(block_ids, slot=unit.slot))
+            if self.kv_events is not None:
+                # As vLLM's offloading connector: the hashes alone (no tokens, no parent).
+                self.kv_events.stored(list(block_hashes), None, [], None, medium=MEDIUM_CPU)
         return unit
+
+    def _host_removed(self, block_hashes: list[bytes]) -> None:
+        if self.kv_events is not None:
+            for block_hash in block_hashes:
+                self.kv_events.removed(block_hash, medium=MEDIUM_CPU)
 
     def _spill(self, unit: HostUnit) -> None:
         """The host tier evicts ``unit``: to disk per the write policy, before its slot is reused."""

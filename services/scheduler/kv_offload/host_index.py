@@ -34,8 +34,11 @@ class HostUnit:
 
 
 class HostIndex:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, on_removed: Callable[[list[bytes]], None] | None = None) -> None:
+        """``on_removed``: told the block hashes a removed unit took out of the index (the
+        KV events of the host tier)."""
         self.num_slots = num_slots
+        self._on_removed = on_removed
         self.units: OrderedDict[bytes, HostUnit] = OrderedDict()  # least recently used first
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._by_block: dict[bytes, tuple[HostUnit, int]] = {}
@@ -76,11 +79,15 @@ class HostIndex:
         if self.units.get(unit.key) is not unit:
             return
         del self.units[unit.key]
+        removed = []
         for block_hash in unit.block_hashes:
             held = self._by_block.get(block_hash)
             if held is not None and held[0] is unit:
                 del self._by_block[block_hash]
+                removed.append(block_hash)
         self._free_slots.append(unit.slot)
+        if removed and self._on_removed is not None:
+            self._on_removed(removed)
 
     def end_step(self) -> None:
         """The step's metadata went out: its stores are ordered before any later spill."""
