@@ -60,9 +60,13 @@ from shared.protocol import (
     engine_stops_subject,
     gateway_stream_subject,
     ping_subject,
+    service_status_subject,
 )
 
 ANY = "*"
+# Every service says what it does on its own status subject (shared/bus.py's heartbeat);
+# gateways listen to all of them.
+ALL_STATUS = service_status_subject(ANY)
 GATEWAY_USER_PREFIX = "gateway-"
 # A gateway id is one subject token (it names subjects and a user).
 _GATEWAY_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -78,14 +82,15 @@ class Permissions:
 
 ROLES: dict[str, Permissions] = {
     "tokenizer": Permissions(
-        publish=(ENGINE_REQUESTS,),
+        publish=(ENGINE_REQUESTS, service_status_subject("tokenizer")),
         subscribe=(TOKENIZE, ping_subject("tokenizer"), TOKENIZER_TOKENIZE, TOKENIZER_DETOKENIZE),
         makes_requests=True,
     ),
     "detokenizer": Permissions(
         # A stop string ends a request: aborted on its gateway's abort subject. Stop
         # strings come by broadcast; those missed are asked of their scheduler.
-        publish=(gateway_stream_subject(ANY), engine_abort_subject(ANY), engine_stops_subject(ANY)),
+        publish=(gateway_stream_subject(ANY), engine_abort_subject(ANY), engine_stops_subject(ANY),
+                 service_status_subject("detokenizer")),
         subscribe=(DETOKENIZE, ping_subject("detokenizer"), DETOKENIZE_STOPS),
         makes_requests=True,
     ),
@@ -95,6 +100,7 @@ ROLES: dict[str, Permissions] = {
             DETOKENIZE, ENGINE_STATS, DETOKENIZE_STOPS,
             # P/D: hand-offs to decode engines, releases to prefill engines.
             engine_kv_handoff_subject(ANY), engine_kv_release_subject(ANY), engine_kv_serve_subject(ANY),
+            service_status_subject("scheduler"),
         ),
         subscribe=(
             engine_ready_subject(ANY), engine_result_subject(ANY), ENGINE_REQUESTS,
@@ -109,7 +115,8 @@ ROLES: dict[str, Permissions] = {
         publish=(engine_ready_subject(ANY), engine_result_subject(ANY),
                  # P/D: KV chunks pulled from prefill ranks; load ends told to rank 0, and
                  # by rank 0 to the scheduler.
-                 engine_kv_pull_subject(ANY, ANY), engine_kv_recvd_subject(ANY), engine_kv_loaded_subject(ANY)),
+                 engine_kv_pull_subject(ANY, ANY), engine_kv_recvd_subject(ANY), engine_kv_loaded_subject(ANY),
+                 service_status_subject("worker")),
         subscribe=(
             engine_step_subject(ANY), engine_hello_subject(ANY), engine_retire_subject(ANY),
             engine_ready_subject(ANY), ping_subject("worker"), LORA_ADAPTERS,
@@ -123,13 +130,14 @@ ROLES: dict[str, Permissions] = {
 
 def gateway_permissions(gateway_id: str) -> Permissions:
     """Gateway ``gateway_id``: tokenize requests (and /tokenize, /detokenize) out, its own
-    aborts and resends; its own streams, stats and restart counts in; LoRA adapter changes
-    and lists both ways."""
+    aborts and resends; its own streams, stats, restart counts and every service's status
+    in (its /dashboard); LoRA adapter changes and lists both ways."""
     return Permissions(
         publish=(TOKENIZE, engine_abort_subject(gateway_id), engine_resend_subject(gateway_id), f"{PING}.>",
-                 TOKENIZER_TOKENIZE, TOKENIZER_DETOKENIZE, LORA_ADAPTERS, LORA_LIST),
+                 TOKENIZER_TOKENIZE, TOKENIZER_DETOKENIZE, LORA_ADAPTERS, LORA_LIST,
+                 service_status_subject("gateway")),
         subscribe=(gateway_stream_subject(gateway_id), ENGINE_STATS, SERVICE_RESTARTS, ping_subject("gateway"),
-                   LORA_ADAPTERS, LORA_LIST),
+                   LORA_ADAPTERS, LORA_LIST, ALL_STATUS),
         makes_requests=True,
     )
 

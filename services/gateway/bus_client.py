@@ -9,7 +9,8 @@ request id, then asks a tokenizer on ``llm.tokenize`` (request/reply), one reque
 prompt with its samples' ids. Deltas for ids it does not hold (finished, aborted) are
 dropped. Requests that end early are aborted on ``llm.abort.<gateway_id>``, lost
 outputs asked for again on ``llm.resend.<gateway_id>``. ``EngineStats`` from
-``llm.engine.stats`` feed /metrics.
+``llm.engine.stats`` feed /metrics, and every replica's ``ServiceStatus`` from
+``llm.status.*`` the fleet /dashboard shows (``fleet.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from shared.protocol import (
     PING_CHANNEL,
     RESEND_CHANNEL,
     SERVICE_RESTARTS_CHANNEL,
+    SERVICE_STATUS_CHANNEL,
     STREAM_CHANNEL,
     TOKENIZE,
     TOKENIZE_CHANNEL,
@@ -44,6 +46,7 @@ from shared.protocol import (
 
 from .config import GatewayConfig
 from .errors import ApiError, bus_unavailable, engine_lost, no_tokenizer, shutting_down, tokenizer_timeout
+from .fleet import Fleet
 from .lora_routes import LoRARegistry, join_lora_bus
 from .metrics import EngineStatsStore, GatewayMetrics
 from .streams import RequestStream
@@ -69,7 +72,8 @@ class GatewayService(Service):
         self.config = config
         self.streams: dict[str, RequestStream] = {}
         self.engine_stats = EngineStatsStore()
-        self.metrics = GatewayMetrics(config.model_name, self.engine_stats)
+        self.fleet = Fleet()
+        self.metrics = GatewayMetrics(config.model_name, self.engine_stats, self.metrics_registry)
         self.closing = False
         self.num_dropped_deltas = 0
         self.num_resends = 0
@@ -82,10 +86,19 @@ class GatewayService(Service):
     def info(self) -> dict:
         return {"gateway_id": self.gateway_id, "open_requests": len(self.streams), "port": self.config.port}
 
+    def phase(self) -> str:
+        """serving, or what a request would wait for (the tokenizers' status and the
+        engines' stats tell; /health asks a tokenizer itself)."""
+        missing = [] if self.fleet.live("tokenizer") else ["a tokenizer"]
+        if not self.engine_stats.ready_engines(self.config.engine_ready_ttl):
+            missing.append("a ready engine")
+        return "waiting for " + " and ".join(missing) if missing else "serving"
+
     async def setup(self) -> None:
         await self.subscribe(STREAM_CHANNEL.subject(self.gateway_id), self._on_deltas)
         await self.subscribe(ENGINE_STATS_CHANNEL.subject(), self._on_stats)
         await self.subscribe(SERVICE_RESTARTS_CHANNEL.subject(), self._on_restarts)
+        await self.subscribe(SERVICE_STATUS_CHANNEL.subject("*"), self._on_status)
         self.spawn(self._watch_engines())
         if self.lora is not None:
             await join_lora_bus(self, self.lora)
@@ -117,6 +130,12 @@ class GatewayService(Service):
         self.engine_stats.update(stats)
         if stats.incarnation:
             self._fail_requests_of(stats.engine_id, "restarted", lambda s: s.incarnation != stats.incarnation)
+
+    async def _on_status(self, msg: Msg) -> None:
+        try:
+            self.fleet.update(SERVICE_STATUS_CHANNEL.decode(msg.data))
+        except msgspec.DecodeError as e:
+            logger.warning("malformed service status on %s: %s", msg.subject, e)
 
     async def _on_restarts(self, msg: Msg) -> None:
         self.metrics.service_restarts = dict(SERVICE_RESTARTS_CHANNEL.decode(msg.data).counts)
@@ -162,9 +181,11 @@ class GatewayService(Service):
 
     # ------------------------------------------------------------------ outbound
 
-    async def tokenize(self, streams: list[RequestStream], request: TokenizeRequest) -> TokenizeReply:
+    async def tokenize(self, streams: list[RequestStream], request: TokenizeRequest,
+                       headers: dict[str, str] | None = None) -> TokenizeReply:
         """Register the prompt's ``streams`` (outputs may beat the reply here), then ask a
-        tokenizer; the streams whose samples were queued learn their engine.
+        tokenizer (with ``headers``: a traced request's context); the streams whose samples
+        were queued learn their engine.
 
         Raises ``ApiError`` when the prompt reached no scheduler: the tokenizer's refusal
         as is, 503 when none is subscribed; or when it may have (``maybe_submitted``): 504
@@ -177,7 +198,7 @@ class GatewayService(Service):
             self.streams[stream.request_id] = stream
         name = request.request_ids[0]
         try:
-            reply = await self._ask_tokenizer(request)
+            reply = await self._ask_tokenizer(request, headers)
         except NoRespondersError:
             logger.warning("%s: no tokenizer is subscribed to %s", name, TOKENIZE)
             raise no_tokenizer() from None
@@ -207,13 +228,14 @@ class GatewayService(Service):
                 stream.accepted_at = now
         return reply
 
-    async def _ask_tokenizer(self, request: TokenizeRequest) -> TokenizeReply:
+    async def _ask_tokenizer(self, request: TokenizeRequest, headers: dict[str, str] | None) -> TokenizeReply:
         """One retry after a timeout: the replica that took the request may have died (its
         queue-group place is gone, so the retry reaches another). A retry of a request
         that did reach a scheduler is harmless: the scheduler takes a known id as queued."""
         for attempt in range(TOKENIZE_ATTEMPTS):
             try:
-                return await self.request(TOKENIZE_CHANNEL, request, timeout=self.config.tokenize_timeout)
+                return await self.request(TOKENIZE_CHANNEL, request, timeout=self.config.tokenize_timeout,
+                                          headers=headers)
             except (NatsTimeoutError, asyncio.TimeoutError):
                 if attempt + 1 == TOKENIZE_ATTEMPTS or self.closing:
                     raise

@@ -7,7 +7,8 @@ scheduler publishes about once a second on ``llm.engine.stats``: the latest
 message per engine is kept, engines silent for longer than ``ENGINE_STATS_TTL``
 are dropped, and the rest are summed when scraped. Token counts and latencies
 (TTFT, inter-token, end-to-end) and finished requests are measured here, at the
-gateway, per engine request.
+gateway, per engine request. With them, what every service exports
+(``shared/service_metrics.py``: ``natsllm:service_info``, process figures).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily
 
+from shared.engine_metrics import engine_families
 from shared.protocol import EngineStats
 
 ENGINE_STATS_TTL = 10.0
@@ -60,74 +62,14 @@ class EngineStatsStore:
 
 class _EngineCollector:
     """Sums the live engines' stats at scrape time, so gauges are never staler than
-    the latest message."""
-
-    GAUGES = (
-        ("num_requests_running", "Number of requests in model execution batches."),
-        ("num_requests_waiting", "Number of requests waiting to be processed."),
-        ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
-        ("num_requests_waiting_for_remote_kv", "P/D: requests whose prompt KV a decode engine is pulling."),
-    )
-    COUNTERS = (
-        ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
-        ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
-        ("num_preemptions", "num_preemptions", "Cumulative number of preemptions from the engine."),
-        ("spec_decode_num_drafts", "spec_decode_num_drafts", "Number of spec decoding drafts."),
-        ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Number of draft tokens."),
-        ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Number of accepted tokens."),
-        ("kv_transfer_bytes", "kv_transfer_bytes", "P/D: KV cache bytes decode engines pulled."),
-        ("kv_transfer_seconds", "kv_transfer_seconds", "P/D: seconds from hand-off to loaded KV, summed."),
-        ("kv_transfer_requests", "kv_transfer_requests", "P/D: requests whose prompt KV was loaded."),
-        ("kv_transfer_failures", "kv_transfer_failures", "P/D: KV loads that failed or timed out."),
-        ("kv_transfer_fallbacks", "kv_transfer_fallbacks", "P/D: prompts recomputed instead of loaded."),
-    )
+    the latest message (``shared/engine_metrics.py``)."""
 
     def __init__(self, store: EngineStatsStore, model_name: str) -> None:
         self.store = store
         self.model_name = model_name
 
     def collect(self):
-        engines = self.store.current()
-        for field, doc in self.GAUGES:
-            gauge = GaugeMetricFamily(f"natsllm:{field}", doc, labels=["model_name"])
-            gauge.add_metric([self.model_name], float(sum(getattr(s, field) for s in engines)))
-            yield gauge
-        for name, field, doc in self.COUNTERS:
-            counter = CounterMetricFamily(f"natsllm:{name}", doc, labels=["model_name"])
-            counter.add_metric([self.model_name], float(sum(getattr(s, field) for s in engines)))
-            yield counter
-        yield self._accepted_per_position(engines)
-        engines_gauge = GaugeMetricFamily("natsllm:num_engines", "Engines heard from recently.", labels=["model_name"])
-        engines_gauge.add_metric([self.model_name], float(len(engines)))
-        yield engines_gauge
-        lora_engines = [s for s in engines if s.max_lora]
-        if lora_engines:
-            yield self._lora_requests_info(lora_engines)
-
-    @staticmethod
-    def _lora_requests_info(engines: list[EngineStats]) -> GaugeMetricFamily:
-        """vLLM's info gauge: the adapters as comma-separated label values (of all engines),
-        the value the time of the latest stats."""
-        gauge = GaugeMetricFamily("natsllm:lora_requests_info", "Running stats on lora requests.",
-                                  labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-        waiting = sorted({name for s in engines for name in s.waiting_lora_adapters})
-        running = sorted({name for s in engines for name in s.running_lora_adapters})
-        gauge.add_metric([str(max(s.max_lora for s in engines)), ",".join(waiting), ",".join(running)],
-                         max(s.timestamp for s in engines))
-        return gauge
-
-    def _accepted_per_position(self, engines: list[EngineStats]) -> CounterMetricFamily:
-        counter = CounterMetricFamily("natsllm:spec_decode_num_accepted_tokens_per_pos",
-                                      "Accepted tokens per draft's positions.", labels=["model_name", "position"])
-        totals: list[int] = []
-        for stats in engines:
-            per_pos = stats.spec_decode_num_accepted_tokens_per_pos
-            totals.extend([0] * (len(per_pos) - len(totals)))
-            for pos, count in enumerate(per_pos):
-                totals[pos] += count
-        for pos, count in enumerate(totals):
-            counter.add_metric([self.model_name, str(pos)], float(count))
-        return counter
+        yield from engine_families(self.store.current(), {"model_name": self.model_name}, per_engine=False)
 
 
 class _RestartsCollector:
@@ -145,10 +87,12 @@ class _RestartsCollector:
 
 
 class GatewayMetrics:
-    """The gateway's own registry; ``render()`` is the body of ``GET /metrics``."""
+    """The gateway's registry (``registry``: the service's own, ``shared/service_metrics.py``,
+    with the gateway's families added); ``render()`` is the body of ``GET /metrics``."""
 
-    def __init__(self, model_name: str, engine_stats: EngineStatsStore) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, model_name: str, engine_stats: EngineStatsStore,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter("natsllm:prompt_tokens", "Number of prefill tokens processed.",

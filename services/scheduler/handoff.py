@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 # and how many it tries before decoding the request itself.
 HANDOFF_TIMEOUT = 2.0
 HANDOFF_ATTEMPTS = 2
+LOCAL = "local"  # a hand-off no decode engine took: decoded on the prefill engine
 
 
 class HandoffSender:
@@ -61,6 +62,8 @@ class HandoffSender:
         self.engine_id = engine_id
         self.incarnation = incarnation
         self.decode_engines = DecodeEngines()
+        # Requests handed to each decode engine (LOCAL: none took it): the router's decisions.
+        self.decisions: dict[str, int] = {}
         self._recovery = recovery
         self._intake = intake
         self._outputs = outputs
@@ -101,6 +104,7 @@ class HandoffSender:
                 continue
             logger.warning("engine %s: no decode engine took %s; decoding it here", self.engine_id,
                            request.request_id)
+            self.decisions[LOCAL] = self.decisions.get(LOCAL, 0) + 1
             scheduler.decode_locally(request)
             self._wake()
         await self._outputs.publish(list(outputs.values()))
@@ -119,15 +123,19 @@ class HandoffSender:
             kv_transfer_params=params,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
+        traces = self._intake.traces
+        headers = traces.headers(request.request_id) if traces is not None else None
         for engine_id in self.decode_engines.ranked()[:HANDOFF_ATTEMPTS]:
             try:
-                reply = await self._request(KV_HANDOFF_CHANNEL, handoff, engine_id, timeout=HANDOFF_TIMEOUT)
+                reply = await self._request(KV_HANDOFF_CHANNEL, handoff, engine_id, timeout=HANDOFF_TIMEOUT,
+                                            headers=headers)
             except Exception as e:  # no responder, timeout, a bad answer: the next engine
                 logger.warning("engine %s: hand-off of %s to %s failed: %r", self.engine_id, request.request_id,
                                engine_id, e)
                 continue
             if reply.accepted:
                 self.decode_engines.handed_to(engine_id)
+                self.decisions[engine_id] = self.decisions.get(engine_id, 0) + 1
                 output.owner_engine_id, output.owner_incarnation = reply.engine_id, reply.incarnation
                 return True
             logger.warning("engine %s: %s refused %s: %s", self.engine_id, engine_id, request.request_id, reply.error)
@@ -174,7 +182,9 @@ class HandoffReceiver:
             request.prompt_logprobs_sent = True  # they went with the first token
             return request
 
-        _, error = self._intake.admit(handoff.request.request_id, handoff.request.gateway_id, make_request)
+        queued, error = self._intake.admit(handoff.request.request_id, handoff.request.gateway_id, make_request)
+        if queued and self._intake.traces is not None:
+            self._intake.traces.arrived(handoff.request, msg.headers, handed_in=True)
         message = "" if error is None else error.message
         await respond(msg, KV_HANDOFF_CHANNEL, KVHandoffReply(error is None, message, self.engine_id, self.incarnation))
 
@@ -185,6 +195,8 @@ class HandoffReceiver:
         if scheduler is None or done.incarnation != self.incarnation:
             return
         scheduler.update_from_kv_loads(done.finished, done.failed, done.kv_bytes)
+        if self._intake.traces is not None:
+            self._intake.traces.kv_loaded(done.finished)
         self.send_releases(scheduler)
         self._wake()
 

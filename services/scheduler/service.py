@@ -16,6 +16,7 @@ objects it calls:
                                aborts and resends
     stop_strings_broadcast.py  stop strings to every detokenizer, and their queries
     outputs.py                 step outputs and error outputs to the detokenizers
+    request_traces.py          the spans of traced requests (when tracing is on)
     handoff.py                 P/D hand-off, prefill side and decode side
     stats.py                   the EngineStats message
 
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
+from shared import tracing
 from shared.aio import wait_for
 from shared.bus import Service, respond
 from shared.config import CacheConfig, KVTransferConfig, LoRAConfig, SchedulerConfig
@@ -65,7 +67,9 @@ from .intake import Intake
 from .kv_connector import KVConnectorScheduler
 from .outputs import OutputPublisher
 from .recovery import WorkerRecovery
+from .request_traces import RequestTraces
 from .scheduler import Scheduler
+from .metrics import scheduler_families
 from .stats import EngineCounters
 from .stop_strings_broadcast import StopStringsBroadcast
 from .workers import WorkerGroup
@@ -88,6 +92,8 @@ class _SentStep:
     # When the result of the step ahead of it arrived (0: nothing was ahead when sent).
     previous_result_at: float = 0.0
     result_at: float = 0.0
+    # time.time_ns() when sent, taken only while traced requests run (request_traces.py).
+    sent_ns: int = 0
 
 
 class SchedulerService(Service):
@@ -123,18 +129,22 @@ class SchedulerService(Service):
         self.profile = StepProfile() if profile else None
         self._loop_task: asyncio.Task | None = None
         self._wait_log = WaitLog(logger, f"engine {engine_id}")
+        self.num_steps = 0
+        self.last_stats = None  # the EngineStats last published (what /metrics shows)
+        process_tracing = tracing.current()
+        self.traces = RequestTraces(process_tracing, engine_id) if process_tracing is not None else None
 
         wake = self._work.set
         self.workers = WorkerGroup(self.world_size, self.cache_config.block_size, self.worker_timeout)
         self.counters = EngineCounters(engine_id)
         self.stops = StopStringsBroadcast(engine_id, self.publish, lambda request_id: self.recovery.stop_strings(
             request_id))
-        self.outputs = OutputPublisher(engine_id, self.publish, self.spawn, self.stops)
+        self.outputs = OutputPublisher(engine_id, self.publish, self.spawn, self.stops, self.traces)
         self.recovery = WorkerRecovery(engine_id, self.workers, self._make_scheduler, self.outputs, self.publish,
                                        self.spawn, self._cancel_steps, wake)
         self.intake = Intake(engine_id, self.incarnation, cache_config.block_size,
                              service_config.max_waiting_requests, kv_transfer_config.hands_off, self.recovery,
-                             self.outputs, self.stops, self.counters, lambda: self.ready, wake)
+                             self.outputs, self.stops, self.counters, lambda: self.ready, wake, self.traces)
         self.handoff_sender = HandoffSender(engine_id, self.incarnation, self.recovery, self.intake, self.outputs,
                                             self.publish, self.request, self.spawn, wake)
         self.handoff_receiver = HandoffReceiver(engine_id, self.incarnation, cache_config.block_size, self.recovery,
@@ -158,8 +168,23 @@ class SchedulerService(Service):
         return self.scheduler is not None and loop_alive
 
     def info(self) -> dict:
-        return {"engine_id": self.engine_id, "ready": self.ready, "num_stop_queries": self.stops.num_queries,
-                "num_kv_poll_steps": self.num_kv_poll_steps}
+        info = {"engine_id": self.engine_id, "ready": self.ready, "num_stop_queries": self.stops.num_queries,
+                "num_kv_poll_steps": self.num_kv_poll_steps, "num_steps": self.num_steps}
+        if self.last_stats is not None:
+            stats = self.last_stats
+            info.update(num_requests_running=stats.num_requests_running,
+                        num_requests_waiting=stats.num_requests_waiting,
+                        kv_cache_usage_perc=round(stats.kv_cache_usage_perc, 4))
+        return info
+
+    def phase(self) -> str:
+        if self.ready:
+            return "serving"
+        missing = self.workers.world_size - len(self.workers.members)
+        return f"waiting for {missing} of its {self.workers.world_size} worker rank(s)"
+
+    def metric_families(self):
+        return scheduler_families(self)
 
     async def setup(self) -> None:
         engine = self.engine_id
@@ -291,6 +316,7 @@ class SchedulerService(Service):
         if not scheduler.step_worth_sending(step):
             self.num_kv_poll_steps += 1
         self._last_step_sent = time.monotonic()
+        sent_ns = time.time_ns() if self.traces is not None and self.traces.requests else 0
         future = asyncio.get_running_loop().create_future()
         self._pending_steps[step.step_id] = future
         data = STEP_CHANNEL.encode(step)
@@ -299,7 +325,7 @@ class SchedulerService(Service):
         # before any output of it can.
         await self.stops.send()
         await self.nc.publish(STEP_CHANNEL.subject(self.engine_id), data)
-        return _SentStep(step, future, clock)
+        return _SentStep(step, future, clock, sent_ns=sent_ns)
 
     async def _finish_step(self, scheduler: Scheduler, sent: _SentStep) -> None:
         step, clock = sent.step, sent.clock
@@ -327,6 +353,10 @@ class SchedulerService(Service):
         clock.lap("bus_round_trip")
         outputs = scheduler.update_from_output(step, result)
         clock.lap("update")
+        self.num_steps += 1
+        if self.traces is not None and self.traces.requests:
+            self.traces.step_done(step, sent.sent_ns, result)
+            self.traces.kv_loaded(result.finished_recving)
         self.counters.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
         outputs = self.handoff_sender.start(scheduler, outputs)
         self.handoff_receiver.send_releases(scheduler)
@@ -358,6 +388,10 @@ class SchedulerService(Service):
             if self.scheduler is not None and self.scheduler.has_connector_work():
                 self._work.set()  # deadlines of holds and loads are checked in schedule()
             stats = self.counters.message(self.ready, self.incarnation, self.scheduler)
+            self.last_stats = stats
             await self.publish(ENGINE_STATS_CHANNEL, stats)
+            if self.traces is not None and self.traces.requests:
+                scheduler = self.scheduler
+                self.traces.forget_gone(lambda req_id: scheduler is not None and req_id in scheduler.requests)
             self.counters.log(self.scheduler)
             await asyncio.sleep(min(self.stats_interval, self.worker_timeout / 3))

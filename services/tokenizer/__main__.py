@@ -1,7 +1,7 @@
 """``python -m services.tokenizer``: a tokenizer replica on the bus (queue group "tokenizer")."""
 
 from shared.bus import run_service, setup_logging
-from shared.cli import add_config_flags, base_parser, config_from_args
+from shared.cli import add_config_flags, base_parser, begin_service, config_from_args, metrics_server_config
 
 from .config import TokenizerConfig
 
@@ -15,11 +15,13 @@ def build_parser():
 def build_service(config: TokenizerConfig, nats_url: str):
     from shared.chat_template import read_chat_template
     from shared.model_config import default_model_path, load_model_config, resolve_max_model_len
+    from shared import startup
     from shared.tokenizer import load_tokenizer
 
     from .service import TokenizerService
 
     model = config.model or default_model_path()
+    startup.phase(f"loading the tokenizer of {model}")
     model_config = load_model_config(model)
     tokenizer = load_tokenizer(model)
     if config.chat_template:
@@ -37,7 +39,9 @@ def build_service(config: TokenizerConfig, nats_url: str):
 def main() -> None:
     args = build_parser().parse_args()
     setup_logging(args.log_level)
-    run_service(build_service(config_from_args(TokenizerConfig, args), args.nats_url))
+    begin_service(args, "tokenizer")
+    run_service(build_service(config_from_args(TokenizerConfig, args), args.nats_url),
+                metrics_server_config(args))
 
 
 if __name__ == "__main__":

@@ -11,18 +11,28 @@ to a scheduler as its own ``EngineRequest`` (own request id, seed + i). The gate
 gets a ``TokenizeReply``: the prompt length and each sample's answer (queued, or the
 scheduler's error; 503 when none answers), or the prompt's refusal in OpenAI's shape
 (400 for bad input).
+
+Traced requests (``shared/tracing.py``: the tokenize request's NATS headers carry a
+``traceparent`` and this process traces) get a ``tokenize`` span and, per sample, a
+``route`` span around its hand-over to a scheduler, whose context goes in the engine
+request's headers. Each scheduler that took a request is counted
+(``natsllm:router_decisions_total{router="queue"}``): how the queue group spread them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily
 
+from shared import tracing
 from shared.bus import Service, respond
 from shared.protocol import (
     DETOKENIZE_TOKENS_CHANNEL,
@@ -39,6 +49,8 @@ from shared.protocol import (
 )
 from shared.request_preparation import RequestPreparer
 from shared.request_validation import InvalidRequest
+from shared.service_metrics import counter
+from shared.tracing import Attr
 
 from .config import TokenizerConfig
 from .tokens import detokenize_tokens, tokenize_text
@@ -46,6 +58,8 @@ from .tokens import detokenize_tokens, tokenize_text
 logger = logging.getLogger(__name__)
 
 NO_SCHEDULER = "no scheduler is available"
+ROUTER_QUEUE = "queue"  # natsllm:router_decisions_total{router="queue"}
+PREPARE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 def no_scheduler(engine_request: EngineRequest) -> EngineRequestReply:
@@ -75,6 +89,11 @@ class TokenizerService(Service):
         self.scheduler_timeout = config.scheduler_timeout
         self.num_requests = 0
         self.num_rejected = 0
+        self.routed: dict[str, int] = {}  # samples each engine's scheduler took
+        self.prepare_seconds = Histogram("natsllm:tokenizer_prepare_seconds",
+                                         "Seconds to validate, render and tokenize a prompt.",
+                                         buckets=PREPARE_BUCKETS, registry=self.metrics_registry)
+        self.tracing = tracing.current()
 
     def info(self) -> dict:
         return {
@@ -82,6 +101,17 @@ class TokenizerService(Service):
             "num_requests": self.num_requests,
             "num_rejected": self.num_rejected,
         }
+
+    def metric_families(self):
+        yield counter("natsllm:tokenizer_requests", "Prompts received.", self.num_requests)
+        yield counter("natsllm:tokenizer_rejected", "Prompts refused (bad input, or no scheduler took them).",
+                      self.num_rejected)
+        decisions = CounterMetricFamily("natsllm:router_decisions", "Where requests were routed (router=queue: the "
+                                        "engine whose scheduler took a sample from the queue group).",
+                                        labels=["router", "source", "engine"])
+        for engine_id, count in sorted(self.routed.items()):
+            decisions.add_metric([ROUTER_QUEUE, self.name, engine_id], float(count))
+        yield decisions
 
     async def setup(self) -> None:
         await self.subscribe(TOKENIZE_CHANNEL.subject(), self._on_tokenize, queue="tokenizer")
@@ -116,7 +146,16 @@ class TokenizerService(Service):
         self.spawn(self._handle(msg))
 
     async def _handle(self, msg: Msg) -> None:
-        reply = await self.handle_request(msg.data)
+        parent = self.tracing.context_from(msg.headers) if self.tracing is not None else None
+        if parent is None:
+            reply = await self.handle_request(msg.data)
+        else:
+            span = self.tracing.start("tokenize", parent, self.tracing.SERVER)
+            reply = await self.handle_request(msg.data, span)
+            span.set_attribute(Attr.PROMPT_TOKENS, reply.num_prompt_tokens)
+            if reply.error is not None:
+                self.tracing.fail(span, reply.error.message)
+            span.end()
         if reply.error is not None or any(c.error is not None for c in reply.choices):
             self.num_rejected += 1
         if msg.reply:
@@ -124,9 +163,9 @@ class TokenizerService(Service):
         else:
             logger.warning("tokenize request without a reply subject")
 
-    async def handle_request(self, data: bytes) -> TokenizeReply:
+    async def handle_request(self, data: bytes, span=None) -> TokenizeReply:
         """The whole path for one encoded ``TokenizeRequest`` (one prompt, its n samples);
-        never raises."""
+        never raises. ``span``: the request's tokenize span, when traced."""
         self.num_requests += 1
         try:
             request = TOKENIZE_CHANNEL.decode(data)
@@ -134,6 +173,10 @@ class TokenizerService(Service):
             logger.warning("malformed tokenize request: %s", e)
             return TokenizeReply(error=ErrorInfo(f"malformed request: {e}"))
         name = request.request_ids[0] if request.request_ids else "?"
+        if span is not None:
+            span.set_attributes({Attr.REQUEST_ID: name, Attr.REQUEST_MODEL: request.model,
+                                 Attr.REQUEST_N: len(request.request_ids)})
+        started = time.perf_counter()
         try:
             engine_requests = await asyncio.to_thread(self.preparer.prepare, request, self.tokenizer)
         except InvalidRequest as e:
@@ -142,14 +185,33 @@ class TokenizerService(Service):
         except Exception as e:
             logger.exception("%s: tokenizing failed", name)
             return TokenizeReply(error=ErrorInfo(f"tokenizing failed: {e}", type="internal_error", status=500))
-        answers = await asyncio.gather(*(self.submit(r) for r in engine_requests))
+        self.prepare_seconds.observe(time.perf_counter() - started)
+        answers = await asyncio.gather(*(self.submit(r, span) for r in engine_requests))
+        for answer in answers:
+            if answer.error is None:
+                self.routed[answer.engine_id] = self.routed.get(answer.engine_id, 0) + 1
         return TokenizeReply(len(engine_requests[0].prompt_token_ids), choices=list(answers))
 
-    async def submit(self, engine_request: EngineRequest) -> EngineRequestReply:
+    async def submit(self, engine_request: EngineRequest, parent_span=None) -> EngineRequestReply:
         """Hand one sample to a scheduler: its answer (the engine that queued the request,
-        or its refusal), or a 503 when none answers."""
+        or its refusal), or a 503 when none answers. Traced (``parent_span``): in a route
+        span whose context the scheduler continues."""
+        if parent_span is None:
+            return await self._submit(engine_request)
+        tracer = self.tracing
+        span = tracer.start("route", tracer.context_of(parent_span), tracer.CLIENT,
+                            attributes={Attr.REQUEST_ID: engine_request.request_id})
+        reply = await self._submit(engine_request, tracer.headers(span))
+        span.set_attribute(Attr.ENGINE, reply.engine_id)
+        if reply.error is not None:
+            tracer.fail(span, reply.error.message)
+        span.end()
+        return reply
+
+    async def _submit(self, engine_request: EngineRequest, headers: dict[str, str] | None = None) -> EngineRequestReply:
         try:
-            return await self.request(ENGINE_REQUESTS_CHANNEL, engine_request, timeout=self.scheduler_timeout)
+            return await self.request(ENGINE_REQUESTS_CHANNEL, engine_request, timeout=self.scheduler_timeout,
+                                      headers=headers)
         except NoRespondersError:
             logger.warning("%s: %s (no responders)", engine_request.request_id, NO_SCHEDULER)
             return no_scheduler(engine_request)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kernels import AttentionMetadata, get_kernel_ops
+from shared import startup
 from shared.config import (
     CacheConfig,
     LoRAConfig,
@@ -114,6 +115,7 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.device,
                                                      run_config.dtype, self.keep_quantized)
         # Each rank reads only its rows / columns of the sharded tensors.
+        startup.phase(f"loading weights of {self.model_path}")
         self.model = self._load_model(self.model_path, self.model_config, self.tp)
         self.max_num_seqs = scheduler_config.max_num_seqs
         # Seeded alike on every rank: unseeded random requests draw the same noise everywhere.
@@ -125,7 +127,9 @@ class ModelRunner:
         if speculative is not None and speculative.method == "draft_model":
             self.draft_model = self._load_draft_model(speculative)
 
+        startup.phase("profiling memory: sizing the KV cache")
         self.num_blocks = self._num_kv_blocks()
+        startup.phase(f"allocating {self.num_blocks} KV cache blocks")
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         if self.draft_model is not None:
             self.draft_model.allocate_kv_cache(self.num_blocks)

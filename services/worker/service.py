@@ -17,9 +17,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-
 from nats.aio.msg import Msg
+from prometheus_client import Histogram
 
+from shared import tracing
 from shared.bus import Service, flush_in_order
 from shared.config import CacheConfig, KVTransferConfig, LoRAConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
 from shared.kv_transfer_faults import KVTransferFaults
@@ -34,6 +35,7 @@ from shared.protocol import (
     WorkerReady,
 )
 
+from shared.service_metrics import counter
 from shared.step_profile import NULL_CLOCK, WORKER_PHASES, PhaseClock
 
 from .heap_trim import IDLE_SECONDS_BEFORE_TRIM, trim_heap
@@ -44,6 +46,8 @@ from .parallel import init_distributed
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 0.5
+# Seconds a step takes on the worker (natsllm:worker_step_seconds).
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 
 
 class WorkerService(Service):
@@ -65,6 +69,9 @@ class WorkerService(Service):
         super().__init__(nats_url)
         self.engine_id = engine_id
         self.profile = profile
+        # --collect-detailed-traces: each step's phases are timed for the request spans.
+        process_tracing = tracing.current()
+        self.timed_steps = profile or (process_tracing is not None and process_tracing.detailed)
         self.world_size = parallel_config.tensor_parallel_size
         self.peer_timeout = peer_timeout
         self._peers: dict[int, str] = {}
@@ -94,6 +101,9 @@ class WorkerService(Service):
         self._heap_trimmed = False
         self.num_steps = 0
         self.num_sampled_tokens = 0
+        self.step_seconds = Histogram("natsllm:worker_step_seconds", "Seconds a step took on the worker.",
+                                      ["engine", "rank"], buckets=STEP_BUCKETS,
+                                      registry=self.metrics_registry).labels(engine_id, str(self.rank))
         # P/D: serves this rank's held KV blocks and pulls others' (None: no KV transfer).
         self.kv_connector: KVConnectorWorker | None = None
         if kv_transfer_config.kv_role:
@@ -103,6 +113,11 @@ class WorkerService(Service):
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "rank": self.rank, "num_steps": self.num_steps,
                 "num_sampled_tokens": self.num_sampled_tokens}
+
+    def metric_families(self):
+        labels = {"engine": self.engine_id, "rank": str(self.rank)}
+        yield counter("natsllm:worker_steps", "Steps the worker ran.", self.num_steps, labels)
+        yield counter("natsllm:worker_sampled_tokens", "Tokens the worker sampled.", self.num_sampled_tokens, labels)
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(
@@ -169,7 +184,8 @@ class WorkerService(Service):
             await loop.run_in_executor(self._executor, self.runner.lora.unpin, name)
 
     async def _on_step(self, msg: Msg) -> None:
-        clock = PhaseClock(self._sync) if self.profile else NULL_CLOCK
+        started = time.perf_counter()
+        clock = PhaseClock(self._sync) if self.timed_steps else NULL_CLOCK
         scheduler_output = STEP_CHANNEL.decode(msg.data)
         clock.lap("unpack")
         # A step of an earlier scheduler incarnation (delivered late, or from a scheduler
@@ -190,7 +206,7 @@ class WorkerService(Service):
             output = await loop.run_in_executor(
                 self._executor, self.runner.execute_model, scheduler_output, clock
             )
-            if self.profile:
+            if self.timed_steps:
                 output.timings = [clock.durations.get(phase, 0.0) for phase in WORKER_PHASES]
         except Exception as e:
             logger.exception("engine %s rank %d: step %d failed", self.engine_id, self.rank, scheduler_output.step_id)
@@ -198,6 +214,7 @@ class WorkerService(Service):
         output.incarnation = scheduler_output.incarnation
         self.num_steps += 1
         self.num_sampled_tokens += sum(map(len, output.sampled_token_ids))
+        self.step_seconds.observe(time.perf_counter() - started)
         if self.kv_connector is not None and self.rank == 0:
             output.finished_recving, output.failed_recving, output.kv_bytes_recvd = self.kv_connector.take_finished()
         self._last_step, self._heap_trimmed = time.monotonic(), False
