@@ -1,4 +1,5 @@
-"""Runs the whole stack in the foreground until Ctrl-C or SIGTERM (see scripts/serve).
+"""Runs the whole stack in the foreground until Ctrl-C or SIGTERM (see scripts/serve),
+showing what each service does until the stack serves, then its URL.
 
 Flags other than its own go to the services that take them, e.g. ``--max-num-seqs``
 to the scheduler and workers, ``--served-model-name`` or ``--api-key`` to the gateway.
@@ -52,8 +53,9 @@ def main() -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         stack.start()
-        stack.wait_ready()
-        print(f"serving on {stack.base_url} (OpenAI API under /v1); Ctrl-C stops", flush=True)
+        stack.wait_ready(show=lambda line: print(line, flush=True))
+        print(f"serving on {stack.base_url} (OpenAI API under /v1, fleet status on {stack.base_url}/dashboard); "
+              f"Ctrl-C stops", flush=True)
         while not stop.wait(1.0):
             dead = stack.dead_services()
             if dead:

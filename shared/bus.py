@@ -208,10 +208,11 @@ class Service:
                 if self.nc.is_connected:
                     await self.nc.flush(timeout=self.heartbeat_interval)
                     status = self.status()
-                    await self.publish(SERVICE_STATUS_CHANNEL, status, self.name)
+                    await publish(self.nc, SERVICE_STATUS_CHANNEL, status, self.name)
                     healthcheck.beat(self.heartbeat_file, {
                         "service": status.service, "instance_id": status.instance_id, "phase": status.phase,
-                        "metrics_port": status.metrics_port, **status.info})
+                        "metrics_port": status.metrics_port, **status.info, "started_at": status.started_at,
+                        "history": startup.history()})
             except OSError as e:
                 if not warned:
                     logger.warning("%s %s: heartbeat file %s: %r", self.name, self.instance_id, self.heartbeat_file, e)

@@ -30,12 +30,19 @@ SERVING = "serving"
 
 _service: str | None = None
 _started_at = time.time()
+# Every phase so far, with its start (seconds since the process started): the status file
+# holds them all, so a reader that looks now and then misses none.
+_history: list[tuple[str, float]] = []
 
 
 def begin(service: str) -> None:
     global _service
     _service = service
     phase("starting the process")
+
+
+def history() -> list[tuple[str, float]]:
+    return list(_history)
 
 
 def started_at() -> float:
@@ -55,10 +62,11 @@ def phase(what: str) -> None:
         logger.debug("start-up: %s", what)
         return
     logger.info("%s: %s", _service, what)
+    _history.append((what, round(time.time() - _started_at, 2)))
     try:
         healthcheck.beat(healthcheck.heartbeat_file(), {
-            "service": _service, "phase": what, STARTING: True, "pid": os.getpid(), "since": time.time(),
-            "started_at": _started_at,
+            "service": _service, "phase": what, STARTING: True, "pid": os.getpid(), "started_at": _started_at,
+            "history": _history,
         })
     except OSError as e:  # progress is for people; a read-only disk must not stop the start
         logger.debug("start-up status not written: %r", e)

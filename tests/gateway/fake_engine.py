@@ -129,6 +129,7 @@ class FakeEngine(Service):
     def __init__(self, nats_url: str) -> None:
         super().__init__(nats_url)
         self.prompts: list[TokenizeRequest] = []
+        self.prompt_headers: list[dict | None] = []  # each tokenize request's NATS headers
         self.requests: list[Sample] = []
         self.aborted: list[str] = []
         self._changed = asyncio.Condition()
@@ -187,6 +188,7 @@ class FakeEngine(Service):
                 await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(error=e.error)))
                 return
         self.prompts.append(request)
+        self.prompt_headers.append(msg.headers)
         samples = [Sample(request_id, request.sampling_params.for_choice(i), request)
                    for i, request_id in enumerate(request.request_ids)]
         self.requests.extend(samples)

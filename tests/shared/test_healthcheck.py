@@ -89,8 +89,10 @@ def test_the_file_holds_what_a_ping_answers_and_show_prints_it(tmp_path):
         check = subprocess.run([sys.executable, "-m", "shared.healthcheck", "--show"], env=env, cwd=ROOT,
                                capture_output=True, text=True, timeout=60)
         assert check.returncode == 0, check.stderr
-        assert json.loads(check.stdout) == {"service": "idle", "instance_id": service.instance_id, "phase": "serving",
-                                            "metrics_port": 0, "num_requests": 3}
+        status = json.loads(check.stdout)
+        assert status.pop("started_at") > 0 and isinstance(status.pop("history"), list)
+        assert status == {"service": "idle", "instance_id": service.instance_id, "phase": "serving",
+                          "metrics_port": 0, "num_requests": 3}
 
 
 def test_a_starting_service_is_not_healthy_yet(tmp_path, monkeypatch):
@@ -101,11 +103,14 @@ def test_a_starting_service_is_not_healthy_yet(tmp_path, monkeypatch):
     path = tmp_path / "heartbeat"
     monkeypatch.setenv("HEARTBEAT_FILE", str(path))
     monkeypatch.setattr(startup, "_service", None)
+    monkeypatch.setattr(startup, "_history", [])
     startup.begin("worker")
     startup.phase("loading weights of m.gguf")
     startup.on_the_bus()
     startup.phase("compiling CPU kernel rms_norm")  # after start-up: only logged
-    assert healthcheck.read(str(path))["phase"] == "loading weights of m.gguf"
+    status = healthcheck.read(str(path))
+    assert status["phase"] == "loading weights of m.gguf" and status["starting"]
+    assert [what for what, _ in status["history"]] == ["starting the process", "loading weights of m.gguf"]
     env = {**os.environ, "HEARTBEAT_FILE": str(path), "PYTHONPATH": str(ROOT)}
     check = subprocess.run([sys.executable, "-m", "shared.healthcheck"], env=env, cwd=ROOT,
                            capture_output=True, text=True, timeout=60)

@@ -3,6 +3,7 @@
 "use strict";
 
 const HISTORY = 300; // snapshots kept for the charts (one a second)
+const MIN_SPAN = 60; // the charts show at least this many seconds, the newest at the right
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"];
 
 const state = { history: [], snapshots: 0, last: null };
@@ -100,13 +101,16 @@ function drawChart(canvas, series) {
   const left = 44, right = 8, top = 18, bottom = 14;
   const values = series.flatMap(s => s.values).filter(v => v !== null && v !== undefined);
   const max = Math.max(1e-9, ...values) * 1.1;
+  const digits = max >= 20 ? 0 : max >= 2 ? 1 : 3;
+  const points = Math.max(0, ...series.map(s => s.values.length));
+  const span = Math.max(MIN_SPAN, points);
   ctx.strokeStyle = "#ddd";
   ctx.fillStyle = "#777";
   ctx.font = "10px sans-serif";
   for (let i = 0; i <= 4; i++) {
     const y = top + (height - top - bottom) * (1 - i / 4);
     ctx.beginPath(); ctx.moveTo(left, y); ctx.lineTo(width - right, y); ctx.stroke();
-    ctx.fillText(fmt(max * i / 4, max < 1 ? 3 : 0), 2, y + 3);
+    ctx.fillText(fmt(max * i / 4, digits), 2, y + 3);
   }
   series.forEach((s, k) => {
     ctx.strokeStyle = COLORS[k % COLORS.length];
@@ -115,7 +119,7 @@ function drawChart(canvas, series) {
     let started = false;
     s.values.forEach((v, i) => {
       if (v === null || v === undefined) { started = false; return; }
-      const x = left + (width - left - right) * i / Math.max(HISTORY - 1, 1);
+      const x = left + (width - left - right) * (span - points + i) / Math.max(span - 1, 1);
       const y = top + (height - top - bottom) * (1 - v / max);
       if (started) ctx.lineTo(x, y); else ctx.moveTo(x, y);
       started = true;
