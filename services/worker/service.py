@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from nats.aio.msg import Msg
-from prometheus_client import Histogram
 
 from shared import tracing
 from shared.bus import Service, flush_in_order
@@ -35,19 +34,17 @@ from shared.protocol import (
     WorkerReady,
 )
 
-from shared.service_metrics import counter
 from shared.step_profile import NULL_CLOCK, WORKER_PHASES, PhaseClock
 
 from .heap_trim import IDLE_SECONDS_BEFORE_TRIM, trim_heap
 from .kv_transfer.connector import KVConnectorWorker
+from .metrics import step_seconds, worker_families
 from .model_runner import ModelRunner, resolve_device
 from .parallel import init_distributed
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 0.5
-# Seconds a step takes on the worker (natsllm:worker_step_seconds).
-STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 
 
 class WorkerService(Service):
@@ -101,9 +98,7 @@ class WorkerService(Service):
         self._heap_trimmed = False
         self.num_steps = 0
         self.num_sampled_tokens = 0
-        self.step_seconds = Histogram("natsllm:worker_step_seconds", "Seconds a step took on the worker.",
-                                      ["engine", "rank"], buckets=STEP_BUCKETS,
-                                      registry=self.metrics_registry).labels(engine_id, str(self.rank))
+        self.step_seconds = step_seconds(self.metrics_registry, engine_id, self.rank)
         # P/D: serves this rank's held KV blocks and pulls others' (None: no KV transfer).
         self.kv_connector: KVConnectorWorker | None = None
         if kv_transfer_config.kv_role:
@@ -115,9 +110,7 @@ class WorkerService(Service):
                 "num_sampled_tokens": self.num_sampled_tokens}
 
     def metric_families(self):
-        labels = {"engine": self.engine_id, "rank": str(self.rank)}
-        yield counter("natsllm:worker_steps", "Steps the worker ran.", self.num_steps, labels)
-        yield counter("natsllm:worker_sampled_tokens", "Tokens the worker sampled.", self.num_sampled_tokens, labels)
+        return worker_families(self)
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(
