@@ -20,9 +20,11 @@ metrics; docker/grafana/ holds a dashboard over them.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.config import ConfigError, setting
@@ -80,15 +82,38 @@ def new_registry(service) -> CollectorRegistry:
 
 
 class MetricsServer:
-    """The registry over HTTP on its own port (a thread of prometheus_client's)."""
+    """``GET /metrics`` of the registry on its own port, from a thread.
+
+    Always Prometheus' text format (0.0.4), as the gateway's /metrics: prometheus_client's
+    own server answers a scraper that asks for OpenMetrics (Prometheus does) with the
+    samples' names escaped, ``natsllm:x`` becoming ``natsllm_x``, and the names would not
+    match the gateway's or vLLM's."""
 
     def __init__(self, registry: CollectorRegistry, config: MetricsServerConfig) -> None:
         self.port = 0
         self._server = None
         if config.metrics_port == NO_METRICS_PORT:
             return
-        self._server, _ = start_http_server(config.metrics_port, config.metrics_host, registry)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] not in ("/metrics", "/"):
+                    self.send_error(404)
+                    return
+                body = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer((config.metrics_host, config.metrics_port), Handler)
+        self._server.daemon_threads = True
         self.port = self._server.server_port
+        threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True).start()
         logger.info("Prometheus metrics on http://%s:%d/metrics", config.metrics_host, self.port)
 
     def close(self) -> None:
