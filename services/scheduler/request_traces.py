@@ -109,7 +109,7 @@ class RequestTraces:
                 traced.model_forward_s += timings[_FORWARD]
                 traced.model_execute_s += sum(timings)
             new_tokens = len(sampled.get(req_id) or ())
-            if traced.first_token_ns:
+            if traced.first_token_ns or traced.handed_in:  # a hand-off came with its first token
                 traced.decode_steps += 1
                 traced.decode_tokens += new_tokens
                 continue
