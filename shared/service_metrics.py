@@ -110,7 +110,11 @@ class MetricsServer:
             def log_message(self, *args) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer((config.metrics_host, config.metrics_port), Handler)
+        try:
+            self._server = ThreadingHTTPServer((config.metrics_host, config.metrics_port), Handler)
+        except OSError as e:
+            raise ConfigError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: "
+                              f"{e.strerror or e} (--metrics-port)") from None
         self._server.daemon_threads = True
         self.port = self._server.server_port
         threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True).start()

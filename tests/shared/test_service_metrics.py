@@ -33,6 +33,13 @@ def test_the_names_keep_their_colons_for_a_scraper_that_asks_for_openmetrics():
 
 
 def test_no_port_with_minus_one_and_bad_ports_refused():
-    assert MetricsServer(Tokenizer().metrics_registry, MetricsServerConfig(metrics_port=-1)).port == 0
+    registry = Tokenizer().metrics_registry
+    assert MetricsServer(registry, MetricsServerConfig(metrics_port=-1)).port == 0
     with pytest.raises(ConfigError, match="metrics_port"):
         MetricsServerConfig(metrics_port=70000)
+    first = MetricsServer(registry, MetricsServerConfig())
+    try:
+        with pytest.raises(ConfigError, match=f"cannot serve metrics on 127.0.0.1:{first.port}"):
+            MetricsServer(registry, MetricsServerConfig(metrics_port=first.port))
+    finally:
+        first.close()
