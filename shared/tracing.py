@@ -1,7 +1,7 @@
 """OpenTelemetry tracing of requests across the services (vLLM's ``--otlp-traces-endpoint``).
 
 Off unless ``--otlp-traces-endpoint`` (env ``OTLP_TRACES_ENDPOINT``) is set: then, and only
-then, the OpenTelemetry SDK is imported and each process exports its spans over OTLP to
+then, the OpenTelemetry SDK (the ``tracing`` extra: ``pip install 'natsllm[tracing]'``) is imported and each process exports its spans over OTLP to
 that endpoint, by ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` (or ``OTEL_EXPORTER_OTLP_PROTOCOL``):
 ``grpc`` (the default, as vLLM's) or ``http/protobuf`` (give the whole URL, ``.../v1/traces``).
 The SDK reads the other standard variables itself: ``OTEL_EXPORTER_OTLP_[TRACES_]HEADERS``,
@@ -210,11 +210,14 @@ def configure(config: TracingConfig, service: str) -> Tracing | None:
     if not config.otlp_traces_endpoint:
         _current = None
         return None
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    exporter = span_exporter(config.otlp_traces_endpoint)
+        exporter = span_exporter(config.otlp_traces_endpoint)
+    except ImportError as e:
+        raise ConfigError(f"otlp_traces_endpoint needs OpenTelemetry: pip install 'natsllm[tracing]' ({e})") from None
     attributes = {"service.namespace": "natsllm", "natsllm.service": service}
     if not os.environ.get("OTEL_SERVICE_NAME"):
         attributes["service.name"] = f"natsllm-{service}"

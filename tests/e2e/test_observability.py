@@ -21,7 +21,7 @@ from services.launch.stack import StackConfig
 from shared.tracing import Attr
 from tests import browser
 from tests.e2e.stacks import running_stack, wait_until
-from tests.otlp_receiver import OtlpReceiver
+from bench.otlp_receiver import OtlpReceiver
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "observability-key"

@@ -10,7 +10,7 @@ import pytest
 from shared import tracing
 from shared.config import ConfigError
 from shared.tracing import TracingConfig
-from tests.otlp_receiver import OtlpReceiver
+from bench.otlp_receiver import OtlpReceiver
 
 
 @pytest.fixture

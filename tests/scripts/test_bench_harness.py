@@ -1,4 +1,5 @@
-"""Pure logic of scripts/bench_common.py: dataset, lengths, statistics, targets, ratios."""
+"""Pure logic of the benchmark harness (scripts/bench/): corpus, lengths, statistics, targets,
+ratios, the machine's description."""
 
 from __future__ import annotations
 
@@ -7,22 +8,11 @@ import random
 
 import pytest
 
-from bench_common import (
-    PARAGRAPHS,
-    best_of_configurations,
-    check_loopback_url,
-    check_targets,
-    compare_peers,
-    describe_cpu,
-    draw_lengths,
-    format_peer_table,
-    load_sentences,
-    make_dataset,
-    percentile,
-    split_sentences,
-    summarize,
-    text_of_tokens,
-)
+from bench.client import check_loopback_url
+from bench.corpus import PARAGRAPHS, draw_lengths, load_sentences, make_dataset, split_sentences, text_of_tokens
+from bench.peers import best_of_configurations, check_targets, compare_peers, format_peer_table
+from bench.record import describe_cpu
+from bench.stats import percentile, summarize
 
 
 class WordTokenizer:

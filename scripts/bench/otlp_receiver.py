@@ -1,4 +1,5 @@
-"""A local OTLP trace receiver, over HTTP/protobuf or gRPC: what a collector would get.
+"""A local OTLP trace receiver, over HTTP/protobuf or gRPC: what a collector would get
+(the tracing benchmark sends its spans here; the tracing tests read them).
 
 ``OtlpReceiver("http")`` listens on ``endpoint`` (``http://127.0.0.1:<port>/v1/traces``),
 ``OtlpReceiver("grpc")`` on ``http://127.0.0.1:<port>``; ``spans()`` returns every span
