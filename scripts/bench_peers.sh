@@ -29,7 +29,8 @@
 # it, runs scripts/bench_serving.py at each concurrency with equal output lengths
 # (ignore_eos/min_tokens), stops it; then prints the CPU and its flags, a table of
 # our/peer ratios and the issue-15 targets, and writes every result as JSON under --out.
-# Every server it starts is stopped on exit.
+# Every server it starts is stopped on exit. BENCH_RECORD=1 keeps the comparison's record
+# under docs/benchmarks/results/ (scripts/bench_summary.py draws its table and plots).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -233,7 +234,11 @@ for peer in $LABELS; do
 done
 
 echo
-echo "## $("$PY" -c "import sys; sys.path.insert(0, 'scripts'); from bench_common import describe_cpu; print(describe_cpu())")"
-echo "## ours / peer (tok/s > 1: ours faster; TTFT, TPOT < 1: ours faster; medians)"
-"$PY" scripts/bench_common.py compare "$OUT" "$OUT/summary.json"
+# The table, the targets and one record of the comparison ($OUT/summary.json; with
+# BENCH_RECORD=1 also under docs/benchmarks/results/, for scripts/bench_summary.py).
+QUESTION=serving-vs-peers
+if [ "${NATSLLM_CPU_ISA:-}" = avx2 ]; then QUESTION=serving-vs-peers-avx2; fi
+"$PY" scripts/bench_compare_peers.py "$OUT" --question "$QUESTION" --result-file "$OUT/summary.json" \
+  --command "scripts/bench_peers.sh --concurrency \"$CONCURRENCY\" --input-len $INPUT_LEN --output-len $OUTPUT_LEN --peers \"$PEERS\"" \
+  ${BENCH_RECORD:+--record}
 log "results in $OUT"

@@ -1,58 +1,46 @@
 """What tracing costs: output throughput of the stack with tracing off and on, side by side.
 
     .venv/bin/python scripts/bench_tracing.py [--rounds 2] [--max-concurrency 32]
-        [--num-prompts 96] [--input-len 128] [--output-len 64] [--protocol grpc]
+        [--num-prompts 96] [--input-len 128] [--output-len 64] [--protocol grpc] [--record]
 
 Starts the whole stack (scripts/serve's, ``--max-num-seqs`` = the concurrency) once per
 run, alternately without tracing and with ``--otlp-traces-endpoint`` to a local OTLP
 receiver (every request traced: the default sampler), in ABBA order (off, on, on, off...)
-so drift on the machine falls on both alike, and runs scripts/bench_serving.py's load
-against it. Prints each run, the medians and their ratio, and how many spans the
-receiver got; ``--result-file`` writes them as JSON.
+so drift on the machine falls on both alike, and sends ``scripts/bench_serving.py``'s load
+(its corpus, equal output lengths). Prints each run, the medians and their ratio, and how
+many spans the receiver got per request.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bench_serving  # noqa: E402
-from bench_common import describe_cpu  # noqa: E402
-
-from services.launch.nats_server import free_port  # noqa: E402
-from services.launch.stack import Stack, StackConfig  # noqa: E402
-from tests.otlp_receiver import OtlpReceiver  # noqa: E402
+import bench_serving
+from bench import record
+from bench.engines import stack
+from bench.otlp_receiver import OtlpReceiver
+from bench.stats import median, ratio
 
 
 def one_run(tracing: bool, receiver: OtlpReceiver, args) -> dict:
-    extra = ["--max-num-seqs", str(args.max_concurrency)]
+    flags = ["--max-num-seqs", str(args.max_concurrency)]
     env = {}
     if tracing:
-        extra += ["--otlp-traces-endpoint", receiver.endpoint]
+        flags += ["--otlp-traces-endpoint", receiver.endpoint]
         env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = args.protocol
-    stack = Stack(StackConfig(port=free_port(), args=extra, env=env, log_dir=args.log_dir))
-    stack.start()
-    try:
-        stack.wait_ready(timeout=300)
+    with stack(flags, env=env, log_dir=args.log_dir) as running:
         spans_before = len(receiver.spans())
-        load = bench_serving.parse_args([
-            "--base-url", stack.base_url, "--num-prompts", str(args.num_prompts),
+        metrics = bench_serving.run(bench_serving.parse_args([
+            "--base-url", running.base_url, "--num-prompts", str(args.num_prompts),
             "--max-concurrency", str(args.max_concurrency), "--input-len", str(args.input_len),
-            "--output-len", str(args.output_len), "--label", "tracing on" if tracing else "tracing off", "--quiet"])
-        metrics = bench_serving.run(load)
+            "--output-len", str(args.output_len), "--label", f"tracing {'on' if tracing else 'off'}", "--quiet"]))
         time.sleep(1.0)  # the last spans' batch
-        return {"tracing": tracing, "output_throughput": metrics["output_throughput"],
-                "ttft_median_ms": metrics["ttft_ms"]["median"], "completed": metrics["completed"],
-                "failed": metrics["failed"], "spans": len(receiver.spans()) - spans_before}
-    finally:
-        stack.stop()
+    return {"tracing": tracing, "output_tok_s": metrics["output_throughput"],
+            "ttft_median_ms": metrics["ttft_ms"]["median"], "tpot_median_ms": metrics["tpot_ms"]["median"],
+            "completed": metrics["completed"], "failed": metrics["failed"],
+            "spans_per_request": (len(receiver.spans()) - spans_before) / max(metrics["completed"] + 1, 1)}
 
 
 def main(argv=None) -> int:
@@ -64,7 +52,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--protocol", choices=("grpc", "http/protobuf"), default="grpc")
     parser.add_argument("--log-dir", default=None)
-    parser.add_argument("--result-file", default=None)
+    record.add_arguments(parser)
     args = parser.parse_args(argv)
     order = []
     for i in range(args.rounds):
@@ -73,19 +61,19 @@ def main(argv=None) -> int:
     with OtlpReceiver("grpc" if args.protocol == "grpc" else "http") as receiver:
         for tracing in order:
             runs.append(one_run(tracing, receiver, args))
-            print(json.dumps(runs[-1]), flush=True)
-    off = [r["output_throughput"] for r in runs if not r["tracing"]]
-    on = [r["output_throughput"] for r in runs if r["tracing"]]
-    summary = {"cpu": describe_cpu(), "config": vars(args), "runs": runs,
-               "off_median": statistics.median(off), "on_median": statistics.median(on)}
-    summary["on_over_off"] = summary["on_median"] / summary["off_median"]
-    print(f"CPU: {summary['cpu']}")
-    print(f"output tok/s at concurrency {args.max_concurrency}: tracing off {summary['off_median']:.1f} "
-          f"(runs {', '.join(f'{v:.1f}' for v in off)}), on {summary['on_median']:.1f} "
-          f"(runs {', '.join(f'{v:.1f}' for v in on)}); on/off = {summary['on_over_off']:.3f}")
-    if args.result_file:
-        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result_file).write_text(json.dumps(summary, indent=1))
+            print(runs[-1], flush=True)
+    off = [r["output_tok_s"] for r in runs if not r["tracing"]]
+    on = [r["output_tok_s"] for r in runs if r["tracing"]]
+    on_over_off = ratio(median(on), median(off))
+    print(f"output tok/s at concurrency {args.max_concurrency}: tracing off {median(off):.1f} "
+          f"(runs {', '.join(f'{v:.1f}' for v in off)}), on {median(on):.1f} "
+          f"(runs {', '.join(f'{v:.1f}' for v in on)}); on/off = {on_over_off:.3f}")
+    table = [{"tracing": "off", "output tok/s (median)": median(off), "runs": off},
+             {"tracing": f"on (OTLP {args.protocol}, every request)", "output tok/s (median)": median(on),
+              "runs": on, "on/off": on_over_off}]
+    config = {k: v for k, v in vars(args).items() if k not in ("record", "result_file", "log_dir")}
+    record.save(record.Record("tracing", "tracing-cost", config=config,
+                              results={"table": table, "on_over_off": on_over_off, "runs": runs}), args)
     return 0 if all(r["failed"] == 0 for r in runs) else 1
 
 
