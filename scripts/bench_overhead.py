@@ -22,16 +22,15 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import nats
 
-import nats  # noqa: E402
+from bench import record
 
-from services.launch.nats_server import NatsServer  # noqa: E402
-from services.launch.stack import Stack, StackConfig  # noqa: E402
-from shared.bus import flush_in_order  # noqa: E402
-from shared.protocol import (  # noqa: E402
+from services.launch.nats_server import NatsServer
+from services.launch.stack import Stack, StackConfig
+from shared.bus import flush_in_order
+from shared.protocol import (
     ABORT_REQUEST,
     ENGINE_REQUEST,
     ENGINE_REQUEST_REPLY,
@@ -45,7 +44,7 @@ from shared.protocol import (  # noqa: E402
     engine_abort_subject,
     engine_profile_subject,
 )
-from shared.step_profile import WORKER_PHASES  # noqa: E402
+from shared.step_profile import WORKER_PHASES
 
 BENCH_GATEWAY = "bench"  # the gateway id the benchmark's requests (and their aborts) name
 # In the order a step goes through them.
@@ -171,8 +170,9 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--steps", type=int, default=30, help="decode steps measured per batch size")
     parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--json", help="also write the results here")
+    record.add_arguments(parser)
     args, engine_args = parser.parse_known_args()
+    given_flags = list(engine_args)
     # Defaults first: flags given on the command line come later and win.
     engine_args = ["--max-num-seqs", str(max(args.batches)), "--num-gpu-blocks", "4096", *engine_args]
     with tempfile.TemporaryDirectory() as logs:
@@ -188,8 +188,12 @@ def main() -> int:
         finally:
             stack.stop()
     print_table(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict((str(b), r) for b, r in results), indent=2))
+    table = [{"batch": b, "step ms": r["median_step_ms"], "forward ms": r["median_ms"].get("forward"),
+              "not forward/sampling": f"{100 * r['overhead_share']:.1f}%"} for b, r in results]
+    config = {**{k: v for k, v in vars(args).items() if k not in ("record", "result_file")},
+              "engine_flags": given_flags}
+    record.save(record.Record("overhead", "step-overhead", config=config,
+                              results={"table": table, "by_batch": {str(b): r for b, r in results}}), args)
     return 0
 
 

@@ -76,7 +76,7 @@ PANELS = [
          "{{engine}} recomputed")]),
     ("Routing, speculative decoding, LoRA, P/D", "P/D KV transfer", "Bps", [
         (f'sum by (engine) (rate(natsllm:kv_transfer_bytes_total{{engine!=""}}{RATE}))', "{{engine}} bytes/s"),
-        (f'sum by (engine) (natsllm:num_requests_waiting_for_remote_kv{{engine!=""}})', "{{engine}} waiting for KV")]),
+        ('sum by (engine) (natsllm:num_requests_waiting_for_remote_kv{engine!=""})', "{{engine}} waiting for KV")]),
     ("Services", "Service restarts", "short", [
         ("max by (service) (natsllm:service_restarts_total)", "{{service}}")]),
     ("Services", "Worker step time", "s", quantiles("natsllm:worker_step_seconds", by="engine")),

@@ -9,7 +9,6 @@ import importlib.util
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml

@@ -72,7 +72,9 @@ def parse_sse_line(line: str) -> dict | str | None:
     return json.loads(data)
 
 
-async def send_request(client, url: str, endpoint: str, body: dict, prompt_len: int, timeout: float) -> RequestResult:
+async def send_request(client, url: str, endpoint: str, body: dict, prompt_len: int, timeout: float,
+                       first_text: asyncio.Event | None = None) -> RequestResult:
+    """Stream one request and time it (``first_text``, if given, is set at its first text)."""
     result = RequestResult(prompt_len=prompt_len, output_len_requested=body.get("max_tokens", 0))
     result.start = start = time.perf_counter()
     last = start
@@ -97,6 +99,8 @@ async def send_request(client, url: str, endpoint: str, body: dict, prompt_len: 
                     if text:
                         if result.num_chunks == 0:
                             result.ttft = now - start
+                            if first_text is not None:
+                                first_text.set()
                         else:
                             result.itl.append(now - last)
                         last = now

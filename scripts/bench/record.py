@@ -23,9 +23,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import ROOT
 from .stats import nan_to_none
 
-ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "benchmarks" / "results"
 CPU_FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 
