@@ -8,7 +8,7 @@ arriving every ``--long-interval`` seconds (each asking for a few tokens). It re
 decoding streams' inter-token latency (p50 / p99 / max, over every gap between two of
 their tokens) and, for P/D, the KV transfer rate: bytes the decode engine pulled over the
 seconds from hand-off to loaded, summed over requests (queueing included), from its
-``EngineStats``. Prompts are real text (``bench_common.text_of_tokens``), seeded.
+``EngineStats``. Prompts are real text (the harness's corpus, ``bench.corpus``), seeded.
 
     .venv/bin/python scripts/bench_pd.py --streams 16 --output-len 96 --long-prompts 4 --long-len 2048
 
