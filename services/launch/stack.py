@@ -2,9 +2,11 @@
 
 ``scripts/serve`` runs it in the foreground; the end-to-end tests start the same
 stack. Every service is its own OS process (``python -m services.<name>``) in its
-own process group, started through a ``Supervisor``: once the stack is ready, a
-service that dies is started again (and the counts reach the gateways' /metrics);
-stopping the stack, or killing the launcher, leaves nothing running. nats-server runs
+own process group, started through a ``Supervisor``, nats-server too: from the start,
+a process that dies is started again (and the counts reach the gateways'
+/metrics); one that keeps dying spends its crash-loop budget and is named by
+``crash_loops()``, the launcher's cue to give up; stopping the stack, or killing the
+launcher, leaves nothing running. nats-server runs
 with one user per service role and one for the gateway (fresh passwords per run), each
 service gets its user's credentials in its environment; the gateway's user name is its
 id (``GATEWAY_ID``). Extra flags go to the services that take them
@@ -26,9 +28,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.launch.nats_server import SUPERVISED_NAME as NATS_SERVER
 from services.launch.nats_server import NatsServer, free_port
 from services.launch.progress import StartupProgress
-from services.launch.supervisor import Supervisor
+from services.launch.supervisor import CrashLoopBudget, Supervisor
 from shared import healthcheck
 from shared.bus import flush_in_order, publish
 from shared.bus_auth import gateway_user
@@ -39,6 +42,7 @@ from services.launch.service_flags import split_service_args
 ROOT = Path(__file__).resolve().parents[2]
 SUPERVISE_INTERVAL = 0.5  # seconds between looks for dead services
 RESTARTS_REPUBLISH_INTERVAL = 10.0
+PUBLISH_TIMEOUT = 2.0  # seconds the supervising thread may spend publishing restart counts
 GATEWAY_ID = "0"  # the one gateway's id (its NATS user is gateway-0), kept across restarts
 
 logger = logging.getLogger(__name__)
@@ -65,6 +69,8 @@ class StackConfig:
     # tensor_parallel_size worker ranks) instead of one engine; both 0: one plain engine.
     prefill_engines: int = 0
     decode_engines: int = 0
+    # A process that dies more often than this is given up on (supervisor.CrashLoopBudget).
+    crash_loop: CrashLoopBudget = CrashLoopBudget()
 
     def engines(self) -> list[tuple[str, str]]:
         """(engine id, kv_role) of each engine to start; ("", "") is the one plain engine."""
@@ -86,7 +92,7 @@ class Stack:
             raise ConfigError(f"{', '.join(sorted(role_flags))}: with --prefill-engines / --decode-engines the "
                               f"launcher gives each engine its kv_role")
         self.nats: NatsServer | None = None
-        self.supervisor = Supervisor()
+        self.supervisor = Supervisor(crash_loop=config.crash_loop)
         self.status_dir = tempfile.mkdtemp(prefix="natsllm-status-")
         self.progress = StartupProgress({})
         self._supervising: threading.Thread | None = None
@@ -134,7 +140,7 @@ class Stack:
         cfg = self.config
         log = os.path.join(cfg.log_dir, "nats.log") if cfg.log_dir else None
         self.nats = NatsServer(port=cfg.nats_port, log_file=log, authenticated=cfg.authenticated_bus,
-                               gateway_ids=[GATEWAY_ID])
+                               gateway_ids=[GATEWAY_ID], supervisor=self.supervisor)
         model = ["--model", cfg.model] if cfg.model else []
         extra = self.service_args
         for engine_id, kv_role in cfg.engines():
@@ -147,6 +153,7 @@ class Stack:
             "gateway", "services.gateway",
             [*model, "--host", cfg.host, "--port", str(cfg.port), *extra["gateway"]],
         )
+        self.start_supervising()
 
     def _start_engine(self, engine_id: str, kv_role: str, model: list[str]) -> None:
         """One engine: its worker ranks and its scheduler. The plain engine's processes are
@@ -167,9 +174,9 @@ class Stack:
         self.start_service(f"{prefix}scheduler", "services.scheduler", [*model, *tp, *role, *extra["scheduler"]])
 
     def wait_ready(self, timeout: float = 300.0, show=None) -> None:
-        """Until /health says the gateway reaches a tokenizer and the engine is ready; a
-        service that exits meanwhile is a start-up error. Then services that die are
-        restarted (``supervise``). ``show(line)``: called with each service's progress."""
+        """Until /health says the gateway reaches a tokenizer and the engine is ready. A
+        service that dies meanwhile is restarted as at any time; one in a crash loop is a
+        start-up error. ``show(line)``: called with each service's progress."""
         import urllib.request
 
         deadline = time.monotonic() + timeout
@@ -177,13 +184,12 @@ class Stack:
             if show is not None:
                 for line in self.progress.changes():
                     show(line)
-            dead = self.dead_services()
-            if dead:
-                raise RuntimeError(f"service(s) exited during start-up: {dead}")
+            looping = self.crash_loops()
+            if looping:
+                raise RuntimeError(f"crash loop during start-up: {'; '.join(looping.values())}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=1) as r:
                     if r.status == 200 and self.engine_ready():
-                        self.start_supervising()
                         return
             except OSError:
                 pass
@@ -203,7 +209,11 @@ class Stack:
         engine_ids = {engine_id for engine_id, _ in self.config.engines() if engine_id}
 
         async def ask() -> bool:
-            nc = await nats.connect(self.nats.url, **self.nats.credentials("admin"))
+            try:
+                nc = await nats.connect(self.nats.url, connect_timeout=1, allow_reconnect=False,
+                                        max_reconnect_attempts=0, **self.nats.credentials("admin"))
+            except Exception:
+                return False  # the bus is down (being restarted): not ready
             try:
                 if engine_ids:
                     ready: set[str] = set()
@@ -230,6 +240,10 @@ class Stack:
         """Services that exited and are not running again (yet)."""
         return self.supervisor.dead()
 
+    def crash_loops(self) -> dict[str, str]:
+        """Processes given up on for dying too often, each with why (``Supervisor.crash_loops``)."""
+        return self.supervisor.crash_loops()
+
     def start_supervising(self) -> None:
         """Restart services that die, from a thread that lives as long as the stack (the
         children's parent-death signal is tied to the thread that starts them)."""
@@ -253,16 +267,21 @@ class Stack:
 
         import nats
 
+        # Bounded: this thread also restarts nats-server, so a dead bus must not hold it
+        # (nats-py's default first connect retries for minutes).
         async def send() -> None:
-            nc = await nats.connect(self.nats.url, **self.nats.credentials("admin"))
+            nc = await nats.connect(self.nats.url, connect_timeout=1, allow_reconnect=False,
+                                    max_reconnect_attempts=0, **self.nats.credentials("admin"))
             try:
                 await publish(nc, SERVICE_RESTARTS_CHANNEL, ServiceRestarts(counts))
                 await flush_in_order(nc)
             finally:
                 await nc.close()
 
+        if self.nats.process.poll() is not None:
+            return  # down: the next round tries again
         try:
-            asyncio.run(send())
+            asyncio.run(asyncio.wait_for(send(), PUBLISH_TIMEOUT))
         except Exception as e:  # the bus may be down; the next round tries again
             logger.warning("restart counts not published: %r", e)
 
@@ -271,7 +290,8 @@ class Stack:
         self._stopping.set()
         if self._supervising is not None:
             self._supervising.join()
-        self.supervisor.stop(timeout)
+        # Services first, so they drain into a live bus.
+        self.supervisor.stop(timeout, spare=frozenset({NATS_SERVER}))
         if self.nats is not None:
             self.nats.stop()
         shutil.rmtree(self.status_dir, ignore_errors=True)

@@ -75,6 +75,9 @@ class FakeWorker:
         self.lengths: dict[str, int] = {}
         self.beating = True
         self.answering = True
+        # Steps it answers before it dies by itself (None: no such limit), so a test's
+        # death does not race a fast machine finishing the request first.
+        self.steps_before_death: int | None = None
 
     async def start(self):
         await self.nc.subscribe(engine_step_subject(ENGINE), cb=self.on_step)
@@ -89,6 +92,11 @@ class FakeWorker:
     async def on_step(self, msg):
         if not self.answering:
             return
+        if self.steps_before_death is not None:
+            if self.steps_before_death == 0:
+                self.beating = self.answering = False
+                return
+            self.steps_before_death -= 1
         step = SCHEDULER_OUTPUT.decode(msg.data)
         self.steps.append(step)
         if step.reset_state:
@@ -268,10 +276,11 @@ async def test_a_silent_worker_keeps_requests_until_it_is_back_then_resumes_them
     service, nc, outputs = bus
     worker = await ready_worker(service, nc)
     worker.steps.clear()
-    # A long request is running when the worker dies.
+    # A long request is running when the worker dies, after its fourth step.
+    worker.steps_before_death = 4
     assert await submit(nc, "long", max_tokens=10_000) is None
-    await wait_for(lambda: len(worker.steps) > 3)
-    worker.beating = worker.answering = False  # it died
+    await wait_for(lambda: not worker.beating)
+    worker.steps_before_death = None
     await wait_for(lambda: not service.ready)
     assert [r.request_id for r in service.recovery.resumable] == ["long"]
     error = await submit(nc, "after")
