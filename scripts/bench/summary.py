@@ -7,7 +7,8 @@ the newest record under docs/benchmarks/results/<question>/ gives the table (its
 comparison with peers (``results["series"]``: per server, per concurrency) gives the table
 of the servers side by side and two plots, output tokens/s and median TTFT against
 concurrency, one line per server (PNG, docs/benchmarks/). The page and the plots are made
-by ``scripts/bench_summary.py``; the older history is docs/BENCHMARKS-diary.md.
+by ``scripts/bench_summary.py``; the history, with its prose, is docs/BENCHMARKS-diary.md
+(``diary.py``), whose sections the page lists at its end.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import diary as diaries
 from . import record as records
 from .record import Record
 
 DOCS = records.ROOT / "docs"
 PAGE = DOCS / "BENCHMARKS.md"
 PLOTS = DOCS / "benchmarks"
-DIARY = "BENCHMARKS-diary.md"
+DIARY = diaries.DIARY.name
+DIARY_TITLE = "The diary"
 # The servers of a peers comparison, in the order the tables and plots give them.
 SERVER_ORDER = ("ours", "vllm-cpu", "vllm-cpu-bfloat16", "vllm-cpu-float32", "llama-server")
 SERVER_NAMES = {"ours": "natsllm", "vllm-cpu": "vLLM CPU (its better dtype)", "vllm-cpu-bfloat16": "vLLM CPU bf16",
@@ -167,6 +170,9 @@ def plot_peers(question: str, series: dict, folder: Path = PLOTS, title: str = "
 
 INTRO = f"""# Benchmarks
 
+{diaries.GENERATED_MARK} from docs/benchmarks/results/: a section written here by hand
+moves to {DIARY} when the page is made again. -->
+
 Every figure here comes from a benchmark script in `scripts/` (each a thin main on the harness
 in `scripts/bench/`: one corpus, one streaming client, engines built from `scripts/serve`'s
 flags, one result record with the commit and the machine). A run with `--record` keeps its
@@ -210,29 +216,39 @@ def section(question: Question, rec: Record | None) -> str:
     return "\n".join(lines)
 
 
-def render(latest: dict[str, Record]) -> str:
+def render(latest: dict[str, Record], diary_index: list[tuple[str, str]] = ()) -> str:
+    """The page: the newest record of each question, then the diary's sections
+    (``diary.index``: heading, anchor)."""
     known = {q.id for q in QUESTIONS}
     extra = [Question(q, q, "") for q in sorted(latest) if q not in known]
     parts = [INTRO, "## Contents", ""]
-    parts += [f"- [{q.title}](#{anchor(q.title)})" for q in (*QUESTIONS, *extra)]
-    parts.append("")
+    parts += [f"- [{q.title}](#{diaries.anchor(q.title)})" for q in (*QUESTIONS, *extra)]
+    parts += [f"- [{DIARY_TITLE}](#{diaries.anchor(DIARY_TITLE)})", ""]
     parts += [section(q, latest.get(q.id)) for q in (*QUESTIONS, *extra)]
+    parts += [f"## {DIARY_TITLE}", "", f"The history of the figures, with their reasoning, in [{DIARY}]({DIARY}):", ""]
+    parts += [f"- [{heading}]({DIARY}#{target})" for heading, target in diary_index]
     return "\n".join(parts).rstrip() + "\n"
 
 
-def anchor(title: str) -> str:
-    """GitHub's anchor for a heading."""
-    kept = "".join(ch for ch in title.lower() if ch.isalnum() or ch in " -")
-    return kept.replace(" ", "-")
+def generated_headings(latest: dict[str, Record]) -> set[str]:
+    titles = {q.id: q.title for q in QUESTIONS}
+    return {"Contents", DIARY_TITLE, *titles.values(), *(titles.get(q, q) for q in latest)}
 
 
-def write(results: Path = records.RESULTS, page: Path = PAGE, plots: Path = PLOTS) -> list[Path]:
-    """The page and its plots; the paths written."""
+def write(results: Path = records.RESULTS, page: Path = PAGE, plots: Path = PLOTS,
+          diary: Path = diaries.DIARY) -> list[Path]:
+    """The page and its plots; the paths written. Sections written into the page by hand
+    go to the diary first (``diary.rescue``)."""
     latest = records.latest(results)
     titles = {q.id: q.title for q in QUESTIONS}
     written = []
+    if page.exists():
+        moved = diaries.rescue(page.read_text(), generated_headings(latest), diary)
+        if moved:
+            print(f"moved to {diary.name}: {'; '.join(moved)}")
+            written.append(diary)
     for question, rec in latest.items():
         if rec.results.get("series"):
             written += plot_peers(question, rec.results["series"], plots, titles.get(question, question))
-    page.write_text(render(latest))
+    page.write_text(render(latest, diaries.index(diary.read_text())))
     return [page, *written]

