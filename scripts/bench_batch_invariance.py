@@ -102,7 +102,7 @@ def served(repeats: int) -> dict:
                 subprocess.run(bench + at + ["--num-prompts", "64", "--no-warmup", "--result-file", str(result)],
                                cwd=ROOT, check=True, capture_output=True)
                 cpu = _cpu_of(pids) - cpu
-                metrics = json.loads(result.read_text())["metrics"]
+                metrics = json.loads(result.read_text())["results"]["metrics"]  # a bench.record.Record
                 tokens = 64 * 64
                 out[mode].append({"cpu_s": cpu, "output_tok_s": metrics["output_throughput"], "failed": metrics["failed"]})
                 print(f"served  {mode:3s} {tokens / cpu:6.1f} tokens per CPU-second of the stack, "

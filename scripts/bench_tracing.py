@@ -8,7 +8,9 @@ run, alternately without tracing and with ``--otlp-traces-endpoint`` to a local 
 receiver (every request traced: the default sampler), in ABBA order (off, on, on, off...)
 so drift on the machine falls on both alike, and sends ``scripts/bench_serving.py``'s load
 (its corpus, equal output lengths). Prints each run, the medians and their ratio, and how
-many spans the receiver got per request.
+many spans the receiver got per request. On a shared machine the wall clock moves with the
+neighbours' load; the CPU time of the stack's processes per output token moves much less,
+so each run also gives output tokens per CPU-second of the stack, and their ratio.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 
 import bench_serving
 from bench import record
-from bench.engines import stack
+from bench.engines import cpu_seconds, stack
 from bench.otlp_receiver import OtlpReceiver
 from bench.stats import median, ratio
 
@@ -32,12 +34,16 @@ def one_run(tracing: bool, receiver: OtlpReceiver, args) -> dict:
         env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = args.protocol
     with stack(flags, env=env, log_dir=args.log_dir) as running:
         spans_before = len(receiver.spans())
+        cpu_before = cpu_seconds(running)
         metrics = bench_serving.run(bench_serving.parse_args([
             "--base-url", running.base_url, "--num-prompts", str(args.num_prompts),
             "--max-concurrency", str(args.max_concurrency), "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--label", f"tracing {'on' if tracing else 'off'}", "--quiet"]))
         time.sleep(1.0)  # the last spans' batch
+        cpu = cpu_seconds(running) - cpu_before
+    output_tokens = metrics["completed"] * args.output_len
     return {"tracing": tracing, "output_tok_s": metrics["output_throughput"],
+            "output_tok_per_cpu_s": output_tokens / cpu if cpu else None, "stack_cpu_s": cpu,
             "ttft_median_ms": metrics["ttft_ms"]["median"], "tpot_median_ms": metrics["tpot_ms"]["median"],
             "completed": metrics["completed"], "failed": metrics["failed"],
             "spans_per_request": (len(receiver.spans()) - spans_before) / max(metrics["completed"] + 1, 1)}
@@ -62,18 +68,26 @@ def main(argv=None) -> int:
         for tracing in order:
             runs.append(one_run(tracing, receiver, args))
             print(runs[-1], flush=True)
-    off = [r["output_tok_s"] for r in runs if not r["tracing"]]
-    on = [r["output_tok_s"] for r in runs if r["tracing"]]
-    on_over_off = ratio(median(on), median(off))
+    def figures(key: str, traced: bool) -> list[float]:
+        return [r[key] for r in runs if r["tracing"] == traced and r[key] is not None]
+
+    off, on = figures("output_tok_s", False), figures("output_tok_s", True)
+    cpu_off, cpu_on = figures("output_tok_per_cpu_s", False), figures("output_tok_per_cpu_s", True)
+    on_over_off, cpu_on_over_off = ratio(median(on), median(off)), ratio(median(cpu_on), median(cpu_off))
     print(f"output tok/s at concurrency {args.max_concurrency}: tracing off {median(off):.1f} "
           f"(runs {', '.join(f'{v:.1f}' for v in off)}), on {median(on):.1f} "
           f"(runs {', '.join(f'{v:.1f}' for v in on)}); on/off = {on_over_off:.3f}")
-    table = [{"tracing": "off", "output tok/s (median)": median(off), "runs": off},
+    print(f"output tokens per CPU-second of the stack: off {median(cpu_off):.1f}, on {median(cpu_on):.1f}; "
+          f"on/off = {cpu_on_over_off:.3f}")
+    table = [{"tracing": "off", "output tok/s (median)": median(off), "runs": off,
+              "tokens per CPU-s (median)": median(cpu_off)},
              {"tracing": f"on (OTLP {args.protocol}, every request)", "output tok/s (median)": median(on),
-              "runs": on, "on/off": on_over_off}]
+              "runs": on, "tokens per CPU-s (median)": median(cpu_on), "tok/s on/off": on_over_off,
+              "tokens per CPU-s on/off": cpu_on_over_off}]
     config = {k: v for k, v in vars(args).items() if k not in ("record", "result_file", "log_dir")}
     record.save(record.Record("tracing", "tracing-cost", config=config,
-                              results={"table": table, "on_over_off": on_over_off, "runs": runs}), args)
+                              results={"table": table, "on_over_off": on_over_off,
+                                       "cpu_on_over_off": cpu_on_over_off, "runs": runs}), args)
     return 0 if all(r["failed"] == 0 for r in runs) else 1
 
 

@@ -11,11 +11,12 @@ off, ``current()`` is None and the services make no span and send no trace heade
 
 One trace per request (docs/ARCHITECTURE.md, "Tracing"): the gateway's HTTP span is the
 root, or a child of the client's ``traceparent``; the W3C trace context travels in the
-NATS headers of the request's own messages (tokenize, engine request, P/D hand-off), never
-in the per-step messages to the workers. The scheduler makes its spans (queue, prefill
-chunks, decode, KV transfer) when a request ends, from times it took anyway, as vLLM
-builds its request span from the request's timestamps; the detokenizer's come from the
-trace context carried by a request's first and last outputs.
+NATS headers of the request's own messages (tokenize, engine request, P/D hand-off), and
+in the step messages to the workers only once per traced request (its ``NewRequestData``).
+The scheduler makes its spans (queue, prefill chunks, decode, KV transfer) when a request
+ends, from times it took anyway, as vLLM builds its request span from the request's
+timestamps; the workers make one prefill and one decode span per request and rank; the
+detokenizer's come from the trace context carried by a request's first and last outputs.
 
 Attribute names are vLLM's (``gen_ai.latency.*``, ``gen_ai.usage.prompt_tokens`` ...) and
 OpenTelemetry's GenAI conventions' (``gen_ai.usage.input_tokens``, ``gen_ai.request.model``...).

@@ -4,13 +4,16 @@
 step a msgpack round trip: ``services/engine.py``) with the settings a worker of
 ``scripts/serve`` would have for those flags (``--dtype bfloat16 --max-num-seqs 32``...;
 the same parser, the same defaults, environment variables included). ``stack(flags)``
-starts the whole stack as ``scripts/serve`` does, on a free port, and stops it after.
+starts the whole stack as ``scripts/serve`` does, on a free port, and stops it after;
+``cpu_seconds(stack)`` is the CPU time its processes have used so far (what a figure on a
+shared machine is better read against than the wall clock).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 
 
 def engine_configs(flags: list[str] = (), **defaults):
@@ -55,3 +58,15 @@ def stack(flags: list[str] = (), timeout: float = 300.0, **config):
         yield running
     finally:
         running.stop()
+
+
+def cpu_seconds(running) -> float:
+    """User + system CPU seconds of every process of a running ``Stack`` (nats-server too)."""
+    total = 0.0
+    for child in running.supervisor.children.values():
+        try:
+            fields = open(f"/proc/{child.process.pid}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, AttributeError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total

@@ -56,6 +56,7 @@ class OtlpReceiver:
         self._lock = threading.Lock()
         self._spans: list[ReceivedSpan] = []
         self.requests = 0
+        self.headers: list[dict[str, str]] = []  # each export's HTTP headers / gRPC metadata, names lowercased
         if protocol == "http":
             self._start_http()
         elif protocol == "grpc":
@@ -63,9 +64,10 @@ class OtlpReceiver:
         else:
             raise ValueError(protocol)
 
-    def add(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
+    def add(self, request: trace_service_pb2.ExportTraceServiceRequest, headers: dict[str, str]) -> None:
         with self._lock:
             self.requests += 1
+            self.headers.append(headers)
             self._spans.extend(_spans(request))
 
     def spans(self) -> list[ReceivedSpan]:
@@ -84,7 +86,8 @@ class OtlpReceiver:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
-                receiver.add(trace_service_pb2.ExportTraceServiceRequest.FromString(body))
+                receiver.add(trace_service_pb2.ExportTraceServiceRequest.FromString(body),
+                             {k.lower(): v for k, v in self.headers.items()})
                 answer = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -106,7 +109,7 @@ class OtlpReceiver:
 
         class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
             def Export(self, request, context):
-                receiver.add(request)
+                receiver.add(request, {k.lower(): v for k, v in context.invocation_metadata()})
                 return trace_service_pb2.ExportTraceServiceResponse()
 
         self._grpc = grpc.server(ThreadPoolExecutor(max_workers=2))

@@ -3,8 +3,10 @@
 A request arrives traced when its engine request (or P/D hand-off) carries a W3C
 ``traceparent`` in its NATS headers and this process traces. Its ``llm_request`` span
 starts then, as a child of the tokenizer's route span (or of the prefill engine's span,
-for a hand-off). The steps carry nothing about traces: a step goes to the workers the
-same whether its requests are traced or not. The scheduler notes, for the traced
+for a hand-off). The steps carry only, in a traced request's ``NewRequestData`` (the
+first step the workers get it in), that span's context: the workers make their spans of
+its prefill and decode under it (``services/worker/request_traces.py``). The scheduler
+notes, for the traced
 requests of each step only, when the step went out and its result came back; the
 children are made when the request leaves the engine, from those times, as vLLM makes its
 request span from the request's timestamps:
@@ -91,6 +93,14 @@ class RequestTraces:
         return None if traced is None else self.tracing.headers(traced.span)
 
     # ------------------------------------------------------------------ steps
+
+    def mark_new(self, step: SchedulerOutput) -> None:
+        """Give each traced request the workers get for the first time in ``step`` its
+        span's context, under which they make theirs (``services/worker/request_traces.py``)."""
+        for new in step.scheduled_new_reqs:
+            traced = self.requests.get(new.req_id)
+            if traced is not None:
+                new.trace_context = self.tracing.traceparent(traced.span)
 
     def step_done(self, step: SchedulerOutput, sent_ns: int, result: ModelRunnerOutput) -> None:
         """Note a step's times for its traced requests (called only while some are)."""

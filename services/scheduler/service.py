@@ -316,7 +316,10 @@ class SchedulerService(Service):
         if not scheduler.step_worth_sending(step):
             self.num_kv_poll_steps += 1
         self._last_step_sent = time.monotonic()
-        sent_ns = time.time_ns() if self.traces is not None and self.traces.requests else 0
+        sent_ns = 0
+        if self.traces is not None and self.traces.requests:
+            sent_ns = time.time_ns()
+            self.traces.mark_new(step)
         future = asyncio.get_running_loop().create_future()
         self._pending_steps[step.step_id] = future
         data = STEP_CHANNEL.encode(step)
@@ -369,7 +372,9 @@ class SchedulerService(Service):
         if self.profile is not None:
             num_reqs = len(step.scheduled_req_ids)
             self.profile.end_step(num_reqs, clock.durations, result.timings, result_decode, more_work)
-        if more_work:
+        if more_work or (self.traces is not None and scheduler.has_finished_to_send()):
+            # Tracing: a step with only finished_req_ids tells the workers at once that the
+            # last requests left, and they end those requests' spans.
             self._work.set()  # the result may have made requests runnable (loads that ended)
         else:
             self._work.clear()

@@ -43,6 +43,7 @@ from .kv_transfer.connector import KVConnectorWorker
 from .metrics import step_seconds, worker_families
 from .model_runner import ModelRunner, resolve_device
 from .parallel import init_distributed
+from .request_traces import WorkerTraces
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class WorkerService(Service):
         self.num_steps = 0
         self.num_sampled_tokens = 0
         self.step_seconds = step_seconds(self.metrics_registry, engine_id, self.rank)
+        # Tracing on: the spans of traced requests' steps on this rank.
+        self.traces = WorkerTraces(process_tracing, engine_id, self.rank) if process_tracing is not None else None
         # The task publishing the last step's result (None before the first step).
         self._step_in_flight: asyncio.Task | None = None
         # P/D: serves this rank's held KV blocks and pulls others' (None: no KV transfer).
@@ -204,18 +207,23 @@ class WorkerService(Service):
         # (one thread: steps run in arrival order), so it starts the moment that one ends
         # instead of after this loop has published that one's result and read this message.
         # The result is published by a task of its own, after the previous step's.
-        running = asyncio.get_running_loop().run_in_executor(self._executor, self._run_step, scheduler_output, clock)
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self._executor, self._run_step, scheduler_output, clock, loop)
         self._step_in_flight = self.spawn(self._finish_step(scheduler_output, running, clock, self._step_in_flight))
 
-    def _run_step(self, scheduler_output, clock) -> ModelRunnerOutput:
+    def _run_step(self, scheduler_output, clock, loop) -> ModelRunnerOutput:
         """On the forward thread: the step's phases count from when it starts there, not
-        from when it was queued behind another (its time on the worker, too)."""
+        from when it was queued behind another (its time on the worker, too; and, tracing,
+        its traced requests' spans: noted on the event loop, in the steps' order)."""
         started = time.perf_counter()
+        started_ns = time.time_ns() if self.traces is not None else 0
         clock.starts_no_earlier_than(started)
         try:
             return self.runner.execute_model(scheduler_output, clock)
         finally:
             self.step_seconds.observe(time.perf_counter() - started)
+            if self.traces is not None:
+                loop.call_soon_threadsafe(self.traces.step_ran, scheduler_output, started_ns, time.time_ns())
 
     async def _finish_step(self, scheduler_output, running: asyncio.Future, clock, previous: asyncio.Task | None) -> None:
         """Publish one step's result (rank 0), once the step before it has published its own."""

@@ -86,14 +86,15 @@ def test_one_streamed_chat_request_is_one_trace_across_the_services(observed):
 
     def complete():
         names = Counter(s.name for s in spans())
-        return names["detokenize"] == 2 and names["stream out"] == 1 and names["llm_request"] == 1
+        return (names["detokenize"] == 2 and names["stream out"] == 1 and names["llm_request"] == 1
+                and names["worker decode"] == 1)
 
     wait_until(complete, 30, "the trace's spans did not all arrive")
     trace = spans()
     by_id = {s.span_id: s for s in trace}
     assert len(by_id) == len(trace)
     assert {s.service for s in trace} == {"natsllm-gateway", "natsllm-tokenizer", "natsllm-scheduler",
-                                          "natsllm-detokenizer"}
+                                          "natsllm-worker", "natsllm-detokenizer"}
 
     def one(service: str, name: str):
         [span] = [s for s in trace if s.service == f"natsllm-{service}" and s.name == name]
@@ -110,6 +111,9 @@ def test_one_streamed_chat_request_is_one_trace_across_the_services(observed):
         assert child.parent_span_id == parent.span_id, (parent.name, child.name)
     for name in ("queue", "prefill", "decode"):
         assert one("scheduler", name).parent_span_id == engine.span_id
+    for name in ("worker prefill", "worker decode"):  # the worker's, from the step that first ran the request
+        assert one("worker", name).parent_span_id == engine.span_id
+    assert one("worker", "worker prefill").attributes["prefill.tokens"] == usage["prompt_tokens"]
     prefill = one("scheduler", "prefill")
     chunks = [s for s in trace if s.name == "prefill chunk"]
     assert chunks and all(c.parent_span_id == prefill.span_id for c in chunks)

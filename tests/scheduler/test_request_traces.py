@@ -104,3 +104,17 @@ def test_an_aborted_request_ends_its_span_as_failed(traced):
     traces.forget_gone(lambda req_id: req_id == "other")
     [engine] = [s for s in exporter.get_finished_spans() if s.name == "llm_request"]
     assert engine.status.status_code == StatusCode.ERROR and not traces.requests
+
+
+def test_the_workers_get_a_traced_requests_context_once_with_its_first_step(traced):
+    from shared.protocol import NewRequestData
+
+    traces, _ = traced
+    traces.arrived(request(), PARENT)
+    sent = SchedulerOutput(1, scheduled_new_reqs=[NewRequestData("r", list(range(40)), SamplingParams(), [0], 0),
+                                                  NewRequestData("other", [1], SamplingParams(), [1], 0)])
+    traces.mark_new(sent)
+    engine_span = traces.requests["r"].span.get_span_context()
+    assert sent.scheduled_new_reqs[0].trace_context == \
+        f"00-4bf92f3577b34da6a3ce929d0e0e4736-{engine_span.span_id:016x}-01"
+    assert sent.scheduled_new_reqs[1].trace_context == ""

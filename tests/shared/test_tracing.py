@@ -42,6 +42,8 @@ def test_settings_are_checked():
 def test_spans_reach_an_otlp_receiver_with_their_parents(protocol, monkeypatch, restore_tracing):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
     monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    # The SDK's own variables reach the exporter of either protocol (here: the headers).
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-tenant=acme")
     with OtlpReceiver("grpc" if protocol == "grpc" else "http") as receiver:
         process = tracing.configure(TracingConfig(otlp_traces_endpoint=receiver.endpoint), "tokenizer")
         assert tracing.current() is process
@@ -56,6 +58,7 @@ def test_spans_reach_an_otlp_receiver_with_their_parents(protocol, monkeypatch, 
         assert process.context_from({}) is None and process.context_from(None) is None
         process.shutdown()  # sends what is queued
         spans = {s.name: s for s in receiver.spans()}
+        assert receiver.headers and all(h.get("x-tenant") == "acme" for h in receiver.headers)
     assert set(spans) == {"tokenize", "route"}
     assert spans["route"].trace_id == spans["tokenize"].trace_id
     assert spans["route"].parent_span_id == spans["tokenize"].span_id == format(parent.get_span_context().span_id,
