@@ -57,7 +57,10 @@ PANELS = [
     ("Engines", "Preemptions per second per engine", "short", [
         (f'sum by (engine) (rate(natsllm:num_preemptions_total{{engine!=""}}{RATE}))', "{{engine}}")]),
     ("Routing, speculative decoding, LoRA, P/D", "Router decisions per second", "short", [
-        (f"sum by (router, engine) (rate(natsllm:router_decisions_total{RATE}))", "{{router}} → {{engine}}")]),
+        # Every gateway reports the routers' sums: one gateway's series (max), by reason.
+        (f'max by (reason) (rate(natsllm:router_decisions_total{{reason!=""}}{RATE}))', "{{reason}}"),
+        (f"sum by (engine) (rate(natsllm:routed_requests_total{RATE}))", "to engine {{engine}}"),
+        (f"sum by (engine, decode_engine) (rate(natsllm:handoffs_total{RATE}))", "P/D {{engine}} → {{decode_engine}}")]),
     ("Routing, speculative decoding, LoRA, P/D", "Speculative decoding acceptance", "percentunit", [
         (f'sum by (engine) (rate(natsllm:spec_decode_num_accepted_tokens_total{{engine!=""}}{RATE})) / '
          f'sum by (engine) (rate(natsllm:spec_decode_num_draft_tokens_total{{engine!=""}}{RATE}))',

@@ -52,9 +52,11 @@ def exported(smollm_tokenizer) -> dict[str, set[str]]:
     from services.worker.metrics import step_seconds, worker_families
     from shared.bus import Service
     from shared.config import CacheConfig, SchedulerConfig
+    from shared.protocol import RouterStats
 
     gateway = GatewayService(GatewayConfig())
     gateway.engine_stats.update(busy_engine("0"))
+    gateway.router_stats.update(RouterStats("tokenizer-a", "kv", decisions={"kv_prefix": 2}))
     gateway.metrics.service_restarts = {"worker-0": 1}
     scheduler = SchedulerService("0", SchedulerConfig(), CacheConfig())
     scheduler.last_stats = busy_engine("0")
@@ -112,8 +114,9 @@ def test_every_panel_query_names_a_metric_the_services_export(exported):
                 assert name in everything, f"{p['title']}: {name} is exported by no service"
     # Each kind of service has its own: the panels read every one.
     assert "natsllm:worker_step_seconds_bucket" in exported["worker"]
-    assert 'natsllm:num_requests_running' in exported["scheduler"] and "natsllm:router_decisions_total" in exported[
+    assert 'natsllm:num_requests_running' in exported["scheduler"] and "natsllm:routed_requests_total" in exported[
         "tokenizer"]
+    assert "natsllm:handoffs_total" in exported["scheduler"] and "natsllm:router_decisions_total" in exported["gateway"]
     for role in ROLES:
         assert {"natsllm:service_info", "natsllm:handler_errors_total", "process_resident_memory_bytes"} <= exported[
             role], role

@@ -33,6 +33,7 @@ from shared.protocol import (
     ENGINE_STATS_CHANNEL,
     PING_CHANNEL,
     RESEND_CHANNEL,
+    ROUTER_STATS_CHANNEL,
     SERVICE_RESTARTS_CHANNEL,
     SERVICE_STATUS_CHANNEL,
     STREAM_CHANNEL,
@@ -48,7 +49,7 @@ from .config import GatewayConfig
 from .errors import ApiError, bus_unavailable, engine_lost, no_tokenizer, shutting_down, tokenizer_timeout
 from .fleet import Fleet
 from .lora_routes import LoRARegistry, join_lora_bus
-from .metrics import EngineStatsStore, GatewayMetrics
+from .metrics import EngineStatsStore, GatewayMetrics, RouterStatsStore
 from .streams import RequestStream
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class GatewayService(Service):
         self.streams: dict[str, RequestStream] = {}
         self.engine_stats = EngineStatsStore()
         self.fleet = Fleet()
-        self.metrics = GatewayMetrics(config.model_name, self.engine_stats, self.metrics_registry)
+        self.router_stats = RouterStatsStore()
+        self.metrics = GatewayMetrics(config.model_name, self.engine_stats, self.router_stats, self.metrics_registry)
         self.closing = False
         self.num_dropped_deltas = 0
         self.num_resends = 0
@@ -99,6 +101,7 @@ class GatewayService(Service):
         await self.subscribe(ENGINE_STATS_CHANNEL.subject(), self._on_stats)
         await self.subscribe(SERVICE_RESTARTS_CHANNEL.subject(), self._on_restarts)
         await self.subscribe(SERVICE_STATUS_CHANNEL.subject("*"), self._on_status)
+        await self.subscribe(ROUTER_STATS_CHANNEL.subject(), self._on_router_stats)
         self.spawn(self._watch_engines())
         if self.lora is not None:
             await join_lora_bus(self, self.lora)
@@ -136,6 +139,8 @@ class GatewayService(Service):
             self.fleet.update(SERVICE_STATUS_CHANNEL.decode(msg.data))
         except msgspec.DecodeError as e:
             logger.warning("malformed service status on %s: %s", msg.subject, e)
+    async def _on_router_stats(self, msg: Msg) -> None:
+        self.router_stats.update(ROUTER_STATS_CHANNEL.decode(msg.data))
 
     async def _on_restarts(self, msg: Msg) -> None:
         self.metrics.service_restarts = dict(SERVICE_RESTARTS_CHANNEL.decode(msg.data).counts)

@@ -3,7 +3,7 @@
 Its engine's figures as the last ``EngineStats`` it published said them (vLLM's names,
 labelled ``engine``: ``shared/engine_metrics.py``), read at scrape time from the metrics
 thread without touching the scheduler's state; its steps; and, on a P/D prefill engine,
-where the router sent its prefilled requests.
+the decode engines its router handed prefilled requests to.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from prometheus_client.core import CounterMetricFamily
 
 from shared.engine_metrics import engine_families
 from shared.service_metrics import counter
-
-ROUTER_PD = "pd"  # natsllm:router_decisions_total{router="pd"}: a prefill engine's hand-offs
 
 
 def scheduler_families(service):
@@ -26,10 +24,8 @@ def scheduler_families(service):
                   service.num_kv_poll_steps, engine)
     yield counter("natsllm:stop_string_queries", "Detokenizers' queries for stop strings they missed.",
                   service.stops.num_queries, engine)
-    decisions = CounterMetricFamily("natsllm:router_decisions", "Where requests were routed: the engine that took "
-                                    "them (router=queue: a scheduler of the queue group, counted by the tokenizers; "
-                                    "router=pd: a decode engine, or local, counted by the prefill engines).",
-                                    labels=["router", "source", "engine"])
+    handoffs = CounterMetricFamily("natsllm:handoffs", "P/D: prefilled requests handed to each decode engine "
+                                   "(local: none took it, decoded here).", labels=["engine", "decode_engine"])
     for target, count in sorted(service.handoff_sender.decisions.items()):
-        decisions.add_metric([ROUTER_PD, service.engine_id, target], float(count))
-    yield decisions
+        handoffs.add_metric([service.engine_id, target], float(count))
+    yield handoffs

@@ -5,9 +5,11 @@ asks on ``llm.tokenize`` (queue group: replicas share the work); the service
 prepares the request off the event loop (``shared.request_preparation``: checks the
 sampling settings and the prompt, renders messages with the model's chat template,
 tokenizes, checks the context length) and forwards the ``EngineRequest`` to a
-scheduler (request/reply on ``llm.engine.requests``). One ``TokenizeRequest`` is
-one prompt with its ``n`` samples: the prompt is prepared once, and each sample goes
-to a scheduler as its own ``EngineRequest`` (own request id, seed + i). The gateway
+scheduler: the one its router chooses (``services/router``: request/reply on that engine's
+``llm.engine.<id>.requests``), or, when the router knows no ready engine or the chosen one
+has no responder, any (the schedulers' queue group on ``llm.engine.requests``).
+One ``TokenizeRequest`` is one prompt with its ``n`` samples: the prompt is prepared once,
+and each sample goes to a scheduler as its own ``EngineRequest`` (own request id, seed + i). The gateway
 gets a ``TokenizeReply``: the prompt length and each sample's answer (queued, or the
 scheduler's error; 503 when none answers), or the prompt's refusal in OpenAI's shape
 (400 for bad input).
@@ -15,8 +17,9 @@ scheduler's error; 503 when none answers), or the prompt's refusal in OpenAI's s
 Traced requests (``shared/tracing.py``: the tokenize request's NATS headers carry a
 ``traceparent`` and this process traces) get a ``tokenize`` span and, per sample, a
 ``route`` span around its hand-over to a scheduler, whose context goes in the engine
-request's headers. Each scheduler that took a request is counted
-(``natsllm:router_decisions_total{router="queue"}``): how the queue group spread them.
+request's headers. Each engine that took a request is counted
+(``natsllm:routed_requests_total{engine}``; the router's reasons reach the gateways'
+``natsllm:router_decisions_total``).
 """
 
 from __future__ import annotations
@@ -32,10 +35,14 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily
 
+from services.router.bus import RouterOnBus
+from services.router.config import RouterConfig
+from services.router.router import Router
 from shared import tracing
 from shared.bus import Service, respond
 from shared.protocol import (
     DETOKENIZE_TOKENS_CHANNEL,
+    ENGINE_REQUEST_CHANNEL,
     ENGINE_REQUESTS_CHANNEL,
     TOKENIZE_CHANNEL,
     TOKENIZE_TEXT_CHANNEL,
@@ -58,7 +65,6 @@ from .tokens import detokenize_tokens, tokenize_text
 logger = logging.getLogger(__name__)
 
 NO_SCHEDULER = "no scheduler is available"
-ROUTER_QUEUE = "queue"  # natsllm:router_decisions_total{router="queue"}
 PREPARE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -78,6 +84,7 @@ class TokenizerService(Service):
         extra_eos_token_ids: list[int] | None = None,
         config: TokenizerConfig = TokenizerConfig(),
         nats_url: str | None = None,
+        router_config: RouterConfig = RouterConfig(),
     ) -> None:
         super().__init__(nats_url)
         self.tokenizer = tokenizer
@@ -94,29 +101,33 @@ class TokenizerService(Service):
                                          "Seconds to validate, render and tokenize a prompt.",
                                          buckets=PREPARE_BUCKETS, registry=self.metrics_registry)
         self.tracing = tracing.current()
+        self.router = Router(router_config)
+        self.router_bus = RouterOnBus(self, self.router)
 
     def info(self) -> dict:
         return {
             "max_model_len": self.preparer.max_model_len,
             "num_requests": self.num_requests,
             "num_rejected": self.num_rejected,
+            "router_mode": self.router.mode,
+            "router_decisions": dict(self.router.decisions),
         }
 
     def metric_families(self):
         yield counter("natsllm:tokenizer_requests", "Prompts received.", self.num_requests)
         yield counter("natsllm:tokenizer_rejected", "Prompts refused (bad input, or no scheduler took them).",
                       self.num_rejected)
-        decisions = CounterMetricFamily("natsllm:router_decisions", "Where requests were routed (router=queue: the "
-                                        "engine whose scheduler took a sample from the queue group).",
-                                        labels=["router", "source", "engine"])
+        routed = CounterMetricFamily("natsllm:routed_requests", "Samples this tokenizer handed to each engine "
+                                     "(by its router's choice or the queue group's).", labels=["engine"])
         for engine_id, count in sorted(self.routed.items()):
-            decisions.add_metric([ROUTER_QUEUE, self.name, engine_id], float(count))
-        yield decisions
+            routed.add_metric([engine_id], float(count))
+        yield routed
 
     async def setup(self) -> None:
         await self.subscribe(TOKENIZE_CHANNEL.subject(), self._on_tokenize, queue="tokenizer")
         await self.subscribe(TOKENIZE_TEXT_CHANNEL.subject(), self._on_tokenize_text, queue="tokenizer")
         await self.subscribe(DETOKENIZE_TOKENS_CHANNEL.subject(), self._on_detokenize_tokens, queue="tokenizer")
+        await self.router_bus.setup()
 
     async def _on_tokenize_text(self, msg: Msg) -> None:
         """vLLM's /tokenize (``tokens.py``): ids only, nothing scheduled."""
@@ -209,6 +220,25 @@ class TokenizerService(Service):
         return reply
 
     async def _submit(self, engine_request: EngineRequest, headers: dict[str, str] | None = None) -> EngineRequestReply:
+        """The router's engine first; the queue group when the router knows no ready engine,
+        or that engine has no responder (it died: another takes the request)."""
+        route = self.router.route(engine_request)
+        if route is not None:
+            try:
+                reply = await self.request(ENGINE_REQUEST_CHANNEL, engine_request, route.engine_id,
+                                           timeout=self.scheduler_timeout, headers=headers)
+            except NoRespondersError:
+                self.router.answered(route, 0)
+                logger.warning("%s: engine %s has no responder; any scheduler may take it", engine_request.request_id,
+                               route.engine_id)
+            except (NatsTimeoutError, asyncio.TimeoutError):
+                # It may still have queued the request: not offered to another engine.
+                logger.warning("%s: engine %s did not answer within %.1fs", engine_request.request_id,
+                               route.engine_id, self.scheduler_timeout)
+                return no_scheduler(engine_request)
+            else:
+                self.router.answered(route, reply.admission if reply.error is None else 0)
+                return reply
         try:
             return await self.request(ENGINE_REQUESTS_CHANNEL, engine_request, timeout=self.scheduler_timeout,
                                       headers=headers)
