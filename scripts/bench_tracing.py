@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import bench_serving
 from bench import record
@@ -60,6 +61,8 @@ def main(argv=None) -> int:
     parser.add_argument("--log-dir", default=None)
     record.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     order = []
     for i in range(args.rounds):
         order += [False, True] if i % 2 == 0 else [True, False]
