@@ -28,6 +28,7 @@ from collections import defaultdict
 import msgspec
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 
 from shared.bus import Service
 from shared.protocol import (
@@ -54,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 # Batches with more window tokens than this are decoded in a thread, off the event loop.
 THREAD_MIN_TOKENS = 2048
+# Seconds between stop-strings queries that found no responder (within the query's deadline).
+NO_RESPONDERS_RETRY = 0.1
 
 
 class DetokenizerService(Service):
@@ -118,6 +121,15 @@ class DetokenizerService(Service):
                 answer = await self.request(STOP_STRINGS_QUERY_CHANNEL, StopStringsQuery(unknown), batch.engine_id,
                                             timeout=max(0.01, deadline - time.monotonic()))
                 added = answer.added
+            except NoRespondersError:
+                # The scheduler's subscription is not (yet) known where this replica is
+                # connected: it is reconnecting to another node of the cluster, say.
+                if time.monotonic() + NO_RESPONDERS_RETRY < deadline:
+                    await asyncio.sleep(NO_RESPONDERS_RETRY)
+                    continue
+                missing = (f"the detokenizer could not get this request's stop strings from engine "
+                           f"{batch.engine_id!r} within {self.stop_strings_timeout:g}s (no responders)")
+                break
             except (NatsError, asyncio.TimeoutError, msgspec.DecodeError) as e:
                 logger.warning("engine %s did not tell the stop strings of %s: %r", batch.engine_id, unknown, e)
                 missing = (f"the detokenizer could not get this request's stop strings from engine "
@@ -186,6 +198,7 @@ class DetokenizerService(Service):
                     prompt_logprobs=result.prompt_logprobs,
                     engine_id=output.owner_engine_id,
                     incarnation=output.owner_incarnation,
+                    token_ids=output.new_token_ids,
                 )
             )
         return deltas, aborts

@@ -9,7 +9,8 @@ request id, then asks a tokenizer on ``llm.tokenize`` (request/reply), one reque
 prompt with its samples' ids. Deltas for ids it does not hold (finished, aborted) are
 dropped. Requests that end early are aborted on ``llm.abort.<gateway_id>``, lost
 outputs asked for again on ``llm.resend.<gateway_id>``. ``EngineStats`` from
-``llm.engine.stats`` feed /metrics.
+``llm.engine.stats`` feed /metrics and tell which engines restarted or went silent:
+their requests resume on another engine (``resume.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from .config import GatewayConfig
 from .errors import ApiError, bus_unavailable, engine_lost, no_tokenizer, shutting_down, tokenizer_timeout
 from .lora_routes import LoRARegistry, join_lora_bus
 from .metrics import EngineStatsStore, GatewayMetrics
+from .resume import Resumer
 from .streams import RequestStream
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,7 @@ class GatewayService(Service):
         self.num_dropped_deltas = 0
         self.num_resends = 0
         self.lora = LoRARegistry(config.lora, config.model) if config.lora.enable_lora else None
+        self.resumer = Resumer(self)
 
     @property
     def gateway_id(self) -> str:
@@ -116,23 +119,29 @@ class GatewayService(Service):
             return
         self.engine_stats.update(stats)
         if stats.incarnation:
-            self._fail_requests_of(stats.engine_id, "restarted", lambda s: s.incarnation != stats.incarnation)
+            self._engine_lost(stats.engine_id, "restarted", lambda s: s.incarnation != stats.incarnation)
 
     async def _on_restarts(self, msg: Msg) -> None:
         self.metrics.service_restarts = dict(SERVICE_RESTARTS_CHANNEL.decode(msg.data).counts)
 
     # ------------------------------------------------------------------ lost engines
 
-    def _fail_requests_of(self, engine_id: str, why: str, which) -> None:
-        """End (503) and abort every open request that ``engine_id`` holds and ``which`` picks."""
+    def _engine_lost(self, engine_id: str, why: str, which) -> None:
+        """Every open request that ``engine_id`` holds and ``which`` picks resumes on another
+        engine (``resume.py``); one that cannot ends with 503 ``engine_lost`` (and is aborted)."""
         lost = [s for s in self.streams.values()
                 if s.engine_id == engine_id and s.incarnation and not s.finished and which(s)]
         if not lost:
             return
-        logger.warning("engine %s %s: failing its %d open request(s)", engine_id, why, len(lost))
+        resumable = [s for s in lost if self.resumer.can_resume(s)]
+        logger.warning("engine %s %s: resuming %d of its %d open request(s) elsewhere", engine_id, why,
+                       len(resumable), len(lost))
         error = engine_lost(engine_id, why).info
         for stream in lost:
-            stream.fail(error)
+            if stream in resumable:
+                self.resumer.resume(stream, engine_id, why)
+            else:
+                stream.fail(error)
 
     async def _watch_engines(self) -> None:
         """A scheduler sends EngineStats every second: one silent for longer than
@@ -158,7 +167,7 @@ class GatewayService(Service):
                 def silent(s, last=last):
                     return now - max(last, s.accepted_at) > timeout
 
-                self._fail_requests_of(engine_id, f"sent no heartbeat for {timeout:g}s", silent)
+                self._engine_lost(engine_id, f"sent no heartbeat for {timeout:g}s", silent)
 
     # ------------------------------------------------------------------ outbound
 
@@ -229,6 +238,14 @@ class GatewayService(Service):
             await self.publish(RESEND_CHANNEL, ResendOutputs(stream.request_id, stream.next_offset), self.gateway_id)
         except NatsError as e:
             logger.warning("%s: resend request not sent: %r", stream.request_id, e)
+
+    def rekey(self, stream: RequestStream, old_id: str) -> None:
+        """``stream`` moved from ``old_id`` to a new engine request id (a resume): outputs
+        under the old one are dropped from now on, and the old one is aborted."""
+        if self.streams.get(old_id) is stream:
+            del self.streams[old_id]
+        self.streams[stream.request_id] = stream
+        self.abort_soon([old_id])
 
     def release(self, stream: RequestStream) -> None:
         if self.streams.get(stream.request_id) is stream:

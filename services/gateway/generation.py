@@ -74,8 +74,12 @@ class Generation:
         """Send every prompt with its samples; raises the first ``ApiError`` (by choice
         index) if any sample is refused."""
         groups = self.prompt_streams()
+        requests = [self.tokenize_request(p, streams) for p, streams in enumerate(groups)]
+        for request, streams in zip(requests, groups):
+            for i, stream in enumerate(streams):  # what a resume sends again (resume.py)
+                stream.prompt_request, stream.choice = request, i
         results = await asyncio.gather(
-            *(self.gateway.tokenize(streams, self.tokenize_request(p, streams)) for p, streams in enumerate(groups)),
+            *(self.gateway.tokenize(streams, request) for request, streams in zip(requests, groups)),
             return_exceptions=True,
         )
         errors = []

@@ -48,7 +48,7 @@ from .lora.slots import LoRASlots
 from .models.llama import LlamaForCausalLM
 from .parallel import ShardLayout, TensorParallel, init_distributed, tp_device
 from .prompt_logprobs import compute_prompt_logprobs, wanted
-from .sampler import Sampler
+from .sampler import Sampler, skip_noise_rows
 from .spec_decode import SpecDecoder
 from .structured_output import StructuredOutputRunner
 
@@ -259,7 +259,10 @@ class ModelRunner:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            # A request resumed after a worker restart brings the tokens it generated.
+                # Past the noise of the tokens it brings (below): it draws on as it would have.
+                skip_noise_rows(generator, len(new.output_token_ids), self.model_config.vocab_size, self.device)
+            # A request resumed after a worker restart or on another engine, or handed off
+            # by a prefill engine, brings the tokens it generated.
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=[*new.prompt_token_ids, *new.output_token_ids],

@@ -61,6 +61,18 @@ def draw(logits: torch.Tensor, probs: torch.Tensor, batch: SamplingMetadata, gen
     return torch.where(greedy_rows.to(logits.device), greedy_tokens, random_tokens)
 
 
+def skip_noise_rows(generator: torch.Generator, num_tokens: int, vocab_size: int, device) -> None:
+    """Advance a seeded request's generator past the noise rows ``draw`` took for its first
+    ``num_tokens`` tokens (sampled elsewhere: a worker or engine lost since, or a P/D
+    prefill engine), so its next token gets the noise it would have got there. One row per
+    token, as the sampler draws without speculative decoding (with drafts the draws depend
+    on how many were proposed and accepted, which is not known here)."""
+    if num_tokens:
+        row = torch.empty(vocab_size, device=device)
+        for _ in range(num_tokens):
+            row.exponential_(generator=generator)
+
+
 def apply_bans_and_penalties(logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:
     """min_tokens bans, logit controls and penalties on the raw logits (a copy when
     anything applies)."""

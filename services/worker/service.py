@@ -31,6 +31,7 @@ from shared.protocol import (
     WORKER_READY_CHANNEL,
     WORKER_RETIRE_CHANNEL,
     ModelRunnerOutput,
+    SchedulerOutput,
     WorkerReady,
 )
 
@@ -40,6 +41,7 @@ from .heap_trim import IDLE_SECONDS_BEFORE_TRIM, trim_heap
 from .kv_transfer.connector import KVConnectorWorker
 from .model_runner import ModelRunner, resolve_device
 from .parallel import init_distributed
+from .step_order import StepOrder
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +91,9 @@ class WorkerService(Service):
         # pool, and once two pools exist every op runs ~1.7x slower on 2 cores.
         self.runner = self._executor.submit(build_runner).result()
         self._sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else None
-        self._incarnation = ""  # of the scheduler whose steps this worker follows
+        # The steps it runs (those of the scheduler incarnation it follows, in order) and
+        # how far it got, told in every heartbeat.
+        self.steps = StepOrder(f"engine {engine_id} rank {self.rank}")
         self._last_step = time.monotonic()
         self._heap_trimmed = False
         self.num_steps = 0
@@ -114,6 +118,9 @@ class WorkerService(Service):
             max_model_len=self.runner.max_model_len,
             block_size=self.runner.block_size,
             vocab_size=self.runner.model_config.vocab_size,
+            step_incarnation=self.steps.incarnation,
+            last_step_id=self.steps.last_step_id,
+            running_step_id=self.steps.running_step_id,
         )
 
     async def setup(self) -> None:
@@ -173,14 +180,16 @@ class WorkerService(Service):
         scheduler_output = STEP_CHANNEL.decode(msg.data)
         clock.lap("unpack")
         # A step of an earlier scheduler incarnation (delivered late, or from a scheduler
-        # that has since restarted) must not touch the state the current one built; a
-        # reset step starts the new incarnation.
-        if scheduler_output.reset_state:
-            self._incarnation = scheduler_output.incarnation
-        elif scheduler_output.incarnation != self._incarnation:
-            logger.warning("engine %s rank %d: step %d of incarnation %r dropped (current %r)", self.engine_id,
-                           self.rank, scheduler_output.step_id, scheduler_output.incarnation, self._incarnation)
+        # that has since restarted) must not touch the state the current one built, nor
+        # may a step after one lost on the bus; a reset step starts over.
+        if not self.steps.take(scheduler_output):
             return
+        try:
+            await self._run_step(scheduler_output, clock)
+        finally:
+            self.steps.finished(scheduler_output.step_id)
+
+    async def _run_step(self, scheduler_output: SchedulerOutput, clock: PhaseClock) -> None:
         if self.kv_connector is not None:
             # Between steps: no forward pass runs while the connector learns what to stop.
             self.kv_connector.bind_connector_metadata(scheduler_output.incarnation, scheduler_output.reset_state,
