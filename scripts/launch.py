@@ -30,6 +30,9 @@ def main() -> int:
                         help="P/D: prefill engines (kv_producer), each with --tp worker ranks")
     parser.add_argument("--decode-engines", type=int, default=0,
                         help="P/D: decode engines (kv_consumer), each with --tp worker ranks")
+    parser.add_argument("--nats-cluster", type=int, default=1,
+                        help="nats-servers: 1, or a cluster of N (routes between them; every service gets all "
+                             "their URLs; a killed node is restarted and rejoins)")
     args, service_args = parser.parse_known_args()
     try:
         stack = Stack(
@@ -43,6 +46,7 @@ def main() -> int:
                 args=service_args,
                 prefill_engines=args.prefill_engines,
                 decode_engines=args.decode_engines,
+                nats_cluster=args.nats_cluster,
             )
         )
     except ConfigError as e:

@@ -2,7 +2,9 @@
 
 A service subclasses ``Service``, registers one async handler per subject in
 ``setup()`` (with a queue group where replicas share the work), and runs with
-``run_service``. The base connects to ``NATS_URL`` (with the role's credentials
+``run_service``. The base connects to ``NATS_URL`` (a server, or a cluster's nodes
+comma-separated: it reconnects to another node when its own dies, forever, and
+re-subscribes; with the role's credentials
 from the environment, see ``shared/bus_auth.py``), wraps every handler in one
 error boundary (an exception is logged with the subject and counted, never
 kills the subscription), answers health pings on ``llm.ping.<service>``, keeps its
@@ -40,6 +42,12 @@ DRAIN_TIMEOUT = 2.0  # seconds close() gives the NATS connection to drain
 
 def default_nats_url() -> str:
     return os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
+
+
+def nats_servers(url: str) -> list[str]:
+    """The servers of a ``NATS_URL``: one URL, or a cluster's nodes comma-separated (the
+    client connects to one and moves to another when it goes)."""
+    return [part.strip() for part in url.split(",") if part.strip()]
 
 
 async def publish(nc: nats.NATS, channel: Channel, message, *parts) -> None:
@@ -150,7 +158,7 @@ class Service:
             logger.warning("%s %s: nats error: %r", self.name, self.instance_id, e)
 
         self.nc = await nats.connect(
-            self.nats_url,
+            nats_servers(self.nats_url),
             name=f"{self.name}-{self.instance_id}",
             error_cb=on_error,
             max_reconnect_attempts=-1,

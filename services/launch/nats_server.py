@@ -68,6 +68,11 @@ class NatsServer:
         )
         self._wait_ready()
 
+    @property
+    def servers(self) -> list[str]:
+        """Its URL as a list (as a cluster's, ``nats_cluster.py``)."""
+        return [self.url]
+
     def credentials(self, user: str) -> dict[str, str]:
         """``nats.connect`` keyword arguments for a client of ``user`` ({} without authentication)."""
         return connect_credentials(self.env_for(user))

@@ -4,7 +4,8 @@
 stack. Every service is its own OS process (``python -m services.<name>``) in its
 own process group, started through a ``Supervisor``: once the stack is ready, a
 service that dies is started again (and the counts reach the gateways' /metrics);
-stopping the stack, or killing the launcher, leaves nothing running. nats-server runs
+stopping the stack, or killing the launcher, leaves nothing running. nats-server (or a
+cluster of them, ``nats_cluster``, each node supervised like a service) runs
 with one user per service role and one for the gateway (fresh passwords per run), each
 service gets its user's credentials in its environment; the gateway's user name is its
 id (``GATEWAY_ID``). Extra flags go to the services that take them
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.launch.nats_cluster import NatsCluster
 from services.launch.nats_server import NatsServer, free_port
 from services.launch.supervisor import Supervisor
 from shared.bus import flush_in_order, publish
@@ -59,6 +61,8 @@ class StackConfig:
     # tensor_parallel_size worker ranks) instead of one engine; both 0: one plain engine.
     prefill_engines: int = 0
     decode_engines: int = 0
+    # nats-servers: 1, or a cluster of this many (routes between them, nats_cluster.py).
+    nats_cluster: int = 1
 
     def engines(self) -> list[tuple[str, str]]:
         """(engine id, kv_role) of each engine to start; ("", "") is the one plain engine."""
@@ -79,7 +83,9 @@ class Stack:
         if config.prefill_engines and role_flags:
             raise ConfigError(f"{', '.join(sorted(role_flags))}: with --prefill-engines / --decode-engines the "
                               f"launcher gives each engine its kv_role")
-        self.nats: NatsServer | None = None
+        if config.nats_cluster < 1:
+            raise ConfigError(f"--nats-cluster must be at least 1, got {config.nats_cluster}")
+        self.nats: NatsServer | NatsCluster | None = None
         self.supervisor = Supervisor()
         self._supervising: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -118,8 +124,12 @@ class Stack:
     def start(self) -> None:
         cfg = self.config
         log = os.path.join(cfg.log_dir, "nats.log") if cfg.log_dir else None
-        self.nats = NatsServer(port=cfg.nats_port, log_file=log, authenticated=cfg.authenticated_bus,
-                               gateway_ids=[GATEWAY_ID])
+        if cfg.nats_cluster > 1:
+            self.nats = NatsCluster(cfg.nats_cluster, self.supervisor, log_dir=cfg.log_dir,
+                                    authenticated=cfg.authenticated_bus, gateway_ids=[GATEWAY_ID])
+        else:
+            self.nats = NatsServer(port=cfg.nats_port, log_file=log, authenticated=cfg.authenticated_bus,
+                                   gateway_ids=[GATEWAY_ID])
         model = ["--model", cfg.model] if cfg.model else []
         extra = self.service_args
         for engine_id, kv_role in cfg.engines():
@@ -185,7 +195,7 @@ class Stack:
         engine_ids = {engine_id for engine_id, _ in self.config.engines() if engine_id}
 
         async def ask() -> bool:
-            nc = await nats.connect(self.nats.url, **self.nats.credentials("admin"))
+            nc = await nats.connect(servers=self.nats.servers, **self.nats.credentials("admin"))
             try:
                 if engine_ids:
                     ready: set[str] = set()
@@ -236,7 +246,7 @@ class Stack:
         import nats
 
         async def send() -> None:
-            nc = await nats.connect(self.nats.url, **self.nats.credentials("admin"))
+            nc = await nats.connect(servers=self.nats.servers, **self.nats.credentials("admin"))
             try:
                 await publish(nc, SERVICE_RESTARTS_CHANNEL, ServiceRestarts(counts))
                 await flush_in_order(nc)

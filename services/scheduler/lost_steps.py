@@ -38,6 +38,9 @@ class LostStepWatch:
     def answered(self, step_id: int) -> None:
         self._sent.pop(step_id, None)
 
+    def in_flight(self) -> list[int]:
+        return sorted(self._sent)
+
     def clear(self) -> None:
         self._sent.clear()
         self._suspect.clear()

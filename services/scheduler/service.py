@@ -163,7 +163,8 @@ class SchedulerService(Service):
 
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "ready": self.ready, "num_stop_queries": self.stops.num_queries,
-                "num_kv_poll_steps": self.num_kv_poll_steps, "num_lost_steps": self.num_lost_steps}
+                "num_kv_poll_steps": self.num_kv_poll_steps, "num_lost_steps": self.num_lost_steps,
+                "steps_in_flight": self.lost_steps.in_flight()}
 
     async def setup(self) -> None:
         engine = self.engine_id

@@ -106,7 +106,8 @@ class WorkerService(Service):
 
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "rank": self.rank, "num_steps": self.num_steps,
-                "num_sampled_tokens": self.num_sampled_tokens}
+                "num_sampled_tokens": self.num_sampled_tokens, "last_step_id": self.steps.last_step_id,
+                "running_step_id": self.steps.running_step_id}
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(
