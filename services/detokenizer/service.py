@@ -28,7 +28,6 @@ from collections import defaultdict
 import msgspec
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.errors import NoRespondersError
 
 from shared.bus import Service
 from shared.protocol import (
@@ -55,8 +54,6 @@ logger = logging.getLogger(__name__)
 
 # Batches with more window tokens than this are decoded in a thread, off the event loop.
 THREAD_MIN_TOKENS = 2048
-# Seconds between stop-strings queries that found no responder (within the query's deadline).
-NO_RESPONDERS_RETRY = 0.1
 
 
 class DetokenizerService(Service):
@@ -117,19 +114,12 @@ class DetokenizerService(Service):
         deadline = time.monotonic() + self.stop_strings_timeout
         while unknown:  # a scheduler answers as many as fit one message: ask for the rest
             self.num_stop_queries += 1
+            left = max(0.01, deadline - time.monotonic())
             try:
+                # No responder (its scheduler moving to another node of the cluster, say) is asked again.
                 answer = await self.request(STOP_STRINGS_QUERY_CHANNEL, StopStringsQuery(unknown), batch.engine_id,
-                                            timeout=max(0.01, deadline - time.monotonic()))
+                                            timeout=left, no_responders_window=left)
                 added = answer.added
-            except NoRespondersError:
-                # The scheduler's subscription is not (yet) known where this replica is
-                # connected: it is reconnecting to another node of the cluster, say.
-                if time.monotonic() + NO_RESPONDERS_RETRY < deadline:
-                    await asyncio.sleep(NO_RESPONDERS_RETRY)
-                    continue
-                missing = (f"the detokenizer could not get this request's stop strings from engine "
-                           f"{batch.engine_id!r} within {self.stop_strings_timeout:g}s (no responders)")
-                break
             except (NatsError, asyncio.TimeoutError, msgspec.DecodeError) as e:
                 logger.warning("engine %s did not tell the stop strings of %s: %r", batch.engine_id, unknown, e)
                 missing = (f"the detokenizer could not get this request's stop strings from engine "

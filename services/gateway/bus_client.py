@@ -25,7 +25,7 @@ from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from shared.bus import Service, flush_in_order
+from shared.bus import NO_RESPONDERS_WINDOW, Service, flush_in_order
 from shared.bus_auth import gateway_id_from_credentials
 from shared.config import ConfigError
 from shared.protocol import (
@@ -186,7 +186,7 @@ class GatewayService(Service):
             self.streams[stream.request_id] = stream
         name = request.request_ids[0]
         try:
-            reply = await self._ask_tokenizer(request)
+            reply, request = await self._ask_tokenizer(streams, request)
         except NoRespondersError:
             logger.warning("%s: no tokenizer is subscribed to %s", name, TOKENIZE)
             raise no_tokenizer() from None
@@ -216,18 +216,29 @@ class GatewayService(Service):
                 stream.accepted_at = now
         return reply
 
-    async def _ask_tokenizer(self, request: TokenizeRequest) -> TokenizeReply:
-        """One retry after a timeout: the replica that took the request may have died (its
-        queue-group place is gone, so the retry reaches another). A retry of a request
-        that did reach a scheduler is harmless: the scheduler takes a known id as queued."""
+    async def _ask_tokenizer(self, streams: list[RequestStream],
+                             request: TokenizeRequest) -> tuple[TokenizeReply, TokenizeRequest]:
+        """The tokenizer's answer, and the request it answers. One retry after a timeout:
+        the replica that took the request may have died (its queue-group place is gone, so
+        the retry reaches another), or only its answer was lost and the samples are queued
+        somewhere: the retry goes under new request ids and the old ones are aborted, so no
+        sample runs twice (on two engines, two samples would interleave in one stream). No
+        responder is asked again for a moment (``shared.bus.NO_RESPONDERS_WINDOW``)."""
         for attempt in range(TOKENIZE_ATTEMPTS):
             try:
-                return await self.request(TOKENIZE_CHANNEL, request, timeout=self.config.tokenize_timeout)
+                reply = await self.request(TOKENIZE_CHANNEL, request, timeout=self.config.tokenize_timeout,
+                                           no_responders_window=NO_RESPONDERS_WINDOW)
+                return reply, request
             except (NatsTimeoutError, asyncio.TimeoutError):
                 if attempt + 1 == TOKENIZE_ATTEMPTS or self.closing:
                     raise
-                logger.warning("%s: no tokenizer answer within %.1fs; trying again", request.request_ids[0],
-                               self.config.tokenize_timeout)
+            logger.warning("%s: no tokenizer answer within %.1fs; trying again under new ids", request.request_ids[0],
+                           self.config.tokenize_timeout)
+            for stream in streams:
+                old_id = stream.request_id
+                stream.next_attempt()
+                self.rekey(stream, old_id)
+            request = msgspec.structs.replace(request, request_ids=[s.request_id for s in streams])
 
     async def _ask_resend(self, stream: RequestStream, why: str) -> None:
         log = logger.warning if why == "missing" else logger.debug

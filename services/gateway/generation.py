@@ -95,7 +95,8 @@ class Generation:
                     self.gateway.metrics.prompt_tokens.inc(result.num_prompt_tokens)
                 else:
                     errors.append(ApiError.from_info(choice.error))
-                    self._refused.add(stream.request_id)
+                    if choice.error.status != 503:  # a 503 may be a lost answer: it is aborted to be sure
+                        self._refused.add(stream.request_id)
         for error in errors:
             if not isinstance(error, ApiError):
                 raise error

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from shared.bus import Service, respond
+from shared.bus import NO_RESPONDERS_WINDOW, Service, respond
 from shared.protocol import (
     DETOKENIZE_TOKENS_CHANNEL,
     ENGINE_REQUESTS_CHANNEL,
@@ -147,9 +147,12 @@ class TokenizerService(Service):
 
     async def submit(self, engine_request: EngineRequest) -> EngineRequestReply:
         """Hand one sample to a scheduler: its answer (the engine that queued the request,
-        or its refusal), or a 503 when none answers."""
+        or its refusal), or a 503 when none answers (no responder is asked again for a
+        moment: ``shared.bus.NO_RESPONDERS_WINDOW``). After a timeout the request may be queued
+        after all (only the answer was lost): the gateway aborts a sample refused with 503."""
         try:
-            return await self.request(ENGINE_REQUESTS_CHANNEL, engine_request, timeout=self.scheduler_timeout)
+            return await self.request(ENGINE_REQUESTS_CHANNEL, engine_request, timeout=self.scheduler_timeout,
+                                      no_responders_window=NO_RESPONDERS_WINDOW)
         except NoRespondersError:
             logger.warning("%s: %s (no responders)", engine_request.request_id, NO_SCHEDULER)
             return no_scheduler(engine_request)

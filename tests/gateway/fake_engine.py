@@ -207,7 +207,9 @@ class FakeEngine(Service):
         num_prompt_tokens = len(words) + 3
         if "SILENT" in words:
             return
-        if "SILENTONCE" in words and sum(r.request_ids == request.request_ids for r in self.prompts) == 1:
+        first_attempt = [r.request_ids[0].split(".r")[0] for r in self.prompts].count(
+            request.request_ids[0].split(".r")[0]) == 1
+        if "SILENTONCE" in words and first_attempt:
             return
         if "REJECT" in words:
             await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(error=REJECTION)))
