@@ -38,6 +38,7 @@ from shared.protocol import (
     TOKENIZE,
     TOKENIZE_CHANNEL,
     AbortRequest,
+    EngineRequestReply,
     ResendOutputs,
     TokenizeReply,
     TokenizeRequest,
@@ -46,7 +47,7 @@ from shared.protocol import (
 from .config import GatewayConfig
 from .errors import ApiError, bus_unavailable, engine_lost, no_tokenizer, shutting_down, tokenizer_timeout
 from .lora_routes import LoRARegistry, join_lora_bus
-from .metrics import EngineStatsStore, GatewayMetrics
+from .metrics import ENGINE_STATS_TTL, EngineStatsStore, GatewayMetrics
 from .resume import Resumer
 from .streams import RequestStream
 
@@ -249,6 +250,16 @@ class GatewayService(Service):
             await self.publish(RESEND_CHANNEL, ResendOutputs(stream.request_id, stream.next_offset), self.gateway_id)
         except NatsError as e:
             logger.warning("%s: resend request not sent: %r", stream.request_id, e)
+
+    def waits_for_an_engine(self, stream: RequestStream, choice: EngineRequestReply) -> bool:
+        """A sample no engine could take (503: none ready, or none subscribed) while an
+        engine was ready lately (one is restarting, say): it is placed as a resumed request
+        with no tokens yet, tried again until ``engine_resume_timeout``. Whether it is."""
+        if choice.error.status != 503 or not self.engine_stats.ready_engines(ENGINE_STATS_TTL) \
+                or not self.resumer.can_resume(stream):
+            return False
+        self.resumer.resume(stream, choice.engine_id or "(any)", f"could not take it ({choice.error.message})")
+        return True
 
     def rekey(self, stream: RequestStream, old_id: str) -> None:
         """``stream`` moved from ``old_id`` to a new engine request id (a resume): outputs

@@ -91,7 +91,7 @@ class Generation:
                 continue
             self.prompt_tokens[p] = result.num_prompt_tokens
             for stream, choice in zip(streams, result.choices):
-                if choice.error is None:
+                if choice.error is None or self.gateway.waits_for_an_engine(stream, choice):
                     self.gateway.metrics.prompt_tokens.inc(result.num_prompt_tokens)
                 else:
                     errors.append(ApiError.from_info(choice.error))

@@ -101,14 +101,15 @@ class Resumer:
                     stream.fail(error)
                     return
                 problem = error.message
-            if time.monotonic() + pause > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 logger.error("%s: no engine took it again within %gs (%s)", stream.first_request_id,
                              config.engine_resume_timeout, problem)
                 stream.fail(engine_lost(engine_id, f"{why}; no engine took its request again within "
                                                    f"{config.engine_resume_timeout:g}s ({problem})").info)
                 return
             logger.info("%s: not resumed yet (%s); trying again in %.1fs", stream.first_request_id, problem, pause)
-            await asyncio.sleep(pause)
+            await asyncio.sleep(min(pause, left))
             pause = min(pause * 2, RETRY_MAX)
 
     def _open(self, stream: RequestStream) -> bool:

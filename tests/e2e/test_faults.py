@@ -138,6 +138,56 @@ def test_killing_the_only_scheduler_costs_no_text(stack, undisturbed):
     assert_idle_and_serving(stack)
 
 
+# Requests whose features a resume must keep: a stop string, n=2 seeded sampling (the
+# resumed samples' generators skip the noise of the tokens they bring), logprobs, a JSON
+# constraint (the workers' grammar matchers replay the outputs).
+FEATURE_REQUESTS = [
+    ("/v1/completions", {"prompt": "The list of colors: red, green,", "max_tokens": 32, "temperature": 0,
+                         "stop": [" purple"]}),
+    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 32, "n": 2, "seed": 11, "temperature": 0.9}),
+    ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 32, "temperature": 0, "logprobs": 2,
+                         "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Describe a cat as JSON."}], "max_tokens": 32,
+                              "temperature": 0, "response_format": {"type": "json_object"}}),
+]
+
+
+def choices_of(response: dict) -> list:
+    """What must not change: each choice's text (or message), finish reason and logprob tokens."""
+    out = []
+    for choice in sorted(response["choices"], key=lambda c: c["index"]):
+        logprobs = choice.get("logprobs") or {}
+        out.append((choice.get("text", (choice.get("message") or {}).get("content")), choice["finish_reason"],
+                    logprobs.get("tokens")))
+    return out
+
+
+async def run_features(stack, fault=None) -> list:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as http:
+        tasks = [asyncio.ensure_future(http.post(path, json={"model": MODEL, **body}))
+                 for path, body in FEATURE_REQUESTS]
+        if fault is not None:
+            # Mid-generation: some tokens are out, none of the requests is done.
+            start = await asyncio.to_thread(metric, stack, "natsllm:generation_tokens_total")
+            deadline = time.monotonic() + 60
+            while await asyncio.to_thread(metric, stack, "natsllm:generation_tokens_total") < start + 12:
+                assert time.monotonic() < deadline, "no tokens came"
+                await asyncio.sleep(0.1)
+            fault()
+        responses = await asyncio.gather(*tasks)
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    return [choices_of(r.json()) for r in responses]
+
+
+def test_a_resumed_request_keeps_its_stop_strings_seeds_logprobs_and_grammar(stack):
+    undisturbed = asyncio.run(run_features(stack))
+    resumed = metric(stack, "natsllm:requests_resumed_total")
+    outcomes = asyncio.run(run_features(stack, fault=lambda: stack.supervisor.kill("scheduler")))
+    assert metric(stack, "natsllm:requests_resumed_total") > resumed
+    assert outcomes == undisturbed
+    assert_idle_and_serving(stack)
+
+
 def launcher_children(pid: int) -> list[int]:
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -94,6 +94,26 @@ async def test_a_request_no_engine_takes_again_ends_with_engine_lost(nats_server
         assert server.gateway.streams == {}
 
 
+async def test_a_request_no_engine_can_take_waits_for_one_while_engines_were_ready_lately(nats_server, fake):
+    """The fake engine said it is ready, yet no engine takes this request (503: its
+    scheduler is restarting, say): the request waits for one as a resumed request does,
+    and ends with 503 once ``engine_resume_timeout`` has passed without one."""
+    config = gateway_config(engine_resume_timeout=1.0)
+    async with GatewayServer(config, nats_url=nats_server.url) as server:
+        await until_engine_ready(server)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
+            start = time.monotonic()
+            r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "UNAVAILABLE NORESUME now"})
+            assert 1.0 <= time.monotonic() - start < 5
+            assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+            assert "no scheduler is available" in r.json()["error"]["message"]
+            assert len(fake.requests_with("UNAVAILABLE")) >= 3  # asked again meanwhile
+            # One that an engine takes on a later try ends whole.
+            r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "UNAVAILABLE later"})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text("UNAVAILABLE")
+        assert server.gateway.streams == {}
+
+
 async def test_stream_idle_timeout(nats_server, fake):
     config = gateway_config(stream_idle_timeout=0.5)
     async with GatewayServer(config, nats_url=nats_server.url) as server:
