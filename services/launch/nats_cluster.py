@@ -22,7 +22,7 @@ import json
 import os
 import secrets
 import shutil
-import socket
+import subprocess
 import tempfile
 import time
 import urllib.request
@@ -51,6 +51,7 @@ class NatsCluster:
         self.passwords = new_passwords(gateway_ids) if authenticated else {}
         route_password = secrets.token_urlsafe(24)
         routes = [f"nats-route://{ROUTE_USER}:{route_password}@{host}:{p}" for p in self.cluster_ports]
+        self._supervisor = supervisor
         self._dir = tempfile.mkdtemp(prefix="nats-cluster-")
         for i, name in enumerate(self.names):
             config = os.path.join(self._dir, f"{name}.conf")
@@ -126,13 +127,17 @@ class NatsCluster:
                 return name
         return None
 
-    def listening(self, name: str) -> bool:
-        try:
-            with socket.create_connection((self.host, self.ports[self.names.index(name)]), timeout=0.2):
-                return True
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        """Forget the configs (the supervisor stops the nodes)."""
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop every node (the supervisor must be stopping: it restarts none) and forget
+        the configs."""
+        nodes = [self._supervisor.children[name].process for name in self.names]
+        for process in nodes:
+            if process.poll() is None:
+                process.terminate()
+        for process in nodes:
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         shutil.rmtree(self._dir, ignore_errors=True)

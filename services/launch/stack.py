@@ -219,8 +219,10 @@ class Stack:
         return asyncio.run(ask())
 
     def dead_services(self) -> dict[str, int]:
-        """Services that exited and are not running again (yet)."""
-        return self.supervisor.dead()
+        """Services that exited and are not running again (yet). A node of a nats cluster is
+        not one: the others carry the bus while it is restarted."""
+        nodes = self.nats.names if isinstance(self.nats, NatsCluster) else ()
+        return {name: code for name, code in self.supervisor.dead().items() if name not in nodes}
 
     def start_supervising(self) -> None:
         """Restart services that die, from a thread that lives as long as the stack (the
@@ -263,7 +265,9 @@ class Stack:
         self._stopping.set()
         if self._supervising is not None:
             self._supervising.join()
-        self.supervisor.stop(timeout)
+        # Services first, so they drain into a live bus.
+        self.supervisor.stop(timeout, spare=frozenset(self.nats.names) if isinstance(self.nats, NatsCluster)
+                             else frozenset())
         if self.nats is not None:
             self.nats.stop()
 

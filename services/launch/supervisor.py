@@ -132,10 +132,11 @@ class Supervisor:
         if child.alive:
             os.killpg(child.process.pid, sig)
 
-    def stop(self, timeout: float = 8.0) -> None:
-        """SIGTERM every child, SIGKILL what is left after ``timeout`` seconds."""
+    def stop(self, timeout: float = 8.0, spare: frozenset[str] = frozenset()) -> None:
+        """SIGTERM every child, SIGKILL what is left after ``timeout`` seconds. Children
+        named in ``spare`` are left running (not restarted any more): the caller stops them."""
         self.stopping = True
-        running = [c.process for c in self.children.values() if c.alive]
+        running = [c.process for c in self.children.values() if c.alive and c.name not in spare]
         for process in running:
             _signal_group(process, signal.SIGTERM)
         deadline = time.monotonic() + timeout

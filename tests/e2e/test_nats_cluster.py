@@ -48,9 +48,6 @@ def test_killing_a_nats_node_under_load_costs_no_text(stack, undisturbed, servic
     outcomes, ended_after = asyncio.run(run_streams(stack, fault=lambda: stack.supervisor.kill(node)))
     print(f"killed {node} ({service}'s node): streams ended {ended_after:.1f}s later")
     assert outcomes == undisturbed
-    assert cluster.node_of(f"{service}-") not in (None, node) or stack.supervisor.restart_counts()[node] > restarts
     wait_until(lambda: stack.supervisor.restart_counts()[node] == restarts + 1, 30, f"{node} not restarted")
     wait_until(cluster.meshed, 30, f"{node} did not rejoin the cluster")
     assert_idle_and_serving(stack)
-    outcomes, _ = asyncio.run(run_streams(stack))
-    assert outcomes == undisturbed
