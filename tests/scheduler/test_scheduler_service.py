@@ -81,6 +81,12 @@ class FakeWorker:
         self.lose_steps = 0
         self.lose_results = 0
         self.gap = False
+        self._fault = None  # (steps answered, what to do then): see after_steps
+
+    def after_steps(self, count: int, fault) -> None:
+        """Call ``fault()`` once this worker has answered ``count`` more steps: a fault at
+        a known point of a request, however fast the steps run on a loaded machine."""
+        self._fault = (len(self.steps) + count, fault)
 
     async def start(self):
         await self.nc.subscribe(engine_step_subject(ENGINE), cb=self.on_step)
@@ -130,6 +136,9 @@ class FakeWorker:
         else:
             await self.nc.publish(engine_result_subject(ENGINE), MODEL_RUNNER_OUTPUT.encode(out))
         self.ready.last_step_id, self.ready.running_step_id = step.step_id, 0
+        if self._fault is not None and len(self.steps) >= self._fault[0]:
+            fault, self._fault = self._fault[1], None
+            fault()
 
 
 @contextlib.asynccontextmanager
@@ -287,10 +296,14 @@ async def test_a_silent_worker_keeps_requests_until_it_is_back_then_resumes_them
     service, nc, outputs = bus
     worker = await ready_worker(service, nc)
     worker.steps.clear()
-    # A long request is running when the worker dies.
+    # A long request is running when the worker dies (at its 4th step: the fake worker
+    # runs the request's 236 tokens within a poll of a loaded machine).
+
+    def die():
+        worker.beating = worker.answering = False
+
+    worker.after_steps(4, die)
     assert await submit(nc, "long", max_tokens=10_000) is None
-    await wait_for(lambda: len(worker.steps) > 3)
-    worker.beating = worker.answering = False  # it died
     await wait_for(lambda: not service.ready)
     assert [r.request_id for r in service.recovery.resumable] == ["long"]
     error = await submit(nc, "after")
@@ -322,24 +335,28 @@ async def test_a_step_or_result_lost_on_the_bus_costs_a_resync_not_the_step_time
     on the same worker, and the request goes on at the token where its output stopped."""
     service, nc, outputs = bus
     worker = await ready_worker(service, nc)
+    lost_after = []  # the steps the worker had answered when the fault struck
+
+    def lose():
+        lost_after.append(len(worker.steps))
+        if fault == "step":
+            worker.lose_steps = 1
+        else:
+            worker.lose_results = 1
+
+    worker.after_steps(4, lose)
     assert await submit(nc, "long", max_tokens=10_000) is None
-    await wait_for(lambda: len(worker.steps) > 3)
-    before = await resumed_outputs(outputs, "long", 1)
-    worker.steps.clear()
-    if fault == "step":
-        worker.lose_steps = 1
-    else:
-        worker.lose_results = 1
+    await wait_for(lambda: lost_after)
     start = time.monotonic()
     await wait_for(lambda: service.num_lost_steps == 1, timeout=8)
     assert time.monotonic() - start < 5  # not the 60 s step timeout
-    await wait_for(lambda: any(s.reset_state for s in worker.steps))
-    reset = next(s for s in worker.steps if s.reset_state)
+    await wait_for(lambda: any(s.reset_state for s in worker.steps[lost_after[0]:]))
+    reset = next(s for s in worker.steps[lost_after[0]:] if s.reset_state)
     [sent] = reset.scheduled_new_reqs
     assert sent.req_id == "long" and sent.num_computed_tokens == 0 and sent.output_token_ids
     assert worker.ready.instance_id == service.workers.members[0].instance_id  # the same worker: not retired
     # Outputs go on one token after another: none twice, none missing.
-    ends = [before[0].window_offset + len(before[0].window_token_ids)]
+    ends = []
     while len(ends) < 30:
         out = await asyncio.wait_for(outputs.get(), 10)
         assert out.request_id == "long" and out.finish_reason == FinishReason.NONE
