@@ -11,7 +11,7 @@ tokenizer prepares the prompt again (the same ids: preparation is deterministic)
 hands an ``EngineRequest`` with those output tokens to any ready engine, however
 requests are routed. That engine recomputes prompt + outputs and goes on from the
 client's offset; the grammar of structured output replays the outputs on the workers,
-and a seeded request's generator skips the noise of the tokens it brings.
+and a seeded request's generator skips the draws of the tokens it brings.
 
 Nothing is taken twice or lost:
 

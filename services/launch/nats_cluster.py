@@ -27,7 +27,7 @@ import tempfile
 import time
 import urllib.request
 
-from services.launch.nats_server import MAX_PAYLOAD, find_nats_server, free_port
+from services.launch.nats_server import MAX_PAYLOAD, SUPERVISED_BACKOFF_MAX, find_nats_server, free_port
 from services.launch.supervisor import Supervisor
 from shared.bus_auth import authorization_config, connect_credentials, new_passwords, user_env
 
@@ -59,7 +59,8 @@ class NatsCluster:
             with open(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
                 f.write(self._node_config(i, route_password, routes))
             log = os.path.join(log_dir, f"{name}.log") if log_dir else os.devnull
-            supervisor.start(name, [find_nats_server(), "-c", config], dict(os.environ), self._dir, log)
+            supervisor.start(name, [find_nats_server(), "-c", config], dict(os.environ), self._dir, log,
+                             backoff_max=SUPERVISED_BACKOFF_MAX)
         self.wait_meshed()
 
     def _node_config(self, i: int, route_password: str, routes: list[str]) -> str:
@@ -81,6 +82,10 @@ class NatsCluster:
     def url(self) -> str:
         """Every node, comma-separated (``NATS_URL``)."""
         return ",".join(self.servers)
+
+    def up(self) -> bool:
+        """Some node runs (the bus is there)."""
+        return any(self._supervisor.children[name].process.poll() is None for name in self.names)
 
     def credentials(self, user: str) -> dict[str, str]:
         """``nats.connect`` keyword arguments for a client of ``user`` ({} without authentication)."""

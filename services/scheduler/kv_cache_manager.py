@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .block_pool import BlockPool, KVCacheBlock
+from .kv_events import KVEventRecorder
 from .request import Request
 
 
@@ -37,10 +38,12 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 kv_events: KVEventRecorder | None = None) -> None:
+        """``kv_events``: told what joins and leaves the prefix cache (None: KV events off)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, kv_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
@@ -116,8 +119,12 @@ class KVCacheManager:
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         num_full = min(num_full, len(request.block_hashes), len(req_blocks))
         first = self.num_cached_blocks.get(request.request_id, 0)
-        for i in range(first, num_full):
-            self.block_pool.cache_full_block(req_blocks[i], request.block_hashes[i])
+        if first < num_full:
+            bs = self.block_size
+            self.block_pool.cache_full_blocks(
+                req_blocks[first:num_full], request.block_hashes[first:num_full],
+                request.block_hashes[first - 1] if first else None, request.all_token_ids[first * bs:num_full * bs],
+                request.lora_request.lora_name if request.lora_request is not None else None)
         self.num_cached_blocks[request.request_id] = max(first, num_full)
 
     def free(self, request: Request) -> None:

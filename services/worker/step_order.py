@@ -7,7 +7,8 @@ apply them to the wrong state, so the rank drops every step of that incarnation 
 reset step (``reset_state``) starts over; the scheduler sees it idle and behind in its
 heartbeats and sends one (``services/scheduler/lost_steps.py``). A step of another
 incarnation than the last reset's (late, or from a scheduler that since restarted) is
-dropped as well.
+dropped as well. A rank may hold several steps at once (one on its forward thread, the
+next queued behind it): the oldest one it has not finished is the one it is running.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ class StepOrder:
     def __init__(self, name: str) -> None:
         self.name = name  # for the log
         self.incarnation = ""  # of the scheduler whose steps this rank follows
-        self.last_step_id = 0  # the last step finished (rank 0: its result published)
-        self.running_step_id = 0  # the step being run (0: none)
+        self.last_step_id = 0  # the last step of this incarnation finished (rank 0: its result published)
         self._last_taken = 0  # the last step taken to run
+        self._unfinished: list[tuple[str, int]] = []  # steps taken, not finished: (incarnation, id), in order
         self._gap = False  # a step was lost: drop the rest until a reset step
 
     def take(self, step: SchedulerOutput) -> bool:
-        """Whether to run ``step`` (then it is the running step until ``finished``)."""
+        """Whether to run ``step`` (then it is unfinished until ``finished``)."""
         if step.reset_state:
             self.incarnation, self._gap = step.incarnation, False
             self.last_step_id = step.step_id - 1
@@ -44,9 +45,16 @@ class StepOrder:
             logger.warning("%s: step %d came after step %d: the steps between were lost; dropping steps until "
                            "the scheduler starts over", self.name, step.step_id, self._last_taken)
             return False
-        self._last_taken = self.running_step_id = step.step_id
+        self._last_taken = step.step_id
+        self._unfinished.append((step.incarnation, step.step_id))
         return True
 
-    def finished(self, step_id: int) -> None:
-        self.last_step_id = step_id
-        self.running_step_id = 0
+    @property
+    def running_step_id(self) -> int:
+        """The step being run (0: none)."""
+        return self._unfinished[0][1] if self._unfinished else 0
+
+    def finished(self, step: SchedulerOutput) -> None:
+        self._unfinished.remove((step.incarnation, step.step_id))
+        if step.incarnation == self.incarnation:
+            self.last_step_id = max(self.last_step_id, step.step_id)

@@ -139,7 +139,7 @@ def test_killing_the_only_scheduler_costs_no_text(stack, undisturbed):
 
 
 # Requests whose features a resume must keep: a stop string, n=2 seeded sampling (the
-# resumed samples' generators skip the noise of the tokens they bring), logprobs, a JSON
+# resumed samples' generators skip the draws of the tokens they bring), logprobs, a JSON
 # constraint (the workers' grammar matchers replay the outputs).
 FEATURE_REQUESTS = [
     ("/v1/completions", {"prompt": "The list of colors: red, green,", "max_tokens": 32, "temperature": 0,

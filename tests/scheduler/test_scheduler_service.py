@@ -65,11 +65,13 @@ GATEWAY = "gw"
 
 
 class FakeWorker:
-    def __init__(self, nc, instance_id="w1", step_seconds=0.0):
+    def __init__(self, nc, instance_id="w1", step_seconds=0.0, engine_id=ENGINE, num_blocks=32, max_model_len=256):
         self.nc = nc
+        self.engine_id = engine_id
         self.step_seconds = step_seconds  # how long each step "runs"
         self.answered_at: dict[int, float] = {}
-        self.ready = WorkerReady(ENGINE, 0, 1, instance_id, num_blocks=32, max_model_len=256, block_size=16)
+        self.ready = WorkerReady(engine_id, 0, 1, instance_id, num_blocks=num_blocks, max_model_len=max_model_len,
+                                 block_size=16)
         self.steps = []
         self.computed: dict[str, int] = {}
         self.lengths: dict[str, int] = {}
@@ -89,13 +91,13 @@ class FakeWorker:
         self._fault = (len(self.steps) + count, fault)
 
     async def start(self):
-        await self.nc.subscribe(engine_step_subject(ENGINE), cb=self.on_step)
+        await self.nc.subscribe(engine_step_subject(self.engine_id), cb=self.on_step)
         self.task = asyncio.get_running_loop().create_task(self.heartbeat())
 
     async def heartbeat(self):
         while True:
             if self.beating:
-                await self.nc.publish(engine_ready_subject(ENGINE), WORKER_READY.encode(self.ready))
+                await self.nc.publish(engine_ready_subject(self.engine_id), WORKER_READY.encode(self.ready))
             await asyncio.sleep(0.2)
 
     async def on_step(self, msg):
@@ -134,7 +136,7 @@ class FakeWorker:
         if self.lose_results:
             self.lose_results -= 1
         else:
-            await self.nc.publish(engine_result_subject(ENGINE), MODEL_RUNNER_OUTPUT.encode(out))
+            await self.nc.publish(engine_result_subject(self.engine_id), MODEL_RUNNER_OUTPUT.encode(out))
         self.ready.last_step_id, self.ready.running_step_id = step.step_id, 0
         if self._fault is not None and len(self.steps) >= self._fault[0]:
             fault, self._fault = self._fault[1], None

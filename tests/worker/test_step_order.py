@@ -13,7 +13,7 @@ def run(order: StepOrder, s: SchedulerOutput) -> bool:
     taken = order.take(s)
     if taken:
         assert order.running_step_id == s.step_id
-        order.finished(s.step_id)
+        order.finished(s)
     return taken
 
 
@@ -35,3 +35,27 @@ def test_steps_of_another_incarnation_are_dropped():
     assert run(order, step(1, "s2", reset=True))  # a restarted scheduler starts over
     assert not run(order, step(2, "s1"))  # late, from the dead one
     assert run(order, step(2, "s2"))
+
+
+def test_a_step_queued_behind_a_running_one_keeps_the_rank_busy():
+    """The next step queued on the forward thread: when the running one ends, the rank is
+    still running a step (not idle and behind, which would read as a lost step)."""
+    order = StepOrder("test")
+    assert run(order, step(1, reset=True))
+    assert order.take(step(2)) and order.take(step(3))
+    assert order.running_step_id == 2
+    order.finished(step(2))
+    assert (order.last_step_id, order.running_step_id) == (2, 3)
+    order.finished(step(3))
+    assert (order.last_step_id, order.running_step_id) == (3, 0)
+
+
+def test_a_late_step_of_a_restarted_scheduler_does_not_count_for_the_new_one():
+    order = StepOrder("test")
+    assert run(order, step(1, reset=True)) and order.take(step(2)) and order.take(step(3))
+    assert order.take(step(1, "s2", reset=True))  # queued behind s1's steps 2 and 3
+    order.finished(step(2))
+    order.finished(step(3))
+    assert (order.incarnation, order.last_step_id, order.running_step_id) == ("s2", 0, 1)
+    order.finished(step(1, "s2"))
+    assert (order.last_step_id, order.running_step_id) == (1, 0)

@@ -36,8 +36,7 @@ from kernels.int8_activations import WeightTiles
 from shared.gguf_quants import QuantizedTensor
 from shared.model_config import ModelConfig
 
-from ..linear import (Linear, cpu_layout, dequantize, plain_linear, prepacked_linear, quantized_embedding,
-                      quantized_linear)
+from ..linear import Linear, cpu_layout, dequantize, plain_linear, quantized_embedding, quantized_linear
 from ..parallel import ShardLayout, TensorParallel
 
 
@@ -103,16 +102,16 @@ class LlamaAttention(nn.Module):
 
     def keep_quantized(self, weight: str, tensor: QuantizedTensor | WeightTiles) -> None:
         if weight == "qkv_weight":
-            self.qkv_proj = quantized_linear(tensor, self.qkv_bias)
+            self.qkv_proj = quantized_linear(tensor, self.qkv_bias, self.ops.batch_invariant)
         else:
-            self.o_proj = row_parallel(self.tp, quantized_linear(tensor))
+            self.o_proj = row_parallel(self.tp, quantized_linear(tensor, batch_invariant=self.ops.batch_invariant))
         self.quantized[weight] = tensor
 
-    def prepack(self) -> None:
+    def prepack(self, pack) -> None:
         if "qkv_weight" not in self.quantized:
-            self.qkv_proj = prepacked_linear(self.qkv_weight, self.qkv_bias)
+            self.qkv_proj = pack(self.qkv_weight, self.qkv_bias)
         if "o_weight" not in self.quantized:
-            self.o_proj = row_parallel(self.tp, prepacked_linear(self.o_weight))
+            self.o_proj = row_parallel(self.tp, pack(self.o_weight))
 
     def forward(self, x, positions, attn: AttentionMetadata, kv_cache, cos_sin_cache):
         qkv = self.qkv_proj(x)
@@ -141,16 +140,16 @@ class LlamaMLP(nn.Module):
 
     def keep_quantized(self, weight: str, tensor: QuantizedTensor | WeightTiles) -> None:
         if weight == "gate_up_weight":
-            self.gate_up_proj = quantized_linear(tensor)
+            self.gate_up_proj = quantized_linear(tensor, batch_invariant=self.ops.batch_invariant)
         else:
-            self.down_proj = row_parallel(self.tp, quantized_linear(tensor))
+            self.down_proj = row_parallel(self.tp, quantized_linear(tensor, batch_invariant=self.ops.batch_invariant))
         self.quantized[weight] = tensor
 
-    def prepack(self) -> None:
+    def prepack(self, pack) -> None:
         if "gate_up_weight" not in self.quantized:
-            self.gate_up_proj = prepacked_linear(self.gate_up_weight)
+            self.gate_up_proj = pack(self.gate_up_weight)
         if "down_weight" not in self.quantized:
-            self.down_proj = row_parallel(self.tp, prepacked_linear(self.down_weight))
+            self.down_proj = row_parallel(self.tp, pack(self.down_weight))
 
     def forward(self, x):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -224,19 +223,20 @@ class LlamaForCausalLM(nn.Module):
         self.quantized: dict[str, QuantizedTensor | WeightTiles] = {}
         self.prepacked_bytes = 0
 
-    def prepack_linears(self) -> None:
-        """Reorder every float weight matrix once for oneDNN (CPU; see ``..linear``). The
+    def prepack_linears(self, pack) -> None:
+        """Lay every float weight matrix out once for its products with ``pack`` (oneDNN's
+        prepacking or the batch-invariant kernel's tiles, ``..linear.weight_packer``). The
         products then read only the packed copies, so the checkpoint-layout matrices are
         dropped, except the embedding, which the token lookup still reads."""
         for layer in self.layers:
             for module, names in ((layer.self_attn, ("qkv_weight", "o_weight")),
                                   (layer.mlp, ("gate_up_weight", "down_weight"))):  # fmt: skip
-                module.prepack()
+                module.prepack(pack)
                 for name in names:
                     self._drop_prepacked(getattr(module, name))
         if "lm_head" in self.quantized or (self.lm_head is None and "embed_weight" in self.quantized):
             return
-        self.lm_head_proj = prepacked_linear(self._lm_weight())
+        self.lm_head_proj = pack(self._lm_weight())
         if self.lm_head is None:
             self.prepacked_bytes += self.embed_weight.nbytes
         else:
@@ -431,9 +431,10 @@ class LlamaForCausalLM(nn.Module):
             for name, part in zip(names, parts):
                 if part is not None:
                     self._put(plan[name], dequantize(part), name)
+        invariant = self.ops.batch_invariant
         if "embed_weight" in self.quantized:
             self.embed = self._embed_quantized
             if self.lm_head is None:
-                self.lm_head_proj = quantized_linear(self.quantized["embed_weight"])
+                self.lm_head_proj = quantized_linear(self.quantized["embed_weight"], batch_invariant=invariant)
         if "lm_head" in self.quantized:
-            self.lm_head_proj = quantized_linear(self.quantized["lm_head"])
+            self.lm_head_proj = quantized_linear(self.quantized["lm_head"], batch_invariant=invariant)
