@@ -28,6 +28,7 @@ import torch
 from kernels import AttentionMetadata, get_kernel_ops
 from shared.config import (
     CacheConfig,
+    ConfigError,
     LoRAConfig,
     ModelRunConfig,
     ParallelConfig,
@@ -42,10 +43,11 @@ from shared.step_profile import NULL_CLOCK
 from .draft_model import DraftModel
 from .dtype_choice import resolve_dtype, resolve_kv_cache_dtype
 from .input_batch import CachedRequestState, InputBatch
-from .kv_cache import allocate_kv_caches, kv_block_bytes
+from .kv_cache import allocate_kv_caches, kv_block_bytes, layer_kv_caches
 from .linear import can_prepack
 from .lora.slots import LoRASlots
-from .models.llama import LlamaForCausalLM
+from .models.base import CausalLM
+from .models.registry import model_class
 from .parallel import ShardLayout, TensorParallel, init_distributed, tp_device
 from .prompt_logprobs import compute_prompt_logprobs, wanted
 from .sampler import Sampler
@@ -115,6 +117,9 @@ class ModelRunner:
                                                      run_config.dtype, self.keep_quantized)
         # Each rank reads only its rows / columns of the sharded tensors.
         self.model = self._load_model(self.model_path, self.model_config, self.tp)
+        if self.model.kv_layout.is_hybrid:
+            raise ConfigError(f"{self.model_path}: sliding-window attention (sliding_window="
+                              f"{self.model_config.sliding_window}) is not supported yet")
         self.max_num_seqs = scheduler_config.max_num_seqs
         # Seeded alike on every rank: unseeded random requests draw the same noise everywhere.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
@@ -127,6 +132,7 @@ class ModelRunner:
 
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        self.layer_kv_caches = layer_kv_caches(self.kv_caches, self.model.kv_layout)
         if self.draft_model is not None:
             self.draft_model.allocate_kv_cache(self.num_blocks)
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
@@ -148,13 +154,12 @@ class ModelRunner:
             self.shard.num_heads, self.shard.num_kv_heads, self.num_blocks, self.block_size, self.kv_cache_dtype,
         )
 
-    def _load_model(self, path: str, config: ModelConfig, tp: TensorParallel) -> LlamaForCausalLM:
+    def _load_model(self, path: str, config: ModelConfig, tp: TensorParallel) -> CausalLM:
         with torch.device(self.device):
-            model = LlamaForCausalLM(config, self.ops, tp)
+            model = model_class(config)(config, self.ops, tp)
         with open_weights(path) as weights:
             model.load_weights_from(weights, dtype=torch.float32, keep_quantized=self.keep_quantized)
         model.to(dtype=self.dtype)
-        model.cos_sin_cache = model.cos_sin_cache.float()
         model.eval()
         if self.prepacked:
             model.prepack_linears()
@@ -197,10 +202,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block on this rank (its KV heads only), the draft model's block
-        included."""
-        cfg = self.model_config
-        target = kv_block_bytes(self.block_size, self.shard.num_kv_heads, cfg.head_dim, cfg.num_hidden_layers,
+        """Bytes of one KV block on this rank (its KV heads only, the layers of one KV cache
+        group), the draft model's block included."""
+        spec = self.model.kv_cache_spec()
+        target = kv_block_bytes(self.block_size, spec.num_kv_heads, spec.head_dim, spec.layout.group_size,
                                 self.kv_cache_dtype)
         return target + (self.draft_model.kv_block_bytes() if self.draft_model is not None else 0)
 
@@ -225,9 +230,10 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_caches(self, num_blocks: int):
-        cfg = self.model_config
-        return allocate_kv_caches(num_blocks, self.block_size, self.shard.num_kv_heads, cfg.head_dim,
-                                  cfg.num_hidden_layers, self.kv_cache_dtype, self.device)
+        """The pool's (key, value) tensor pairs (``kv_cache.py``)."""
+        spec = self.model.kv_cache_spec()
+        return allocate_kv_caches(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+                                  spec.layout.group_size, self.kv_cache_dtype, self.device)
 
     # ------------------------------------------------------------------ state
 
@@ -328,7 +334,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_step([state.lora_request for state in batch.states[:num_reqs]], num_scheduled)
         clock.lap("prepare_inputs")
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        hidden = self.model(inputs.input_ids, inputs.positions, [inputs.attn], self.layer_kv_caches)
         prompt_logprobs = self._prompt_logprobs(hidden, num_scheduled)
 
         # Only requests whose every known token is now computed get a sample; a

@@ -213,12 +213,12 @@ def test_rank_shards_reassemble_the_checkpoint(tmp_path, num_heads, num_kv_heads
     single = LlamaForCausalLM(cfg, ops=get_kernel_ops("torch"))
     for m in shards:
         attn, mlp = m.layers[0].self_attn, m.layers[0].mlp
-        assert attn.qkv_weight.shape == ((nh // tp + 2 * kv_per_rank) * hd, cfg.hidden_size)
-        assert attn.o_weight.shape == (cfg.hidden_size, nh // tp * hd)
-        assert mlp.gate_up_weight.shape == (2 * cfg.intermediate_size // tp, cfg.hidden_size)
-        assert mlp.down_weight.shape == (cfg.hidden_size, cfg.intermediate_size // tp)
-        assert m.embed_weight.shape == (vocab_rows, cfg.hidden_size)
-        assert (m.lm_head is None) == tie
+        assert attn.qkv_proj.weight.shape == ((nh // tp + 2 * kv_per_rank) * hd, cfg.hidden_size)
+        assert attn.o_proj.weight.shape == (cfg.hidden_size, nh // tp * hd)
+        assert mlp.gate_up_proj.weight.shape == (2 * cfg.intermediate_size // tp, cfg.hidden_size)
+        assert mlp.down_proj.weight.shape == (cfg.hidden_size, cfg.intermediate_size // tp)
+        assert m.embed_tokens.weight.shape == (vocab_rows, cfg.hidden_size)
+        assert (m.lm_head.weight is None) == tie
         sharded = sum(p.numel() for n, p in m.named_parameters() if "norm" not in n)
         full_sharded = sum(p.numel() for n, p in single.named_parameters() if "norm" not in n)
         kv_extra = 0 if nkv >= tp else cfg.num_hidden_layers * 2 * hd * cfg.hidden_size * (tp - nkv) / tp
@@ -226,7 +226,7 @@ def test_rank_shards_reassemble_the_checkpoint(tmp_path, num_heads, num_kv_heads
         assert sharded == pytest.approx(full_sharded / tp + kv_extra + pad)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        qkv = [m.layers[i].self_attn.qkv_weight for m in shards]
+        qkv = [m.layers[i].self_attn.qkv_proj.weight for m in shards]
         q_rows = nh // tp * hd
         kv_rows = kv_per_rank * hd
         torch.testing.assert_close(torch.cat([w[:q_rows] for w in qkv]), full[p + "self_attn.q_proj.weight"], rtol=0, atol=0)
@@ -242,24 +242,24 @@ def test_rank_shards_reassemble_the_checkpoint(tmp_path, num_heads, num_kv_heads
                     assert kv_head == r * nkv // tp
                     torch.testing.assert_close(part, want[kv_head * hd : (kv_head + 1) * hd], rtol=0, atol=0)
         torch.testing.assert_close(
-            torch.cat([m.layers[i].self_attn.o_weight for m in shards], dim=1), full[p + "self_attn.o_proj.weight"],
+            torch.cat([m.layers[i].self_attn.o_proj.weight for m in shards], dim=1), full[p + "self_attn.o_proj.weight"],
             rtol=0, atol=0,
         )
         inter = cfg.intermediate_size // tp
-        gate_up = [m.layers[i].mlp.gate_up_weight for m in shards]
+        gate_up = [m.layers[i].mlp.gate_up_proj.weight for m in shards]
         torch.testing.assert_close(torch.cat([w[:inter] for w in gate_up]), full[p + "mlp.gate_proj.weight"], rtol=0, atol=0)
         torch.testing.assert_close(torch.cat([w[inter:] for w in gate_up]), full[p + "mlp.up_proj.weight"], rtol=0, atol=0)
         torch.testing.assert_close(
-            torch.cat([m.layers[i].mlp.down_weight for m in shards], dim=1), full[p + "mlp.down_proj.weight"],
+            torch.cat([m.layers[i].mlp.down_proj.weight for m in shards], dim=1), full[p + "mlp.down_proj.weight"],
             rtol=0, atol=0,
         )
         for m in shards:
-            torch.testing.assert_close(m.layers[i].input_norm, full[p + "input_layernorm.weight"], rtol=0, atol=0)
-    embed = torch.cat([m.embed_weight for m in shards])
+            torch.testing.assert_close(m.layers[i].input_layernorm.weight, full[p + "input_layernorm.weight"], rtol=0, atol=0)
+    embed = torch.cat([m.embed_tokens.weight for m in shards])
     torch.testing.assert_close(embed[:VOCAB], full["model.embed_tokens.weight"], rtol=0, atol=0)
     assert not embed[VOCAB:].any()
     if not tie:
-        head = torch.cat([m.lm_head for m in shards])
+        head = torch.cat([m.lm_head.weight for m in shards])
         torch.testing.assert_close(head[:VOCAB], full["lm_head.weight"], rtol=0, atol=0)
         assert not head[VOCAB:].any()
 
@@ -307,8 +307,8 @@ def check_against_tp1(model_dir: Path, world_size: int, tmp_path: Path) -> None:
         assert result["kv_block_bytes"] * nkv == single["kv_block_bytes"] * kv_per_rank
         assert result["num_params"] < single["num_params"]
         shapes = result["param_shapes"]
-        assert shapes["layers.0.mlp.down_weight"] == [cfg.hidden_size, cfg.intermediate_size // world_size]
-        assert shapes["embed_weight"] == [math.ceil(VOCAB / world_size), cfg.hidden_size]
+        assert shapes["layers.0.mlp.down_proj.weight"] == [cfg.hidden_size, cfg.intermediate_size // world_size]
+        assert shapes["embed_tokens.weight"] == [math.ceil(VOCAB / world_size), cfg.hidden_size]
 
 
 def test_tp2_split_kv_heads_equals_tp1(tmp_path):

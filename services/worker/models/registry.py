@@ -1,0 +1,27 @@
+"""Architecture name (``shared.architectures``) -> the model class that runs it."""
+
+from __future__ import annotations
+
+from shared.architectures import ARCHITECTURES
+from shared.config import ConfigError
+from shared.model_config import ModelConfig
+
+from .base import CausalLM
+from .llama import LlamaForCausalLM, Phi3ForCausalLM
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "phi3": Phi3ForCausalLM,
+}
+
+
+def model_class(config: ModelConfig) -> type[CausalLM]:
+    """The class of ``config``'s architecture; ConfigError naming it when none runs it."""
+    cls = MODEL_CLASSES.get(config.architecture)
+    if cls is None:
+        raise ConfigError(f"architecture {config.architecture!r} has no model class in this worker "
+                          f"(served: {sorted(MODEL_CLASSES)}; described: {sorted(ARCHITECTURES)})")
+    return cls
