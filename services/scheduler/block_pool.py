@@ -7,19 +7,24 @@ free block) are all O(1). Eviction takes from the head: freed blocks go to the t
 so the least recently freed block is reused first.
 
 A freed block keeps its hash (and stays findable in ``cached_blocks``) until it is
-handed out again, so a finished or preempted request's prefix can still be hit.
+handed out again, so a finished or preempted request's prefix can still be hit. Blocks are
+cached under (KV cache group, block hash): the same tokens have other KV in each group.
+
+With sliding-window groups (``kv_cache_manager.py``) block 0 is the null block: never
+handed out or freed, it stands in a block table for the blocks a window let go.
 """
 
 from __future__ import annotations
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
+        self.group_id = 0  # the KV cache group it is cached for (with block_hash)
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -81,25 +86,31 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Owns every block: hands out, reference-counts, frees and caches them."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False) -> None:
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(f"num_blocks must be >= {1 + reserve_null_block}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        self.null_block = self.blocks[0] if reserve_null_block else None
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[int(reserve_null_block):])
+        self.cached_blocks: dict[tuple[int, bytes], KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold (the null block is none of them)."""
+        return self.num_blocks - (self.null_block is not None)
+
     def usage(self) -> float:
         """Fraction of blocks in use by running requests (0.0 - 1.0)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached_blocks.get(block_hash)
+    def get_cached_block(self, block_hash: bytes, group_id: int = 0) -> KVCacheBlock | None:
+        return self.cached_blocks.get((group_id, block_hash))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` from the LRU end, evicting their cached hashes."""
@@ -115,8 +126,9 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
-            if self.cached_blocks.get(block.block_hash) is block:
-                del self.cached_blocks[block.block_hash]
+            key = (block.group_id, block.block_hash)
+            if self.cached_blocks.get(key) is block:
+                del self.cached_blocks[key]
             block.block_hash = None
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
@@ -126,14 +138,15 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Register a block whose tokens are all known under its chained hash."""
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, group_id: int = 0) -> None:
+        """Register a block whose tokens are all known under its chained hash, for KV
+        cache group ``group_id``."""
         if not self.enable_caching or block.block_hash is not None:
             return
-        block.block_hash = block_hash
+        block.block_hash, block.group_id = block_hash, group_id
         # An identical block computed by another request keeps the entry; this one
         # is simply not findable (it still works for its own request).
-        self.cached_blocks.setdefault(block_hash, block)
+        self.cached_blocks.setdefault((group_id, block_hash), block)
 
     def free_blocks(self, ordered_blocks) -> None:
         """Drop one reference each; blocks reaching zero go to the free tail in order.
@@ -150,7 +163,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible while no block is in use."""
-        if self.num_free_blocks != self.num_blocks:
+        if self.num_free_blocks != self.num_usable_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None

@@ -280,7 +280,7 @@ class SchedulerService(Service):
         self.scheduler = Scheduler(
             self.scheduler_config, self.cache_config, self.workers.num_blocks, self.workers.max_model_len,
             first_step_id=self._last_step_id + 1, vocab_size=self.workers.vocab_size, max_loras=self.max_loras,
-            kv_connector=connector,
+            kv_connector=connector, sliding_windows=self.workers.sliding_windows,
         )
         resumable, self._resumable = self._resumable, []
         if resumable:

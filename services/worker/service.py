@@ -21,7 +21,8 @@ import torch
 from nats.aio.msg import Msg
 
 from shared.bus import Service, flush_in_order
-from shared.config import CacheConfig, KVTransferConfig, LoRAConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
+from shared.config import (CacheConfig, ConfigError, KVTransferConfig, LoRAConfig, ModelRunConfig, ParallelConfig,
+                           SchedulerConfig)
 from shared.kv_transfer_faults import KVTransferFaults
 from shared.protocol import (
     LORA_ADAPTERS,
@@ -101,6 +102,9 @@ class WorkerService(Service):
         # P/D: serves this rank's held KV blocks and pulls others' (None: no KV transfer).
         self.kv_connector: KVConnectorWorker | None = None
         if kv_transfer_config.kv_role:
+            if self.runner.kv_layout.is_hybrid:
+                raise ConfigError(f"kv_transfer_config: P/D moves one block table per request; {self.runner.model_path} "
+                                  "has sliding-window attention (KV cache groups), which it does not support")
             self.kv_connector = KVConnectorWorker(self, engine_id, self.rank, self.world_size, self.runner.kv_caches,
                                                   kv_transfer_config, KVTransferFaults.from_env())
 
@@ -117,6 +121,7 @@ class WorkerService(Service):
             max_model_len=self.runner.max_model_len,
             block_size=self.runner.block_size,
             vocab_size=self.runner.model_config.vocab_size,
+            sliding_windows=self.runner.kv_sliding_windows,
         )
 
     async def setup(self) -> None:

@@ -7,6 +7,7 @@ from shared.config import ConfigError
 from shared.model_config import ModelConfig
 
 from .base import CausalLM
+from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM, Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
@@ -15,6 +16,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
 }
 
 
