@@ -217,6 +217,8 @@ class Architecture:
     gguf_norms_offset: bool = False
     # config.json's tie_word_embeddings when it does not say (the HF config class's default).
     tie_word_embeddings_default: bool = False
+    # config.json ``model_type`` values beyond our name, for a config without ``architectures``.
+    hf_model_types: tuple[str, ...] = ()
 
     def gguf_tensor_names(self) -> dict[str, str]:
         return {**DENSE_GGUF_LAYER_NAMES, **self.gguf_layer_names}
@@ -237,7 +239,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  gguf_layer_names={**_QK_NORM_GGUF_NAMES, "post_attention_norm": "post_attention_layernorm",
                                    "ffn_norm": "pre_feedforward_layernorm",
                                    "post_ffw_norm": "post_feedforward_layernorm"},
-                 gguf_norms_offset=True, tie_word_embeddings_default=True),
+                 hf_model_types=("gemma3_text",), gguf_norms_offset=True, tie_word_embeddings_default=True),
     Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", _qwen3_moe_hf,
                  lambda meta, n: {"qk_norm": True, **_moe_gguf(meta, n, norm_topk_prob=True)},
                  gguf_layer_names={**_QK_NORM_GGUF_NAMES, **MOE_GGUF_LAYER_NAMES}),
@@ -245,6 +247,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  gguf_layer_names=MOE_GGUF_LAYER_NAMES, gguf_permutes_qk=True),
 )}
 HF_CLASSES = {cls: arch.name for arch in ARCHITECTURES.values() for cls in arch.hf_classes}
+HF_MODEL_TYPES = {arch.name: arch.name for arch in ARCHITECTURES.values()} | {
+    t: arch.name for arch in ARCHITECTURES.values() for t in arch.hf_model_types}
 GGUF_NAMES = {arch.gguf_name: arch.name for arch in ARCHITECTURES.values() if arch.gguf_name}
 
 

@@ -25,6 +25,7 @@ from shared.architectures import (
     FULL_ATTENTION,
     GGUF_NAMES,
     HF_CLASSES,
+    HF_MODEL_TYPES,
     HIDDEN_ACTS,
     SLIDING_ATTENTION,
     architecture,
@@ -394,10 +395,9 @@ def _llama3_params_from_rope_freqs(factors: np.ndarray, rope_theta: float, head_
 
 def _config_from_hf(folder: Path) -> ModelConfig:
     cfg = read_json(folder / "config.json")
-    archs = cfg.get("architectures") or []
-    name = HF_CLASSES.get(archs[0]) if archs else cfg.get("model_type")
+    name = hf_architecture(cfg)
     if name not in ARCHITECTURES:
-        raise ConfigError(f"{folder}: model {archs or cfg.get('model_type')} is not supported "
+        raise ConfigError(f"{folder}: model {cfg.get('architectures') or cfg.get('model_type')} is not supported "
                           f"(supported: {sorted(HF_CLASSES)})")
     arch = architecture(name)
     try:
@@ -447,9 +447,15 @@ def _config_from_hf(folder: Path) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def hf_architecture(cfg: dict) -> str | None:
+    """Our architecture name for a config.json: by its ``architectures``, else its
+    ``model_type``; None when we have none."""
+    archs = cfg.get("architectures") or []
+    return HF_CLASSES.get(archs[0]) if archs else HF_MODEL_TYPES.get(cfg.get("model_type"))
+
+
 def hf_ties_word_embeddings(cfg: dict) -> bool:
     """config.json's tie_word_embeddings, or its architecture's default when it does not say."""
-    archs = cfg.get("architectures") or []
-    name = HF_CLASSES.get(archs[0]) if archs else cfg.get("model_type")
+    name = hf_architecture(cfg)
     default = ARCHITECTURES[name].tie_word_embeddings_default if name in ARCHITECTURES else False
     return bool(cfg.get("tie_word_embeddings", default))

@@ -174,6 +174,16 @@ class KVCacheManager:
         return self.block_pool.num_free_blocks
 
     @property
+    def has_sliding_window(self) -> bool:
+        return any(group.sliding_window for group in self.groups)
+
+    def remove_skipped_blocks(self, request: Request) -> None:
+        """Free the blocks no query from the request's next token on can see (sliding
+        groups; the null block takes their place)."""
+        for group in self.groups:
+            group.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+
+    @property
     def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
         """Group 0's block tables."""
         return self.groups[0].req_to_blocks
@@ -243,8 +253,7 @@ class KVCacheManager:
         req_id = request.request_id
         computed = new_computed_blocks or [[] for _ in self.groups]
         # Blocks the window has left behind go back first: this step may use them.
-        for group in self.groups:
-            group.remove_skipped_blocks(req_id, request.num_computed_tokens)
+        self.remove_skipped_blocks(request)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens
         num_new = [group.num_blocks_to_allocate(req_id, num_tokens, len(hits)) for group, hits in zip(self.groups, computed)]

@@ -556,6 +556,13 @@ class Scheduler:
             output = self._engine_output(request, new_token_ids, lps[: len(new_token_ids)])
             output.prompt_logprobs = request.take_prompt_logprobs()
             outputs.append(output)
+        if self.kv_cache_manager.has_sliding_window:
+            # The step is done: blocks that fell out of a window go back now, not at the
+            # request's next allocation (a later step of it reads only from its window on).
+            for req_id in scheduler_output.scheduled_req_ids:
+                request = self.requests.get(req_id)
+                if request is not None and request.status == RequestStatus.RUNNING:
+                    self.kv_cache_manager.remove_skipped_blocks(request)
         return outputs
 
     def _rollback_rejected(self, request: Request, num_spec: int, num_accepted: int) -> None:
