@@ -141,16 +141,18 @@ def _gemma3_hf(cfg: dict) -> dict:
 
 
 def _gemma3_gguf(meta: Callable[..., Any], num_layers: int) -> dict:
-    # llama.cpp's gemma3: every sixth layer global, the local rope base 10000 (not in the
-    # file), the query scale from head_dim: what transformers assumes for these files too.
+    # As llama.cpp reads a gemma3 file: every sixth layer global, the local rope base 10000
+    # (not in the file), the query scale from head_dim, but from hidden / heads for the 27B
+    # model (its 62 layers).
     window = meta("attention.sliding_window", 4096)
+    scalar = meta("embedding_length") // meta("attention.head_count") if num_layers == 62 else meta("attention.key_length")
     return {
         "hidden_act": "gelu_pytorch_tanh",
         "qk_norm": True,
         "sliding_window": int(window),
         "layer_types": tuple(SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(num_layers)),
         "rope_local_theta": 10000.0,
-        "query_pre_attn_scalar": float(meta("attention.key_length")),
+        "query_pre_attn_scalar": float(scalar),
     }
 
 

@@ -201,3 +201,81 @@ def test_an_8192_token_request_holds_the_global_layers_kv_and_each_windows():
     assert peak <= full_kv_blocks(prompt_len + 8) + 5 * step_bound
     # The same request without groups would hold 18 layers' KV for every token: 4.5x more.
     assert held * layout.group_size * 4.5 < 18 * full_kv_blocks(prompt_len)
+
+
+# --------------------------------------------------------------------------- through the services
+
+
+def gemma_stack(tmp_path, *args: str):
+    from services.launch.nats_server import free_port
+    from services.launch.stack import StackConfig
+    from tests.e2e.stacks import running_stack
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    return running_stack(StackConfig(port=free_port(), model=gemma3_270m_gguf(), args=list(args), log_dir=str(logs)),
+                         timeout=600)
+
+
+@pytest.mark.slow
+def test_served_completions_equal_transformers(tmp_path, hf_gemma):
+    """``scripts/serve --model <the GGUF> --dtype float32 --quantization none``: completion
+    text equal to what transformers' greedy tokens decode to, prompts past the window."""
+    import httpx
+
+    from shared.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(gemma3_270m_gguf())
+    prompts = document_prompts(tokenizer, [640, 1100])
+    refs = hf_greedy(hf_gemma, prompts, 24, stop_at_eos=False)
+    with gemma_stack(tmp_path, "--num-gpu-blocks", "1200") as stack:
+        for prompt, (want, _) in zip(prompts, refs):
+            body = {"model": Path(gemma3_270m_gguf()).name, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                    "ignore_eos": True}
+            resp = httpx.post(stack.base_url + "/v1/completions", json=body, timeout=600)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["text"] == tokenizer.decode(want).rstrip("\ufffd")
+
+
+@pytest.mark.slow
+def test_a_served_8192_token_request_holds_the_global_layers_kv_and_each_window(tmp_path):
+    """The default (quantized) model served: while an 8,192-token request decodes, the KV
+    cache usage the gateway reports is the global layers' KV of its tokens plus each sliding
+    group's window and block."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from shared.kv_cache_groups import model_kv_cache_layout
+    from shared.model_config import load_model_config
+    from tests.e2e.stacks import metric
+
+    num_blocks, block_size = 2000, 16
+    layout = model_kv_cache_layout(load_model_config(gemma3_270m_gguf()))
+    prompt = list(range(1000, 1000 + 8191))
+    with gemma_stack(tmp_path, "--num-gpu-blocks", str(num_blocks), "--max-num-batched-tokens", "2048") as stack:
+
+        async def decode_and_measure() -> float:
+            body = {"model": Path(gemma3_270m_gguf()).name, "prompt": prompt, "max_tokens": 64, "ignore_eos": True,
+                    "temperature": 0, "stream": True}
+            usage = 0.0
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=1800) as http:
+                async with http.stream("POST", "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    events = 0
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: {"):
+                            assert "error" not in json.loads(line[6:])
+                            events += 1
+                            if events in (8, 24, 40):  # decoding: the prompt is all computed
+                                await asyncio.sleep(1.5)  # a fresh stats message
+                                usage = max(usage, metric(stack, "natsllm:kv_cache_usage_perc"))
+            return usage
+
+        usage = asyncio.run(decode_and_measure())
+    held = usage * (num_blocks - 1)
+    full_blocks = -(-(8191 + 64) // block_size)
+    window_blocks = -(-(512 - 1) // block_size) + 1
+    sliding_groups = len(layout.groups) - 1
+    assert 0 < held <= full_blocks + sliding_groups * window_blocks + 1

@@ -95,3 +95,34 @@ def test_prefix_cache_hits_past_the_window_keep_the_output(family):
     assert result.num_cached_tokens == 96
     assert_greedy_matches([result.token_ids], refs, 8)
     assert_no_leaks(engine)
+
+
+# GGUF files transformers' own loader reads alike: its config defaults for what a GGUF does
+# not say (Qwen3's head_dim 128, Gemma 3's query_pre_attn_scalar 256) are the model's here.
+GGUF_OVERRIDES = {"qwen2": {}, "qwen3": dict(head_dim=128), "phi3": {},
+                  "gemma3": dict(head_dim=256, query_pre_attn_scalar=256)}
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_OVERRIDES))
+def test_a_gguf_file_gives_transformers_weights_and_greedy_output(arch, tmp_path):
+    from shared.model_config import load_model_config
+    from shared.model_files import iter_weights
+    from tests.hf_reference import load_hf_model_from_gguf
+    from tests.tiny_gguf import write_tiny_gguf
+
+    folder = make_tiny_model(arch, tmp_path / "hf", seed=5, **GGUF_OVERRIDES[arch])
+    path = str(write_tiny_gguf(folder, tmp_path / f"{arch}.gguf", arch))
+    assert load_model_config(path).architecture == arch
+    hf = load_hf_model_from_gguf(path)
+    reference = hf.state_dict()
+    names = set()
+    for name, tensor in iter_weights(path):  # Gemma's 1 + w norms taken back to w, Phi-3's fused tensors whole
+        assert torch.equal(tensor, reference[name]), name
+        names.add(name)
+    assert names == {n for n in reference if n != "lm_head.weight" or not hf.config.tie_word_embeddings}
+    worker = ModelRunner(ModelRunConfig(model=path, kernel_backend="torch", dtype="float32", quantization="none"),
+                         CacheConfig(num_gpu_blocks=64), SchedulerConfig(max_num_seqs=8))
+    some = prompts()[:4]
+    refs = hf_greedy(hf, some, 16, stop_at_eos=False)
+    results = engine_for(worker).generate(some, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert_greedy_matches([r.token_ids for r in results], refs, 16)

@@ -319,3 +319,49 @@ def test_tp2_split_kv_heads_equals_tp1(tmp_path):
 def test_tp4_replicated_kv_heads_equals_tp1(tmp_path):
     """8 query heads, 2 KV heads on 4 ranks: ranks 0-1 keep KV head 0, ranks 2-3 KV head 1."""
     check_against_tp1(tiny_model(tmp_path / "m", 8, 2, tie=True), 4, tmp_path)
+
+
+# --------------------------------------------------------------------------- other families
+
+
+FAMILY_PROMPT_LENGTHS = [5, 30, 61, 100]  # past the tiny models' 24-token windows
+
+
+def family_greedy(runner) -> dict:
+    from services.engine import Engine
+    from tests.tiny_models import VOCAB as FAMILY_VOCAB
+
+    gen = torch.Generator().manual_seed(5)
+    family_prompts = [torch.randint(3, FAMILY_VOCAB, (n,), generator=gen).tolist() for n in FAMILY_PROMPT_LENGTHS]
+    engine = Engine(cache_config=CacheConfig(num_gpu_blocks=runner.num_blocks), scheduler_config=SCHED, worker=runner)
+    results = engine.generate(family_prompts, GREEDY)
+    return {"prompts": family_prompts, "tokens": [r.token_ids for r in results],
+            "kv_shape": list(runner.kv_caches[0][0].shape)}
+
+
+def _family_rank_main(rank: int, world_size: int, init_method: str, model_dir: str, out_dir: str) -> None:
+    def compute():
+        from services.worker.model_runner import ModelRunner
+
+        runner = ModelRunner(
+            ModelRunConfig(model=model_dir, kernel_backend="torch", device="cpu", dtype="float32",
+                           quantization="none", seed=7),
+            CacheConfig(num_gpu_blocks=128), SCHED, ParallelConfig(world_size, rank, init_method))
+        return family_greedy(runner)
+
+    write_rank_result(out_dir, rank, compute)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "qwen2"])
+def test_tp2_model_families_equal_transformers(arch, tmp_path):
+    """Gemma 3 (sliding and global KV cache groups), Phi-3 (q/k/v and gate/up cut out of its
+    fused checkpoint tensors per rank) and Qwen2 (q/k/v biases): 4 heads, 2 KV heads on 2
+    ranks, greedy equal to transformers past the sliding window."""
+    from tests.tiny_models import make_tiny_model
+
+    folder = make_tiny_model(arch, tmp_path / "m", seed=3)
+    ranks = run_ranks(folder, 2, tmp_path, _family_rank_main)
+    assert ranks[0]["tokens"] == ranks[1]["tokens"]
+    assert ranks[0]["kv_shape"][2] == 1  # one of the two KV heads on each rank
+    refs = hf_greedy(load_hf_model_from_folder(folder), ranks[0]["prompts"], NUM_TOKENS, stop_at_eos=False)
+    assert_greedy_matches(ranks[0]["tokens"], refs, NUM_TOKENS)
