@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.fused_moe import fused_moe_ref, fused_moe_triton
 from kernels.gelu_and_mul import gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton
 from kernels.paged_attention import paged_attention_triton
 from kernels.paged_attention_torch import paged_attention_cpu
@@ -45,6 +46,7 @@ class KernelOps:
     write_kv: Callable
     rotary_write_kv: Callable  # rotary_embedding, then write_kv of k and v, in one call
     paged_attention: Callable
+    fused_moe: Callable  # a mixture-of-experts MLP's experts (kernels.fused_moe)
 
 
 TORCH_OPS = KernelOps(
@@ -57,6 +59,7 @@ TORCH_OPS = KernelOps(
     write_kv=write_kv_cpu,
     rotary_write_kv=rotary_write_kv_cpu,
     paged_attention=paged_attention_cpu,
+    fused_moe=fused_moe_ref,
 )
 
 # The same, float32 included in the C kernels.
@@ -72,6 +75,7 @@ TRITON_OPS = KernelOps(
     write_kv=write_kv_triton,
     rotary_write_kv=rotary_write_kv_triton,
     paged_attention=paged_attention_triton,
+    fused_moe=fused_moe_triton,
 )
 
 

@@ -35,14 +35,20 @@ DENSE_GGUF_LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _QK_NORM_GGUF_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-# Mixture-of-experts tensors: the router, and each projection of every expert stacked in one
-# 3-D tensor (``mlp.experts.<proj>`` is our name for the stack; HF folders hold one tensor
-# per expert, ``mlp.experts.<e>.<proj>.weight``).
-MOE_GGUF_LAYER_NAMES = {
+# Mixture-of-experts tensors: the router, and each projection of every expert, which
+# llama.cpp stacks into one 3-D tensor and Hugging Face keeps one tensor per expert (the
+# "{e}" in a name: shared/model_files.py gives the stack as those per-expert tensors).
+QWEN3_MOE_GGUF_LAYER_NAMES = {
     "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+}
+MIXTRAL_GGUF_LAYER_NAMES = {
+    "ffn_gate_inp": "block_sparse_moe.gate",
+    "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+    "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
 }
 
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -156,9 +162,10 @@ def _gemma3_gguf(meta: Callable[..., Any], num_layers: int) -> dict:
     }
 
 
-def _moe_hf(cfg: dict, *, experts_key: str, intermediate_key: str, norm_default: bool) -> dict:
+def _moe_hf(cfg: dict, *, intermediate_key: str, norm_default: bool) -> dict:
+    # transformers 5 writes num_local_experts for every MoE config; Qwen's own num_experts.
     return {
-        "num_experts": int(cfg[experts_key]),
+        "num_experts": int(cfg.get("num_experts") or cfg["num_local_experts"]),
         "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
         "moe_intermediate_size": int(cfg.get(intermediate_key) or cfg["intermediate_size"]),
         "norm_topk_prob": bool(cfg.get("norm_topk_prob", norm_default)),
@@ -166,17 +173,16 @@ def _moe_hf(cfg: dict, *, experts_key: str, intermediate_key: str, norm_default:
 
 
 def _qwen3_moe_hf(cfg: dict) -> dict:
-    _refuse_set(cfg, "mlp_only_layers", "output_router_logits")
+    _refuse_set(cfg, "mlp_only_layers")
     if cfg.get("decoder_sparse_step", 1) != 1:
         raise ConfigError(f"config field decoder_sparse_step={cfg['decoder_sparse_step']!r} is not supported")
-    return {**_qwen3_hf(cfg), **_moe_hf(cfg, experts_key="num_experts", intermediate_key="moe_intermediate_size",
-                                        norm_default=False)}
+    return {**_qwen3_hf(cfg), **_moe_hf(cfg, intermediate_key="moe_intermediate_size", norm_default=False)}
 
 
 def _mixtral_hf(cfg: dict) -> dict:
-    _refuse_set(cfg, "output_router_logits")
-    return {**_mistral_hf(cfg), **_moe_hf(cfg, experts_key="num_local_experts", intermediate_key="intermediate_size",
-                                          norm_default=True)}
+    # Mixtral always renormalises its top-k weights.
+    return {**_mistral_hf(cfg), **_moe_hf(cfg, intermediate_key="intermediate_size", norm_default=True),
+            "norm_topk_prob": True}
 
 
 def _moe_gguf(meta: Callable[..., Any], num_layers: int, *, norm_topk_prob: bool) -> dict:
@@ -244,9 +250,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  hf_model_types=("gemma3_text",), gguf_norms_offset=True, tie_word_embeddings_default=True),
     Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", _qwen3_moe_hf,
                  lambda meta, n: {"qk_norm": True, **_moe_gguf(meta, n, norm_topk_prob=True)},
-                 gguf_layer_names={**_QK_NORM_GGUF_NAMES, **MOE_GGUF_LAYER_NAMES}),
+                 gguf_layer_names={**_QK_NORM_GGUF_NAMES, **QWEN3_MOE_GGUF_LAYER_NAMES}),
     Architecture("mixtral", ("MixtralForCausalLM",), None, _mixtral_hf,
-                 gguf_layer_names=MOE_GGUF_LAYER_NAMES, gguf_permutes_qk=True),
+                 gguf_layer_names=MIXTRAL_GGUF_LAYER_NAMES, gguf_permutes_qk=True),
 )}
 HF_CLASSES = {cls: arch.name for arch in ARCHITECTURES.values() for cls in arch.hf_classes}
 HF_MODEL_TYPES = {arch.name: arch.name for arch in ARCHITECTURES.values()} | {

@@ -121,8 +121,8 @@ class GGUFWeights(WeightSource):
 
     Every tensor is given under its Hugging Face name and with HF's values: llama.cpp's
     Q/K row permutation undone ("llama" files), and the 1 it adds to zero-centred norm
-    weights taken off again (Gemma). A mixture-of-experts file stacks each projection of
-    all experts in one 3-D tensor, ``[experts, rows, cols]``."""
+    weights taken off again (Gemma). A mixture-of-experts file's 3-D stack of one projection
+    of every expert is given as HF's one tensor per expert."""
 
     def __init__(self, path: Path) -> None:
         import gguf.quants
@@ -136,20 +136,26 @@ class GGUFWeights(WeightSource):
         # llama.cpp permutes Q/K rows only for the "llama" arch (its rotary is interleaved);
         # the others use NeoX-style rotary and are stored as in HF.
         permute = {"attn_q": heads, "attn_k": kv_heads} if self.architecture.gguf_permutes_qk else {}
-        self._tensors: dict[str, tuple[object, int | None]] = {}
+        # HF name -> (tensor, rows to unpermute by (heads), expert of a 3-D stack)
+        self._tensors: dict[str, tuple[object, int | None, int | None]] = {}
         for t in reader.tensors:
             hf_name = gguf_to_hf_name(t.name, self.architecture.name)
             if hf_name is None:
                 continue
             m = _BLK.match(t.name)
-            self._tensors[hf_name] = (t, permute.get(m.group(2)) if m else None)
+            if "{e}" in hf_name:  # a stack of experts: one HF tensor per expert
+                for e in range(int(t.shape[-1])):
+                    self._tensors[hf_name.format(e=e)] = (t, None, e)
+                continue
+            self._tensors[hf_name] = (t, permute.get(m.group(2)) if m else None, None)
 
     def names(self) -> list[str]:
         return list(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        t, _ = self._tensors[name]
-        return tuple(int(n) for n in reversed(t.shape))  # ggml lists dims innermost first
+        t, _, expert = self._tensors[name]
+        shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists dims innermost first
+        return shape if expert is None else shape[1:]
 
     def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.load_slice(name, 0, 0, self.shape(name)[0], dtype)
@@ -158,9 +164,9 @@ class GGUFWeights(WeightSource):
         return self.architecture.gguf_norms_offset and name.endswith("norm.weight")
 
     def load_quantized(self, name: str) -> QuantizedTensor | None:
-        t, heads = self._tensors[name]
+        t, heads, expert = self._tensors[name]
         shape = self.shape(name)
-        if len(shape) != 2:
+        if len(shape) != 2 or expert is not None:  # experts are kept float
             return None
         data = t.data if heads is None else t.data[unpermute_rows(heads, shape[0])]
         return quantized_from_gguf(np.asarray(data), t.tensor_type.name, shape[1])
@@ -168,16 +174,17 @@ class GGUFWeights(WeightSource):
     def load_slice(
         self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
-        t, heads = self._tensors[name]
+        t, heads, expert = self._tensors[name]
         shape = self.shape(name)
-        # Quantized blocks run along a row, so rows (or experts) can be picked before dequantizing.
+        tensor_data = t.data if expert is None else t.data[expert]
+        # Quantized blocks run along a row, so rows can be picked before dequantizing.
         if heads is not None:
             rows = unpermute_rows(heads, shape[0])
-            data = t.data[rows[start:stop] if dim == 0 else rows]
+            data = tensor_data[rows[start:stop] if dim == 0 else rows]
         elif dim == 0:
-            data = t.data[start:stop]
+            data = tensor_data[start:stop]
         else:
-            data = t.data
+            data = tensor_data
         values = self._dequantize(data, t.tensor_type)
         # F32 tensors come back as a view of the read-only memory map: copy them.
         values = np.require(values, dtype=np.float32, requirements=["C", "O", "W"])

@@ -65,7 +65,7 @@ def write_tiny_gguf(folder: str | Path, out: str | Path, arch: str) -> Path:
     if arch == "gemma3":
         writer.add_sliding_window(cfg["sliding_window"])
     if arch == "qwen3_moe":
-        writer.add_expert_count(cfg["num_experts"])
+        writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)

@@ -35,6 +35,11 @@ TINY_CONFIGS = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                dict(num_hidden_layers=7, sliding_window=24, query_pre_attn_scalar=24,
                     rope_local_base_freq=10000.0, rope_theta=1000000.0)),
+    # Mixtures of experts: 4 experts, 2 per token (Qwen3-MoE renormalising them, as Mixtral does).
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                            sliding_window=24)),
 }
 
 

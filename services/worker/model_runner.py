@@ -202,6 +202,9 @@ class ModelRunner:
             self.lora = None
         if not config.enable_lora:
             return
+        if not self.model.supports_lora:
+            raise ConfigError(f"enable_lora: LoRA adapters on {self.model_config.architecture} models "
+                              "(mixture of experts) are not supported")
         self.lora = LoRASlots(self.model, self.model_config, config, self.device, self.dtype)
 
     # ------------------------------------------------------------------ KV cache

@@ -230,7 +230,7 @@ def test_served_completions_equal_transformers(tmp_path, hf_gemma):
     refs = hf_greedy(hf_gemma, prompts, 24, stop_at_eos=False)
     with gemma_stack(tmp_path, "--num-gpu-blocks", "1200") as stack:
         for prompt, (want, _) in zip(prompts, refs):
-            body = {"model": Path(gemma3_270m_gguf()).name, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+            body = {"model": Path(gemma3_270m_gguf()).stem, "prompt": prompt, "max_tokens": 24, "temperature": 0,
                     "ignore_eos": True}
             resp = httpx.post(stack.base_url + "/v1/completions", json=body, timeout=600)
             assert resp.status_code == 200, resp.text
@@ -257,7 +257,7 @@ def test_a_served_8192_token_request_holds_the_global_layers_kv_and_each_window(
     with gemma_stack(tmp_path, "--num-gpu-blocks", str(num_blocks), "--max-num-batched-tokens", "2048") as stack:
 
         async def decode_and_measure() -> float:
-            body = {"model": Path(gemma3_270m_gguf()).name, "prompt": prompt, "max_tokens": 64, "ignore_eos": True,
+            body = {"model": Path(gemma3_270m_gguf()).stem, "prompt": prompt, "max_tokens": 64, "ignore_eos": True,
                     "temperature": 0, "stream": True}
             usage = 0.0
             async with httpx.AsyncClient(base_url=stack.base_url, timeout=1800) as http:

@@ -1,13 +1,15 @@
 """Every architecture beyond Llama, through the in-process engine, against transformers.
 
 A tiny random model per family (``tests/tiny_models.py``: Mistral, Qwen2 and Phi-3 with a
-sliding window, Qwen3 with q/k norms, Gemma 3 with its sliding and global layers), saved as
-a Hugging Face folder. Prompts longer than the window run as one batch with chunked prefill
+sliding window, Qwen3 with q/k norms, Gemma 3 with its sliding and global layers, the
+mixtures of experts Qwen3-MoE and Mixtral), saved as a Hugging Face folder. Prompts longer than the window run as one batch with chunked prefill
 and preemption forced; greedy output equals transformers' in float32 token for token, and
 no sliding-window group ever holds more than its window plus one step's tokens.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ BUDGET = 48  # tokens per step: prompts are chunked
 LENGTHS = [5, 30, 61, 100, 150, 23]
 # A pool too small for the six requests at once, big enough for the longest alone: a
 # sliding group holds at most ceil((window - 1 + BUDGET) / 16) + 1 = 6 blocks per request.
-POOL_BLOCKS = {"gemma3": 72, "qwen2": 40, "mistral": 12, "phi3": 12, "qwen3": 24}
+POOL_BLOCKS = {"gemma3": 72, "qwen2": 40, "mistral": 12, "phi3": 12, "qwen3": 24, "qwen3_moe": 24, "mixtral": 12}
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
@@ -58,7 +60,7 @@ def assert_no_leaks(engine):
 def test_greedy_equals_hf_past_the_window_with_chunking_and_preemption(family):
     arch, worker, hf = family
     config = worker.model_config
-    if arch != "qwen3":
+    if arch not in ("qwen3", "qwen3_moe"):  # the others slide
         assert config.sliding_window and max(LENGTHS) > 4 * config.sliding_window
     engine = engine_for(worker)
     kv = engine.scheduler.kv_cache_manager
@@ -100,7 +102,22 @@ def test_prefix_cache_hits_past_the_window_keep_the_output(family):
 # GGUF files transformers' own loader reads alike: its config defaults for what a GGUF does
 # not say (Qwen3's head_dim 128, Gemma 3's query_pre_attn_scalar 256) are the model's here.
 GGUF_OVERRIDES = {"qwen2": {}, "qwen3": dict(head_dim=128), "phi3": {},
-                  "gemma3": dict(head_dim=256, query_pre_attn_scalar=256)}
+                  "gemma3": dict(head_dim=256, query_pre_attn_scalar=256),
+                  "qwen3_moe": dict(head_dim=128, moe_intermediate_size=768)}
+
+
+def hf_tensor(state: dict, name: str):
+    """A tensor of transformers' model under its checkpoint name (its experts are stacked:
+    ``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``)."""
+    m = re.match(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+    if m is None:
+        return state[name]
+    expert, proj = int(m.group(2)), m.group(3)
+    if proj == "down":
+        return state[f"{m.group(1)}.down_proj"][expert]
+    gate_up = state[f"{m.group(1)}.gate_up_proj"][expert]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if proj == "gate" else gate_up[half:]
 
 
 @pytest.mark.parametrize("arch", sorted(GGUF_OVERRIDES))
@@ -115,11 +132,14 @@ def test_a_gguf_file_gives_transformers_weights_and_greedy_output(arch, tmp_path
     assert load_model_config(path).architecture == arch
     hf = load_hf_model_from_gguf(path)
     reference = hf.state_dict()
-    names = set()
-    for name, tensor in iter_weights(path):  # Gemma's 1 + w norms taken back to w, Phi-3's fused tensors whole
-        assert torch.equal(tensor, reference[name]), name
-        names.add(name)
-    assert names == {n for n in reference if n != "lm_head.weight" or not hf.config.tie_word_embeddings}
+    num_tensors = 0
+    # Gemma's 1 + w norms taken back to w, Phi-3's fused tensors whole, experts one by one.
+    for name, tensor in iter_weights(path):
+        assert torch.equal(tensor, hf_tensor(reference, name)), name
+        num_tensors += 1
+    num_experts = getattr(hf.config, "num_experts", 0)
+    expected = len(reference) + hf.config.num_hidden_layers * (3 * num_experts - 2) if num_experts else len(reference)
+    assert num_tensors == expected - (1 if hf.config.tie_word_embeddings else 0)
     worker = ModelRunner(ModelRunConfig(model=path, kernel_backend="torch", dtype="float32", quantization="none"),
                          CacheConfig(num_gpu_blocks=64), SchedulerConfig(max_num_seqs=8))
     some = prompts()[:4]

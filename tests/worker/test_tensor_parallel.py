@@ -352,11 +352,12 @@ def _family_rank_main(rank: int, world_size: int, init_method: str, model_dir: s
     write_rank_result(out_dir, rank, compute)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi3", "qwen2"])
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "qwen2", "qwen3_moe"])
 def test_tp2_model_families_equal_transformers(arch, tmp_path):
     """Gemma 3 (sliding and global KV cache groups), Phi-3 (q/k/v and gate/up cut out of its
-    fused checkpoint tensors per rank) and Qwen2 (q/k/v biases): 4 heads, 2 KV heads on 2
-    ranks, greedy equal to transformers past the sliding window."""
+    fused checkpoint tensors per rank), Qwen2 (q/k/v biases) and Qwen3-MoE (every expert on
+    every rank with its slice of the intermediate size): 4 heads, 2 KV heads on 2 ranks,
+    greedy equal to transformers past the sliding window."""
     from tests.tiny_models import make_tiny_model
 
     folder = make_tiny_model(arch, tmp_path / "m", seed=3)

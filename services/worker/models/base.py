@@ -59,6 +59,8 @@ class CausalLM(nn.Module):
     layers: nn.ModuleList
     norm: RMSNorm
     lm_head: LMHead
+    # Whether LoRA adapters (of the dense projections, lora_targets) can be served.
+    supports_lora = True
 
     def __init__(self, config: ModelConfig, ops: KernelOps, tp: TensorParallel | None = None) -> None:
         super().__init__()

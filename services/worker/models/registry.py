@@ -9,6 +9,7 @@ from shared.model_config import ModelConfig
 from .base import CausalLM
 from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM, Phi3ForCausalLM
+from .moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -17,6 +18,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3": LlamaForCausalLM,
     "phi3": Phi3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
 }
 
 
