@@ -11,6 +11,7 @@ float32.
 import torch
 import torch.nn.functional as F
 
+from kernels.silu_and_mul import gated_activation_triton
 from kernels.triton_import import tl, triton
 
 
@@ -39,13 +40,4 @@ def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, intermediate
 
 def gelu_tanh_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton GELU(tanh)-and-mul of x [T, 2*I] -> [T, I]."""
-    assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] % 2 == 0
-    num_tokens, intermediate_size = x.shape[0], x.shape[1] // 2
-    if out is None:
-        out = torch.empty((num_tokens, intermediate_size), dtype=x.dtype, device=x.device)
-    assert out.shape == (num_tokens, intermediate_size) and out.stride(-1) == 1
-    if num_tokens > 0:
-        block_size = min(triton.next_power_of_2(intermediate_size), 1024)
-        grid = (num_tokens, triton.cdiv(intermediate_size, block_size))
-        _gelu_tanh_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), intermediate_size, BLOCK_SIZE=block_size)
-    return out
+    return gated_activation_triton(_gelu_tanh_and_mul_kernel, x, out)

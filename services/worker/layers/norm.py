@@ -33,3 +33,10 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder layer's first norm: ``(rms_norm(x + residual), x + residual)``, where a
+        missing ``residual`` (the first layer's) is zero."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps), x
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)

@@ -46,11 +46,7 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, attn: AttentionMetadata, kv_cache):
         # ``x + residual`` is the hidden state: each add is fused into the next norm.
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
         x = self.post_attention_layernorm(self.self_attn(x, positions, attn, kv_cache))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual

@@ -123,11 +123,7 @@ class LlamaDecoderLayer(nn.Module):
         return GatedMLP(config, ops, shard, tp, prefix, fused_gate_up="gate_up_proj" if fused else None)
 
     def forward(self, x, residual, positions, attn: AttentionMetadata, kv_cache):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
         x = self.self_attn(x, positions, attn, kv_cache)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
