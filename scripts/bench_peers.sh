@@ -234,7 +234,7 @@ for peer in $LABELS; do
     log "$peer: concurrency $c, $n prompts, input $INPUT_LEN, output $OUTPUT_LEN"
     "$PY" scripts/bench_serving.py --base-url "http://127.0.0.1:$port" --label "$peer" \
       --endpoint completions --num-prompts "$n" --max-concurrency "$c" \
-      --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --seed 0 \
+      --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --seed 0 --tokenizer "$MODEL" \
       --timeout "$RUN_TIMEOUT" --wait-for-server 60 \
       --result-file "$OUT/$peer-c$c.json" || log "$peer at concurrency $c failed"
   done
