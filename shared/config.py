@@ -216,7 +216,7 @@ class ModelRunConfig:
     kernel_backend: str = setting("auto", "auto|torch|triton")
     # CPU: reorder weight matrices once for oneDNN (services/worker/linear.py).
     cpu_prepack: bool = setting(True, "CPU: oneDNN-prepacked weight matrices")
-    # vLLM's flag name; services/worker/models/llama.py, shared/gguf_quants.py. auto by
+    # vLLM's flag name; services/worker/layers/linear.py, shared/gguf_quants.py. auto by
     # default: on the benchmark CPU the quantized products (int8 activations from 4 rows on)
     # are ~1.8x bfloat16 oneDNN's at 1 row and 1.0-1.3x from 8 rows on, in 1/3 of the
     # memory (docs/BENCHMARKS.md, "int8 activations"); the exact-vs-HF tests run with none.
