@@ -17,12 +17,19 @@ the first layer that needs it (see `kernels.paged_attention_torch`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from kernels.paged_attention_torch import DecodePlan
+
+@dataclass
+class DecodePlan:
+    """What every layer's decode attention shares within one all-decode step (the "torch"
+    backend builds it with its first layer)."""
+
+    blocks: torch.Tensor  # [n * num_blocks] int64: each request's blocks, in order
+    span: int  # num_blocks * block_size: keys read per request
+    bias: torch.Tensor  # [n, 1, span] float32: 0 for visible keys, -inf past seq_len and before a sliding window
+    query_rows: torch.Tensor | None  # [n] int64 rows of `query`; None: row i is request i
 
 
 @dataclass

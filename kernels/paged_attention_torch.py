@@ -36,12 +36,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, DecodePlan
 from kernels.cpu_build import bind, heads_packed, kernel_binding
 
 
@@ -80,16 +79,6 @@ def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 def _widened(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Gathered K/V in the query's dtype (a bfloat16 cache under a float32 query)."""
     return kv if kv.dtype == dtype else kv.to(dtype)
-
-
-@dataclass
-class DecodePlan:
-    """What every layer's decode attention shares within one step."""
-
-    blocks: torch.Tensor  # [n * num_blocks] int64: each request's blocks, in order
-    span: int  # num_blocks * block_size: keys read per request
-    bias: torch.Tensor  # [n, 1, span] float32: 0 for visible keys, -inf outside the window / past seq_len
-    query_rows: torch.Tensor | None  # [n] int64 rows of `query`; None: row i is request i
 
 
 def _decode_plan(

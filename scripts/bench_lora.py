@@ -55,7 +55,7 @@ def write_adapter(folder: Path, model_config, rank: int, seed: int) -> Path:
     """A random PEFT LoRA folder for the model (all seven targets)."""
     from safetensors.torch import save_file
 
-    from shared.lora import FUSED_PROJECTIONS, MODULE_TO_PROJECTION, ProjectionShapes
+    from shared.lora_shapes import FUSED_PROJECTIONS, MODULE_TO_PROJECTION, ProjectionShapes
 
     shapes = ProjectionShapes.of(model_config)
     gen = torch.Generator().manual_seed(seed)
@@ -78,7 +78,7 @@ def write_adapter(folder: Path, model_config, rank: int, seed: int) -> Path:
 def bench_kernels(ranks: list[int], counts: list[int], token_counts: list[int], repeats: int,
                   methods: list[str], dtype: torch.dtype, shuffle: bool) -> dict:
     from services.worker.lora.batched import LoRABatch, add_lora
-    from shared.lora import FUSED_PROJECTIONS, ProjectionShapes
+    from shared.lora_shapes import FUSED_PROJECTIONS, ProjectionShapes
     from shared.model_config import default_model_path, load_model_config
 
     shapes = ProjectionShapes.of(load_model_config(default_model_path()))

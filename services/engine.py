@@ -30,6 +30,7 @@ from shared.protocol import (
     TokenizeRequest,
 )
 from shared.request_preparation import RequestPreparer
+from shared.step_profile import NULL_CLOCK
 
 
 @dataclass
@@ -119,11 +120,19 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineOutput]:
-        scheduler_output = SCHEDULER_OUTPUT.decode(SCHEDULER_OUTPUT.encode(self.scheduler.schedule()))
-        runner_output = self.worker.execute_model(scheduler_output)
+    def step(self, clock=NULL_CLOCK) -> list[EngineOutput]:
+        """One engine step; ``clock`` (a ``shared.step_profile.PhaseClock``) times its phases,
+        the worker's included, when profiling."""
+        scheduler_output = self.scheduler.schedule()
+        clock.lap("schedule")
+        scheduler_output = SCHEDULER_OUTPUT.decode(SCHEDULER_OUTPUT.encode(scheduler_output))
+        clock.lap("step_message")
+        runner_output = self.worker.execute_model(scheduler_output, clock)
         runner_output = MODEL_RUNNER_OUTPUT.decode(MODEL_RUNNER_OUTPUT.encode(runner_output))
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        clock.lap("result_message")
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        clock.lap("update")
+        return outputs
 
     def flush(self) -> None:
         """Tell the worker about requests that finished in the last step, so it holds

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.config import ConfigError
+from shared.config_error import ConfigError
 
 # llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N."), for
 # the dense Llama-shaped decoder every architecture starts from.

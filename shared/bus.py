@@ -9,6 +9,10 @@ kills the subscription), answers health pings on ``llm.ping.<service>``, keeps i
 heartbeat file fresh while its loop runs and nats-server answers
 (``shared/healthcheck.py``: a container healthcheck without bus permissions), and
 on SIGTERM/SIGINT drains the connection and exits.
+
+Messages go out through channels (``shared.protocol.Channel``: a subject bound to its
+message type): ``publish``, ``request`` and ``respond`` encode with the channel's codec
+and refuse a message of another type before anything is sent.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from nats.errors import Error as NatsError
 
 from shared import healthcheck
 from shared.bus_auth import connect_credentials
-from shared.protocol import PONG, Pong, ping_subject
+from shared.protocol import PING_CHANNEL, Channel, Pong
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,23 @@ DRAIN_TIMEOUT = 2.0  # seconds close() gives the NATS connection to drain
 
 def default_nats_url() -> str:
     return os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
+
+
+async def publish(nc: nats.NATS, channel: Channel, message, *parts) -> None:
+    """Publish ``message`` on the channel's subject for ``parts``."""
+    await nc.publish(channel.subject(*parts), channel.encode(message))
+
+
+async def request(nc: nats.NATS, channel: Channel, message, *parts, timeout: float):
+    """Ask on the channel's subject for ``parts``; the decoded answer (nats-py's errors
+    when none comes: no responders, timeout)."""
+    msg = await nc.request(channel.subject(*parts), channel.encode(message), timeout=timeout)
+    return channel.decode_reply(msg.data)
+
+
+async def respond(msg: Msg, channel: Channel, reply) -> None:
+    """Answer a request that came on ``channel``."""
+    await msg.respond(channel.encode_reply(reply))
 
 
 FLUSH_TIMEOUT = 5.0  # seconds each round trip of flush_in_order may take
@@ -95,6 +116,12 @@ class Service:
 
         await self.nc.subscribe(subject, queue=queue, cb=guarded)
 
+    async def publish(self, channel: Channel, message, *parts) -> None:
+        await publish(self.nc, channel, message, *parts)
+
+    async def request(self, channel: Channel, message, *parts, timeout: float):
+        return await request(self.nc, channel, message, *parts, timeout=timeout)
+
     def spawn(self, coro) -> asyncio.Task:
         """Run long work off the handler (one subscription runs one callback at a time)."""
         task = asyncio.get_running_loop().create_task(coro)
@@ -130,21 +157,22 @@ class Service:
             reconnect_time_wait=0.5,
             **connect_credentials(),
         )
-        await self.subscribe(ping_subject(self.name), self._on_ping, queue=self.name)
+        await self.subscribe(PING_CHANNEL.subject(self.name), self._on_ping, queue=self.name)
         await self.setup()
         self.spawn(self._beat())
         logger.info("%s %s: up on %s", self.name, self.instance_id, self.nats_url)
 
     async def _beat(self) -> None:
-        """Touch the heartbeat file after each round trip to nats-server: it goes stale
-        when the loop stops or the bus connection is lost."""
+        """Write the heartbeat file (what a ping answers) after each round trip to
+        nats-server: it goes stale when the loop stops or the bus connection is lost."""
         warned = False
         while True:
             try:
                 # While reconnecting, nats-py's flush returns without a round trip.
                 if self.nc.is_connected:
                     await self.nc.flush(timeout=self.heartbeat_interval)
-                    healthcheck.touch(self.heartbeat_file)
+                    healthcheck.beat(self.heartbeat_file,
+                                     {"service": self.name, "instance_id": self.instance_id, **self.info()})
             except OSError as e:
                 if not warned:
                     logger.warning("%s %s: heartbeat file %s: %r", self.name, self.instance_id, self.heartbeat_file, e)
@@ -154,7 +182,7 @@ class Service:
             await asyncio.sleep(self.heartbeat_interval)
 
     async def _on_ping(self, msg: Msg) -> None:
-        await msg.respond(PONG.encode(Pong(self.name, self.instance_id, self.info())))
+        await respond(msg, PING_CHANNEL, Pong(self.name, self.instance_id, self.info()))
 
     async def close(self) -> None:
         tasks = list(self._tasks)

@@ -1,7 +1,7 @@
 """Who may do what on the bus: one NATS user per service role and one per gateway.
 
 The users and their subjects are a cross-service contract (the subjects come from
-``shared/protocol.py``), so they live here once: the launcher writes them into the
+``shared/protocol/``), so they live here once: the launcher writes them into the
 nats-server config it starts, ``docker/nats.conf`` is generated from them
 (``python -m services.launch.compose_nats_conf``), and every service connects with its user's
 credentials from the environment (never from argv):

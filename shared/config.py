@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-
-class ConfigError(ValueError):
-    """A setting has a value the engine cannot run with; the message names it."""
+from shared.config_error import ConfigError
 
 
 def setting(default, help: str):

@@ -1,21 +1,26 @@
 """A service's liveness file, and ``python -m shared.healthcheck`` that reads it.
 
-Every ``shared.bus.Service`` touches its heartbeat file every ``HEARTBEAT_INTERVAL``
+Every ``shared.bus.Service`` rewrites its heartbeat file every ``HEARTBEAT_INTERVAL``
 seconds, but only after a round trip to nats-server succeeded: a fresh file proves
 that the process's event loop runs and its bus connection is up. The check needs no
 bus permissions (a container healthcheck runs it beside the service):
 
-    python -m shared.healthcheck [--max-age SECONDS]
+    python -m shared.healthcheck [--max-age SECONDS] [--show]
 
-exits 0 when the file was touched within ``--max-age`` seconds, 1 otherwise (a
+exits 0 when the file was written within ``--max-age`` seconds, 1 otherwise (a
 blocked loop, a lost bus connection, a dead or never started service). The file is
 ``HEARTBEAT_FILE`` from the environment, else ``DEFAULT_HEARTBEAT_FILE`` (one per
 container; processes on one host that share it only keep each other's file fresh).
+It holds what the service answers to a ping, as JSON: its name, instance id and
+counters (``Service.info()``); ``--show`` prints it, so each container of a scaled
+service says what it did (``docker compose exec --index 2 tokenizer python -m
+shared.healthcheck --show``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -29,10 +34,12 @@ def heartbeat_file(environ=os.environ) -> str:
     return environ.get("HEARTBEAT_FILE") or DEFAULT_HEARTBEAT_FILE
 
 
-def touch(path: str) -> None:
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)):
-        pass
-    os.utime(path)
+def beat(path: str, status: dict) -> None:
+    """Write ``status`` to ``path`` whole (a reader never sees half of it)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        json.dump(status, f, default=str)
+    os.replace(tmp, path)
 
 
 def age(path: str) -> float:
@@ -47,8 +54,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Exit 0 if this container's service beats recently")
     parser.add_argument("--file", default=heartbeat_file(), help="heartbeat file [env HEARTBEAT_FILE]")
     parser.add_argument("--max-age", type=float, default=MAX_AGE, help="seconds a beat counts")
+    parser.add_argument("--show", action="store_true", help="print the service's status the file holds")
     args = parser.parse_args(argv)
     seconds = age(args.file)
+    if args.show and seconds != float("inf"):
+        with open(args.file) as f:
+            print(f.read())
     if seconds > args.max_age:
         print(f"unhealthy: {args.file} last touched {seconds:.1f}s ago (limit {args.max_age:g}s)", file=sys.stderr)
         return 1

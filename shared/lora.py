@@ -4,7 +4,8 @@ The gateway checks an adapter when it is loaded (``check_lora_adapter``: the con
 safetensors header only, so a bad path, a rank above ``--max-lora-rank`` or a shape the base
 model lacks is a 400 at once); the workers read the weights with the same checks
 (``services/worker/lora/adapter.py``). A ``lora_path`` that is a file is a GGUF LoRA instead
-(``shared/lora_gguf.py``), checked the same way.
+(``shared/lora_gguf.py``), checked the same way (``shared/lora_shapes.py``: the checks both
+formats share). Also ``--lora-modules``' parsing.
 
 A PEFT folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``,
 ``target_modules``) and ``adapter_model.safetensors`` with, per adapted module,
@@ -17,47 +18,22 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
+from shared.lora_gguf import read_gguf_lora
+from shared.lora_shapes import (
+    MODULE_TO_PROJECTION,
+    LoRAAdapterError,
+    ProjectionShapes,
+    check_module_shapes,
+    module_pairs,
+)
 from shared.model_config import ModelConfig
 from shared.protocol import LoRARequest
 
-# Fused projection of our model -> the PEFT module names it holds, in the order of its output rows.
-FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
-MODULE_TO_PROJECTION = {m: p for p, modules in FUSED_PROJECTIONS.items() for m in modules}
 PINNED_SUFFIX = ":pinned"  # --lora-modules name=path:pinned
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-
-
-class LoRAAdapterError(ValueError):
-    """The adapter cannot be served on this model; the message says why (a 400 for clients)."""
-
-
-@dataclass(frozen=True)
-class ProjectionShapes:
-    """Input and per-sub-module output sizes of each fused projection (full model, one rank)."""
-
-    in_features: dict[str, int]
-    out_features: dict[str, tuple[int, ...]]
-
-    @classmethod
-    def of(cls, config: ModelConfig) -> "ProjectionShapes":
-        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-        hidden, inter = config.hidden_size, config.intermediate_size
-        return cls(
-            in_features={"qkv": hidden, "o": q, "gate_up": hidden, "down": inter},
-            out_features={"qkv": (q, kv, kv), "o": (hidden,), "gate_up": (inter, inter), "down": (hidden,)},
-        )
-
-    def stacked_rank(self, projection: str, max_rank: int) -> int:
-        return len(FUSED_PROJECTIONS[projection]) * max_rank
 
 
 def read_adapter_config(path: str | Path, max_rank: int) -> dict:
@@ -122,33 +98,6 @@ def parse_weight_name(name: str, num_layers: int) -> tuple[int, str, str]:
     return layer, module, kind[-1]
 
 
-def check_module_shapes(layer: int, module: str, a_shape, b_shape, rank: int, shapes: ProjectionShapes) -> None:
-    projection = MODULE_TO_PROJECTION[module]
-    in_features = shapes.in_features[projection]
-    out_features = shapes.out_features[projection][FUSED_PROJECTIONS[projection].index(module)]
-    if tuple(a_shape) != (rank, in_features) or tuple(b_shape) != (out_features, rank):
-        raise LoRAAdapterError(
-            f"LoRA module layers.{layer}.{module} has A {tuple(a_shape)} and B {tuple(b_shape)}; "
-            f"this base model needs A ({rank}, {in_features}) and B ({out_features}, {rank})"
-        )
-
-
-def module_pairs(names_and_values, num_layers: int, path,
-                 parse=parse_weight_name) -> dict[tuple[int, str], dict[str, object]]:
-    """(layer, module) -> {"A": value, "B": value} from (weight name, value) pairs; both required.
-    ``parse(name, num_layers)`` gives a name's (layer, PEFT module, "A" or "B")."""
-    pairs: dict[tuple[int, str], dict[str, object]] = {}
-    for name, value in names_and_values:
-        layer, module, kind = parse(name, num_layers)
-        pairs.setdefault((layer, module), {})[kind] = value
-    if not pairs:
-        raise LoRAAdapterError(f"LoRA adapter {str(path)!r} has no weights")
-    for (layer, module), pair in pairs.items():
-        if set(pair) != {"A", "B"}:
-            raise LoRAAdapterError(f"LoRA module layers.{layer}.{module} lacks lora_A or lora_B")
-    return pairs
-
-
 def _safetensors_header(file: Path) -> dict:
     try:
         with open(file, "rb") as f:
@@ -167,14 +116,12 @@ def check_lora_adapter(path: str | Path, model_config: ModelConfig, max_rank: in
     config and safetensors header (no weights read); returns the adapter's rank. Raises
     ``LoRAAdapterError``."""
     if Path(path).is_file():
-        from shared.lora_gguf import read_gguf_lora
-
         return read_gguf_lora(path, model_config, max_rank).rank
     config = read_adapter_config(path, max_rank)
     header = _safetensors_header(Path(path) / WEIGHTS_FILE)
     shape_of = ((name, entry.get("shape", ()) if isinstance(entry, dict) else ()) for name, entry in header.items())
     shapes = ProjectionShapes.of(model_config)
-    for (layer, module), pair in module_pairs(shape_of, model_config.num_hidden_layers, path).items():
+    for (layer, module), pair in module_pairs(shape_of, model_config.num_hidden_layers, path, parse_weight_name).items():
         check_module_shapes(layer, module, pair["A"], pair["B"], config["r"], shapes)
     return config["r"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.lora import (
+from shared.lora_shapes import (
     LoRAAdapterError,
     ProjectionShapes,
     check_module_shapes,

@@ -30,7 +30,7 @@ from shared.architectures import (
     SLIDING_ATTENTION,
     architecture,
 )
-from shared.config import ConfigError
+from shared.config_error import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,8 @@ import re
 from importlib import resources
 from typing import Any
 
+from shared.chat_template import compile_template
+
 _MENTIONS_TOOLS = re.compile(r"\btools\b")
 
 
@@ -31,8 +33,6 @@ def template_handles_tools(template: str) -> bool:
 
 @functools.cache
 def _fallback():
-    from shared.tokenizer import compile_template
-
     source = resources.files("shared").joinpath("templates/tool_fallback.jinja").read_text(encoding="utf-8")
     return compile_template(source).module
 

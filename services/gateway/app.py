@@ -31,6 +31,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from shared.protocol import ping_subject
+from shared.wait_log import WaitLog
+
 from .errors import ApiError, error_response, json_response
 from .http_endpoints import GenerationEndpoint
 from .tokens_endpoints import TokenEndpoints
@@ -76,6 +79,7 @@ class InfoRoutes:
         self.gateway = gateway
         self.started = int(time.time())
         self.lora = LoRARoutes(gateway)
+        self.wait_log = WaitLog(logger, f"gateway {gateway.gateway_id}")
 
     def _model_card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.started, "owned_by": "natsllm",
@@ -101,6 +105,13 @@ class InfoRoutes:
         tokenizer = await self.gateway.tokenizer_alive()
         ready = self.gateway.engine_stats.ready_engines(self.gateway.config.engine_ready_ttl)
         ok = tokenizer and bool(ready) and not self.gateway.closing
+        if ok:
+            self.wait_log.done(f"serving: a tokenizer answers, {len(ready)} engine(s) ready")
+        elif not self.gateway.closing:
+            missing = [] if tokenizer else [f"a tokenizer to answer on {ping_subject('tokenizer')}"]
+            if not ready:
+                missing.append(f"an engine to be ready ({len(self.gateway.engine_stats.current())} heard from)")
+            self.wait_log.waiting(" and ".join(missing))
         body = {
             "status": "ok" if ok else "unavailable",
             "tokenizer": tokenizer,

@@ -28,24 +28,18 @@ from shared.bus import Service, flush_in_order
 from shared.bus_auth import gateway_id_from_credentials
 from shared.config import ConfigError
 from shared.protocol import (
-    ABORT_REQUEST,
-    ENGINE_STATS,
-    ENGINE_STATS_MSG,
-    SERVICE_RESTARTS,
-    SERVICE_RESTARTS_MSG,
-    RESEND_OUTPUTS,
-    STREAM_DELTA_BATCH,
+    ABORT_CHANNEL,
+    ENGINE_STATS_CHANNEL,
+    PING_CHANNEL,
+    RESEND_CHANNEL,
+    SERVICE_RESTARTS_CHANNEL,
+    STREAM_CHANNEL,
     TOKENIZE,
-    TOKENIZE_REPLY,
-    TOKENIZE_REQUEST,
+    TOKENIZE_CHANNEL,
     AbortRequest,
     ResendOutputs,
     TokenizeReply,
     TokenizeRequest,
-    engine_abort_subject,
-    engine_resend_subject,
-    gateway_stream_subject,
-    ping_subject,
 )
 
 from .config import GatewayConfig
@@ -89,9 +83,9 @@ class GatewayService(Service):
         return {"gateway_id": self.gateway_id, "open_requests": len(self.streams), "port": self.config.port}
 
     async def setup(self) -> None:
-        await self.subscribe(gateway_stream_subject(self.gateway_id), self._on_deltas)
-        await self.subscribe(ENGINE_STATS, self._on_stats)
-        await self.subscribe(SERVICE_RESTARTS, self._on_restarts)
+        await self.subscribe(STREAM_CHANNEL.subject(self.gateway_id), self._on_deltas)
+        await self.subscribe(ENGINE_STATS_CHANNEL.subject(), self._on_stats)
+        await self.subscribe(SERVICE_RESTARTS_CHANNEL.subject(), self._on_restarts)
         self.spawn(self._watch_engines())
         if self.lora is not None:
             await join_lora_bus(self, self.lora)
@@ -101,7 +95,7 @@ class GatewayService(Service):
     # ------------------------------------------------------------------ inbound
 
     async def _on_deltas(self, msg: Msg) -> None:
-        batch = STREAM_DELTA_BATCH.decode(msg.data)
+        batch = STREAM_CHANNEL.decode(msg.data)
         for delta in batch.deltas:
             stream = self.streams.get(delta.request_id)
             if stream is None:
@@ -116,7 +110,7 @@ class GatewayService(Service):
 
     async def _on_stats(self, msg: Msg) -> None:
         try:
-            stats = ENGINE_STATS_MSG.decode(msg.data)
+            stats = ENGINE_STATS_CHANNEL.decode(msg.data)
         except msgspec.DecodeError as e:
             logger.warning("malformed engine stats message: %s", e)
             return
@@ -125,7 +119,7 @@ class GatewayService(Service):
             self._fail_requests_of(stats.engine_id, "restarted", lambda s: s.incarnation != stats.incarnation)
 
     async def _on_restarts(self, msg: Msg) -> None:
-        self.metrics.service_restarts = dict(SERVICE_RESTARTS_MSG.decode(msg.data).counts)
+        self.metrics.service_restarts = dict(SERVICE_RESTARTS_CHANNEL.decode(msg.data).counts)
 
     # ------------------------------------------------------------------ lost engines
 
@@ -183,7 +177,7 @@ class GatewayService(Service):
             self.streams[stream.request_id] = stream
         name = request.request_ids[0]
         try:
-            msg = await self._ask_tokenizer(request)
+            reply = await self._ask_tokenizer(request)
         except NoRespondersError:
             logger.warning("%s: no tokenizer is subscribed to %s", name, TOKENIZE)
             raise no_tokenizer() from None
@@ -199,7 +193,6 @@ class GatewayService(Service):
         except NatsError as e:
             logger.warning("%s: tokenize request failed: %r", name, e)
             raise bus_unavailable(repr(e)) from None
-        reply = TOKENIZE_REPLY.decode(msg.data)
         if reply.error is not None:
             raise ApiError.from_info(reply.error)
         if [c.request_id for c in reply.choices] != request.request_ids:
@@ -214,14 +207,13 @@ class GatewayService(Service):
                 stream.accepted_at = now
         return reply
 
-    async def _ask_tokenizer(self, request: TokenizeRequest) -> Msg:
+    async def _ask_tokenizer(self, request: TokenizeRequest) -> TokenizeReply:
         """One retry after a timeout: the replica that took the request may have died (its
         queue-group place is gone, so the retry reaches another). A retry of a request
         that did reach a scheduler is harmless: the scheduler takes a known id as queued."""
-        data = TOKENIZE_REQUEST.encode(request)
         for attempt in range(TOKENIZE_ATTEMPTS):
             try:
-                return await self.nc.request(TOKENIZE, data, timeout=self.config.tokenize_timeout)
+                return await self.request(TOKENIZE_CHANNEL, request, timeout=self.config.tokenize_timeout)
             except (NatsTimeoutError, asyncio.TimeoutError):
                 if attempt + 1 == TOKENIZE_ATTEMPTS or self.closing:
                     raise
@@ -234,8 +226,7 @@ class GatewayService(Service):
             stream.next_offset, why)
         self.num_resends += 1
         try:
-            await self.nc.publish(engine_resend_subject(self.gateway_id),
-                                  RESEND_OUTPUTS.encode(ResendOutputs(stream.request_id, stream.next_offset)))
+            await self.publish(RESEND_CHANNEL, ResendOutputs(stream.request_id, stream.next_offset), self.gateway_id)
         except NatsError as e:
             logger.warning("%s: resend request not sent: %r", stream.request_id, e)
 
@@ -248,8 +239,7 @@ class GatewayService(Service):
             return
         logger.info("aborting %s", ", ".join(request_ids))
         try:
-            await self.nc.publish(engine_abort_subject(self.gateway_id),
-                                  ABORT_REQUEST.encode(AbortRequest(request_ids=request_ids)))
+            await self.publish(ABORT_CHANNEL, AbortRequest(request_ids=request_ids), self.gateway_id)
         except NatsError as e:
             logger.warning("abort of %s not sent: %r", request_ids, e)
 
@@ -260,7 +250,8 @@ class GatewayService(Service):
 
     async def tokenizer_alive(self) -> bool:
         try:
-            await self.nc.request(ping_subject("tokenizer"), b"", timeout=self.config.health_timeout)
+            # Any answer will do: only that one comes.
+            await self.nc.request(PING_CHANNEL.subject("tokenizer"), b"", timeout=self.config.health_timeout)
             return True
         except (NatsError, asyncio.TimeoutError):
             return False

@@ -33,9 +33,11 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
 from shared.config import LoRAConfig
-from shared.lora import LoRAAdapterError, check_lora_adapter, check_pinning
+from shared.lora import check_lora_adapter, check_pinning
+from shared.lora_shapes import LoRAAdapterError
 from shared.model_config import ModelConfig
-from shared.protocol import LORA_ADAPTERS, LORA_ADAPTERS_MSG, LORA_LIST, LoRAAdapters, LoRARequest
+from shared.bus import respond
+from shared.protocol import LORA_ADAPTERS_CHANNEL, LORA_LIST_CHANNEL, LoRAAdapters, LoRARequest
 
 from .errors import ApiError, error_response
 from .json_body import read_json
@@ -90,19 +92,18 @@ async def join_lora_bus(service, registry: LoRARegistry) -> None:
     this gateway without that adapter (404) or still listing an unloaded one (its requests
     then still run: the workers read the folder)."""
     try:
-        reply = await service.nc.request(LORA_LIST, b"", timeout=LIST_TIMEOUT_S)
-        registry.apply(LORA_ADAPTERS_MSG.decode(reply.data))
+        registry.apply(await service.request(LORA_LIST_CHANNEL, b"", timeout=LIST_TIMEOUT_S))
     except (NoRespondersError, NatsTimeoutError):
         pass
 
     async def on_change(msg) -> None:
-        registry.apply(LORA_ADAPTERS_MSG.decode(msg.data))
+        registry.apply(LORA_ADAPTERS_CHANNEL.decode(msg.data))
 
     async def on_list(msg) -> None:
-        await msg.respond(LORA_ADAPTERS_MSG.encode(registry.listing()))
+        await respond(msg, LORA_LIST_CHANNEL, registry.listing())
 
-    await service.subscribe(LORA_ADAPTERS, on_change)
-    await service.subscribe(LORA_LIST, on_list)
+    await service.subscribe(LORA_ADAPTERS_CHANNEL.subject(), on_change)
+    await service.subscribe(LORA_LIST_CHANNEL.subject(), on_list)
 
 
 def with_lora_adapter(gateway, body, parse):
@@ -162,7 +163,7 @@ class LoRARoutes:
         return body
 
     async def _publish(self, change: LoRAAdapters) -> None:
-        await self.gateway.nc.publish(LORA_ADAPTERS, LORA_ADAPTERS_MSG.encode(change))
+        await self.gateway.publish(LORA_ADAPTERS_CHANNEL, change)
 
     def model_cards(self, card) -> list[dict]:
         """``GET /v1/models`` entries of the adapters: ``card(name)`` with vLLM's root and parent."""

@@ -27,12 +27,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from shared.protocol import (
-    DETOKENIZE_TOKENS_REPLY,
-    DETOKENIZE_TOKENS_REQUEST,
-    TOKENIZE_TEXT_REPLY,
-    TOKENIZE_TEXT_REQUEST,
-    TOKENIZER_DETOKENIZE,
-    TOKENIZER_TOKENIZE,
+    DETOKENIZE_TOKENS_CHANNEL,
+    TOKENIZE_TEXT_CHANNEL,
+    Channel,
     DetokenizeTokensRequest,
     TokenizeTextRequest,
 )
@@ -91,7 +88,7 @@ class TokenEndpoints:
     async def tokenize(self, request: Request) -> Response:
         async def run(body) -> dict:
             ask = parse_tokenize(body, self.gateway.config.served_model_names)
-            reply = await self._ask(TOKENIZER_TOKENIZE, TOKENIZE_TEXT_REQUEST.encode(ask), TOKENIZE_TEXT_REPLY)
+            reply = await self._ask(TOKENIZE_TEXT_CHANNEL, ask)
             return {"count": len(reply.tokens), "max_model_len": reply.max_model_len, "tokens": reply.tokens,
                     "token_strs": reply.token_strs}
 
@@ -100,8 +97,7 @@ class TokenEndpoints:
     async def detokenize(self, request: Request) -> Response:
         async def run(body) -> dict:
             ask = parse_detokenize(body, self.gateway.config.served_model_names)
-            reply = await self._ask(TOKENIZER_DETOKENIZE, DETOKENIZE_TOKENS_REQUEST.encode(ask),
-                                    DETOKENIZE_TOKENS_REPLY)
+            reply = await self._ask(DETOKENIZE_TOKENS_CHANNEL, ask)
             return {"prompt": reply.prompt}
 
         return await self._handle(request, run)
@@ -115,20 +111,19 @@ class TokenEndpoints:
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
 
-    async def _ask(self, subject: str, data: bytes, reply_codec):
+    async def _ask(self, channel: Channel, ask):
         """One request/reply to a tokenizer replica; its error as an ``ApiError``."""
         timeout = self.gateway.config.tokenize_timeout
         try:
-            msg = await self.gateway.nc.request(subject, data, timeout=timeout)
+            reply = await self.gateway.request(channel, ask, timeout=timeout)
         except NoRespondersError:
             raise ApiError("no tokenizer service is available", status=503, type="service_unavailable") from None
         except (NatsTimeoutError, asyncio.TimeoutError):
-            logger.warning("no tokenizer answered %s within %.1fs", subject, timeout)
+            logger.warning("no tokenizer answered %s within %.1fs", channel.subject(), timeout)
             raise ApiError(f"no tokenizer service answered within {timeout:g}s", status=503,
                            type="service_unavailable") from None
         except NatsError as e:
             raise ApiError(f"the message bus is unavailable: {e!r}", status=503, type="service_unavailable") from None
-        reply = reply_codec.decode(msg.data)
         if reply.error is not None:
             raise ApiError.from_info(reply.error)
         return reply

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from services.launch.nats_server import NatsServer, free_port
 from services.launch.supervisor import Supervisor
-from shared.bus import flush_in_order
+from shared.bus import flush_in_order, publish
 from shared.bus_auth import gateway_user
 from shared.config import KV_CONSUMER, KV_PRODUCER, ConfigError, kv_transfer_config_json
-from shared.protocol import SERVICE_RESTARTS, SERVICE_RESTARTS_MSG, ServiceRestarts
+from shared.protocol import SERVICE_RESTARTS_CHANNEL, ServiceRestarts
 from services.launch.service_flags import split_service_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,7 +179,8 @@ class Stack:
 
         import nats
 
-        from shared.protocol import ENGINE_STATS, ENGINE_STATS_MSG, PONG, ping_subject
+        from shared.bus import request
+        from shared.protocol import ENGINE_STATS_CHANNEL, PING_CHANNEL
 
         engine_ids = {engine_id for engine_id, _ in self.config.engines() if engine_id}
 
@@ -188,18 +189,18 @@ class Stack:
             try:
                 if engine_ids:
                     ready: set[str] = set()
-                    sub = await nc.subscribe(ENGINE_STATS)
+                    sub = await nc.subscribe(ENGINE_STATS_CHANNEL.subject())
                     deadline = time.monotonic() + 2.5  # stats come every second
                     while ready < engine_ids and time.monotonic() < deadline:
                         try:
-                            stats = ENGINE_STATS_MSG.decode((await sub.next_msg(timeout=0.5)).data)
+                            stats = ENGINE_STATS_CHANNEL.decode((await sub.next_msg(timeout=0.5)).data)
                         except Exception:
                             continue
                         if stats.ready:
                             ready.add(stats.engine_id)
                     return ready >= engine_ids
-                reply = await nc.request(ping_subject("scheduler"), b"", timeout=0.5)
-                return bool(PONG.decode(reply.data).info.get("ready"))
+                pong = await request(nc, PING_CHANNEL, b"", "scheduler", timeout=0.5)
+                return bool(pong.info.get("ready"))
             except Exception:
                 return False
             finally:
@@ -234,16 +235,16 @@ class Stack:
 
         import nats
 
-        async def publish() -> None:
+        async def send() -> None:
             nc = await nats.connect(self.nats.url, **self.nats.credentials("admin"))
             try:
-                await nc.publish(SERVICE_RESTARTS, SERVICE_RESTARTS_MSG.encode(ServiceRestarts(counts)))
+                await publish(nc, SERVICE_RESTARTS_CHANNEL, ServiceRestarts(counts))
                 await flush_in_order(nc)
             finally:
                 await nc.close()
 
         try:
-            asyncio.run(publish())
+            asyncio.run(send())
         except Exception as e:  # the bus may be down; the next round tries again
             logger.warning("restart counts not published: %r", e)
 

@@ -13,8 +13,9 @@ def build_parser():
 
 
 def build_service(config: TokenizerConfig, nats_url: str):
+    from shared.chat_template import read_chat_template
     from shared.model_config import default_model_path, load_model_config, resolve_max_model_len
-    from shared.tokenizer import load_tokenizer, read_chat_template
+    from shared.tokenizer import load_tokenizer
 
     from .service import TokenizerService
 

@@ -23,20 +23,13 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from shared.bus import Service
+from shared.bus import Service, respond
 from shared.protocol import (
-    ENGINE_REQUEST,
-    ENGINE_REQUEST_REPLY,
-    ENGINE_REQUESTS,
-    DETOKENIZE_TOKENS_REPLY,
-    DETOKENIZE_TOKENS_REQUEST,
-    TOKENIZE,
-    TOKENIZE_REPLY,
-    TOKENIZE_REQUEST,
-    TOKENIZE_TEXT_REPLY,
-    TOKENIZE_TEXT_REQUEST,
-    TOKENIZER_DETOKENIZE,
-    TOKENIZER_TOKENIZE,
+    DETOKENIZE_TOKENS_CHANNEL,
+    ENGINE_REQUESTS_CHANNEL,
+    TOKENIZE_CHANNEL,
+    TOKENIZE_TEXT_CHANNEL,
+    Channel,
     DetokenizeTokensReply,
     EngineRequest,
     EngineRequestReply,
@@ -91,32 +84,32 @@ class TokenizerService(Service):
         }
 
     async def setup(self) -> None:
-        await self.subscribe(TOKENIZE, self._on_tokenize, queue="tokenizer")
-        await self.subscribe(TOKENIZER_TOKENIZE, self._on_tokenize_text, queue="tokenizer")
-        await self.subscribe(TOKENIZER_DETOKENIZE, self._on_detokenize_tokens, queue="tokenizer")
+        await self.subscribe(TOKENIZE_CHANNEL.subject(), self._on_tokenize, queue="tokenizer")
+        await self.subscribe(TOKENIZE_TEXT_CHANNEL.subject(), self._on_tokenize_text, queue="tokenizer")
+        await self.subscribe(DETOKENIZE_TOKENS_CHANNEL.subject(), self._on_detokenize_tokens, queue="tokenizer")
 
     async def _on_tokenize_text(self, msg: Msg) -> None:
         """vLLM's /tokenize (``tokens.py``): ids only, nothing scheduled."""
-        self.spawn(self._answer(msg, TOKENIZE_TEXT_REQUEST, TOKENIZE_TEXT_REPLY, TokenizeTextReply,
+        self.spawn(self._answer(msg, TOKENIZE_TEXT_CHANNEL, TokenizeTextReply,
                                 lambda request: tokenize_text(self.preparer, self.tokenizer, request)))
 
     async def _on_detokenize_tokens(self, msg: Msg) -> None:
         """vLLM's /detokenize (``tokens.py``)."""
-        self.spawn(self._answer(msg, DETOKENIZE_TOKENS_REQUEST, DETOKENIZE_TOKENS_REPLY, DetokenizeTokensReply,
+        self.spawn(self._answer(msg, DETOKENIZE_TOKENS_CHANNEL, DetokenizeTokensReply,
                                 lambda request: detokenize_tokens(self.preparer.vocab_size, self.tokenizer, request)))
 
-    async def _answer(self, msg: Msg, request_codec, reply_codec, reply_type, work) -> None:
+    async def _answer(self, msg: Msg, channel: Channel, reply_type, work) -> None:
         """Decode, run ``work`` off the event loop, reply; a bad message or a failure is an
         error reply, never a dead handler."""
         try:
-            reply = await asyncio.to_thread(work, request_codec.decode(msg.data))
+            reply = await asyncio.to_thread(work, channel.decode(msg.data))
         except msgspec.DecodeError as e:
             reply = reply_type(error=ErrorInfo(f"malformed request: {e}"))
         except Exception as e:
             logger.exception("%s failed", msg.subject)
             reply = reply_type(error=ErrorInfo(f"tokenizing failed: {e}", type="internal_error", status=500))
         if msg.reply:
-            await msg.respond(reply_codec.encode(reply))
+            await respond(msg, channel, reply)
 
     async def _on_tokenize(self, msg: Msg) -> None:
         # One task per request: a long prompt never holds up the subject.
@@ -127,7 +120,7 @@ class TokenizerService(Service):
         if reply.error is not None or any(c.error is not None for c in reply.choices):
             self.num_rejected += 1
         if msg.reply:
-            await msg.respond(TOKENIZE_REPLY.encode(reply))
+            await respond(msg, TOKENIZE_CHANNEL, reply)
         else:
             logger.warning("tokenize request without a reply subject")
 
@@ -136,7 +129,7 @@ class TokenizerService(Service):
         never raises."""
         self.num_requests += 1
         try:
-            request = TOKENIZE_REQUEST.decode(data)
+            request = TOKENIZE_CHANNEL.decode(data)
         except msgspec.DecodeError as e:
             logger.warning("malformed tokenize request: %s", e)
             return TokenizeReply(error=ErrorInfo(f"malformed request: {e}"))
@@ -156,9 +149,7 @@ class TokenizerService(Service):
         """Hand one sample to a scheduler: its answer (the engine that queued the request,
         or its refusal), or a 503 when none answers."""
         try:
-            msg = await self.nc.request(
-                ENGINE_REQUESTS, ENGINE_REQUEST.encode(engine_request), timeout=self.scheduler_timeout
-            )
+            return await self.request(ENGINE_REQUESTS_CHANNEL, engine_request, timeout=self.scheduler_timeout)
         except NoRespondersError:
             logger.warning("%s: %s (no responders)", engine_request.request_id, NO_SCHEDULER)
             return no_scheduler(engine_request)
@@ -167,4 +158,3 @@ class TokenizerService(Service):
                 "%s: %s (no answer within %.1fs)", engine_request.request_id, NO_SCHEDULER, self.scheduler_timeout
             )
             return no_scheduler(engine_request)
-        return ENGINE_REQUEST_REPLY.decode(msg.data)

@@ -25,19 +25,14 @@ from shared.config import (CacheConfig, ConfigError, KVTransferConfig, LoRAConfi
                            SchedulerConfig)
 from shared.kv_transfer_faults import KVTransferFaults
 from shared.protocol import (
-    LORA_ADAPTERS,
-    LORA_ADAPTERS_MSG,
-    MODEL_RUNNER_OUTPUT,
-    SCHEDULER_OUTPUT,
-    WORKER_READY,
-    WORKER_RETIRE,
+    LORA_ADAPTERS_CHANNEL,
+    STEP_CHANNEL,
+    STEP_RESULT_CHANNEL,
+    WORKER_HELLO_CHANNEL,
+    WORKER_READY_CHANNEL,
+    WORKER_RETIRE_CHANNEL,
     ModelRunnerOutput,
     WorkerReady,
-    engine_hello_subject,
-    engine_ready_subject,
-    engine_result_subject,
-    engine_retire_subject,
-    engine_step_subject,
 )
 
 from shared.step_profile import NULL_CLOCK, WORKER_PHASES, PhaseClock
@@ -95,10 +90,11 @@ class WorkerService(Service):
         # pool, and once two pools exist every op runs ~1.7x slower on 2 cores.
         self.runner = self._executor.submit(build_runner).result()
         self._sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else None
-        self._result_subject = engine_result_subject(engine_id)
         self._incarnation = ""  # of the scheduler whose steps this worker follows
         self._last_step = time.monotonic()
         self._heap_trimmed = False
+        self.num_steps = 0
+        self.num_sampled_tokens = 0
         # P/D: serves this rank's held KV blocks and pulls others' (None: no KV transfer).
         self.kv_connector: KVConnectorWorker | None = None
         if kv_transfer_config.kv_role:
@@ -109,7 +105,8 @@ class WorkerService(Service):
                                                   kv_transfer_config, KVTransferFaults.from_env())
 
     def info(self) -> dict:
-        return {"engine_id": self.engine_id, "rank": self.rank}
+        return {"engine_id": self.engine_id, "rank": self.rank, "num_steps": self.num_steps,
+                "num_sampled_tokens": self.num_sampled_tokens}
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(
@@ -125,18 +122,18 @@ class WorkerService(Service):
         )
 
     async def setup(self) -> None:
-        await self.subscribe(engine_step_subject(self.engine_id), self._on_step)
-        await self.subscribe(engine_hello_subject(self.engine_id), self._on_hello)
-        await self.subscribe(engine_retire_subject(self.engine_id), self._on_retire)
+        await self.subscribe(STEP_CHANNEL.subject(self.engine_id), self._on_step)
+        await self.subscribe(WORKER_HELLO_CHANNEL.subject(self.engine_id), self._on_hello)
+        await self.subscribe(WORKER_RETIRE_CHANNEL.subject(self.engine_id), self._on_retire)
         if self.runner.lora is not None:
-            await self.subscribe(LORA_ADAPTERS, self._on_lora_adapters)
+            await self.subscribe(LORA_ADAPTERS_CHANNEL.subject(), self._on_lora_adapters)
         if self.kv_connector is not None:
             await self.kv_connector.setup()
         await self._announce()
         self.spawn(self._heartbeat())
         self.spawn(self._trim_heap_when_idle())
         if self.world_size > 1:
-            await self.subscribe(engine_ready_subject(self.engine_id), self._watch_peers)
+            await self.subscribe(WORKER_READY_CHANNEL.subject(self.engine_id), self._watch_peers)
             self.spawn(self._check_peers())
 
     async def _heartbeat(self) -> None:
@@ -155,13 +152,13 @@ class WorkerService(Service):
                 await loop.run_in_executor(self._executor, trim_heap)
 
     async def _announce(self) -> None:
-        await self.nc.publish(engine_ready_subject(self.engine_id), WORKER_READY.encode(self.ready_message()))
+        await self.publish(WORKER_READY_CHANNEL, self.ready_message(), self.engine_id)
 
     async def _on_hello(self, msg: Msg) -> None:
         await self._announce()
 
     async def _on_retire(self, msg: Msg) -> None:
-        retire = WORKER_RETIRE.decode(msg.data)
+        retire = WORKER_RETIRE_CHANNEL.decode(msg.data)
         if self.instance_id in retire.instance_ids:
             self.fail("retired by the scheduler: its tensor-parallel group failed")
 
@@ -169,7 +166,7 @@ class WorkerService(Service):
         """Read a LoRA adapter loaded at runtime ahead of its first request (a background
         read, queued on the forward thread only to touch the runner's state there); an
         unloaded one is no longer pinned."""
-        change = LORA_ADAPTERS_MSG.decode(msg.data)
+        change = LORA_ADAPTERS_CHANNEL.decode(msg.data)
         loop = asyncio.get_running_loop()
         for lora in change.loaded:
             await loop.run_in_executor(self._executor, self.runner.lora.prefetch, lora)
@@ -178,7 +175,7 @@ class WorkerService(Service):
 
     async def _on_step(self, msg: Msg) -> None:
         clock = PhaseClock(self._sync) if self.profile else NULL_CLOCK
-        scheduler_output = SCHEDULER_OUTPUT.decode(msg.data)
+        scheduler_output = STEP_CHANNEL.decode(msg.data)
         clock.lap("unpack")
         # A step of an earlier scheduler incarnation (delivered late, or from a scheduler
         # that has since restarted) must not touch the state the current one built; a
@@ -204,11 +201,13 @@ class WorkerService(Service):
             logger.exception("engine %s rank %d: step %d failed", self.engine_id, self.rank, scheduler_output.step_id)
             output = ModelRunnerOutput(step_id=scheduler_output.step_id, error=f"{type(e).__name__}: {e}")
         output.incarnation = scheduler_output.incarnation
+        self.num_steps += 1
+        self.num_sampled_tokens += sum(map(len, output.sampled_token_ids))
         if self.kv_connector is not None and self.rank == 0:
             output.finished_recving, output.failed_recving, output.kv_bytes_recvd = self.kv_connector.take_finished()
         self._last_step, self._heap_trimmed = time.monotonic(), False
         if self.rank == 0:
-            await self.nc.publish(self._result_subject, MODEL_RUNNER_OUTPUT.encode(output))
+            await self.publish(STEP_RESULT_CHANNEL, output, self.engine_id)
         if output.error and self.world_size > 1:
             # The ranks' collectives are out of step now: the group must restart whole.
             await flush_in_order(self.nc)
@@ -216,7 +215,7 @@ class WorkerService(Service):
 
     async def _watch_peers(self, msg: Msg) -> None:
         """Under TP, a peer rank that restarted or went silent breaks the process group."""
-        ready = WORKER_READY.decode(msg.data)
+        ready = WORKER_READY_CHANNEL.decode(msg.data)
         if ready.rank == self.rank or ready.world_size != self.world_size:
             return
         known = self._peers.get(ready.rank)

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from services.gateway.uvicorn_runner import GatewayServer
 from shared.config import LoRAConfig
-from shared.lora import ProjectionShapes
+from shared.lora_shapes import ProjectionShapes
 from shared.model_config import default_model_path, load_model_config
 
 from tests.lora_reference import write_gguf_lora

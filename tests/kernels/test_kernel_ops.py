@@ -30,6 +30,7 @@ def test_float32_hf_order_picks_the_float32_elementwise_kernels():
     assert get_kernel_ops("triton", float32_hf_order=False).name == "triton"
 
 
+@pytest.mark.cuda
 def test_auto_follows_cuda():
     expected = "triton" if torch.cuda.is_available() else "torch"
     assert get_kernel_ops().name == expected

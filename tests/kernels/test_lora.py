@@ -6,10 +6,15 @@ import torch
 
 from kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.cuda
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
-# (tokens, slots, rank, in, out): the fused qkv at rank 16 with 3 sub-modules, ragged sizes.
-SHAPES = [(7, 3, 48, 576, 960), (33, 8, 8, 130, 70), (1, 1, 16, 64, 32)]
+# (tokens, slots, rank, in, out): the fused qkv at rank 16 with 3 sub-modules, ragged sizes;
+# on a GPU also a prefill-sized step over Llama-3.2-1B's fused qkv at rank 64.
+SHAPES = [(7, 3, 48, 576, 960), (33, 8, 8, 130, 70), (1, 1, 16, 64, 32)] + (
+    [(300, 8, 64, 2048, 3072)] if ON_CUDA else [])
 
 
 def case(num_tokens, num_slots, rank, in_features, out_features, dtype, seed=0):

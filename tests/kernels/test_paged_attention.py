@@ -8,6 +8,8 @@ from kernels.paged_attention import paged_attention_triton
 from kernels.paged_attention_torch import paged_attention_ref
 from tests.kernels.paged_batch import HEAD_CONFIGS, ON_CUDA, make_batch, mixed_lens, poisoned_out
 
+pytestmark = pytest.mark.cuda
+
 # Under TRITON_INTERPRET=1, tl.dot on bf16 reinterprets the bits (numpy has no bf16), so bf16
 # runs only on CUDA; fp16 covers the half-precision path on CPU.
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])

@@ -85,15 +85,27 @@ def test_cpu_products_read_strided_rows_and_keep_bfloat16():
     torch.testing.assert_close(got, ql.int4_linear_ref(xb, packed, scales, offsets), atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 70, 64), (19, 64, 96)])
-def test_triton_products_match_the_references(m, n, k):
+# On a GPU also products over many tiles: a decode batch and a prompt chunk of SmolLM2's MLP.
+TRITON_SHAPES = [(1, 70, 64), (19, 64, 96)] + ([(32, 1536, 576), (300, 577, 1536)] if ON_CUDA else [])
+# Half-precision activations: the kernel computes in float32 as the reference does, so the
+# two results are the same half value except where their float32 sums straddle a rounding
+# boundary (one unit in the last place).
+HALF_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k", TRITON_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_products_match_the_references(m, n, k, dtype):
     device = "cuda" if ON_CUDA else "cpu"
-    x = torch.randn(m, k, device=device)
+    x = torch.randn(m, k, device=device).to(dtype)
+    atol, rtol = (ATOL, RTOL) if dtype == torch.float32 else (HALF_TOLERANCE[dtype], HALF_TOLERANCE[dtype])
     packed, scales, offsets = int4_weight(n, k, device=device)
-    torch.testing.assert_close(ql.int4_linear_triton(x, packed, scales, offsets),
-                               ql.int4_linear_ref(x, packed, scales, offsets), atol=ATOL, rtol=RTOL)
+    got = ql.int4_linear_triton(x, packed, scales, offsets)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, ql.int4_linear_ref(x, packed, scales, offsets), atol=atol, rtol=rtol)
     q, s = int8_weight(n, k, device=device)
-    torch.testing.assert_close(ql.int8_linear_triton(x, q, s), ql.int8_linear_ref(x, q, s), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(ql.int8_linear_triton(x, q, s), ql.int8_linear_ref(x, q, s), atol=atol, rtol=rtol)
 
 
 def test_pytorchs_int4pack_takes_a_q4_1_block_with_zero_min_plus_8_scales():

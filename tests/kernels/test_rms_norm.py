@@ -12,6 +12,7 @@ SHAPES = [(1, 576), (257, 4096), (33, 5120)] if ON_CUDA else [(1, 576), (7, 96),
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("num_tokens,hidden_size", SHAPES)
 @pytest.mark.parametrize("dtype", list(TOLERANCES))
 def test_triton_matches_reference(num_tokens, hidden_size, dtype):
@@ -24,6 +25,7 @@ def test_triton_matches_reference(num_tokens, hidden_size, dtype):
     torch.testing.assert_close(got, rms_norm_ref(x, weight, 1e-5), rtol=tol, atol=tol)
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("num_tokens,hidden_size", SHAPES)
 @pytest.mark.parametrize("dtype", list(TOLERANCES))
 def test_triton_with_residual_matches_reference(num_tokens, hidden_size, dtype):

@@ -71,6 +71,7 @@ def test_reference_matches_rotate_half(shape):
     torch.testing.assert_close(k3, expected_k, rtol=0, atol=0)
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", list(TOLERANCES))
 def test_triton_matches_reference(shape, dtype):
@@ -89,6 +90,7 @@ def test_triton_matches_reference(shape, dtype):
     torch.testing.assert_close(qkv, expected_qkv, rtol=tol, atol=tol)
 
 
+@pytest.mark.cuda
 def test_triton_takes_three_dim_heads():
     positions, _, q, k = make_qkv(6, 4, 2, 64, torch.float32)
     cache = compute_cos_sin_cache(64, MAX_POSITION, 10000.0).to(DEVICE)

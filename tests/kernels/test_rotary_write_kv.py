@@ -94,14 +94,20 @@ def test_cpu_path_refuses_out_of_range_and_writes_nothing(bad):
     assert all(torch.equal(a, b) for a, b in zip(before, (qkv, key_cache, value_cache)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_matches_reference(dtype):
+# On a GPU also a prefill chunk of Llama-3-8B's heads over many blocks.
+TRITON_SHAPES = [(7, 4, 2, 64, 4, 6)] + ([(300, 32, 8, 128, 16, 40)] if ON_CUDA else [])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", TRITON_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_matches_reference(shape, dtype):
     device = "cuda" if ON_CUDA else "cpu"
-    shape = (7, 4, 2, 64, 4, 6)
+    head_dim = shape[3]
     expected = make_inputs(*shape, dtype, seed=5, device=device)
     got = make_inputs(*shape, dtype, seed=5, device=device)
-    run(rotary_write_kv_ref, *expected, 64)
-    run(rotary_write_kv_triton, *got, 64)
+    run(rotary_write_kv_ref, *expected, head_dim)
+    run(rotary_write_kv_triton, *got, head_dim)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for want, have in zip((expected[1], expected[3], expected[4]), (got[1], got[3], got[4])):
         torch.testing.assert_close(have, want, rtol=tol, atol=tol)

@@ -13,6 +13,7 @@ SHAPES = [(1, 1536), (257, 14336), (64, 11008)] if ON_CUDA else [(1, 1536), (5, 
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("num_tokens,intermediate_size", SHAPES)
 @pytest.mark.parametrize("dtype", list(TOLERANCES))
 def test_triton_matches_reference(num_tokens, intermediate_size, dtype):

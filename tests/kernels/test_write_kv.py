@@ -30,6 +30,7 @@ def make_inputs(num_tokens, num_blocks, block_size, num_kv_heads, head_dim, dtyp
     return key, value, key_cache, value_cache, slots.to(DEVICE)
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_matches_reference(shape, dtype):
@@ -41,7 +42,7 @@ def test_triton_matches_reference(shape, dtype):
     torch.testing.assert_close(value_cache, expected_v, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("write_kv", [write_kv_ref, write_kv_triton])
+@pytest.mark.parametrize("write_kv", [write_kv_ref, pytest.param(write_kv_triton, marks=pytest.mark.cuda)])
 def test_matches_per_token_loop_and_skips_negative_slots(write_kv):
     key, value, key_cache, value_cache, slots = make_inputs(11, 6, 4, 3, 64, torch.float32)
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
@@ -55,7 +56,7 @@ def test_matches_per_token_loop_and_skips_negative_slots(write_kv):
     torch.testing.assert_close(value_cache, expected_v, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("write_kv", [write_kv_ref, write_kv_triton])
+@pytest.mark.parametrize("write_kv", [write_kv_ref, pytest.param(write_kv_triton, marks=pytest.mark.cuda)])
 def test_all_negative_slots_write_nothing(write_kv):
     key, value, key_cache, value_cache, _ = make_inputs(5, 4, 4, 2, 64, torch.float32)
     before_k, before_v = key_cache.clone(), value_cache.clone()

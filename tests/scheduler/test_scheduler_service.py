@@ -207,7 +207,7 @@ async def test_an_abort_that_overtakes_its_request_is_remembered(bus):
     await nc.publish(engine_abort_subject(GATEWAY), ABORT_REQUEST.encode(AbortRequest(["late"])))
     await nc.publish(engine_abort_subject("other"), ABORT_REQUEST.encode(AbortRequest(["theirs"])))
     await flush_in_order(nc)
-    await wait_for(lambda: (GATEWAY, "late") in service._early_aborts and ("other", "theirs") in service._early_aborts)
+    await wait_for(lambda: (GATEWAY, "late") in service.intake.early_aborts and ("other", "theirs") in service.intake.early_aborts)
     error = await submit(nc, "late")
     assert error is not None and error.type == "request_aborted"
     assert not service.scheduler.has_unfinished_requests()
@@ -273,7 +273,7 @@ async def test_a_silent_worker_keeps_requests_until_it_is_back_then_resumes_them
     await wait_for(lambda: len(worker.steps) > 3)
     worker.beating = worker.answering = False  # it died
     await wait_for(lambda: not service.ready)
-    assert [r.request_id for r in service._resumable] == ["long"]
+    assert [r.request_id for r in service.recovery.resumable] == ["long"]
     error = await submit(nc, "after")
     assert error.status == 503
     while not outputs.empty():  # what was reported before it died
@@ -327,7 +327,7 @@ async def test_a_worker_error_fails_the_requests_and_the_engine_goes_on(bus):
     assert await submit(nc, "poison") is None
     failed = await first_error(outputs)
     assert failed.request_id == "poison" and "boom" in failed.error
-    assert service._resumable == []
+    assert service.recovery.resumable == []
     await sub.unsubscribe()
     worker.answering = True
     await wait_for(lambda: service.ready)
@@ -461,7 +461,7 @@ async def test_a_retried_request_is_queued_once(bus):
 
 
 async def test_a_request_resumes_at_most_max_resumes_times(bus):
-    from services.scheduler.service import MAX_RESUMES
+    from services.scheduler.recovery import MAX_RESUMES
 
     service, nc, outputs = bus
     worker = FakeWorker(nc)
@@ -568,7 +568,7 @@ async def test_stop_strings_are_broadcast_once_and_answered_on_request(bus):
     reply = await nc.request(engine_stops_subject(ENGINE), query, timeout=5)
     # Finished lately, still known; an unknown id is left out.
     assert STOP_STRINGS.decode(reply.data).added == [RequestStopStrings("s1", stop)]
-    assert service.num_stop_queries == 1
+    assert service.stops.num_queries == 1
     await nc.publish(engine_resend_subject("gw"), RESEND_OUTPUTS.encode(ResendOutputs("s1", 1)))
     resent = await asyncio.wait_for(outputs.get(), 5)
     assert resent.request_id == "s1" and resent.stop == stop and not resent.has_stop
@@ -576,7 +576,7 @@ async def test_stop_strings_are_broadcast_once_and_answered_on_request(bus):
 
 
 async def test_a_query_is_answered_in_parts_that_fit_a_message(bus, monkeypatch):
-    import services.scheduler.service as scheduler_service
+    import services.scheduler.stop_strings_broadcast as stop_strings_broadcast
 
     service, nc, _ = bus
     worker = await ready_worker(service, nc, answering=False)
@@ -584,7 +584,7 @@ async def test_a_query_is_answered_in_parts_that_fit_a_message(bus, monkeypatch)
         request = EngineRequest(req_id, list(range(100, 110)), SamplingParams(max_tokens=3, stop=["x" * 10]))
         reply = await nc.request(ENGINE_REQUESTS, ENGINE_REQUEST.encode(request), timeout=5)
         assert ENGINE_REQUEST_REPLY.decode(reply.data).error is None
-    monkeypatch.setattr(scheduler_service, "STOP_STRINGS_MESSAGE_CHARS", 25)
+    monkeypatch.setattr(stop_strings_broadcast, "STOP_STRINGS_MESSAGE_CHARS", 25)
     query = STOP_STRINGS_QUERY.encode(StopStringsQuery(["q1", "gone", "q2", "q3"]))
     reply = await nc.request(engine_stops_subject(ENGINE), query, timeout=5)
     assert [e.request_id for e in STOP_STRINGS.decode(reply.data).added] == ["q1", "q2"]
@@ -592,16 +592,16 @@ async def test_a_query_is_answered_in_parts_that_fit_a_message(bus, monkeypatch)
 
 
 async def test_a_big_broadcast_is_sent_in_messages_that_fit(bus, monkeypatch):
-    import services.scheduler.service as scheduler_service
+    import services.scheduler.stop_strings_broadcast as stop_strings_broadcast
 
     service, nc, _ = bus
     sub = await nc.subscribe(DETOKENIZE_STOPS)
     await flush_in_order(nc)
-    monkeypatch.setattr(scheduler_service, "STOP_STRINGS_MESSAGE_CHARS", 25)
-    service._stops_added = [RequestStopStrings(f"b{i}", ["x" * 10]) for i in range(5)]
-    service._stops_finished = ["old"]
-    await service._broadcast_stop_strings()
-    await service._broadcast_stop_strings()  # nothing new: nothing sent
+    monkeypatch.setattr(stop_strings_broadcast, "STOP_STRINGS_MESSAGE_CHARS", 25)
+    service.stops.added = [RequestStopStrings(f"b{i}", ["x" * 10]) for i in range(5)]
+    service.stops.finished = ["old"]
+    await service.stops.send()
+    await service.stops.send()  # nothing new: nothing sent
     messages = []
     while True:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,9 @@ MAX_AGE = "1"  # seconds; the test service beats every 0.1 s
 
 class IdleService(Service):
     name = "idle"
+
+    def info(self) -> dict:
+        return {"num_requests": 3}
 
 
 @contextlib.contextmanager
@@ -75,6 +79,17 @@ def test_fresh_while_connected_stale_once_the_bus_is_lost(tmp_path):
             assert check.returncode == 1 and "unhealthy" in check.stderr
     finally:
         server.stop()
+
+
+def test_the_file_holds_what_a_ping_answers_and_show_prints_it(tmp_path):
+    path = str(tmp_path / "heartbeat")
+    with NatsServer() as server, service_in_thread(server.url, path) as (service, _):
+        wait_until(lambda: healthy(path))
+        env = {**os.environ, "HEARTBEAT_FILE": path, "PYTHONPATH": str(ROOT)}
+        check = subprocess.run([sys.executable, "-m", "shared.healthcheck", "--show"], env=env, cwd=ROOT,
+                               capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0, check.stderr
+        assert json.loads(check.stdout) == {"service": "idle", "instance_id": service.instance_id, "num_requests": 3}
 
 
 def test_stale_while_the_event_loop_is_blocked(tmp_path):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from shared.chat_template import read_chat_template
 from shared.config import ConfigError
 from shared.protocol import SamplingParams, TokenizeRequest
 from shared.request_preparation import RequestPreparer, tokenize_chat
-from shared.tokenizer import read_chat_template
 from shared.tool_template import template_handles_tools
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -15,14 +15,21 @@ from shared.kv_transfer_faults import KVTransferFaults
 from shared.protocol import KV_LOADS_DONE, KVLoadsDone, engine_kv_loaded_subject
 
 
+# The GPU's copy path (torch's index_select / index_copy_ on the device) where there is one.
+ON_CUDA_OR_SKIPPED = pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA_OR_SKIPPED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocks_move_between_caches_exactly(dtype):
-    src = allocate_kv_caches(10, 4, 2, 8, 3, dtype, torch.device("cpu"))
-    dst = allocate_kv_caches(10, 4, 2, 8, 3, dtype, torch.device("cpu"))
+def test_blocks_move_between_caches_exactly(dtype, device):
+    src = allocate_kv_caches(10, 4, 2, 8, 3, dtype, torch.device(device))
+    dst = allocate_kv_caches(10, 4, 2, 8, 3, dtype, torch.device(device))
     for k, v in src:
         k.copy_(torch.randn(k.shape).to(dtype))
         v.copy_(torch.randn(v.shape).to(dtype))
     source, target = KVBlockIO(src), KVBlockIO(dst)
+    assert source.on_cpu == (device == "cpu")
     data = source.gather([7, 2, 5], first_layer=1, num_layers=2)
     assert len(data) == source.chunk_bytes(3, 2) == 3 * 2 * 2 * 4 * 2 * 8 * dtype.itemsize
     target.scatter([0, 9, 4], 1, 2, data)

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.worker.lora.adapter import load_lora_adapter
-from shared.lora import LoRAAdapterError, check_lora_adapter, lora_scaling
+from shared.lora import check_lora_adapter, lora_scaling
+from shared.lora_shapes import LoRAAdapterError
 from tests.lora_reference import make_peft_adapter
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

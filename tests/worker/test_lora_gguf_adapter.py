@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from services.worker.lora.adapter import load_lora_adapter
-from shared.lora import LoRAAdapterError, check_lora_adapter
+from shared.lora import check_lora_adapter
+from shared.lora_shapes import LoRAAdapterError
 from shared.model_config import default_model_path, load_model_config
 from tests.lora_reference import make_peft_adapter, write_gguf_lora
 from tests.worker.test_lora_adapter import ALL_TARGETS, assert_refused, tiny_config, tiny_hf  # noqa: F401 (fixtures)

@@ -40,22 +40,18 @@ from nats.errors import Error as NatsError
 
 from shared.config import KVTransferConfig
 from shared.kv_transfer_faults import KVTransferFaults
+from shared.bus import publish, request, respond
 from shared.protocol import (
-    KV_CHUNK,
-    KV_CONNECTOR_METADATA,
-    KV_LOADS_DONE,
-    KV_PULL,
-    KV_RECV_DONE,
+    KV_LOADS_DONE_CHANNEL,
+    KV_PULL_CHANNEL,
+    KV_RECV_DONE_CHANNEL,
+    KV_SERVE_CHANNEL,
     KVChunk,
     KVConnectorMetadata,
     KVLoadsDone,
     KVPull,
     KVRecvDone,
     KVRecvSpec,
-    engine_kv_loaded_subject,
-    engine_kv_pull_subject,
-    engine_kv_recvd_subject,
-    engine_kv_serve_subject,
 )
 
 from .block_io import KVBlockIO
@@ -101,10 +97,10 @@ class KVConnectorWorker:
         self._pushed_failed: set[str] = set()
 
     async def setup(self) -> None:
-        await self.service.subscribe(engine_kv_pull_subject(self.engine_id, self.rank), self._on_pull)
-        await self.service.subscribe(engine_kv_serve_subject(self.engine_id), self._on_serve)
+        await self.service.subscribe(KV_PULL_CHANNEL.subject(self.engine_id, self.rank), self._on_pull)
+        await self.service.subscribe(KV_SERVE_CHANNEL.subject(self.engine_id), self._on_serve)
         if self.rank == 0 and self.world_size > 1:
-            await self.service.subscribe(engine_kv_recvd_subject(self.engine_id), self._on_recv_done)
+            await self.service.subscribe(KV_RECV_DONE_CHANNEL.subject(self.engine_id), self._on_recv_done)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -142,7 +138,7 @@ class KVConnectorWorker:
         """Serve held requests now, ahead of the step that says so too (the forward thread
         may be in a long prefill): only ever adds blocks that are held, never reused ones."""
         with self._lock:
-            self._start_serving(KV_CONNECTOR_METADATA.decode(msg.data).reqs_to_send)
+            self._start_serving(KV_SERVE_CHANNEL.decode(msg.data).reqs_to_send)
 
     def _start_serving(self, specs) -> None:
         for spec in specs:
@@ -195,21 +191,21 @@ class KVConnectorWorker:
             return  # the next step's result carries them
         done = KVLoadsDone(self._incarnation, finished, failed, num_bytes)
         try:
-            await self.service.nc.publish(engine_kv_loaded_subject(self.engine_id), KV_LOADS_DONE.encode(done))
+            await publish(self.service.nc, KV_LOADS_DONE_CHANNEL, done, self.engine_id)
         except NatsError as e:  # the next step's result repeats them
             logger.warning("engine %s: ended loads not pushed to the scheduler: %r", self.engine_id, e)
 
     # ------------------------------------------------------------------ serving
 
     async def _on_pull(self, msg) -> None:
-        pull = KV_PULL.decode(msg.data)
+        pull = KV_PULL_CHANNEL.decode(msg.data)
         if self.faults.drops_chunk(pull.req_id):
             return  # test-only fault: the decode side times out
         if self.faults.chunk_delay(pull.req_id):
             await asyncio.sleep(self.faults.chunk_delay(pull.req_id))
         loop = asyncio.get_running_loop()
         chunk = await loop.run_in_executor(self._executor, self._serve, pull)
-        await msg.respond(KV_CHUNK.encode(chunk))
+        await respond(msg, KV_PULL_CHANNEL, chunk)
 
     def _serve(self, pull: KVPull) -> KVChunk:
         with self._lock:
@@ -251,11 +247,10 @@ class KVConnectorWorker:
         """Every chunk of the request's blocks into the cache; an error message, or ''."""
         nc = self.service.nc
         max_bytes = min(nc.max_payload - PAYLOAD_MARGIN, MAX_CHUNK_BYTES)
-        subject = engine_kv_pull_subject(spec.remote_engine_id, self.rank)
         loop = asyncio.get_running_loop()
         for chunk in plan_chunks(len(spec.block_ids), self.io.num_layers, self.io.layer_block_bytes, max_bytes):
-            pull = KV_PULL.encode(KVPull(spec.req_id, spec.remote_incarnation, spec.first_block + chunk.first_block,
-                                         chunk.num_blocks, chunk.first_layer, chunk.num_layers))
+            pull = KVPull(spec.req_id, spec.remote_incarnation, spec.first_block + chunk.first_block,
+                          chunk.num_blocks, chunk.first_layer, chunk.num_layers)
             while True:
                 if flag["cancelled"]:
                     return "cancelled"
@@ -263,7 +258,7 @@ class KVConnectorWorker:
                 if timeout <= 0:
                     return f"not done within {self.config.kv_transfer_timeout:g}s"
                 try:
-                    reply = KV_CHUNK.decode((await nc.request(subject, pull, timeout=timeout)).data)
+                    reply = await request(nc, KV_PULL_CHANNEL, pull, spec.remote_engine_id, self.rank, timeout=timeout)
                 except (NatsError, asyncio.TimeoutError) as e:
                     return f"chunk request failed: {e!r}"
                 if not reply.retry:
@@ -293,12 +288,12 @@ class KVConnectorWorker:
             return
         done = KVRecvDone(self.rank, [] if failed else [req_id], [req_id] if failed else [])
         try:
-            await self.service.nc.publish(engine_kv_recvd_subject(self.engine_id), KV_RECV_DONE.encode(done))
+            await publish(self.service.nc, KV_RECV_DONE_CHANNEL, done, self.engine_id)
         except NatsError as e:  # the scheduler's deadline recomputes the prompt
             logger.warning("%s: load end not reported to rank 0: %r", req_id, e)
 
     async def _on_recv_done(self, msg) -> None:
-        done = KV_RECV_DONE.decode(msg.data)
+        done = KV_RECV_DONE_CHANNEL.decode(msg.data)
         self._record(done.rank, done.finished, done.failed)
 
     def _record(self, rank: int, finished: list[str], failed: list[str]) -> None:

@@ -17,16 +17,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.lora import (
+from shared.lora import WEIGHTS_FILE, lora_scaling, parse_weight_name, read_adapter_config
+from shared.lora_shapes import (
     FUSED_PROJECTIONS,
-    WEIGHTS_FILE,
     MODULE_TO_PROJECTION,
     LoRAAdapterError,
     ProjectionShapes,
     check_module_shapes,
-    lora_scaling,
     module_pairs,
-    read_adapter_config,
 )
 from shared.model_config import ModelConfig
 
@@ -99,7 +97,7 @@ def _read_peft_pairs(path: str | Path, model_config: ModelConfig, max_rank: int)
     except (OSError, SafetensorError) as e:
         raise LoRAAdapterError(f"cannot read {WEIGHTS_FILE} of {str(path)!r}: {e}") from None
     shapes = ProjectionShapes.of(model_config)
-    pairs = module_pairs(tensors.items(), model_config.num_hidden_layers, path)
+    pairs = module_pairs(tensors.items(), model_config.num_hidden_layers, path, parse_weight_name)
     for (layer, module), pair in pairs.items():
         check_module_shapes(layer, module, pair["A"].shape, pair["B"].shape, rank, shapes)
     return rank, lora_scaling(config), {key: {k: _float32(t) for k, t in pair.items()} for key, pair in pairs.items()}

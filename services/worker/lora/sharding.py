@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.lora import ProjectionShapes
+from shared.lora_shapes import ProjectionShapes
 from shared.model_config import ModelConfig
 
 from ..parallel import ShardLayout

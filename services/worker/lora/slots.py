@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from shared.config import LoRAConfig
-from shared.lora import FUSED_PROJECTIONS, ProjectionShapes
+from shared.lora_shapes import FUSED_PROJECTIONS, ProjectionShapes
 from shared.model_config import ModelConfig
 from shared.protocol import LoRARequest
 

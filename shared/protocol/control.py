@@ -1,0 +1,142 @@
+"""Keeping the services together: membership, health, stats, restarts, LoRA adapters.
+
+    worker -> scheduler: WorkerReady (its announcement and heartbeat)
+    scheduler -> workers: hello (announce yourselves), WorkerRetire (exit)
+    scheduler -> anyone: EngineStats, every second
+    anyone -> a service: ping -> Pong
+    launcher -> gateways: ServiceRestarts
+    gateway -> gateways and workers: LoRAAdapters loaded and unloaded
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.protocol.codec import RAW, SUBJECT_PREFIX, Channel, Codec
+from shared.protocol.common import LoRARequest
+
+ENGINE_STATS = f"{SUBJECT_PREFIX}.engine.stats"
+PING = f"{SUBJECT_PREFIX}.ping"
+# The launcher publishes how often it restarted each service (gateways show it in /metrics).
+SERVICE_RESTARTS = f"{SUBJECT_PREFIX}.launcher.restarts"
+# LoRA adapters loaded / unloaded at runtime: a gateway broadcasts each change to every
+# gateway (their registries) and worker (which reads a loaded adapter ahead); a starting
+# gateway asks the others for their adapters (request/reply).
+LORA_ADAPTERS = f"{SUBJECT_PREFIX}.lora.adapters"
+LORA_LIST = f"{SUBJECT_PREFIX}.lora.list"
+
+
+class EngineStats(msgspec.Struct, omit_defaults=True):
+    """scheduler -> anyone (gateways for /metrics), published every second."""
+
+    engine_id: str
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage_perc: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    ready: bool = False
+    timestamp: float = 0.0
+    incarnation: str = ""
+    # Speculative decoding (vLLM's names): draft runs verified, their draft tokens, the
+    # accepted ones, and acceptances by draft position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # P/D (KVTransferConfig): the engine's role, requests whose prompt KV is being pulled,
+    # and the KV transfers so far (decode side: bytes pulled by every rank, seconds from
+    # hand-off to loaded summed over requests, loads, failed loads, recomputed prompts).
+    kv_role: str = ""
+    num_requests_waiting_for_remote_kv: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_requests: int = 0
+    kv_transfer_failures: int = 0
+    kv_transfer_fallbacks: int = 0
+    # LoRA (vLLM's lora_requests_info): names of the adapters with running / waiting
+    # requests, and --max-loras (0: LoRA off).
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
+    max_lora: int = 0
+
+
+class WorkerReady(msgspec.Struct, omit_defaults=True):
+    """worker -> scheduler: this rank is up, with its share of the KV cache."""
+
+    engine_id: str
+    rank: int
+    world_size: int
+    instance_id: str
+    num_blocks: int
+    max_model_len: int
+    block_size: int
+    vocab_size: int = 0  # the scheduler refuses token ids outside it (0: unknown)
+    # Per KV cache group, its sliding window (0: full attention); empty: one
+    # full-attention group (shared/kv_cache_groups.py).
+    sliding_windows: list[int] = []
+
+
+class WorkerRetire(msgspec.Struct, omit_defaults=True):
+    """scheduler -> workers: these instances belong to a failed TP group and must exit."""
+
+    engine_id: str
+    instance_ids: list[str]
+
+
+class ServiceRestarts(msgspec.Struct, omit_defaults=True):
+    """launcher -> gateways: restarts so far, by service process name (e.g. "worker-0")."""
+
+    counts: dict[str, int]
+
+
+class LoRAAdapters(msgspec.Struct, omit_defaults=True):
+    """gateway -> every gateway and worker on ``LORA_ADAPTERS``: adapters loaded and names
+    unloaded (idempotent: applying it twice changes nothing); also a gateway's answer on
+    ``LORA_LIST`` (``loaded`` only: all it serves)."""
+
+    loaded: list[LoRARequest] = []
+    unloaded: list[str] = []
+
+
+class Ping(msgspec.Struct, omit_defaults=True):
+    pass
+
+
+class Pong(msgspec.Struct, omit_defaults=True):
+    service: str
+    instance_id: str
+    info: dict = {}
+
+
+ENGINE_STATS_MSG = Codec(EngineStats)
+WORKER_READY = Codec(WorkerReady)
+WORKER_RETIRE = Codec(WorkerRetire)
+SERVICE_RESTARTS_MSG = Codec(ServiceRestarts)
+LORA_ADAPTERS_MSG = Codec(LoRAAdapters)
+PONG = Codec(Pong)
+
+ENGINE_STATS_CHANNEL = Channel(ENGINE_STATS, ENGINE_STATS_MSG)
+# Every replica of service ``{}`` answers health pings here (queue group).
+PING_CHANNEL = Channel(f"{PING}.{{}}", RAW, PONG)
+# Workers of engine ``{}`` announce themselves here (and answer the scheduler's hello).
+WORKER_READY_CHANNEL = Channel(f"{SUBJECT_PREFIX}.engine.{{}}.ready", WORKER_READY)
+# The scheduler asks every worker rank of its engine to announce itself (empty).
+WORKER_HELLO_CHANNEL = Channel(f"{SUBJECT_PREFIX}.engine.{{}}.hello", RAW)
+# The scheduler tells the ranks of a failed TP group to exit (and be restarted).
+WORKER_RETIRE_CHANNEL = Channel(f"{SUBJECT_PREFIX}.engine.{{}}.retire", WORKER_RETIRE)
+# The scheduler answers with its step profile summary (JSON, asked in JSON) when profiling.
+PROFILE_CHANNEL = Channel(f"{SUBJECT_PREFIX}.engine.{{}}.profile", RAW, RAW)
+SERVICE_RESTARTS_CHANNEL = Channel(SERVICE_RESTARTS, SERVICE_RESTARTS_MSG)
+LORA_ADAPTERS_CHANNEL = Channel(LORA_ADAPTERS, LORA_ADAPTERS_MSG)
+# A gateway's answer: ``loaded`` only, all it serves.
+LORA_LIST_CHANNEL = Channel(LORA_LIST, RAW, LORA_ADAPTERS_MSG)
+
+ping_subject = PING_CHANNEL.subject
+engine_ready_subject = WORKER_READY_CHANNEL.subject
+engine_hello_subject = WORKER_HELLO_CHANNEL.subject
+engine_retire_subject = WORKER_RETIRE_CHANNEL.subject
+engine_profile_subject = PROFILE_CHANNEL.subject
