@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tests.hf_reference import _save_tiny_tokenizer
+from tests.hf_reference import save_byte_level_tokenizer
 
 VOCAB = 320
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -65,5 +65,5 @@ def make_tiny_model(arch: str, folder: str | os.PathLike, seed: int = 0, lm_head
         if not config.tie_word_embeddings:
             model.lm_head.weight.mul_(lm_head_scale)
     model.save_pretrained(folder, safe_serialization=True)
-    _save_tiny_tokenizer(folder, VOCAB)
+    save_byte_level_tokenizer(folder, VOCAB)
     return folder
