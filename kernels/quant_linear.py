@@ -114,11 +114,13 @@ def dequantize_int4_cpu(packed: torch.Tensor, scales: torch.Tensor, offsets: tor
     return out
 
 
-def int8_linear_cpu(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ dequantize(q, scales).T`` -> ``[M, N]`` in x's dtype."""
+def int8_linear_cpu(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                    gemm_min_rows: int | None = CPU_DEQUANT_GEMM_MIN_ROWS) -> torch.Tensor:
+    """``x [M, K] @ dequantize(q, scales).T`` -> ``[M, N]`` in x's dtype; from ``gemm_min_rows``
+    rows on (None: never) through the dequantized weight's GEMM."""
     kernel = _cpu_kernel("int8_linear")
     rows = _rows(x)
-    if kernel is None or rows.shape[0] >= CPU_DEQUANT_GEMM_MIN_ROWS:
+    if kernel is None or (gemm_min_rows is not None and rows.shape[0] >= gemm_min_rows):
         return F.linear(rows, dequantize_int8_cpu(q, scales)).to(x.dtype)
     (n, k), m = q.shape, rows.shape[0]
     y = torch.empty(m, n)
@@ -128,11 +130,13 @@ def int8_linear_cpu(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> t
     return y.to(x.dtype)
 
 
-def int4_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ dequantize(packed, scales, offsets).T`` -> ``[M, N]`` in x's dtype."""
+def int4_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                    gemm_min_rows: int | None = CPU_DEQUANT_GEMM_MIN_ROWS) -> torch.Tensor:
+    """``x [M, K] @ dequantize(packed, scales, offsets).T`` -> ``[M, N]`` in x's dtype; from
+    ``gemm_min_rows`` rows on (None: never) through the dequantized weight's GEMM."""
     kernel = _cpu_kernel("int4_linear")
     rows = _rows(x)
-    if kernel is None or rows.shape[0] >= CPU_DEQUANT_GEMM_MIN_ROWS:
+    if kernel is None or (gemm_min_rows is not None and rows.shape[0] >= gemm_min_rows):
         return F.linear(rows, dequantize_int4_cpu(packed, scales, offsets)).to(x.dtype)
     n, k, m = packed.shape[0], packed.shape[1] * 2, rows.shape[0]
     y = torch.empty(m, n)

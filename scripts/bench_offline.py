@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="our engine's dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 dot products, else float32)")
     p.add_argument("--cpu-prepack", action=argparse.BooleanOptionalAction, default=True,
                    help="our engine's oneDNN-prepacked weights on CPU")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                   help="our engine's --batch-invariant (per-token attention, row-count-independent products)")
     p.add_argument("--hf-dtype", default="float32", help="HF's torch_dtype (float32: transformers' default)")
     p.add_argument("--only", choices=("both", "ours", "hf"), default="both")
     p.add_argument("--no-warmup", action="store_true")
@@ -80,7 +82,8 @@ def run_ours(model_path: str, prompts: list[list[int]], output_len: int, args) -
     need_blocks = sum((len(p) + output_len) // 16 + 2 for p in prompts)
     t0 = time.perf_counter()
     engine = Engine(
-        run_config=ModelRunConfig(model=model_path, dtype=args.dtype, cpu_prepack=args.cpu_prepack),
+        run_config=ModelRunConfig(model=model_path, dtype=args.dtype, cpu_prepack=args.cpu_prepack,
+                                  batch_invariant=args.batch_invariant),
         cache_config=CacheConfig(num_gpu_blocks=max(need_blocks, 256)),
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs or max(32, n),

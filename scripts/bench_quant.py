@@ -93,11 +93,13 @@ def fixed_text() -> str:
     return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
-def make_engine(path: str, quantization: str, dtype: str, max_num_seqs: int = 32, kv_cache_dtype: str = "auto"):
+def make_engine(path: str, quantization: str, dtype: str, max_num_seqs: int = 32, kv_cache_dtype: str = "auto",
+                batch_invariant: bool = True):
     from services.engine import Engine
     from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
 
-    return Engine(ModelRunConfig(model=path, quantization=quantization, dtype=dtype),
+    # The exact path picks its kernels by row count: batch invariance off (it takes one for all).
+    return Engine(ModelRunConfig(model=path, quantization=quantization, dtype=dtype, batch_invariant=batch_invariant),
                   CacheConfig(num_gpu_blocks=1024, kv_cache_dtype=kv_cache_dtype),
                   SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048))
 
@@ -320,7 +322,8 @@ def main(argv=None) -> int:
          linear.INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_VNNI) = (2**31, 2**31) if name.endswith("-exact") else default_min_rows
         linear.REPACK_TILES = not name.endswith("-exact")
         engine = make_engine(path, quantization, args.dtype,
-                             kv_cache_dtype="bfloat16" if name.endswith("-bf16kv") else "auto")
+                             kv_cache_dtype="bfloat16" if name.endswith("-bf16kv") else "auto",
+                             batch_invariant=not name.endswith("-exact"))
         row = {"file_bytes": os.path.getsize(path), "weight_bytes": engine.worker.model.weight_bytes()}
         row["weight_to_file"] = row["weight_bytes"] / row["file_bytes"]
         if not args.speed_only:

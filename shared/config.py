@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 
 from shared.config_error import ConfigError
+from shared.cpu_sets import check_bind
 
 
 def setting(default, help: str):
@@ -212,8 +213,9 @@ class ModelRunConfig:
     dtype: str = setting("auto", "auto|float32|bfloat16|float16 (auto: bfloat16 on CUDA and on CPUs with native bf16 dot products, else float32)")
     device: str = setting("auto", "auto|cpu|cuda|cuda:N")
     kernel_backend: str = setting("auto", "auto|torch|triton")
-    # CPU: reorder weight matrices once for oneDNN (services/worker/linear.py).
-    cpu_prepack: bool = setting(True, "CPU: oneDNN-prepacked weight matrices")
+    # CPU: services/worker/linear.py weight_packer.
+    cpu_prepack: bool = setting(True, "CPU: float weight matrices laid out once for their products (oneDNN's "
+                                      "prepacking, or the batch-invariant kernel's tiles); off: F.linear")
     # vLLM's flag name; services/worker/layers/linear.py, shared/gguf_quants.py. auto by
     # default: on the benchmark CPU the quantized products (int8 activations from 4 rows on)
     # are ~1.8x bfloat16 oneDNN's at 1 row and 1.0-1.3x from 8 rows on, in 1/3 of the
@@ -237,8 +239,35 @@ class ModelRunConfig:
                    "when other processes share the cores) | active (it spins); GOMP_SPINCOUNT, if set, overrides "
                    "the spin time of any of them")
 
+    # services/worker/cpu_binding.py; scripts/serve gives each of several workers its share.
+    cpu_omp_threads_bind: str = setting(
+        "auto", "CPU: the cores this worker's threads run on (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto|nobind (every "
+                "core it may use), a list such as 0-3,8, or one list per TP rank separated by | (rank r takes "
+                "entry r); its OpenMP pool gets one thread per core")
+
+    # On by default: it costs no throughput here (docs/BENCHMARKS.md, "Batch invariance"). vLLM's
+    # counterpart is the opt-in VLLM_BATCH_INVARIANT; kernels/paged_attention_torch.py, services/worker/linear.py.
+    batch_invariant: bool = setting(
+        True, "CPU: a request's tokens do not depend on the other requests in its steps nor on how its prompt "
+              "was chunked or cached (every query token attended alone, products computed row by row in one "
+              "order); off: attention of prompt chunks by padded SDPA calls and products chosen by row count")
+
+    # services/worker/model_runner.py. A batch-1 decode step is a chain of small products and
+    # kernels that a second thread barely speeds up (SmolLM2-135M here: 6.5 ms against 6.9 at
+    # best, docs/BENCHMARKS.md), while the rest of the stack (scheduler, bus, detokenizer,
+    # gateway) needs a core for every token it streams.
+    cpu_single_thread_max_tokens: int = setting(
+        1, "CPU: steps of at most this many tokens (decoding one request) run on one thread, the other "
+           "cores left to the stack's other services; 0: every step on all threads")
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "omp_wait_policy", self.omp_wait_policy.lower())
+        if self.cpu_single_thread_max_tokens < 0:
+            raise ConfigError(f"cpu_single_thread_max_tokens must be >= 0, got {self.cpu_single_thread_max_tokens}")
+        try:
+            check_bind(self.cpu_omp_threads_bind)
+        except ValueError as e:
+            raise ConfigError(f"cpu_omp_threads_bind {self.cpu_omp_threads_bind!r}: {e}") from None
         if self.omp_wait_policy not in OMP_WAIT_POLICIES:
             raise ConfigError(f"omp_wait_policy must be passive|active|default, got {self.omp_wait_policy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

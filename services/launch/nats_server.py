@@ -2,7 +2,9 @@
 
 Used by ``scripts/serve`` and by the tests, which each get a server on a free
 loopback port. The config raises ``max_payload`` to 8 MiB so long prompts fit in
-one message.
+one message. Given a ``Supervisor`` (the launcher's), the server is one of its children:
+killed, it is started again on the same port with the same users, and every service's
+connection (which retries forever, ``shared.bus``) comes back by itself.
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ import sysconfig
 import tempfile
 import time
 
-from services.launch.supervisor import die_with_parent
+from services.launch.supervisor import Supervisor, die_with_parent
 from shared.bus_auth import authorization_config, connect_credentials, new_passwords, user_env
 
 MAX_PAYLOAD = 8 * 1024 * 1024
+SUPERVISED_NAME = "nats-server"  # its name among a supervisor's children
+# Its restart backoff's cap: it starts in milliseconds and every service waits on it (a bus
+# down for the engines' heartbeat timeout, 5 s, fails their requests at the gateways).
+SUPERVISED_BACKOFF_MAX = 1.0
 
 
 def find_nats_server() -> str:
@@ -45,7 +51,7 @@ class NatsServer:
 
     def __init__(
         self, port: int = 0, host: str = "127.0.0.1", log_file: str | None = None, authenticated: bool = False,
-        gateway_ids=(),
+        gateway_ids=(), supervisor: Supervisor | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
@@ -61,12 +67,24 @@ class NatsServer:
             f.write(f"host: {host}\nport: {self.port}\nmax_payload: {MAX_PAYLOAD}\n")
             if self.passwords:
                 f.write(authorization_config(self.passwords))
-        log = open(log_file, "ab") if log_file else subprocess.DEVNULL
-        self.process = subprocess.Popen(
-            [find_nats_server(), "-c", config], stdout=log, stderr=log, start_new_session=True,
-            preexec_fn=die_with_parent(os.getpid()),
-        )
+        argv = [find_nats_server(), "-c", config]
+        self._supervisor = supervisor
+        if supervisor is not None:
+            supervisor.start(SUPERVISED_NAME, argv, dict(os.environ), self._dir, log_file or os.devnull,
+                             backoff_max=SUPERVISED_BACKOFF_MAX)
+        else:
+            log = open(log_file, "ab") if log_file else subprocess.DEVNULL
+            self._process = subprocess.Popen(
+                argv, stdout=log, stderr=log, start_new_session=True, preexec_fn=die_with_parent(os.getpid()),
+            )
         self._wait_ready()
+
+    @property
+    def process(self) -> subprocess.Popen:
+        """The server's process now (a supervised server's latest one)."""
+        if self._supervisor is not None:
+            return self._supervisor.children[SUPERVISED_NAME].process
+        return self._process
 
     def credentials(self, user: str) -> dict[str, str]:
         """``nats.connect`` keyword arguments for a client of ``user`` ({} without authentication)."""
@@ -91,6 +109,7 @@ class NatsServer:
         raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout}s")
 
     def stop(self) -> None:
+        """Stop the server (a supervisor's child too: the supervisor must be stopping)."""
         if self.process.poll() is None:
             self.process.terminate()
             try:

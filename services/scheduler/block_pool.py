@@ -12,9 +12,21 @@ cached under (KV cache group, block hash): the same tokens have other KV in each
 
 With sliding-window groups (``kv_cache_manager.py``) block 0 is the null block: never
 handed out or freed, it stands in a block table for the blocks a window let go.
+
+With KV cache events on, the pool tells a ``KVEventRecorder`` (``kv_events.py``) each change
+of ``cached_blocks``' keys of group 0 (the first group: the full-attention layers where there
+are any): hashes that join it (stored), hashes that leave it (removed), and a reset
+(cleared). A consumer that applies them in order holds the same set of hashes. The other
+groups' blocks are cached under the same hashes and not announced (a router weighing
+prefixes needs one set).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kv_events import KVEventRecorder
 
 
 class KVCacheBlock:
@@ -86,11 +98,13 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Owns every block: hands out, reference-counts, frees and caches them."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, kv_events: KVEventRecorder | None = None,
+                 reserve_null_block: bool = False) -> None:
         if num_blocks < 1 + reserve_null_block:
             raise ValueError(f"num_blocks must be >= {1 + reserve_null_block}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.kv_events = kv_events
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0] if reserve_null_block else None
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[int(reserve_null_block):])
@@ -108,6 +122,10 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of blocks in use by running requests (0.0 - 1.0)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def announced_hashes(self) -> list[bytes]:
+        """The cached hashes KV events tell of: group 0's."""
+        return [block_hash for group_id, block_hash in self.cached_blocks if group_id == 0]
 
     def get_cached_block(self, block_hash: bytes, group_id: int = 0) -> KVCacheBlock | None:
         return self.cached_blocks.get((group_id, block_hash))
@@ -129,6 +147,8 @@ class BlockPool:
             key = (block.group_id, block.block_hash)
             if self.cached_blocks.get(key) is block:
                 del self.cached_blocks[key]
+                if self.kv_events is not None and block.group_id == 0:
+                    self.kv_events.removed(block.block_hash)
             block.block_hash = None
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
@@ -138,15 +158,32 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, group_id: int = 0) -> None:
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, group_id: int = 0) -> bool:
         """Register a block whose tokens are all known under its chained hash, for KV
-        cache group ``group_id``."""
+        cache group ``group_id``; whether it was not registered before (a prefix-cache hit was)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         block.block_hash, block.group_id = block_hash, group_id
         # An identical block computed by another request keeps the entry; this one
         # is simply not findable (it still works for its own request).
         self.cached_blocks.setdefault((group_id, block_hash), block)
+        return True
+
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes], parent_hash: bytes | None,
+                          token_ids: list[int], lora_name: str | None = None, group_id: int = 0) -> None:
+        """Register a run of one request's full blocks of group ``group_id``: ``block_hashes``
+        chain on from ``parent_hash``, ``token_ids`` are their tokens. The ones registered now
+        (past the prefix-cache hits the run starts with) are one stored event (group 0's)."""
+        first_new = None
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
+            if self.cache_full_block(block, block_hash, group_id) and first_new is None:
+                first_new = i
+        if first_new is None or self.kv_events is None or group_id != 0:
+            return
+        parent = block_hashes[first_new - 1] if first_new else parent_hash
+        block_size = len(token_ids) // len(blocks)
+        self.kv_events.stored(block_hashes[first_new:len(blocks)], parent, token_ids[first_new * block_size:],
+                              lora_name)
 
     def free_blocks(self, ordered_blocks) -> None:
         """Drop one reference each; blocks reaching zero go to the free tail in order.
@@ -168,4 +205,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True

@@ -23,8 +23,8 @@ chained block hashes (``block_hash.py``), keyed by (group, hash) in the pool, so
 is found only for the group that computed it. A hit must serve every group: a
 full-attention group needs all blocks of the prefix, a sliding group only the blocks
 covering the window before the hit's end (the others are null). ``get_computed_blocks``
-shortens the hit until every group has it. KV events and tiered caches (later work)
-report and move a block under its (group, hash) key.
+shortens the hit until every group has it. KV events announce group 0's blocks only
+(``block_pool.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .block_pool import BlockPool, KVCacheBlock
+from .kv_events import KVEventRecorder
+from .kv_events import KVEventRecorder
 from .request import Request
 
 # max_request_tokens when the pool bounds no request's length.
@@ -129,9 +131,15 @@ class GroupBlocks:
         num_full = min(num_full, len(request.block_hashes), len(blocks))
         first = self.num_cached_blocks.get(request.request_id, 0)
         null = self.pool.null_block
-        for i in range(first, num_full):
-            if blocks[i] is not null:
-                self.pool.cache_full_block(blocks[i], request.block_hashes[i], self.group_id)
+        start = first
+        while start < num_full and blocks[start] is null:  # a window's null blocks lead the table
+            start += 1
+        if start < num_full:
+            bs = self.block_size
+            self.pool.cache_full_blocks(
+                blocks[start:num_full], request.block_hashes[start:num_full],
+                request.block_hashes[start - 1] if start else None, request.all_token_ids[start * bs:num_full * bs],
+                request.lora_request.lora_name if request.lora_request is not None else None, self.group_id)
         self.num_cached_blocks[request.request_id] = max(first, num_full)
 
     def free(self, request_id: str) -> None:
@@ -161,11 +169,12 @@ class KVCacheManager:
     full-attention group when not given."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_windows: list[int] | tuple[int, ...] = (0,)) -> None:
+                 sliding_windows: list[int] | tuple[int, ...] = (0,), kv_events: KVEventRecorder | None = None) -> None:
+        """``kv_events``: told what joins and leaves group 0's prefix cache (None: KV events off)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         # The null block stands for the blocks a sliding window let go.
-        self.block_pool = BlockPool(num_blocks, enable_caching, reserve_null_block=any(sliding_windows))
+        self.block_pool = BlockPool(num_blocks, enable_caching, kv_events, reserve_null_block=any(sliding_windows))
         self.groups = [GroupBlocks(g, self.block_pool, block_size, window) for g, window in enumerate(sliding_windows)]
         self.prefix_cache_stats = PrefixCacheStats()
 

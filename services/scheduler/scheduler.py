@@ -39,6 +39,7 @@ from shared.token_window import window_tokens
 
 from .kv_cache_manager import KVCacheManager
 from .kv_connector import KVConnectorScheduler
+from .kv_events import KVEventRecorder
 from .request import Request, RequestStatus
 from .spec_decode_stats import SpecDecodeStats
 
@@ -79,16 +80,18 @@ class Scheduler:
         vocab_size: int = 0,
         max_loras: int = 0,
         kv_connector: KVConnectorScheduler | None = None,
+        kv_events: KVEventRecorder | None = None,
         sliding_windows: tuple[int, ...] | list[int] = (0,),
     ) -> None:
         """``max_loras``: distinct LoRA adapters among the running requests (0: requests
         with an adapter are refused). ``kv_connector``: P/D (None: no KV transfer).
+        ``kv_events``: told what joins and leaves the prefix cache (None: KV events off).
         ``sliding_windows``: per KV cache group of the model, its window (0: full attention)."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, cache_config.enable_prefix_caching, sliding_windows
+            num_blocks, self.block_size, cache_config.enable_prefix_caching, sliding_windows, kv_events
         )
         # A lone request must always fit the pool, or preempting it could never help.
         self.max_model_len = min(max_model_len,
@@ -683,10 +686,26 @@ class Scheduler:
             "prefix_cache_queries": kv.prefix_cache_stats.queries,
             "prefix_cache_hits": kv.prefix_cache_stats.hits,
             "num_preemptions": self.num_preemptions,
+            "block_size": self.block_size,
+            "num_gpu_blocks": self.num_blocks,
+            "num_prefill_tokens_pending": self.num_prefill_tokens_pending(),
             **self.spec_decode_stats.as_engine_stats(),
             **self._kv_transfer_stats(),
             **self._lora_stats(),
         }
+
+    def num_prefill_tokens_pending(self) -> int:
+        """Prompt tokens (and, for resumed or preempted requests, known output tokens) the
+        waiting and running requests have yet to compute, past what a waiting request would
+        find in the prefix cache now: a router's measure of the prefill work queued here."""
+        pending = 0
+        for request in self.waiting:
+            num_hit = 0
+            if not request.num_computed_tokens:
+                num_hit = self.kv_cache_manager.get_computed_blocks(request)[1]
+            pending += request.num_tokens - max(request.num_computed_tokens, num_hit)
+        return pending + sum(r.num_tokens - r.num_computed_tokens for r in self.running
+                             if r.num_computed_tokens < r.num_tokens - 1)
 
     def _kv_transfer_stats(self) -> dict:
         if self.connector is None:

@@ -12,7 +12,10 @@ through ``kernels/int8_activations.py`` (activations quantized to int8 per block
 dot products: compute-bound, VNNI wins); on CUDA, the Triton kernel. ``cpu_layout`` repacks
 a weight once at load into the tiles the int8-activation kernel reads (its AVX-512 VNNI and
 AVX2 builds): it is then kept only so, and every product of it, whatever its row count,
-runs that kernel with no per-call gather (docs/BENCHMARKS.md).
+runs that kernel with no per-call gather (docs/BENCHMARKS.md). ``weight_packer`` picks how
+float weight matrices are laid out once at load: oneDNN's prepacking, or with
+``--batch-invariant`` the tiles of ``kernels/dense_linear.py``, whose products give a row
+the same bits at any row count (oneDNN's do not: its K blocking follows the row count).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels import int8_activations, quant_linear
+from kernels import dense_linear, int8_activations, quant_linear
 from kernels.int8_activations import WeightTiles
 from shared.gguf_quants import QuantizedTensor
 
@@ -60,6 +63,27 @@ def prepacked_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> 
     return linear
 
 
+def invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """``x @ weight.T (+ bias)`` through the batch-invariant kernel on a copy of ``weight``
+    repacked once (``kernels/dense_linear.py``)."""
+    tiles = dense_linear.repack(weight)
+    bias = None if bias is None else bias.detach()
+    return lambda x: dense_linear.dense_linear_cpu(x, tiles, bias)
+
+
+def weight_packer(device: torch.device, dtype: torch.dtype, cpu_prepack: bool,
+                  batch_invariant: bool) -> Callable[..., Linear] | None:
+    """How the model's float weight matrices are laid out once for their products, where
+    ``cpu_prepack`` allows it (without, their products read the checkpoint layout,
+    ``plain_linear``: None): ``invariant_linear`` (``batch_invariant``, CPU, where the
+    kernel is built), else ``prepacked_linear`` (where oneDNN takes the dtype)."""
+    if not cpu_prepack:
+        return None
+    if batch_invariant and device.type == "cpu" and dense_linear.available(dtype):
+        return invariant_linear
+    return prepacked_linear if can_prepack(device, dtype) else None
+
+
 # CPU products of at least this many rows of a row-layout matrix quantize their activations
 # to int8; fewer rows multiply the exact weight (scripts/bench_quant.py --kernels: the
 # crossover on the benchmark CPU, docs/BENCHMARKS.md). Matrices repacked by cpu_layout (all,
@@ -80,7 +104,15 @@ def int8_activations_min_rows() -> int:
     return INT8_ACTIVATIONS_MIN_ROWS_WITHOUT_VNNI
 
 
-def _cpu_kernel(exact, int8_activated):
+def _cpu_kernel(exact, int8_activated, batch_invariant: bool):
+    """A row-layout matrix's CPU product: by row count (``INT8_ACTIVATIONS_MIN_ROWS``), or with
+    ``batch_invariant`` one kernel whatever the row count (each computes every row alone, in
+    one order): int8 activations where that kernel is built, else the exact fused kernel
+    (never the whole-matrix GEMM its prompt-sized products take)."""
+    if batch_invariant:
+        return lambda x, *weight: (int8_activated(x, *weight) if int8_activations.available()
+                                   else exact(x, *weight, gemm_min_rows=None))
+
     def product(x: torch.Tensor, *weight: torch.Tensor) -> torch.Tensor:
         few_rows = x.shape[0] < int8_activations_min_rows()
         kernel = exact if few_rows or not int8_activations.available() else int8_activated
@@ -103,19 +135,20 @@ def cpu_layout(weight: QuantizedTensor) -> QuantizedTensor | WeightTiles:
     return weight
 
 
-def quantized_linear(weight: QuantizedTensor | WeightTiles, bias: torch.Tensor | None = None) -> Linear:
+def quantized_linear(weight: QuantizedTensor | WeightTiles, bias: torch.Tensor | None = None,
+                     batch_invariant: bool = False) -> Linear:
     """``x @ W.T (+ bias)`` with ``W`` kept quantized, on ``weight``'s device: the C kernels
     on CPU (repacked tiles: the int8-activation kernel at every row count; else by row
-    count, see INT8_ACTIVATIONS_MIN_ROWS), the Triton kernels on CUDA; the result in ``x``'s
-    dtype."""
+    count, see INT8_ACTIVATIONS_MIN_ROWS, or with ``batch_invariant`` one kernel for every
+    row count), the Triton kernels on CUDA; the result in ``x``'s dtype."""
     if isinstance(weight, WeightTiles):
         kernel, args = int8_activations.tiled_linear_cpu, (weight,)
     elif weight.bits == 8:
-        kernel = (_cpu_kernel(quant_linear.int8_linear_cpu, int8_activations.int8_linear_cpu)
+        kernel = (_cpu_kernel(quant_linear.int8_linear_cpu, int8_activations.int8_linear_cpu, batch_invariant)
                   if weight.data.device.type == "cpu" else quant_linear.int8_linear_triton)
         args = (weight.data, weight.scales)
     else:
-        kernel = (_cpu_kernel(quant_linear.int4_linear_cpu, int8_activations.int4_linear_cpu)
+        kernel = (_cpu_kernel(quant_linear.int4_linear_cpu, int8_activations.int4_linear_cpu, batch_invariant)
                   if weight.data.device.type == "cpu" else quant_linear.int4_linear_triton)
         args = (weight.data, weight.scales, weight.offsets)
     if bias is None:

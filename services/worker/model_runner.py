@@ -19,6 +19,7 @@ whole, with its own KV cache under the target's block ids.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -44,7 +45,7 @@ from .draft_model import DraftModel
 from .dtype_choice import resolve_dtype, resolve_kv_cache_dtype
 from .input_batch import CachedRequestState, InputBatch
 from .kv_cache import allocate_kv_caches, kv_block_bytes, layer_kv_caches
-from .linear import can_prepack
+from .linear import weight_packer
 from .lora.slots import LoRASlots
 from .models.base import CausalLM
 from .models.registry import model_class
@@ -97,13 +98,18 @@ class ModelRunner:
         )
         # Joins the engine's ranks (a no-op with one rank; the worker service joins first).
         self.tp = init_distributed(parallel_config, self.device)
+        if run_config.batch_invariant:
+            self.tp = dataclasses.replace(self.tp, ordered_sums=True)
         self.rank = self.tp.rank
         self.is_driver = self.rank == 0
 
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
         torch.manual_seed(run_config.seed)
-        self.prepacked = run_config.cpu_prepack and can_prepack(self.device, self.dtype)
+        # How float weight matrices are laid out for their products (services/worker/linear.py).
+        self.pack = weight_packer(self.device, self.dtype, run_config.cpu_prepack, run_config.batch_invariant)
+        # The threads the model runs on; a CPU step of few tokens takes one (execute_model).
+        self.num_threads = torch.get_num_threads()
         # A rank's shard of a matrix is not a whole quantized tensor: under tensor
         # parallelism the weights are dequantized.
         model_kind, _ = resolve_model_path(self.model_path)
@@ -112,7 +118,8 @@ class ModelRunner:
             logger.info("quantization auto: weights dequantized (tensor_parallel_size > 1)")
         # Dequantized weights keep Hugging Face's float32 operation order (greedy parity);
         # quantized ones differ from Hugging Face's results anyway and take the C kernels.
-        self.ops = get_kernel_ops(run_config.kernel_backend, float32_hf_order=not self.keep_quantized)
+        self.ops = get_kernel_ops(run_config.kernel_backend, float32_hf_order=not self.keep_quantized,
+                                  batch_invariant=run_config.batch_invariant)
         self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.device,
                                                      run_config.dtype, self.keep_quantized)
         # Each rank reads only its rows / columns of the sharded tensors.
@@ -121,7 +128,7 @@ class ModelRunner:
         self.kv_layout = self.model.kv_layout
         self.kv_sliding_windows = self.kv_layout.sliding_windows
         self.max_num_seqs = scheduler_config.max_num_seqs
-        # Seeded alike on every rank: unseeded random requests draw the same noise everywhere.
+        # Seeded alike on every rank: unseeded random requests draw the same uniforms everywhere.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
         # The draft_model method's model, loaded before the KV cache is sized: its cache
         # takes the same number of blocks.
@@ -151,7 +158,7 @@ class ModelRunner:
         logger.info(
             "model %s loaded: %s on %s, kernels=%s, prepacked=%s, rank %d/%d (%d q heads, %d KV heads), "
             "%d KV blocks of %d tokens in %s",
-            self.model_path, self.dtype, self.device, self.ops.name, self.prepacked, self.rank, self.tp.world_size,
+            self.model_path, self.dtype, self.device, self.ops.name, getattr(self.pack, "__name__", None), self.rank, self.tp.world_size,
             self.shard.num_heads, self.shard.num_kv_heads, self.num_blocks, self.block_size, self.kv_cache_dtype,
         )
 
@@ -162,8 +169,8 @@ class ModelRunner:
             model.load_weights_from(weights, dtype=torch.float32, keep_quantized=self.keep_quantized)
         model.to(dtype=self.dtype)
         model.eval()
-        if self.prepacked:
-            model.prepack_linears()
+        if self.pack is not None:
+            model.prepack_linears(self.pack)
         logger.info("%s: %.1f MiB of weights, %d matrices kept quantized", path, model.weight_bytes() / 2**20,
                     model.num_quantized())
         return model
@@ -333,6 +340,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput, clock=NULL_CLOCK) -> ModelRunnerOutput:
         """``clock``: a step_profile.PhaseClock to time the phases, when profiling."""
         self._update_states(out)
+        self._set_threads(out.total_num_scheduled_tokens)
         clock.lap("update_states")
         batch = self.input_batch
         num_reqs = batch.num_reqs
@@ -399,6 +407,15 @@ class ModelRunner:
             output.prompt_logprobs = [prompt_logprobs.get(i) for i in range(num_reqs)]
         clock.lap("output")
         return output
+
+    def _set_threads(self, num_tokens: int) -> None:
+        """On CPU, one thread for a step of at most ``cpu_single_thread_max_tokens`` tokens,
+        all of them otherwise (``ModelRunConfig``)."""
+        if self.device.type != "cpu":
+            return
+        threads = 1 if num_tokens <= self.run_config.cpu_single_thread_max_tokens else self.num_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, num_scheduled: np.ndarray) -> dict:
         """Row -> the prompt logprobs this step's chunk yields, for requests that want them

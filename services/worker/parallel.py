@@ -37,11 +37,18 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This rank's place in the tensor-parallel group and its collectives."""
+    """This rank's place in the tensor-parallel group and its collectives.
+
+    ``ordered_sums`` (batch invariance): a sum over more than two ranks adds the ranks'
+    tensors in rank order, after an all-gather. A ring all-reduce adds each element in
+    an order set by the chunk it falls in, and the chunks follow the tensor's size, so an
+    element's sum would depend on the step's token count; over two ranks every order
+    gives the same bits (a + b = b + a) and the all-reduce stays."""
 
     rank: int = 0
     world_size: int = 1
     group: object = field(default=None, compare=False, repr=False)
+    ordered_sums: bool = False
 
     @classmethod
     def single(cls) -> "TensorParallel":
@@ -57,6 +64,13 @@ class TensorParallel:
         return self._all_reduce if self.enabled else _identity
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ordered_sums and self.world_size > 2:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            total = parts[0]
+            for part in parts[1:]:
+                total = total.add_(part)
+            return x.copy_(total)
         dist.all_reduce(x, group=self.group)
         return x
 

@@ -4,8 +4,10 @@ Every rank of an engine subscribes to the engine's step subject (no queue group:
 each rank receives each step diff), applies it to its cached state and runs the
 model; only rank 0 publishes the ``ModelRunnerOutput``. The forward pass (and all
 other torch work: loading, process-group setup) runs in one dedicated thread so the
-event loop keeps answering pings and hellos, and steps run strictly in arrival order
-(one subscription callback at a time).
+event loop keeps answering pings and hellos, and steps run strictly in arrival order:
+a step is queued on that thread as soon as its message is read, behind the step still
+running (the scheduler sends the next step ahead), and the results are published in
+the same order.
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ class WorkerService(Service):
         self._heap_trimmed = False
         self.num_steps = 0
         self.num_sampled_tokens = 0
+        # The task publishing the last step's result (None before the first step).
+        self._step_in_flight: asyncio.Task | None = None
         # P/D: serves this rank's held KV blocks and pulls others' (None: no KV transfer).
         self.kv_connector: KVConnectorWorker | None = None
         if kv_transfer_config.kv_role:
@@ -186,15 +190,32 @@ class WorkerService(Service):
             logger.warning("engine %s rank %d: step %d of incarnation %r dropped (current %r)", self.engine_id,
                            self.rank, scheduler_output.step_id, scheduler_output.incarnation, self._incarnation)
             return
+        if (self.kv_connector is not None or self.world_size > 1) and self._step_in_flight is not None:
+            # One step at a time: the connector learns what to stop between steps, and under
+            # TP a failed step must not leave the next one waiting in a collective.
+            await asyncio.wait([self._step_in_flight])
         if self.kv_connector is not None:
-            # Between steps: no forward pass runs while the connector learns what to stop.
             self.kv_connector.bind_connector_metadata(scheduler_output.incarnation, scheduler_output.reset_state,
                                                       scheduler_output.kv_connector_metadata)
-        loop = asyncio.get_running_loop()
+        # Otherwise queued on the forward thread now, behind the step it may still be running
+        # (one thread: steps run in arrival order), so it starts the moment that one ends
+        # instead of after this loop has published that one's result and read this message.
+        # The result is published by a task of its own, after the previous step's.
+        running = asyncio.get_running_loop().run_in_executor(self._executor, self._run_step, scheduler_output, clock)
+        self._step_in_flight = self.spawn(self._finish_step(scheduler_output, running, clock, self._step_in_flight))
+
+    def _run_step(self, scheduler_output, clock) -> ModelRunnerOutput:
+        """On the forward thread: the step's phases count from when it starts there, not
+        from when it was queued behind another."""
+        clock.starts_no_earlier_than(time.perf_counter())
+        return self.runner.execute_model(scheduler_output, clock)
+
+    async def _finish_step(self, scheduler_output, running: asyncio.Future, clock, previous: asyncio.Task | None) -> None:
+        """Publish one step's result (rank 0), once the step before it has published its own."""
+        if previous is not None:
+            await asyncio.wait([previous])
         try:
-            output = await loop.run_in_executor(
-                self._executor, self.runner.execute_model, scheduler_output, clock
-            )
+            output = await running
             if self.profile:
                 output.timings = [clock.durations.get(phase, 0.0) for phase in WORKER_PHASES]
         except Exception as e:

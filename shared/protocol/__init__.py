@@ -8,7 +8,7 @@ boundary:
     step         scheduler <-> worker ranks, once per step
     control      membership, health, stats, restarts, LoRA adapters
     kv_transfer  P/D disaggregation: hand-offs, held blocks, KV pulls
-    events       KV cache events (to come)
+    events       KV cache events (vLLM's schema), their replay and dump, the routers' stats
     codec        Codec (one message type's encoder/decoder) and Channel (a subject bound
                  to its message type; ``shared/bus.py`` publishes through them)
 

@@ -62,6 +62,16 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
     max_lora: int = 0
+    # Routing (services/router/): the block size its prefix cache hashes by and its blocks
+    # (vLLM's num_gpu_blocks), the prompt tokens its waiting and running requests have yet
+    # to compute, the requests it admitted (new and handed off: a router's count of what it
+    # sent and the stats do not show yet ends there), and the sequence number of its last
+    # KV event batch (0: events are off).
+    block_size: int = 0
+    num_gpu_blocks: int = 0
+    num_prefill_tokens_pending: int = 0
+    num_requests_admitted: int = 0
+    kv_events_seq: int = 0
 
 
 class WorkerReady(msgspec.Struct, omit_defaults=True):

@@ -87,6 +87,7 @@ class KVHandoffReply(msgspec.Struct, omit_defaults=True):
     error: str = ""
     engine_id: str = ""
     incarnation: str = ""
+    admission: int = 0  # as EngineRequestReply.admission
 
 
 class KVRelease(msgspec.Struct, omit_defaults=True):

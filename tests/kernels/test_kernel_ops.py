@@ -1,4 +1,4 @@
-"""get_kernel_ops: backend selection."""
+"""get_kernel_ops: backend selection, and the batch-invariant sets."""
 
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import get_kernel_ops
-from kernels.paged_attention_torch import paged_attention_cpu
+from kernels.paged_attention_torch import paged_attention_cpu, paged_attention_cpu_batch_invariant
 from kernels.paged_attention import paged_attention_triton
 
 
@@ -28,6 +28,15 @@ def test_float32_hf_order_picks_the_float32_elementwise_kernels():
     assert (fast.rms_norm, fast.silu_and_mul) == (rms_norm_cpu_c, silu_and_mul_cpu_c)
     assert fast.paged_attention is exact.paged_attention and fast.name == "torch"
     assert get_kernel_ops("triton", float32_hf_order=False).name == "triton"
+
+
+def test_batch_invariant_sets_take_the_per_token_attention():
+    for hf_order in (True, False):
+        ops = get_kernel_ops("torch", float32_hf_order=hf_order, batch_invariant=True)
+        assert ops is get_kernel_ops("torch", float32_hf_order=hf_order, batch_invariant=True)
+        assert ops.batch_invariant and ops.paged_attention is paged_attention_cpu_batch_invariant
+        assert ops.rms_norm is get_kernel_ops("torch", float32_hf_order=hf_order).rms_norm
+    assert not get_kernel_ops("torch").batch_invariant
 
 
 @pytest.mark.cuda

@@ -76,3 +76,31 @@ def test_without_vnni_one_row_takes_int8_activations(monkeypatch):
     assert worker_linear.int8_activations_min_rows() == 1
     assert torch.equal(quantized_linear(weight)(x), int8_activations.int4_linear_cpu(x, *args))
     assert not torch.equal(int8_activations.int4_linear_cpu(x, *args), quant_linear.int4_linear_cpu(x, *args))
+
+
+def _rows_alone_and_together(product, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.cat([product(x[i:i + 1]) for i in range(x.shape[0])]), product(x)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("int8_built", [True, False])
+def test_batch_invariant_quantized_products_give_a_row_the_same_bits_at_any_row_count(bits, int8_built, monkeypatch):
+    """A row-layout matrix (tiles not repacked) multiplied one row at a time and in products of
+    1..200 rows (both sides of INT8_ACTIVATIONS_MIN_ROWS and of the exact kernel's GEMM
+    switch): the same bits, with the int8-activation kernel or, where it is not built, the
+    exact one."""
+    if int8_built and not int8_activations.available():
+        pytest.skip("no C compiler or no AVX2")
+    if not int8_built:
+        monkeypatch.setattr(int8_activations, "available", lambda: False)
+    gen = torch.Generator().manual_seed(bits)
+    scales = torch.rand(40, 6, generator=gen) / 16
+    if bits == 4:
+        weight = QuantizedTensor(4, torch.randint(0, 256, (40, 96), dtype=torch.uint8, generator=gen), scales, -8 * scales)
+    else:
+        weight = QuantizedTensor(8, torch.randint(-128, 128, (40, 192), dtype=torch.int8, generator=gen), scales)
+    x = torch.randn(200, 192, generator=gen).to(torch.bfloat16)
+    alone, together = _rows_alone_and_together(quantized_linear(weight, batch_invariant=True), x)
+    assert torch.equal(alone, together)
+    for rows in (2, 3, 5, 9, 130):
+        assert torch.equal(quantized_linear(weight, batch_invariant=True)(x[:rows]), alone[:rows])

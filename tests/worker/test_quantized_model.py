@@ -38,8 +38,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "The largest planet in our solar system is", "import numpy as np\nx ="]
 
 
-def quantized_runner(path: str, kv_cache_dtype: str = "auto") -> ModelRunner:
-    return ModelRunner(ModelRunConfig(model=path, kernel_backend="torch", dtype="float32", quantization="auto"),
+def quantized_runner(path: str, kv_cache_dtype: str = "auto", batch_invariant: bool = True) -> ModelRunner:
+    return ModelRunner(ModelRunConfig(model=path, kernel_backend="torch", dtype="float32", quantization="auto",
+                                      batch_invariant=batch_invariant),
                        CacheConfig(num_gpu_blocks=64, kv_cache_dtype=kv_cache_dtype),
                        SchedulerConfig(max_num_seqs=NUM_PROMPTS))
 
@@ -52,10 +53,11 @@ def int4_worker(smollm_path):
 @pytest.fixture(scope="module")
 def int4_rows_worker(smollm_path):
     """The int4 model with every matrix kept in the row layout (none repacked into tiles),
-    so that the exact kernel can take every product."""
+    so that the exact kernel can take every product (chosen by row count: batch invariance
+    off, which would take one kernel for all)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(linear, "REPACK_TILES", False)
-        return quantized_runner(smollm_path)
+        return quantized_runner(smollm_path, batch_invariant=False)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +140,7 @@ def test_int4_greedy_over_a_bfloat16_kv_cache_agrees_with_the_float_model_on_90_
 def test_int8_greedy_agrees_with_the_float_model_on_90_percent_of_tokens(int8_worker, float_outputs):
     assert int8_worker.model.layers[0].mlp.gate_up_proj.quantized.bits == 8
     # Quantized weights take the float32 C kernels (RMSNorm, SiLU-and-mul): measured with them.
-    assert int8_worker.ops is get_kernel_ops("torch", float32_hf_order=False)
+    assert int8_worker.ops is get_kernel_ops("torch", float32_hf_order=False, batch_invariant=True)
     assert per_token_agreement(int8_worker, *float_outputs) >= 0.90
 
 
@@ -189,7 +191,7 @@ def test_quantization_none_keeps_nothing_quantized(smollm_worker):
     model, cfg = smollm_worker.model, smollm_worker.model_config
     assert model.num_quantized() == 0
     # Dequantized weights keep Hugging Face's float32 operation order (greedy parity).
-    assert smollm_worker.ops is get_kernel_ops("torch") and model.ops is smollm_worker.ops
+    assert smollm_worker.ops is get_kernel_ops("torch", batch_invariant=True) and model.ops is smollm_worker.ops
     per_layer = cfg.hidden_size * (2 * cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size)
     assert model.weight_bytes() >= 4 * (cfg.vocab_size * cfg.hidden_size + cfg.num_hidden_layers * per_layer)
 

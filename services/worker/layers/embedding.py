@@ -15,7 +15,7 @@ from torch import nn
 
 from shared.model_config import ModelConfig
 
-from ..linear import cpu_layout, plain_linear, prepacked_linear, quantized_embedding, quantized_linear
+from ..linear import cpu_layout, plain_linear, quantized_embedding, quantized_linear
 from ..parallel import ShardLayout, TensorParallel
 from .weights import Quantizable, weight_slot
 
@@ -47,11 +47,12 @@ class VocabEmbedding(nn.Module, Quantizable):
         yield f"{self.name}.weight", weight_slot(target, (self.vocab_size, self.hidden_size), 0, self.row_start,
                                                  self.row_stop)
 
-    def keep_quantized(self, tensor) -> None:
+    def keep_quantized(self, tensor, batch_invariant: bool = False) -> None:
         device = self.weight.device
         self.quantized = cpu_layout(tensor.to(device))
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=device)
         self.lookup = self._lookup_quantized
+        self.batch_invariant = batch_invariant  # a tied LM head's products, as its table's
 
     def forward(self, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``dtype``: the activations' (a quantized table has none of its own)."""
@@ -102,24 +103,24 @@ class LMHead(nn.Module, Quantizable):
             yield f"{self.name}.weight", weight_slot(target, (self.vocab_size, self.hidden_size), 0,
                                                      self.row_start, self.row_stop)
 
-    def keep_quantized(self, tensor) -> None:
+    def keep_quantized(self, tensor, batch_invariant: bool = False) -> None:
         device = self.weight.device
         self.quantized = cpu_layout(tensor.to(device))
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=device)
-        self.proj = quantized_linear(self.quantized)
+        self.proj = quantized_linear(self.quantized, batch_invariant=batch_invariant)
 
     def after_loading(self) -> None:
         if self.tied is not None and self.tied.quantized is not None:
-            self.proj = quantized_linear(self.tied.quantized)
+            self.proj = quantized_linear(self.tied.quantized, batch_invariant=self.tied.batch_invariant)
 
-    def prepack(self) -> int:
-        """Reorder the float table once for oneDNN; returns the bytes of the reordered copy.
-        Its own table's checkpoint-layout copy is dropped; a tied embedding keeps its table
-        for the lookups."""
+    def prepack(self, pack) -> int:
+        """Lay the float table out once with ``pack`` (``..linear.weight_packer``); returns
+        the bytes of the packed copy. Its own table's checkpoint-layout copy is dropped; a
+        tied embedding keeps its table for the lookups."""
         if self.quantized is not None or (self.tied is not None and self.tied.quantized is not None):
             return 0
         weight = self.tied.weight if self.tied is not None else self.weight
-        self.proj = prepacked_linear(weight)
+        self.proj = pack(weight)
         nbytes = weight.nbytes
         if self.tied is None:
             self.weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)

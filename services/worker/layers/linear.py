@@ -7,7 +7,8 @@ each rank takes its heads of each. Column-parallel layers split the output rows 
 ranks (each part's rows are this rank's range of that part); row-parallel layers split the
 input columns and all-reduce their partial sums; replicated layers hold the whole matrix.
 With one rank every part is its whole checkpoint tensor, so the matrix may stay quantized
-(``keep_quantized``) or be repacked for oneDNN (``prepack``).
+(``keep_quantized``) or be laid out once for its products (``prepack``: oneDNN's prepacking,
+or the batch-invariant kernel's tiles).
 
 ``proj`` is the product of the local matrix (what LoRA wraps: its delta joins the partial
 sum before the all-reduce); calling the layer runs ``proj`` and, row-parallel, the
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..linear import Linear, cpu_layout, plain_linear, prepacked_linear, quantized_linear
+from ..linear import Linear, cpu_layout, plain_linear, quantized_linear
 from ..parallel import TensorParallel
 from .weights import Quantizable, weight_slot
 
@@ -104,18 +105,19 @@ class LinearLayer(nn.Module, Quantizable):
                 yield f"{part.name}.bias", weight_slot(self.bias.data[rows], (part.full,), 0, part.start, part.stop)
             at += part.size
 
-    def keep_quantized(self, tensor) -> None:
+    def keep_quantized(self, tensor, batch_invariant: bool = False) -> None:
         device = self.weight.device
         self.quantized = cpu_layout(tensor.to(device))
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=device)
-        self.proj = quantized_linear(self.quantized, self.bias)
+        self.proj = quantized_linear(self.quantized, self.bias, batch_invariant)
 
-    def prepack(self) -> int:
-        """Reorder the float matrix once for oneDNN and drop the checkpoint-layout copy;
-        returns the bytes of the reordered copy (0 when kept quantized)."""
+    def prepack(self, pack) -> int:
+        """Lay the float matrix out once with ``pack`` (``..linear.weight_packer``) and drop
+        the checkpoint-layout copy; returns the bytes of the packed copy (0 when kept
+        quantized)."""
         if self.quantized is not None:
             return 0
-        self.proj = prepacked_linear(self.weight, self.bias)
+        self.proj = pack(self.weight, self.bias)
         nbytes = self.weight.nbytes
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         return nbytes

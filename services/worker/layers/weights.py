@@ -47,11 +47,13 @@ def weight_slot(target: torch.Tensor, full_shape, dim: int | None = None, start:
 
 class Quantizable:
     """A layer whose weight matrix may be kept quantized: ``checkpoint_names`` are the
-    tensors whose rows make it, in order, and ``keep_quantized`` takes them fused."""
+    tensors whose rows make it, in order, and ``keep_quantized`` takes them fused
+    (``batch_invariant``: its products run one kernel at every row count,
+    ``..linear.quantized_linear``)."""
 
     checkpoint_names: tuple[str, ...] = ()
 
-    def keep_quantized(self, tensor) -> None:
+    def keep_quantized(self, tensor, batch_invariant: bool = False) -> None:
         raise NotImplementedError
 
 
@@ -103,11 +105,12 @@ def load_weights(model: nn.Module, weights) -> None:
 
 
 def load_model_weights(model: nn.Module, source, dtype: torch.dtype = torch.float32,
-                       keep_quantized: bool = False) -> None:
+                       keep_quantized: bool = False, batch_invariant: bool = False) -> None:
     """Load from a ``WeightSource``, reading only the ranges the slots need.
     ``keep_quantized``: a matrix the source holds as int8 / int4 in every one of its
     checkpoint tensors, each read whole, stays so (``Quantizable.keep_quantized``); one
-    whose parts are not all kept alike is dequantized into its parameter instead."""
+    whose parts are not all kept alike is dequantized into its parameter instead.
+    ``batch_invariant``: the kept matrices' products, as ``Quantizable`` says."""
     plan = weight_plan(model)
     quantizable = {name for layer in model.modules() if isinstance(layer, Quantizable)
                    for name in layer.checkpoint_names}
@@ -133,17 +136,18 @@ def load_model_weights(model: nn.Module, source, dtype: torch.dtype = torch.floa
         loaded.add(name)
     _check_complete(plan, loaded)
     if kept:
-        _hand_over_quantized(model, plan, kept)
+        _hand_over_quantized(model, plan, kept, batch_invariant)
     _after_loading(model)
 
 
-def _hand_over_quantized(model: nn.Module, plan: dict[str, list[WeightSlot]], kept: dict[str, QuantizedTensor]) -> None:
+def _hand_over_quantized(model: nn.Module, plan: dict[str, list[WeightSlot]], kept: dict[str, QuantizedTensor],
+                         batch_invariant: bool) -> None:
     for layer in model.modules():
         if not isinstance(layer, Quantizable) or not layer.checkpoint_names:
             continue
         parts = [kept.get(name) for name in layer.checkpoint_names]
         if all(parts) and len({part.bits for part in parts}) == 1:
-            layer.keep_quantized(QuantizedTensor.cat(parts) if len(parts) > 1 else parts[0])
+            layer.keep_quantized(QuantizedTensor.cat(parts) if len(parts) > 1 else parts[0], batch_invariant)
             continue
         for name, part in zip(layer.checkpoint_names, parts):
             if part is not None:

@@ -13,7 +13,7 @@ interface:
 - ``kv_cache_spec()``: the KV cache this rank needs (groups, KV heads, head size).
 - ``lora_targets()``: per decoder layer, the projection layers LoRA adapts
   (``shared.lora.FUSED_PROJECTIONS``'s names).
-- ``prepack_linears()``, ``weight_bytes()``, ``num_quantized()``.
+- ``prepack_linears(pack)``, ``weight_bytes()``, ``num_quantized()``.
 
 The model sees kernels only through ``KernelOps``, so the same code runs the PyTorch and
 C kernels on CPU and Triton on CUDA. Under tensor parallelism (``ShardLayout`` /
@@ -106,16 +106,17 @@ class CausalLM(nn.Module):
         """Load from a ``WeightSource`` (``shared.model_files.open_weights``), reading only
         this rank's rows / columns of each sharded tensor. ``keep_quantized``: matrices the
         source holds as int8 / int4 stay so (whole tensors only, i.e. one rank)."""
-        load_model_weights(self, source, dtype, keep_quantized)
+        load_model_weights(self, source, dtype, keep_quantized, self.ops.batch_invariant)
 
-    def prepack_linears(self) -> None:
-        """Reorder every float weight matrix once for oneDNN (CPU; see ``..linear``). The
+    def prepack_linears(self, pack) -> None:
+        """Lay every float weight matrix out once for its products with ``pack`` (oneDNN's
+        prepacking or the batch-invariant kernel's tiles, ``..linear.weight_packer``). The
         products then read only the packed copies, so the checkpoint-layout matrices are
         dropped, except the embedding, which the token lookup still reads."""
         for module in self.modules():
             if isinstance(module, LinearLayer):
-                self.prepacked_bytes += module.prepack()
-        self.prepacked_bytes += self.lm_head.prepack()
+                self.prepacked_bytes += module.prepack(pack)
+        self.prepacked_bytes += self.lm_head.prepack(pack)
 
     def _quantizable(self):
         return [m for m in self.modules() if isinstance(m, (LinearLayer, VocabEmbedding, LMHead))]
