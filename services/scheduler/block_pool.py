@@ -8,7 +8,10 @@ so the least recently freed block is reused first.
 
 A freed block keeps its hash (and stays findable in ``cached_blocks``) until it is
 handed out again, so a finished or preempted request's prefix can still be hit. Blocks are
-cached under (KV cache group, block hash): the same tokens have other KV in each group.
+cached under (KV cache group, block hash): the same tokens have other KV in each group. The
+KV offloading tiers learn of each cached block handed out again (``eviction_listener``,
+called while the block is still registered): its content may go down before it is
+overwritten (the tiers serve models of one full-attention group only).
 
 With sliding-window groups (``kv_cache_manager.py``) block 0 is the null block: never
 handed out or freed, it stands in a block table for the blocks a window let go.
@@ -23,6 +26,7 @@ prefixes needs one set).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -109,6 +113,8 @@ class BlockPool:
         self.null_block = self.blocks[0] if reserve_null_block else None
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[int(reserve_null_block):])
         self.cached_blocks: dict[tuple[int, bytes], KVCacheBlock] = {}
+        # Told of each cached block about to be reused (the offloading connector's write-back).
+        self.eviction_listener: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -144,6 +150,8 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
+            if self.eviction_listener is not None:
+                self.eviction_listener(block)
             key = (block.group_id, block.block_hash)
             if self.cached_blocks.get(key) is block:
                 del self.cached_blocks[key]

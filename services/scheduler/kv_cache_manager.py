@@ -29,6 +29,7 @@ shortens the hit until every group has it. KV events announce group 0's blocks o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .block_pool import BlockPool, KVCacheBlock
@@ -42,16 +43,27 @@ UNBOUNDED = 1 << 62
 
 @dataclass
 class PrefixCacheStats:
-    """Prompt tokens looked up in the prefix cache, and how many were hits."""
+    """Prompt tokens looked up in the prefix cache, how many were hits, and how many a KV
+    connector loaded (the tiers) before the request's first run."""
 
     queries: int = 0
     hits: int = 0
     requests: int = 0
+    external: int = 0
 
-    def record(self, num_tokens: int, num_hits: int) -> None:
+    def record(self, num_tokens: int, num_hits: int, num_external: int = 0) -> None:
         self.requests += 1
         self.queries += num_tokens
         self.hits += num_hits
+        self.external += num_external
+
+    def by_source(self) -> dict:
+        """vLLM's prompt_tokens_by_source, as ``EngineStats`` fields."""
+        return {
+            "prompt_tokens_local_compute": self.queries - self.hits - self.external,
+            "prompt_tokens_local_cache_hit": self.hits,
+            "prompt_tokens_external_kv_transfer": self.external,
+        }
 
     @property
     def hit_rate(self) -> float:
@@ -177,6 +189,9 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching, kv_events, reserve_null_block=any(sliding_windows))
         self.groups = [GroupBlocks(g, self.block_pool, block_size, window) for g, window in enumerate(sliding_windows)]
         self.prefix_cache_stats = PrefixCacheStats()
+        # Told of each request whose blocks are freed (the offloading connector: which chain
+        # each cached block belongs to, for its eviction; the disk tier's write-through).
+        self.free_listener: Callable[[Request, list[KVCacheBlock]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -294,6 +309,10 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release every block of the request, each group's tail first."""
+        if self.free_listener is not None:
+            blocks = self.groups[0].req_to_blocks.get(request.request_id)
+            if blocks:
+                self.free_listener(request, blocks)
         for group in self.groups:
             group.free(request.request_id)
 

@@ -86,3 +86,14 @@ def test_lora_on_a_mixture_of_experts_is_refused(tmp_path):
                          CacheConfig(num_gpu_blocks=16), SchedulerConfig(max_num_seqs=2))
     with pytest.raises(ConfigError, match="enable_lora"):
         runner.use_lora(LoRAConfig(enable_lora=True))
+
+
+def test_kv_offloading_tiers_with_sliding_windows_are_refused(tmp_path):
+    from services.engine import Engine
+    from shared.config import CacheConfig, KVOffloadConfig, ModelRunConfig, SchedulerConfig
+
+    folder = make_tiny_model("mistral", tmp_path / "m")
+    with pytest.raises(ConfigError, match="kv_offloading_size.*sliding-window"):
+        Engine(ModelRunConfig(model=str(folder), dtype="float32", quantization="none"),
+               CacheConfig(num_gpu_blocks=16), SchedulerConfig(max_num_seqs=2),
+               kv_offload_config=KVOffloadConfig(kv_offloading_size=0.01))
