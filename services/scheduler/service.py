@@ -240,6 +240,7 @@ class SchedulerService(Service):
             self.scheduler_config, self.cache_config, self.workers.num_blocks, self.workers.max_model_len,
             first_step_id=first_step_id, vocab_size=self.workers.vocab_size, max_loras=self.max_loras,
             kv_connector=connector, kv_offload=self._make_offload(), kv_events=recorder,
+            sliding_windows=self.workers.sliding_windows,
         )
 
     def _make_offload(self) -> OffloadingConnectorScheduler | None:

@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from shared.bus import Service, flush_in_order
 from shared.config import (
     CacheConfig,
+    ConfigError,
     KVOffloadConfig,
     KVTransferConfig,
     LoRAConfig,
@@ -121,6 +122,9 @@ class WorkerService(Service):
         # P/D: serves this rank's held KV blocks and pulls others' (None: no KV transfer).
         self.kv_connector: KVConnectorWorker | None = None
         if kv_transfer_config.kv_role:
+            if self.runner.kv_layout.is_hybrid:
+                raise ConfigError(f"kv_transfer_config: P/D moves one block table per request; {self.runner.model_path} "
+                                  "has sliding-window attention (KV cache groups), which it does not support")
             self.kv_connector = KVConnectorWorker(self, engine_id, self.rank, self.world_size, self.runner.kv_caches,
                                                   kv_transfer_config, self.load_reports, faults)
         # The host and disk KV tiers (None: none). Built on the forward thread: it times a prefill.
@@ -149,6 +153,7 @@ class WorkerService(Service):
             step_incarnation=self.steps.incarnation,
             last_step_id=self.steps.last_step_id,
             running_step_id=self.steps.running_step_id,
+            sliding_windows=self.runner.kv_sliding_windows,
             kv_offload=self.kv_offload.info(self._kv_offload_namespace) if self.kv_offload is not None else None,
         )
 

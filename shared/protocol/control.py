@@ -114,6 +114,9 @@ class WorkerReady(msgspec.Struct, omit_defaults=True):
     step_incarnation: str = ""
     last_step_id: int = 0
     running_step_id: int = 0
+    # Per KV cache group, its sliding window (0: full attention); empty: one
+    # full-attention group (shared/kv_cache_groups.py).
+    sliding_windows: list[int] = []
     kv_offload: KVOffloadWorkerInfo | None = None  # its KV offloading tiers (None: off)
 
 

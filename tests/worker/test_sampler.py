@@ -21,7 +21,7 @@ _req_ids = itertools.count()
 
 def state(params, prompt=(1, 2), output=(), eos=None):
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-    return CachedRequestState(f"r{next(_req_ids)}", list(prompt) + list(output), len(prompt), params, [], 0, eos,
+    return CachedRequestState(f"r{next(_req_ids)}", list(prompt) + list(output), len(prompt), params, [[]], 0, eos,
                               generator=gen, output_token_ids=list(output))
 
 
