@@ -30,6 +30,20 @@ class DecodePlan:
 
 
 @dataclass
+class PrefillPlan:
+    """What every layer's attention of a step with prompt chunks shares (the "torch"
+    backend builds it with its first layer): the requests the chunk path takes (`taken`
+    [N] bool) and, for the C prefill kernel, its int32 arrays (`native`: block tables,
+    query starts, query lengths, context lengths; None where it cannot run), or else per
+    long request (block table, start, length, seq_len) for PyTorch's flash attention."""
+
+    taken: torch.Tensor
+    all_taken: bool
+    native: tuple[torch.Tensor, ...] | None
+    long: list[tuple[torch.Tensor, int, int, int]]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
     block_tables: torch.Tensor  # [B, max_blocks] int32
@@ -42,3 +56,6 @@ class AttentionMetadata:
     # A step of short queries (speculative decoding's drafts) as one decode per query
     # token: (block table row per token, context length per token); None until built.
     token_decodes: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A step with prompt chunks: which requests the CPU's chunk path attends, and its
+    # arguments (`PrefillPlan`); None until built.
+    prefill_plan: PrefillPlan | None = None

@@ -1,4 +1,4 @@
-"""The "torch" backend's paged attention: the PyTorch reference, and the C decode kernel.
+"""The "torch" backend's paged attention: the PyTorch reference, and the C decode and prefill kernels.
 
 The worker calls `paged_attention` once per layer after `write_kv` has put the step's new
 K/V into the paged cache; the step's requests, their query tokens and their block tables
@@ -22,9 +22,15 @@ head) pair reads its K/V rows in place through the block table, one pass for the
 a float32 softmax, one pass for the weighted values. The PyTorch decode path must first
 gather every request's blocks into one padded copy and then multiply it in small batched
 GEMMs; at batch 32 that copy and those GEMMs took about a quarter of a SmolLM2-135M step
-here. Batches with prompt chunks, dtypes other than float32 and bfloat16, and machines
-where the kernel cannot be built (no C compiler; see `kernels.cpu_build`) go to
-`paged_attention_ref`.
+here. Prompt chunks (more than SHORT_QUERY_MAX query tokens) of a bfloat16 model go, all of
+a step's in one call, to `kernels/cpu/prefill_attention.c` where it is built for
+AVX512_BF16: flash attention that computes nothing above the causal diagonal and reads each
+KV head's K/V once for its group of query heads (the padded SDPA call computes every score
+of its square, masked, twice the causal work for a chunk without a prefix; the kernel runs
+~3x faster per layer). Elsewhere chunks of LONG_QUERY_MIN tokens or more take PyTorch's
+flash attention request by request (`_attend_long`). What is left (shorter chunks, the
+decodes of a mixed step, machines where no kernel can be built: no C compiler, see
+`kernels.cpu_build`) goes to `paged_attention_ref`.
 
 `paged_attention_cpu_batch_invariant` (the default, `--batch-invariant`) runs every query
 token of every step that way, prompt chunks included: a token's result is then a function
@@ -47,8 +53,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_metadata import AttentionMetadata, DecodePlan
-from kernels.cpu_build import bind, heads_packed, kernel_binding
+from kernels.attention_metadata import AttentionMetadata, DecodePlan, PrefillPlan
+from kernels.cpu_build import bind, heads_packed, kernel_binding, library_isa
 
 
 def _used_blocks(
@@ -193,10 +199,12 @@ def paged_attention_ref(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, nh, hd] -> out [T, nh, hd]; see the module docstring for the layout.
 
-    `out`, if given, is a preallocated [T, nh, hd] tensor the result is written into.
+    `out`, if given, is a preallocated [T, nh, hd] tensor the result is written into;
+    `skip` [N] bool: requests whose rows are left alone (another path attends them).
     An all-decode step's first call stores its decode plan in `attn` for the other layers.
 
     The caches must hold finite values everywhere (zeros or old K/V, never torch.empty
@@ -207,7 +215,7 @@ def paged_attention_ref(
     if query.shape[0] == 0:
         return out
     block_size = key_cache.shape[1]
-    if _all_decodes(query, attn):
+    if skip is None and _all_decodes(query, attn):
         if attn.decode_plan is None:
             attn.decode_plan = _decode_plan(attn.block_tables, None, attn.seq_lens, attn.max_seq_len, block_size)
         _attend_decodes(query, key_cache, value_cache, attn.decode_plan, scale, out)
@@ -222,6 +230,8 @@ def paged_attention_ref(
     # Requests with no query token this step (bucket -1) have nothing to attend.
     buckets = torch.ceil(torch.log2(query_lens.clamp(min=1).double())).long()
     buckets = torch.where(query_lens > 0, buckets, -1)
+    if skip is not None:
+        buckets = torch.where(skip, -1, buckets)
     for bucket in torch.unique(buckets).tolist():
         if bucket < 0:
             continue
@@ -330,6 +340,18 @@ def paged_attention_cpu(
         block_tables, seq_lens = _token_decodes(attn)
         if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
             return out
+    if attn.max_query_len > SHORT_QUERY_MAX:
+        if attn.prefill_plan is None:
+            attn.prefill_plan = _prefill_plan(query, key_cache, attn)
+        plan = attn.prefill_plan
+        if plan.native is not None:
+            _run_prefill_kernel(query, key_cache, value_cache, plan.native, scale, out)
+        else:
+            for table, start, length, seq_len in plan.long:
+                _attend_long(query, key_cache, value_cache, table, start, length, seq_len, scale, out)
+        if plan.all_taken:
+            return out
+        return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out, skip=plan.taken)
     return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out)
 
 
@@ -358,6 +380,68 @@ def paged_attention_cpu_batch_invariant(
     return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out)
 
 
+def _prefill_plan(query: torch.Tensor, key_cache: torch.Tensor, attn: AttentionMetadata) -> PrefillPlan:
+    """The C kernel takes every request with more than SHORT_QUERY_MAX query tokens (one
+    call per layer for all of them); without it, requests of LONG_QUERY_MIN tokens or more
+    take PyTorch's flash attention one by one; the others stay with the reference."""
+    query_lens = (attn.query_start_loc[1:] - attn.query_start_loc[:-1]).long()
+    chunks = query_lens > SHORT_QUERY_MAX
+    if prefill_kernel_takes(query, key_cache):
+        native = tuple(t.to(torch.int32).contiguous() for t in (
+            attn.block_tables[chunks], attn.query_start_loc[:-1][chunks], query_lens[chunks], attn.seq_lens[chunks]))
+        return PrefillPlan(chunks, bool(chunks.all()), native, [])
+    long = query_lens >= LONG_QUERY_MIN
+    starts, lens, seq_lens = (t.tolist() for t in (attn.query_start_loc[:-1][long], query_lens[long],
+                                                   attn.seq_lens[long]))
+    return PrefillPlan(long, bool(long.all()), None, list(zip(attn.block_tables[long], starts, lens, seq_lens)))
+
+
+# Without the C prefill kernel, prompt chunks of at least this many query tokens attend
+# request by request, causally (`_attend_long`): a padded SDPA call with a mask computes
+# every (query, key) score of its square, twice the causal ones for a chunk without a
+# prefix; per request, the Python around the calls is small next to the chunk's work.
+LONG_QUERY_MIN = 256
+
+
+def _attend_long(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+    start: int, length: int, seq_len: int, scale: float, out: torch.Tensor,
+) -> None:
+    """One request's chunk of `length` query tokens (rows start..start+length) at the end of
+    its `seq_len` keys, through PyTorch's flash attention: the chunk's own keys causally
+    (only the scores at or below the diagonal), the keys before it (a cached prefix, or
+    earlier chunks) in full and unmasked, the two softmaxes merged by their log-sum-exps."""
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    prefix = seq_len - length
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    keys = _widened(key_cache[blocks].flatten(0, 1)[:seq_len], query.dtype).transpose(0, 1)  # [kvh, S, hd]
+    values = _widened(value_cache[blocks].flatten(0, 1)[:seq_len], query.dtype).transpose(0, 1)
+    q = query[start : start + length].transpose(0, 1)  # [nh, Lq, hd]
+    rows = out[start : start + length]
+    if prefix == 0:
+        o = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True, scale=scale,
+                                           enable_gqa=group > 1)
+        rows.copy_(o[0].transpose(0, 1))
+        return
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    # The chunk's own keys, causal from its first query (SDPA's top-left diagonal).
+    own_k = keys[:, prefix:].repeat_interleave(group, dim=0)
+    own_v = values[:, prefix:].repeat_interleave(group, dim=0)
+    o_own, lse_own = flash(q[None], own_k[None], own_v[None], 0.0, True, scale=scale)
+    # The keys before it, seen by every query: a KV head's query heads side by side along
+    # the query axis, so K/V are read once per KV head and never copied per query head.
+    q_by_kv = q.reshape(num_kv_heads, group * length, head_dim)
+    o_pre, lse_pre = flash(q_by_kv[None], keys[None, :, :prefix], values[None, :, :prefix], 0.0, False,
+                           scale=scale)
+    o_pre, lse_pre = o_pre.reshape(num_heads, length, head_dim), lse_pre.reshape(num_heads, length)
+    lse = torch.logaddexp(lse_own[0], lse_pre)
+    merged = o_own[0].float() * torch.exp(lse_own[0] - lse).unsqueeze(-1)
+    merged.addcmul_(o_pre.float(), torch.exp(lse_pre - lse).unsqueeze(-1))
+    rows.copy_(merged.transpose(0, 1))
+
+
 # Queries up to this many tokens per request (a decode and its draft tokens) run as one
 # decode per token: each reads its context once more, where a padded SDPA call would copy
 # the whole context first, and a lone draft would take every decode of the batch off the
@@ -382,3 +466,46 @@ def _build_token_decodes(attn: AttentionMetadata) -> tuple[torch.Tensor, torch.T
     first_position = attn.seq_lens.long() - query_lens
     seq_lens = first_position[request_of] + offset + 1
     return attn.block_tables[request_of], seq_lens.to(torch.int32)
+
+
+_PREFILL_ARGTYPES = [
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,  # query, its row stride, caches
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # tables, ...
+    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # nh, kvh, hd, block size
+    ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # scale, out, its row stride, threads
+]
+# Head dims the C prefill kernel takes (multiples of 32 up to 256).
+_PREFILL_HEAD_DIMS = range(32, 257, 32)
+
+
+@kernel_binding
+def _prefill_kernel():
+    """`kernels/cpu/prefill_attention.c`'s entry point, None where it is not built for AVX512_BF16."""
+    kernel = bind("prefill_attention", "prefill_attention_bf16", _PREFILL_ARGTYPES, ctypes.c_int)
+    return kernel if kernel is not None and library_isa("prefill_attention") == "avx512_bf16" else None
+
+
+def prefill_kernel_takes(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the C prefill kernel runs this step's chunks: bfloat16 query and caches on
+    the CPU, a head dim it has code for, a build with AVX512_BF16."""
+    return (query.device.type == "cpu" and query.dtype == key_cache.dtype == torch.bfloat16
+            and key_cache.shape[-1] in _PREFILL_HEAD_DIMS and query.shape[1] % key_cache.shape[2] == 0
+            and _prefill_kernel() is not None)
+
+
+def _run_prefill_kernel(query, key_cache, value_cache, native, scale, out) -> None:
+    """The C prefill kernel over the plan's requests (`native`: block tables, query starts,
+    query lengths, context lengths, int32)."""
+    tables, starts, lens, seq_lens = native
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous() and heads_packed(query) and heads_packed(out)
+            and value_cache.dtype == out.dtype == torch.bfloat16):
+        raise ValueError("prefill attention kernel: caches must be contiguous, query/out rows heads-packed bf16")
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    status = _prefill_kernel()(
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+        tables.stride(0), starts.data_ptr(), lens.data_ptr(), seq_lens.data_ptr(), len(lens), query.shape[1],
+        num_kv_heads, head_dim, block_size, scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("prefill attention kernel: out of memory for its K/V copies") if status < 0 else \
+            ValueError("prefill attention kernel: shapes it cannot take")

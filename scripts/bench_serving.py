@@ -69,7 +69,9 @@ class RequestResult:
 
 def build_payload(endpoint: str, model: str, req: SampleRequest, args) -> dict:
     """The JSON body for one request."""
-    body: dict = {"model": model, "stream": True, "max_tokens": req.output_len, "temperature": args.temperature}
+    body: dict = {"model": model, "stream": True, "max_tokens": req.output_len}
+    if args.temperature is not None:  # None: the server's default sampling
+        body["temperature"] = args.temperature
     if endpoint == "chat":
         messages = []
         if req.prefix:
@@ -326,7 +328,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=0, help="at most this many requests in flight (0: no cap)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=lambda v: None if v == "default" else float(v), default=0.0,
+                   help='sent with every request; "default": none sent, the server samples as it defaults to')
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos")
     p.add_argument("--no-min-tokens", action="store_true", help="do not send min_tokens")
     p.add_argument("--no-stream-usage", action="store_true", help="do not ask for usage in the stream")

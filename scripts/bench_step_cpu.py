@@ -7,6 +7,7 @@ step: matrix products, kernels and Python. Prints wall and CPU milliseconds per 
 each (dtype, batch) pair, interleaved over --rounds, and one JSON line per run.
 
     .venv/bin/python scripts/bench_step_cpu.py [--dtypes bfloat16 float32] [--batches 1 8 32] [--rounds 2]
+        [--sampling greedy chat default]
 
 Each request has a 129-token prompt. A first generate of one token prefills the prompts
 into the prefix cache; the timed generate of --steps tokens then finds all but the last
@@ -36,16 +37,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=64, help="output tokens per request")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--sampling", nargs="+", default=["greedy"], choices=list(SAMPLING),
+                   help="the timed requests' settings: greedy, default (temperature 1), chat (0.7, top_p 0.9)")
     return p.parse_args(argv)
 
 
-def measure(engine, batch: int, steps: int, salt: int) -> tuple[float, float]:
+# --sampling's choices: the requests' temperature and top_p.
+SAMPLING = {"greedy": (0.0, 1.0), "default": (1.0, 1.0), "chat": (0.7, 0.9)}
+
+
+def measure(engine, batch: int, steps: int, salt: int, sampling: str = "greedy") -> tuple[float, float]:
     """(wall ms, CPU ms) per step of `batch` requests decoding `steps` tokens."""
     from shared.protocol import SamplingParams
 
     prompts = [[1] + [(100 + 7 * i + salt + j) % 40000 + 10 for j in range(128)] for i in range(batch)]
     engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    temperature, top_p = SAMPLING[sampling]
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=steps, ignore_eos=True)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     engine.generate(prompts, params)
     return (time.perf_counter() - wall0) / steps * 1000, (time.process_time() - cpu0) / steps * 1000
@@ -67,13 +75,15 @@ def main(argv=None) -> int:
     for round_ in range(args.rounds):
         for batch in args.batches:
             for dtype, engine in engines.items():
-                load = os.getloadavg()[0]
-                wall, cpu = measure(engine, batch, args.steps, salt=round_)
-                print(f"round {round_ + 1} batch {batch:3d} {dtype:9s}: wall {wall:8.2f} ms/step, "
-                      f"CPU {cpu:8.2f} ms/step ({batch * 1000 / cpu:7.1f} tok per CPU-second), load {load:.1f}",
-                      flush=True)
-                print(json.dumps({"round": round_ + 1, "batch": batch, "dtype": dtype, "threads": args.threads,
-                                  "wall_ms": wall, "cpu_ms": cpu, "load": load}), flush=True)
+                for sampling in args.sampling:
+                    load = os.getloadavg()[0]
+                    wall, cpu = measure(engine, batch, args.steps, salt=round_, sampling=sampling)
+                    print(f"round {round_ + 1} batch {batch:3d} {dtype:9s} {sampling:7s}: wall {wall:8.2f} ms/step, "
+                          f"CPU {cpu:8.2f} ms/step ({batch * 1000 / cpu:7.1f} tok per CPU-second), load {load:.1f}",
+                          flush=True)
+                    print(json.dumps({"round": round_ + 1, "batch": batch, "dtype": dtype, "sampling": sampling,
+                                      "threads": args.threads, "wall_ms": wall, "cpu_ms": cpu, "load": load}),
+                          flush=True)
     return 0
 
 

@@ -35,6 +35,14 @@ def main() -> int:
                         help="P/D: prefill engines (kv_producer), each with --tp worker ranks")
     parser.add_argument("--decode-engines", type=int, default=0,
                         help="P/D: decode engines (kv_consumer), each with --tp worker ranks")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="data-parallel engines, each its own scheduler and --tp worker ranks; the tokenizers' "
+                             "routers place each request on one (--router-mode); with P/D, per prefill and per "
+                             "decode instance")
+    parser.add_argument("--cpu-omp-threads-bind", default="auto",
+                        help="CPU cores of each worker: auto (this machine's cores split evenly among the workers "
+                             "when there are several), nobind (each worker every core), or one core list per "
+                             "worker separated by | (engines in order, their ranks within), e.g. 0-7|8-15")
     parser.add_argument("--crash-loop-restarts", type=int, default=CRASH_LOOP_RESTARTS,
                         help="a process that dies again after this many restarts within --crash-loop-window "
                              "seconds is in a crash loop: the stack stops")
@@ -56,6 +64,8 @@ def main() -> int:
                 args=service_args,
                 prefill_engines=args.prefill_engines,
                 decode_engines=args.decode_engines,
+                data_parallel_size=args.data_parallel_size,
+                cpu_omp_threads_bind=args.cpu_omp_threads_bind,
                 crash_loop=crash_loop,
             )
         )

@@ -37,6 +37,7 @@ from shared.protocol import (
     ENGINE_REQUESTS,
     ENGINE_STATS,
     PING,
+    ROUTER_STATS_SUBJECT,
     LORA_ADAPTERS,
     LORA_LIST,
     SERVICE_RESTARTS,
@@ -45,6 +46,8 @@ from shared.protocol import (
     TOKENIZER_TOKENIZE,
     engine_abort_subject,
     engine_hello_subject,
+    engine_kv_cache_dump_subject,
+    engine_kv_events_replay_subject,
     engine_kv_handoff_subject,
     engine_kv_pull_subject,
     engine_kv_loaded_subject,
@@ -53,12 +56,14 @@ from shared.protocol import (
     engine_kv_serve_subject,
     engine_profile_subject,
     engine_ready_subject,
+    engine_requests_subject,
     engine_resend_subject,
     engine_result_subject,
     engine_retire_subject,
     engine_step_subject,
     engine_stops_subject,
     gateway_stream_subject,
+    kv_events_subject,
     ping_subject,
 )
 
@@ -78,8 +83,12 @@ class Permissions:
 
 ROLES: dict[str, Permissions] = {
     "tokenizer": Permissions(
-        publish=(ENGINE_REQUESTS,),
-        subscribe=(TOKENIZE, ping_subject("tokenizer"), TOKENIZER_TOKENIZE, TOKENIZER_DETOKENIZE),
+        # Its router places requests on an engine's own subject (the queue group otherwise),
+        # follows every engine's stats and KV events, asks for those it missed.
+        publish=(ENGINE_REQUESTS, engine_requests_subject(ANY), engine_kv_events_replay_subject(ANY),
+                 engine_kv_cache_dump_subject(ANY), ROUTER_STATS_SUBJECT),
+        subscribe=(TOKENIZE, ping_subject("tokenizer"), TOKENIZER_TOKENIZE, TOKENIZER_DETOKENIZE, ENGINE_STATS,
+                   kv_events_subject(ANY)),
         makes_requests=True,
     ),
     "detokenizer": Permissions(
@@ -95,9 +104,12 @@ ROLES: dict[str, Permissions] = {
             DETOKENIZE, ENGINE_STATS, DETOKENIZE_STOPS,
             # P/D: hand-offs to decode engines, releases to prefill engines.
             engine_kv_handoff_subject(ANY), engine_kv_release_subject(ANY), engine_kv_serve_subject(ANY),
+            # KV events; a prefill engine's router asks decode engines for those it missed.
+            kv_events_subject(ANY), engine_kv_events_replay_subject(ANY), engine_kv_cache_dump_subject(ANY),
         ),
         subscribe=(
-            engine_ready_subject(ANY), engine_result_subject(ANY), ENGINE_REQUESTS,
+            engine_ready_subject(ANY), engine_result_subject(ANY), ENGINE_REQUESTS, engine_requests_subject(ANY),
+            engine_kv_events_replay_subject(ANY), engine_kv_cache_dump_subject(ANY), kv_events_subject(ANY),
             engine_abort_subject(ANY), engine_resend_subject(ANY), engine_profile_subject(ANY),
             ping_subject("scheduler"), engine_stops_subject(ANY),
             engine_kv_handoff_subject(ANY), engine_kv_release_subject(ANY), ENGINE_STATS,
@@ -123,13 +135,13 @@ ROLES: dict[str, Permissions] = {
 
 def gateway_permissions(gateway_id: str) -> Permissions:
     """Gateway ``gateway_id``: tokenize requests (and /tokenize, /detokenize) out, its own
-    aborts and resends; its own streams, stats and restart counts in; LoRA adapter changes
-    and lists both ways."""
+    aborts and resends; its own streams, engine and router stats and restart counts in; LoRA
+    adapter changes and lists both ways."""
     return Permissions(
         publish=(TOKENIZE, engine_abort_subject(gateway_id), engine_resend_subject(gateway_id), f"{PING}.>",
                  TOKENIZER_TOKENIZE, TOKENIZER_DETOKENIZE, LORA_ADAPTERS, LORA_LIST),
         subscribe=(gateway_stream_subject(gateway_id), ENGINE_STATS, SERVICE_RESTARTS, ping_subject("gateway"),
-                   LORA_ADAPTERS, LORA_LIST),
+                   LORA_ADAPTERS, LORA_LIST, ROUTER_STATS_SUBJECT),
         makes_requests=True,
     )
 

@@ -208,6 +208,22 @@ def test_pd_profile_runs_a_prefill_and_a_decode_engine_with_matching_roles():
                      ("decode", "services.scheduler", "kv_consumer"), ("decode", "services.worker", "kv_consumer")}
 
 
+def test_dp2_profile_runs_a_second_engine_and_every_scheduler_publishes_kv_events():
+    from services.scheduler.config import KVEventsConfig
+
+    services = compose()["services"]
+    dp2 = {n: s for n, s in services.items() if "dp2" in s.get("profiles", [])}
+    engines = {(s["command"][2], s["environment"]["ENGINE_ID"]) for s in dp2.values()}
+    assert engines == {("services.scheduler", "1"), ("services.worker", "1")}
+    schedulers = [s for s in python_services().values() if s["command"][2] == "services.scheduler"]
+    assert len({s["environment"]["ENGINE_ID"] for s in schedulers}) == len(schedulers), "one id per engine"
+    assert all(KVEventsConfig(s["environment"]["KV_EVENTS_CONFIG"]).enabled for s in schedulers)
+    # Each engine's worker may be given its own cores (the variable names differ).
+    cores = [s["environment"]["CPU_OMP_THREADS_BIND"] for n, s in python_services().items()
+             if n in ("worker", "worker-dp1")]
+    assert cores == ["${WORKER_CORES_0:-auto}", "${WORKER_CORES_1:-auto}"]
+
+
 def test_volumes_keep_models_and_built_kernels():
     services = python_services()
     declared = set(compose()["volumes"])

@@ -32,6 +32,7 @@ from shared.protocol import (
     ENGINE_STATS_CHANNEL,
     PING_CHANNEL,
     RESEND_CHANNEL,
+    ROUTER_STATS_CHANNEL,
     SERVICE_RESTARTS_CHANNEL,
     STREAM_CHANNEL,
     TOKENIZE,
@@ -45,7 +46,7 @@ from shared.protocol import (
 from .config import GatewayConfig
 from .errors import ApiError, bus_unavailable, engine_lost, no_tokenizer, shutting_down, tokenizer_timeout
 from .lora_routes import LoRARegistry, join_lora_bus
-from .metrics import EngineStatsStore, GatewayMetrics
+from .metrics import EngineStatsStore, GatewayMetrics, RouterStatsStore
 from .streams import RequestStream
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class GatewayService(Service):
         self.config = config
         self.streams: dict[str, RequestStream] = {}
         self.engine_stats = EngineStatsStore()
-        self.metrics = GatewayMetrics(config.model_name, self.engine_stats)
+        self.router_stats = RouterStatsStore()
+        self.metrics = GatewayMetrics(config.model_name, self.engine_stats, self.router_stats)
         self.closing = False
         self.num_dropped_deltas = 0
         self.num_resends = 0
@@ -86,6 +88,7 @@ class GatewayService(Service):
         await self.subscribe(STREAM_CHANNEL.subject(self.gateway_id), self._on_deltas)
         await self.subscribe(ENGINE_STATS_CHANNEL.subject(), self._on_stats)
         await self.subscribe(SERVICE_RESTARTS_CHANNEL.subject(), self._on_restarts)
+        await self.subscribe(ROUTER_STATS_CHANNEL.subject(), self._on_router_stats)
         self.spawn(self._watch_engines())
         if self.lora is not None:
             await join_lora_bus(self, self.lora)
@@ -117,6 +120,9 @@ class GatewayService(Service):
         self.engine_stats.update(stats)
         if stats.incarnation:
             self._fail_requests_of(stats.engine_id, "restarted", lambda s: s.incarnation != stats.incarnation)
+
+    async def _on_router_stats(self, msg: Msg) -> None:
+        self.router_stats.update(ROUTER_STATS_CHANNEL.decode(msg.data))
 
     async def _on_restarts(self, msg: Msg) -> None:
         self.metrics.service_restarts = dict(SERVICE_RESTARTS_CHANNEL.decode(msg.data).counts)

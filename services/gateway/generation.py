@@ -158,12 +158,14 @@ class Generation:
             if not prompt_tokens[s.prompt_index]:
                 prompt_tokens[s.prompt_index] = s.num_prompt_tokens
         completion_tokens = sum(s.num_output_tokens for s in self.streams)
-        return {
+        usage = {
             "prompt_tokens": sum(prompt_tokens),
             "completion_tokens": completion_tokens,
             "total_tokens": sum(prompt_tokens) + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(cached)},
         }
+        if self.gateway.config.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
+        return usage
 
     # ------------------------------------------------------------------ cleanup
 

@@ -11,12 +11,20 @@ with one user per service role and one for the gateway (fresh passwords per run)
 service gets its user's credentials in its environment; the gateway's user name is its
 id (``GATEWAY_ID``). Extra flags go to the services that take them
 (``service_flags``).
+
+``data_parallel_size`` engines (vLLM's ``--data-parallel-size``), each its own scheduler and
+``tensor_parallel_size`` worker ranks with its own engine id; with P/D, each prefill and each
+decode instance is that many engines, as a vLLM server of that role would be. With more
+than one engine the schedulers publish KV cache events and the tokenizers' routers place each
+request on one engine (``services/router``; ``--router-mode`` goes to the tokenizers), and
+each worker gets its share of the machine's cores (``cpu_omp_threads_bind``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -30,8 +38,10 @@ from services.launch.supervisor import CrashLoopBudget, Supervisor
 from shared.bus import flush_in_order, publish
 from shared.bus_auth import gateway_user
 from shared.config import KV_CONSUMER, KV_PRODUCER, ConfigError, kv_transfer_config_json
+from shared.cpu_sets import UNBOUND, check_bind, format_cpu_list, split_cores
 from shared.protocol import SERVICE_RESTARTS_CHANNEL, ServiceRestarts
 from services.launch.service_flags import split_service_args
+from services.scheduler.config import kv_events_config_json
 
 ROOT = Path(__file__).resolve().parents[2]
 SUPERVISE_INTERVAL = 0.5  # seconds between looks for dead services
@@ -63,15 +73,65 @@ class StackConfig:
     # tensor_parallel_size worker ranks) instead of one engine; both 0: one plain engine.
     prefill_engines: int = 0
     decode_engines: int = 0
+    # Data-parallel engines (vLLM's --data-parallel-size): this many engines where there would
+    # be one (with P/D: per prefill and per decode instance).
+    data_parallel_size: int = 1
+    # The cores of each worker (shared/cpu_sets.py): auto splits this process's cores evenly
+    # among the workers when there are several; nobind leaves each every core; else one core
+    # list per worker, "|"-separated, in the order of engines() and their ranks.
+    cpu_omp_threads_bind: str = "auto"
     # A process that dies more often than this is given up on (supervisor.CrashLoopBudget).
     crash_loop: CrashLoopBudget = CrashLoopBudget()
 
     def engines(self) -> list[tuple[str, str]]:
         """(engine id, kv_role) of each engine to start; ("", "") is the one plain engine."""
+        n = self.data_parallel_size
         if not self.prefill_engines and not self.decode_engines:
-            return [("", "")]
-        return ([(f"prefill-{i}", KV_PRODUCER) for i in range(self.prefill_engines)]
-                + [(f"decode-{i}", KV_CONSUMER) for i in range(self.decode_engines)])
+            return [("", "")] if n == 1 else [(str(i), "") for i in range(n)]
+        return ([(f"prefill-{i}", KV_PRODUCER) for i in range(self.prefill_engines * n)]
+                + [(f"decode-{i}", KV_CONSUMER) for i in range(self.decode_engines * n)])
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.engines()) * self.tensor_parallel_size
+
+    def worker_cores(self) -> list[str]:
+        """Each worker's ``--cpu-omp-threads-bind`` value, in the order of engines() and ranks."""
+        bind = self.cpu_omp_threads_bind.strip()
+        if bind.lower() in UNBOUND:
+            if bind.lower() == "nobind" or self.num_workers == 1:
+                return ["nobind"] * self.num_workers
+            return [format_cpu_list(c) for c in split_cores(sorted(os.sched_getaffinity(0)), self.num_workers)]
+        entries = bind.split("|")
+        if len(entries) != self.num_workers:
+            raise ConfigError(f"cpu_omp_threads_bind {bind!r} names {len(entries)} core list(s) for "
+                              f"{self.num_workers} worker(s)")
+        return entries
+
+
+def visible_gpus(environ=os.environ) -> list[str]:
+    """The GPUs this launcher's processes may use, as CUDA_VISIBLE_DEVICES entries: that
+    variable's, else ``nvidia-smi -L``'s indices (none without a driver)."""
+    if environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        return [g for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(line for line in listing.splitlines() if line.startswith("GPU "))]
+
+
+def engine_gpus(num_engines: int, tensor_parallel_size: int, gpus: list[str] | None = None) -> list[str | None]:
+    """Each engine's CUDA_VISIBLE_DEVICES: with several engines and a GPU for each of their
+    ranks, engine i gets GPUs ``i * tp ..`` (its rank r then uses its r-th); otherwise None
+    (every process sees every GPU, and rank r uses GPU ``r % count``, shared between engines)."""
+    gpus = visible_gpus() if gpus is None else gpus
+    if num_engines < 2 or len(gpus) < num_engines * tensor_parallel_size:
+        return [None] * num_engines
+    tp = tensor_parallel_size
+    return [",".join(gpus[i * tp:(i + 1) * tp]) for i in range(num_engines)]
 
 
 class Stack:
@@ -81,6 +141,13 @@ class Stack:
         self.service_args = split_service_args(config.args)
         if (config.prefill_engines > 0) != (config.decode_engines > 0):
             raise ConfigError("P/D needs at least one prefill engine and one decode engine")
+        if config.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, got {config.data_parallel_size}")
+        try:
+            check_bind(config.cpu_omp_threads_bind)
+        except ValueError as e:
+            raise ConfigError(f"cpu_omp_threads_bind: {e}") from None
+        self.worker_cores = config.worker_cores()
         role_flags = {"--kv-transfer-config", "--kv-role"} & {a.split("=", 1)[0] for a in config.args}
         if config.prefill_engines and role_flags:
             raise ConfigError(f"{', '.join(sorted(role_flags))}: with --prefill-engines / --decode-engines the "
@@ -107,12 +174,14 @@ class Stack:
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         return env
 
-    def start_service(self, name: str, module: str, args: list[str]) -> subprocess.Popen | None:
+    def start_service(self, name: str, module: str, args: list[str],
+                      env: dict[str, str] | None = None) -> subprocess.Popen | None:
         role = module.removeprefix("services.")
         if role in self.config.without:
             return None
         log = os.path.join(self.config.log_dir, f"{name}.log") if self.config.log_dir is not None else None
-        return self.supervisor.start(name, [sys.executable, "-m", module, *args], self._env(role), str(ROOT), log)
+        return self.supervisor.start(name, [sys.executable, "-m", module, *args], {**self._env(role), **(env or {})},
+                                     str(ROOT), log)
 
     def restart_service(self, name: str) -> subprocess.Popen:
         """Kill a service (if running) and start it again with its first arguments."""
@@ -128,8 +197,11 @@ class Stack:
                                gateway_ids=[GATEWAY_ID], supervisor=self.supervisor)
         model = ["--model", cfg.model] if cfg.model else []
         extra = self.service_args
+        cores = iter(self.worker_cores)
+        gpus = iter(engine_gpus(len(cfg.engines()), cfg.tensor_parallel_size))
         for engine_id, kv_role in cfg.engines():
-            self._start_engine(engine_id, kv_role, model)
+            self._start_engine(engine_id, kv_role, model, [next(cores) for _ in range(cfg.tensor_parallel_size)],
+                               next(gpus))
         for i in range(cfg.num_tokenizers):
             self.start_service(f"tokenizer-{i}", "services.tokenizer", [*model, *extra["tokenizer"]])
         for i in range(cfg.num_detokenizers):
@@ -140,23 +212,33 @@ class Stack:
         )
         self.start_supervising()
 
-    def _start_engine(self, engine_id: str, kv_role: str, model: list[str]) -> None:
-        """One engine: its worker ranks and its scheduler. The plain engine's processes are
-        ``worker-<rank>`` and ``scheduler``; a P/D engine's ``<engine id>-worker-<rank>`` and
-        ``<engine id>-scheduler``."""
+    def _start_engine(self, engine_id: str, kv_role: str, model: list[str], cores: list[str],
+                      gpus: str | None = None) -> None:
+        """One engine: its worker ranks (on ``cores``, one entry per rank; on the GPUs
+        ``gpus`` names, if given, as their CUDA_VISIBLE_DEVICES) and its scheduler.
+        The plain engine's processes are ``worker-<rank>`` and ``scheduler``; a data-parallel
+        engine's ``engine-<id>-worker-<rank>`` and ``engine-<id>-scheduler``; a P/D engine's
+        ``<engine id>-worker-<rank>`` and ``<engine id>-scheduler``."""
         cfg = self.config
         extra = self.service_args
         tp = ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
-        role = ["--engine-id", engine_id, "--kv-transfer-config", kv_transfer_config_json(kv_role)] if engine_id else []
-        prefix = f"{engine_id}-" if engine_id else ""
+        role = ["--engine-id", engine_id] if engine_id else []
+        if kv_role:
+            role += ["--kv-transfer-config", kv_transfer_config_json(kv_role)]
+        prefix = f"{engine_id}-" if kv_role else f"engine-{engine_id}-" if engine_id else ""
+        events = []
+        if len(cfg.engines()) > 1 and "--kv-events-config" not in {a.split("=", 1)[0] for a in extra["scheduler"]}:
+            events = ["--kv-events-config", kv_events_config_json()]  # for the routers
         # TP ranks meet in a torch.distributed rendezvous hosted by rank 0 (args may override).
         dist = []
         if cfg.tensor_parallel_size > 1:
             dist = ["--dist-init-method", f"tcp://127.0.0.1:{free_port()}"]
         for rank in range(cfg.tensor_parallel_size):
             self.start_service(f"{prefix}worker-{rank}", "services.worker",
-                               [*model, *tp, *role, "--rank", str(rank), *dist, *extra["worker"]])
-        self.start_service(f"{prefix}scheduler", "services.scheduler", [*model, *tp, *role, *extra["scheduler"]])
+                               [*model, *tp, *role, "--rank", str(rank), *dist, "--cpu-omp-threads-bind", cores[rank],
+                                *extra["worker"]], env={"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None)
+        self.start_service(f"{prefix}scheduler", "services.scheduler",
+                           [*model, *tp, *role, *events, *extra["scheduler"]])
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         """Until /health says the gateway reaches a tokenizer and the engine is ready. A

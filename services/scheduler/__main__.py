@@ -5,6 +5,7 @@ from shared.cli import add_config_flags, base_parser, config_from_args
 from shared.config import (
     CacheConfig,
     EngineServiceConfig,
+    KVOffloadConfig,
     KVTransferConfig,
     LoRAConfig,
     ParallelConfig,
@@ -12,13 +13,14 @@ from shared.config import (
 )
 from shared.engine_args import add_engine_args
 
-from .config import SchedulerServiceConfig
+from .config import KVEventsConfig, SchedulerServiceConfig
 
 
 def build_parser():
     parser = base_parser("Engine scheduler: batches requests into steps for its workers")
     add_engine_args(parser)
     add_config_flags(parser, SchedulerServiceConfig)
+    add_config_flags(parser, KVEventsConfig)
     return parser
 
 
@@ -38,6 +40,8 @@ def main() -> None:
         nats_url=args.nats_url,
         lora_config=config_from_args(LoRAConfig, args),
         kv_transfer_config=config_from_args(KVTransferConfig, args),
+        kv_offload_config=config_from_args(KVOffloadConfig, args),
+        kv_events_config=config_from_args(KVEventsConfig, args),
     )
     run_service(service)
 

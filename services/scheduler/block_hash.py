@@ -3,7 +3,9 @@
 A full block's hash covers its parent's hash, its own token ids and extra keys
 (a cache salt, the LoRA adapter), so equal hashes mean equal prefixes. The hash is
 sha256 over a fixed byte layout: the same in every process and across restarts
-(Python's ``hash()`` is salted per process and must never be used here).
+(Python's ``hash()`` is salted per process and must never be used here). The scheduler
+hashes its requests with it (``request.py``), and routers hash prompts with it to find the
+engines that hold their blocks (``services/router/``), so both must agree bit for bit.
 """
 
 from __future__ import annotations
@@ -12,6 +14,12 @@ import hashlib
 from array import array
 
 NONE_HASH = b"\x00" * 32
+
+
+def lora_hash_key(lora_request) -> tuple[str, ...]:
+    """What of a request's LoRA adapter (a ``LoRARequest`` or None) enters its first
+    block's hash: its name and path."""
+    return () if lora_request is None else (lora_request.lora_name, lora_request.lora_path)
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids, extra_keys: tuple[str, ...] = ()) -> bytes:

@@ -7,10 +7,22 @@ free block) are all O(1). Eviction takes from the head: freed blocks go to the t
 so the least recently freed block is reused first.
 
 A freed block keeps its hash (and stays findable in ``cached_blocks``) until it is
-handed out again, so a finished or preempted request's prefix can still be hit.
+handed out again, so a finished or preempted request's prefix can still be hit. The KV
+offloading tiers learn of each cached block handed out again (``eviction_listener``, called
+while the block is still registered): its content may go down before it is overwritten.
+
+With KV cache events on, the pool tells a ``KVEventRecorder`` (``kv_events.py``) each change
+of ``cached_blocks``' keys: hashes that join it (stored), hashes that leave it (removed), and
+a reset (cleared). A consumer that applies them in order holds the same set of hashes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kv_events import KVEventRecorder
 
 
 class KVCacheBlock:
@@ -81,14 +93,17 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Owns every block: hands out, reference-counts, frees and caches them."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, kv_events: KVEventRecorder | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.kv_events = kv_events
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        # Told of each cached block about to be reused (the offloading connector's write-back).
+        self.eviction_listener: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,8 +130,12 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
+            if self.eviction_listener is not None:
+                self.eviction_listener(block)
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                if self.kv_events is not None:
+                    self.kv_events.removed(block.block_hash)
             block.block_hash = None
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
@@ -126,14 +145,32 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Register a block whose tokens are all known under its chained hash."""
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Register a block whose tokens are all known under its chained hash; whether it
+        was not registered before (a prefix-cache hit was)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         block.block_hash = block_hash
         # An identical block computed by another request keeps the entry; this one
         # is simply not findable (it still works for its own request).
         self.cached_blocks.setdefault(block_hash, block)
+        return True
+
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes], parent_hash: bytes | None,
+                          token_ids: list[int], lora_name: str | None = None) -> None:
+        """Register a run of one request's full blocks: ``block_hashes`` chain on from
+        ``parent_hash``, ``token_ids`` are their tokens. The ones registered now (past the
+        prefix-cache hits the run starts with) are one stored event."""
+        first_new = None
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
+            if self.cache_full_block(block, block_hash) and first_new is None:
+                first_new = i
+        if first_new is None or self.kv_events is None:
+            return
+        parent = block_hashes[first_new - 1] if first_new else parent_hash
+        block_size = len(token_ids) // len(blocks)
+        self.kv_events.stored(block_hashes[first_new:len(blocks)], parent, token_ids[first_new * block_size:],
+                              lora_name)
 
     def free_blocks(self, ordered_blocks) -> None:
         """Drop one reference each; blocks reaching zero go to the free tail in order.
@@ -155,4 +192,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True

@@ -1,9 +1,11 @@
 """P/D disaggregation, the schedulers' side: prefilled requests handed from a prefill
 engine to a decode engine (docs/ARCHITECTURE.md).
 
-Prefill side (``HandoffSender``): a request that got its first token is offered to the
-least loaded decode engines in turn (``kv_routing.py``, ``HANDOFF_ATTEMPTS`` of them,
-``HANDOFF_TIMEOUT`` seconds each) while its blocks stay held for the decode side to pull;
+Prefill side (``HandoffSender``): a request that got its first token is offered to decode
+engines in turn, each chosen by the engine's router (``services/router``, kv policy among the
+engines that take hand-offs: the one whose prefix cache holds most of the prompt, weighed
+against its load; ``HANDOFF_ATTEMPTS`` of them, ``HANDOFF_TIMEOUT`` seconds each) while its
+blocks stay held for the decode side to pull;
 its first output is published once a decode engine took it, naming the new owner. No
 taker: the request is decoded here. The decode side's release frees the held blocks.
 
@@ -21,10 +23,10 @@ from collections.abc import Callable
 
 from nats.aio.msg import Msg
 
+from services.router.router import Router
 from shared.bus import respond
 from shared.kv_transfer_faults import KVTransferFaults
 from shared.protocol import (
-    ENGINE_STATS_CHANNEL,
     KV_HANDOFF_CHANNEL,
     KV_LOADS_DONE_CHANNEL,
     KV_RELEASE_CHANNEL,
@@ -39,7 +41,6 @@ from shared.protocol import (
 )
 
 from .intake import Intake
-from .kv_routing import DecodeEngines
 from .outputs import OutputPublisher
 from .recovery import WorkerRecovery
 from .request import Request
@@ -54,13 +55,14 @@ HANDOFF_ATTEMPTS = 2
 
 
 class HandoffSender:
-    """Prefill side. ``wake()``: the step loop has work."""
+    """Prefill side. ``router``: chooses among the decode engines (the service feeds it their
+    stats and KV events); ``wake()``: the step loop has work."""
 
     def __init__(self, engine_id: str, incarnation: str, recovery: WorkerRecovery, intake: Intake,
-                 outputs: OutputPublisher, publish, request, spawn, wake: Callable[[], None]) -> None:
+                 outputs: OutputPublisher, publish, request, spawn, wake: Callable[[], None], router: Router) -> None:
         self.engine_id = engine_id
         self.incarnation = incarnation
-        self.decode_engines = DecodeEngines()
+        self.router = router
         self._recovery = recovery
         self._intake = intake
         self._outputs = outputs
@@ -106,8 +108,8 @@ class HandoffSender:
         await self._outputs.publish(list(outputs.values()))
 
     async def _hand_off_one(self, request: Request, params, output: EngineOutput) -> bool:
-        """Offer the request to the least loaded decode engines in turn; on acceptance its
-        first output names the new owner (the gateway watches that engine from then on)."""
+        """Offer the request to the router's decode engines in turn; on acceptance its first
+        output names the new owner (the gateway watches that engine from then on)."""
         handoff = KVHandoff(
             request=EngineRequest(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
@@ -119,15 +121,21 @@ class HandoffSender:
             kv_transfer_params=params,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
-        for engine_id in self.decode_engines.ranked()[:HANDOFF_ATTEMPTS]:
+        tried: set[str] = set()
+        for _ in range(HANDOFF_ATTEMPTS):
+            route = self.router.route(handoff.request, exclude=frozenset(tried))
+            if route is None:
+                break
+            engine_id = route.engine_id
+            tried.add(engine_id)
             try:
                 reply = await self._request(KV_HANDOFF_CHANNEL, handoff, engine_id, timeout=HANDOFF_TIMEOUT)
             except Exception as e:  # no responder, timeout, a bad answer: the next engine
                 logger.warning("engine %s: hand-off of %s to %s failed: %r", self.engine_id, request.request_id,
                                engine_id, e)
                 continue
+            self.router.answered(route, reply.admission if reply.accepted else 0)
             if reply.accepted:
-                self.decode_engines.handed_to(engine_id)
                 output.owner_engine_id, output.owner_incarnation = reply.engine_id, reply.incarnation
                 return True
             logger.warning("engine %s: %s refused %s: %s", self.engine_id, engine_id, request.request_id, reply.error)
@@ -139,9 +147,6 @@ class HandoffSender:
         scheduler = self._recovery.scheduler
         if scheduler is not None and scheduler.release_held(release.request_ids, release.incarnation):
             self._wake()  # the workers must stop serving them
-
-    async def on_engine_stats(self, msg: Msg) -> None:
-        self.decode_engines.update(ENGINE_STATS_CHANNEL.decode(msg.data))
 
 
 class HandoffReceiver:
@@ -174,9 +179,10 @@ class HandoffReceiver:
             request.prompt_logprobs_sent = True  # they went with the first token
             return request
 
-        _, error = self._intake.admit(handoff.request.request_id, handoff.request.gateway_id, make_request)
+        queued, error = self._intake.admit(handoff.request.request_id, handoff.request.gateway_id, make_request)
         message = "" if error is None else error.message
-        await respond(msg, KV_HANDOFF_CHANNEL, KVHandoffReply(error is None, message, self.engine_id, self.incarnation))
+        await respond(msg, KV_HANDOFF_CHANNEL, KVHandoffReply(error is None, message, self.engine_id, self.incarnation,
+                                                              self._intake.num_admitted if queued else 0))
 
     async def on_kv_loads_done(self, msg: Msg) -> None:
         """The workers pushed the ends of loads (no step was running there)."""

@@ -63,6 +63,9 @@ class Intake:
         self._is_ready = is_ready
         self._wake = wake
         self.early_aborts: dict[tuple[str, str], float] = {}  # (gateway id, request id) -> when
+        # Requests admitted (new and handed off): routers count what they sent until the
+        # engine's stats count it (EngineStats.num_requests_admitted).
+        self.num_admitted = 0
 
     def admit(self, request_id: str, gateway_id: str,
               make_request: Callable[[], Request]) -> tuple[bool, ErrorInfo | None]:
@@ -86,11 +89,13 @@ class Intake:
             scheduler.add_request(make_request())
         except RequestRejected as e:
             return False, ErrorInfo(str(e), param="messages")
+        self.num_admitted += 1
         self._wake()
         return True, None
 
     async def on_request(self, msg: Msg) -> None:
-        """A tokenized request: queued, or why not (the answer names this engine)."""
+        """A tokenized request (from the queue group, or placed on this engine by a router):
+        queued, or why not (the answer names this engine)."""
         request = ENGINE_REQUESTS_CHANNEL.decode(msg.data)
 
         def make_request() -> Request:
@@ -102,7 +107,8 @@ class Intake:
         if queued:
             self._stops.accepted(request.request_id, request.sampling_params)
             self._counters.prompt_tokens_total += len(request.prompt_token_ids)
-        reply = EngineRequestReply(request.request_id, error, engine_id=self.engine_id, incarnation=self.incarnation)
+        reply = EngineRequestReply(request.request_id, error, engine_id=self.engine_id, incarnation=self.incarnation,
+                                   admission=self.num_admitted if queued else 0)
         await respond(msg, ENGINE_REQUESTS_CHANNEL, reply)
 
     async def on_abort(self, msg: Msg) -> None:

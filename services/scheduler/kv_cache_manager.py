@@ -12,24 +12,37 @@ preempts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .block_pool import BlockPool, KVCacheBlock
+from .kv_events import KVEventRecorder
 from .request import Request
 
 
 @dataclass
 class PrefixCacheStats:
-    """Prompt tokens looked up in the prefix cache, and how many were hits."""
+    """Prompt tokens looked up in the prefix cache, how many were hits, and how many a KV
+    connector loaded (the tiers) before the request's first run."""
 
     queries: int = 0
     hits: int = 0
     requests: int = 0
+    external: int = 0
 
-    def record(self, num_tokens: int, num_hits: int) -> None:
+    def record(self, num_tokens: int, num_hits: int, num_external: int = 0) -> None:
         self.requests += 1
         self.queries += num_tokens
         self.hits += num_hits
+        self.external += num_external
+
+    def by_source(self) -> dict:
+        """vLLM's prompt_tokens_by_source, as ``EngineStats`` fields."""
+        return {
+            "prompt_tokens_local_compute": self.queries - self.hits - self.external,
+            "prompt_tokens_local_cache_hit": self.hits,
+            "prompt_tokens_external_kv_transfer": self.external,
+        }
 
     @property
     def hit_rate(self) -> float:
@@ -37,14 +50,19 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 kv_events: KVEventRecorder | None = None) -> None:
+        """``kv_events``: told what joins and leaves the prefix cache (None: KV events off)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, kv_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # Told of each request whose blocks are freed (the offloading connector: which chain
+        # each cached block belongs to, for its eviction; the disk tier's write-through).
+        self.free_listener: Callable[[Request, list[KVCacheBlock]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -116,14 +134,20 @@ class KVCacheManager:
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         num_full = min(num_full, len(request.block_hashes), len(req_blocks))
         first = self.num_cached_blocks.get(request.request_id, 0)
-        for i in range(first, num_full):
-            self.block_pool.cache_full_block(req_blocks[i], request.block_hashes[i])
+        if first < num_full:
+            bs = self.block_size
+            self.block_pool.cache_full_blocks(
+                req_blocks[first:num_full], request.block_hashes[first:num_full],
+                request.block_hashes[first - 1] if first else None, request.all_token_ids[first * bs:num_full * bs],
+                request.lora_request.lora_name if request.lora_request is not None else None)
         self.num_cached_blocks[request.request_id] = max(first, num_full)
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first (see BlockPool.free_blocks)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        if self.free_listener is not None and blocks:
+            self.free_listener(request, blocks)
         self.block_pool.free_blocks(reversed(blocks))
 
     def free_tail(self, request: Request) -> None:

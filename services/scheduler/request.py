@@ -14,7 +14,7 @@ from shared.protocol import (
     SamplingParams,
 )
 
-from .block_hash import extend_block_hashes
+from .block_hash import extend_block_hashes, lora_hash_key
 
 
 class RequestStatus(enum.IntEnum):
@@ -49,7 +49,7 @@ class Request:
         self.cache_salt = cache_salt
         self.gateway_id = gateway_id
         self.lora_request = lora_request
-        self.lora_key = () if lora_request is None else (lora_request.lora_name, lora_request.lora_path)
+        self.lora_key = lora_hash_key(lora_request)
         self.block_size = block_size
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

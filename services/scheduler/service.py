@@ -18,6 +18,11 @@ objects it calls:
     outputs.py                 step outputs and error outputs to the detokenizers
     handoff.py                 P/D hand-off, prefill side and decode side
     stats.py                   the EngineStats message
+    kv_events.py               KV cache events on the bus, their replays and dumps
+
+New requests come from a router, on this engine's own subject (``llm.engine.<id>.requests``),
+or from the schedulers' queue group (``llm.engine.requests``: the fallback when no router
+chose an engine).
 
 Every step, result, stats message and request reply carries this process's
 ``incarnation`` (its instance id): a result of an earlier incarnation is dropped,
@@ -36,13 +41,20 @@ from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
+from services.router.bus import RouterOnBus
+from services.router.loads import takes_handoffs
+from services.router.router import Router
 from shared.aio import wait_for
 from shared.bus import Service, respond
-from shared.config import CacheConfig, KVTransferConfig, LoRAConfig, SchedulerConfig
+from shared.config import CacheConfig, KVOffloadConfig, KVTransferConfig, LoRAConfig, SchedulerConfig
+from shared.kv_event_faults import KVEventFaults
 from shared.protocol import (
     ABORT_CHANNEL,
+    ENGINE_REQUEST_CHANNEL,
     ENGINE_REQUESTS_CHANNEL,
     ENGINE_STATS_CHANNEL,
+    KV_CACHE_DUMP_CHANNEL,
+    KV_EVENTS_REPLAY_CHANNEL,
     KV_HANDOFF_CHANNEL,
     KV_LOADS_DONE_CHANNEL,
     KV_RELEASE_CHANNEL,
@@ -59,10 +71,12 @@ from shared.protocol import (
 from shared.step_profile import NULL_CLOCK, NullClock, PhaseClock, StepProfile
 from shared.wait_log import WaitLog
 
-from .config import SchedulerServiceConfig
+from .config import KVEventsConfig, SchedulerServiceConfig
 from .handoff import HandoffReceiver, HandoffSender
 from .intake import Intake
 from .kv_connector import KVConnectorScheduler
+from .kv_events import KVEventsPublisher
+from .kv_offload.connector import OffloadingConnectorScheduler
 from .outputs import OutputPublisher
 from .recovery import WorkerRecovery
 from .scheduler import Scheduler
@@ -104,10 +118,16 @@ class SchedulerService(Service):
         nats_url: str | None = None,
         lora_config: LoRAConfig = LoRAConfig(),
         kv_transfer_config: KVTransferConfig = KVTransferConfig(),
+        kv_offload_config: KVOffloadConfig = KVOffloadConfig(),
+        kv_events_config: KVEventsConfig = KVEventsConfig(),
     ) -> None:
         super().__init__(nats_url)
         self.engine_id = engine_id
         self.kv_transfer_config = kv_transfer_config
+        self.kv_offload_config = kv_offload_config
+        if kv_offload_config.enabled:
+            kv_offload_config.unit_blocks(cache_config.block_size)  # a bad unit size stops start-up
+            kv_offload_config.check_speculative(scheduler_config.speculative)
         self.max_loras = lora_config.max_loras if lora_config.enable_lora else 0
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -135,10 +155,18 @@ class SchedulerService(Service):
         self.intake = Intake(engine_id, self.incarnation, cache_config.block_size,
                              service_config.max_waiting_requests, kv_transfer_config.hands_off, self.recovery,
                              self.outputs, self.stops, self.counters, lambda: self.ready, wake)
+        # P/D, prefill side: the decode engine of each hand-off (kv: prefix and load).
+        self.decode_router = Router(eligible=takes_handoffs)
         self.handoff_sender = HandoffSender(engine_id, self.incarnation, self.recovery, self.intake, self.outputs,
-                                            self.publish, self.request, self.spawn, wake)
+                                            self.publish, self.request, self.spawn, wake, self.decode_router)
         self.handoff_receiver = HandoffReceiver(engine_id, self.incarnation, cache_config.block_size, self.recovery,
                                                 self.intake, self.publish, self.spawn, wake)
+        self.kv_events: KVEventsPublisher | None = None
+        if kv_events_config.enabled:
+            self.kv_events = KVEventsPublisher(
+                engine_id, self.incarnation, cache_config.block_size, kv_events_config.buffer_steps, self.publish,
+                lambda: self.scheduler.kv_cache_manager.block_pool if self.scheduler is not None else None,
+                KVEventFaults.from_env())
         if scheduler_config.speculative is not None and scheduler_config.async_scheduling:
             logger.info("engine %s: speculative decoding (%s) turns async scheduling off", engine_id,
                         scheduler_config.speculative.method)
@@ -158,21 +186,30 @@ class SchedulerService(Service):
         return self.scheduler is not None and loop_alive
 
     def info(self) -> dict:
-        return {"engine_id": self.engine_id, "ready": self.ready, "num_stop_queries": self.stops.num_queries,
+        info = {"engine_id": self.engine_id, "ready": self.ready, "num_stop_queries": self.stops.num_queries,
                 "num_kv_poll_steps": self.num_kv_poll_steps}
+        if self.kv_events is not None:
+            info.update(kv_events_seq=self.kv_events.seq, kv_events_replays=self.kv_events.num_replays,
+                        kv_events_dumps=self.kv_events.num_dumps)
+        return info
 
     async def setup(self) -> None:
         engine = self.engine_id
         await self.subscribe(WORKER_READY_CHANNEL.subject(engine), self.recovery.on_worker_ready)
         await self.subscribe(STEP_RESULT_CHANNEL.subject(engine), self._on_result)
         if self.kv_transfer_config.takes_new_requests:
+            await self.subscribe(ENGINE_REQUEST_CHANNEL.subject(engine), self.intake.on_request)
             await self.subscribe(ENGINE_REQUESTS_CHANNEL.subject(), self.intake.on_request, queue="scheduler")
+        if self.kv_events is not None:
+            await self.subscribe(KV_EVENTS_REPLAY_CHANNEL.subject(engine), self._on_kv_events_replay)
+            await self.subscribe(KV_CACHE_DUMP_CHANNEL.subject(engine), self._on_kv_cache_dump)
         if self.kv_transfer_config.takes_handoffs:
             await self.subscribe(KV_HANDOFF_CHANNEL.subject(engine), self.handoff_receiver.on_handoff)
+        if self.kv_transfer_config.takes_handoffs or self.kv_offload_config.enabled:
             await self.subscribe(KV_LOADS_DONE_CHANNEL.subject(engine), self.handoff_receiver.on_kv_loads_done)
         if self.kv_transfer_config.hands_off:
             await self.subscribe(KV_RELEASE_CHANNEL.subject(engine), self.handoff_sender.on_release)
-            await self.subscribe(ENGINE_STATS_CHANNEL.subject(), self.handoff_sender.on_engine_stats)
+            await RouterOnBus(self, self.decode_router, publish_stats=False).setup()
         await self.subscribe(ABORT_CHANNEL.subject("*"), self.intake.on_abort)
         await self.subscribe(RESEND_CHANNEL.subject("*"), self.intake.on_resend)
         await self.subscribe(STOP_STRINGS_QUERY_CHANNEL.subject(engine), self.stops.on_query)
@@ -190,11 +227,27 @@ class SchedulerService(Service):
         if self.kv_transfer_config.kv_role:
             connector = KVConnectorScheduler(self.kv_transfer_config, self.engine_id, self.incarnation,
                                              self.cache_config.block_size, self.world_size)
+        recorder = None
+        if self.kv_events is not None:
+            recorder = self.kv_events.new_recorder()  # its first event: the cache is empty
+            self._work.set()  # the step loop publishes it
         return Scheduler(
             self.scheduler_config, self.cache_config, self.workers.num_blocks, self.workers.max_model_len,
             first_step_id=first_step_id, vocab_size=self.workers.vocab_size, max_loras=self.max_loras,
-            kv_connector=connector,
+            kv_connector=connector, kv_offload=self._make_offload(), kv_events=recorder,
         )
+
+    def _make_offload(self) -> OffloadingConnectorScheduler | None:
+        """The tiers' scheduler side, for the ranks now in the group (their slots and costs)."""
+        if not self.kv_offload_config.enabled:
+            return None
+        infos = self.workers.kv_offload_infos()
+        if infos is None:
+            logger.error("engine %s: a worker rank runs without the KV tiers this scheduler was given "
+                         "(--kv-offloading-size / --kv-offloading-path differ?): running without them", self.engine_id)
+            return None
+        return OffloadingConnectorScheduler(self.kv_offload_config, self.cache_config.block_size, infos,
+                                            self.cache_config.enable_prefix_caching)
 
     def _cancel_steps(self) -> None:
         for future in self._pending_steps.values():
@@ -208,6 +261,16 @@ class SchedulerService(Service):
         change = LORA_ADAPTERS_CHANNEL.decode(msg.data)
         if change.unloaded and self.scheduler is not None:
             self.scheduler.unpin_loras(change.unloaded)
+
+    async def _on_kv_events_replay(self, msg: Msg) -> None:
+        await respond(msg, KV_EVENTS_REPLAY_CHANNEL, self.kv_events.replay(KV_EVENTS_REPLAY_CHANNEL.decode(msg.data)))
+
+    async def _on_kv_cache_dump(self, msg: Msg) -> None:
+        await respond(msg, KV_CACHE_DUMP_CHANNEL, self.kv_events.dump(KV_CACHE_DUMP_CHANNEL.decode(msg.data)))
+
+    async def _flush_kv_events(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.flush()
 
     async def _on_profile(self, msg: Msg) -> None:
         await respond(msg, PROFILE_CHANNEL, self.profile.answer(msg.data))
@@ -285,6 +348,7 @@ class SchedulerService(Service):
         step = scheduler.schedule(allow_preemption=behind is None, poll_kv_loads=poll)
         step.incarnation = self.incarnation
         clock.lap("schedule")
+        await self._flush_kv_events()
         self.handoff_receiver.send_releases(scheduler)
         if not scheduler.step_worth_sending(step, poll_kv_loads=poll):
             return None
@@ -327,6 +391,7 @@ class SchedulerService(Service):
         clock.lap("bus_round_trip")
         outputs = scheduler.update_from_output(step, result)
         clock.lap("update")
+        await self._flush_kv_events()
         self.counters.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
         outputs = self.handoff_sender.start(scheduler, outputs)
         self.handoff_receiver.send_releases(scheduler)
@@ -335,7 +400,7 @@ class SchedulerService(Service):
             self.stops.ended_outputs(outputs)
             await self.stops.send()
         clock.lap("publish_outputs")
-        more_work = scheduler.has_unfinished_requests()
+        more_work = scheduler.has_unfinished_requests() or scheduler.has_connector_meta()
         if self.profile is not None:
             num_reqs = len(step.scheduled_req_ids)
             self.profile.end_step(num_reqs, clock.durations, result.timings, result_decode, more_work)
@@ -357,7 +422,9 @@ class SchedulerService(Service):
                                        f"themselves on {WORKER_READY_CHANNEL.subject(self.engine_id)}")
             if self.scheduler is not None and self.scheduler.has_connector_work():
                 self._work.set()  # deadlines of holds and loads are checked in schedule()
-            stats = self.counters.message(self.ready, self.incarnation, self.scheduler)
+            await self._flush_kv_events()
+            stats = self.counters.message(self.ready, self.incarnation, self.scheduler, self.intake.num_admitted,
+                                          self.kv_events.seq if self.kv_events is not None else 0)
             await self.publish(ENGINE_STATS_CHANNEL, stats)
             self.counters.log(self.scheduler)
             await asyncio.sleep(min(self.stats_interval, self.worker_timeout / 3))

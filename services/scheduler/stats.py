@@ -1,7 +1,7 @@
 """The engine's stats message (``EngineStats``), published about once a second.
 
 Gateways show it in /metrics and watch each engine's readiness and incarnation with it;
-P/D prefill engines rank decode engines by it (``kv_routing.py``). Besides the
+routers (``services/router/``) and P/D prefill engines rank engines by it. Besides the
 scheduler's own figures (queues, KV cache, prefix cache, spec decode, KV transfers,
 LoRA), the service counts the prompt tokens it accepted and the tokens it generated.
 """
@@ -23,7 +23,10 @@ class EngineCounters:
         self.generation_tokens_total = 0
         self._spec_log = SpecDecodeLog(engine_id)
 
-    def message(self, ready: bool, incarnation: str, scheduler: Scheduler | None) -> EngineStats:
+    def message(self, ready: bool, incarnation: str, scheduler: Scheduler | None, num_requests_admitted: int = 0,
+                kv_events_seq: int = 0) -> EngineStats:
+        """``num_requests_admitted``: the intake's count; ``kv_events_seq``: the last KV event
+        batch's sequence number (0: events off)."""
         return EngineStats(
             engine_id=self.engine_id,
             ready=ready,
@@ -31,6 +34,8 @@ class EngineCounters:
             incarnation=incarnation,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            num_requests_admitted=num_requests_admitted,
+            kv_events_seq=kv_events_seq,
             **(scheduler.stats() if scheduler is not None else {}),
         )
 

@@ -1,18 +1,22 @@
-"""``python -m services.tokenizer``: a tokenizer replica on the bus (queue group "tokenizer")."""
+"""``python -m services.tokenizer``: a tokenizer replica on the bus (queue group "tokenizer"),
+with its router (``services/router``)."""
 
 from shared.bus import run_service, setup_logging
 from shared.cli import add_config_flags, base_parser, config_from_args
+
+from services.router.config import RouterConfig
 
 from .config import TokenizerConfig
 
 
 def build_parser():
-    parser = base_parser("Tokenizer: validates and tokenizes requests, hands them to a scheduler")
+    parser = base_parser("Tokenizer: validates and tokenizes requests, routes each to an engine")
     add_config_flags(parser, TokenizerConfig)
+    add_config_flags(parser, RouterConfig)
     return parser
 
 
-def build_service(config: TokenizerConfig, nats_url: str):
+def build_service(config: TokenizerConfig, nats_url: str, router_config: RouterConfig = RouterConfig()):
     from shared.chat_template import read_chat_template
     from shared.model_config import default_model_path, load_model_config, resolve_max_model_len
     from shared.tokenizer import load_tokenizer
@@ -31,13 +35,15 @@ def build_service(config: TokenizerConfig, nats_url: str):
         extra_eos_token_ids=model_config.eos_token_ids,
         config=config,
         nats_url=nats_url,
+        router_config=router_config,
     )
 
 
 def main() -> None:
     args = build_parser().parse_args()
     setup_logging(args.log_level)
-    run_service(build_service(config_from_args(TokenizerConfig, args), args.nats_url))
+    run_service(build_service(config_from_args(TokenizerConfig, args), args.nats_url,
+                              config_from_args(RouterConfig, args)))
 
 
 if __name__ == "__main__":

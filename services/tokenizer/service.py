@@ -5,9 +5,11 @@ asks on ``llm.tokenize`` (queue group: replicas share the work); the service
 prepares the request off the event loop (``shared.request_preparation``: checks the
 sampling settings and the prompt, renders messages with the model's chat template,
 tokenizes, checks the context length) and forwards the ``EngineRequest`` to a
-scheduler (request/reply on ``llm.engine.requests``). One ``TokenizeRequest`` is
-one prompt with its ``n`` samples: the prompt is prepared once, and each sample goes
-to a scheduler as its own ``EngineRequest`` (own request id, seed + i). The gateway
+scheduler: the one its router chooses (``services/router``: request/reply on that engine's
+``llm.engine.<id>.requests``), or, when the router knows no ready engine or the chosen one
+has no responder, any (the schedulers' queue group on ``llm.engine.requests``).
+One ``TokenizeRequest`` is one prompt with its ``n`` samples: the prompt is prepared once,
+and each sample goes to a scheduler as its own ``EngineRequest`` (own request id, seed + i). The gateway
 gets a ``TokenizeReply``: the prompt length and each sample's answer (queued, or the
 scheduler's error; 503 when none answers), or the prompt's refusal in OpenAI's shape
 (400 for bad input).
@@ -23,9 +25,13 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from services.router.bus import RouterOnBus
+from services.router.config import RouterConfig
+from services.router.router import Router
 from shared.bus import Service, respond
 from shared.protocol import (
     DETOKENIZE_TOKENS_CHANNEL,
+    ENGINE_REQUEST_CHANNEL,
     ENGINE_REQUESTS_CHANNEL,
     TOKENIZE_CHANNEL,
     TOKENIZE_TEXT_CHANNEL,
@@ -64,6 +70,7 @@ class TokenizerService(Service):
         extra_eos_token_ids: list[int] | None = None,
         config: TokenizerConfig = TokenizerConfig(),
         nats_url: str | None = None,
+        router_config: RouterConfig = RouterConfig(),
     ) -> None:
         super().__init__(nats_url)
         self.tokenizer = tokenizer
@@ -75,18 +82,23 @@ class TokenizerService(Service):
         self.scheduler_timeout = config.scheduler_timeout
         self.num_requests = 0
         self.num_rejected = 0
+        self.router = Router(router_config)
+        self.router_bus = RouterOnBus(self, self.router)
 
     def info(self) -> dict:
         return {
             "max_model_len": self.preparer.max_model_len,
             "num_requests": self.num_requests,
             "num_rejected": self.num_rejected,
+            "router_mode": self.router.mode,
+            "router_decisions": dict(self.router.decisions),
         }
 
     async def setup(self) -> None:
         await self.subscribe(TOKENIZE_CHANNEL.subject(), self._on_tokenize, queue="tokenizer")
         await self.subscribe(TOKENIZE_TEXT_CHANNEL.subject(), self._on_tokenize_text, queue="tokenizer")
         await self.subscribe(DETOKENIZE_TOKENS_CHANNEL.subject(), self._on_detokenize_tokens, queue="tokenizer")
+        await self.router_bus.setup()
 
     async def _on_tokenize_text(self, msg: Msg) -> None:
         """vLLM's /tokenize (``tokens.py``): ids only, nothing scheduled."""
@@ -147,7 +159,26 @@ class TokenizerService(Service):
 
     async def submit(self, engine_request: EngineRequest) -> EngineRequestReply:
         """Hand one sample to a scheduler: its answer (the engine that queued the request,
-        or its refusal), or a 503 when none answers."""
+        or its refusal), or a 503 when none answers. The router's engine first; the queue
+        group when the router knows no ready engine, or that engine has no responder (it
+        died: another takes the request)."""
+        route = self.router.route(engine_request)
+        if route is not None:
+            try:
+                reply = await self.request(ENGINE_REQUEST_CHANNEL, engine_request, route.engine_id,
+                                           timeout=self.scheduler_timeout)
+            except NoRespondersError:
+                self.router.answered(route, 0)
+                logger.warning("%s: engine %s has no responder; any scheduler may take it", engine_request.request_id,
+                               route.engine_id)
+            except (NatsTimeoutError, asyncio.TimeoutError):
+                # It may still have queued the request: not offered to another engine.
+                logger.warning("%s: engine %s did not answer within %.1fs", engine_request.request_id,
+                               route.engine_id, self.scheduler_timeout)
+                return no_scheduler(engine_request)
+            else:
+                self.router.answered(route, reply.admission if reply.error is None else 0)
+                return reply
         try:
             return await self.request(ENGINE_REQUESTS_CHANNEL, engine_request, timeout=self.scheduler_timeout)
         except NoRespondersError:

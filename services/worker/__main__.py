@@ -12,6 +12,7 @@ from shared.cli import base_parser, config_from_args  # noqa: E402
 from shared.config import (  # noqa: E402
     CacheConfig,
     EngineServiceConfig,
+    KVOffloadConfig,
     KVTransferConfig,
     LoRAConfig,
     ModelRunConfig,
@@ -20,6 +21,7 @@ from shared.config import (  # noqa: E402
 )
 from shared.engine_args import add_engine_args  # noqa: E402
 
+from .cpu_binding import apply_cpu_binding  # noqa: E402
 from .openmp_wait import apply_omp_wait_policy  # noqa: E402
 
 
@@ -34,6 +36,7 @@ def main() -> None:
     setup_logging(args.log_level)
     run_config = config_from_args(ModelRunConfig, args)
     apply_omp_wait_policy(run_config.omp_wait_policy)  # before torch is imported
+    apply_cpu_binding(run_config.cpu_omp_threads_bind, config_from_args(ParallelConfig, args).rank)
 
     from .service import WorkerService
 
@@ -48,6 +51,7 @@ def main() -> None:
         profile=engine.profile_steps,
         lora_config=config_from_args(LoRAConfig, args),
         kv_transfer_config=config_from_args(KVTransferConfig, args),
+        kv_offload_config=config_from_args(KVOffloadConfig, args),
     )
     code = run_service(service)
     # A forward thread may be stuck in a collective with a dead peer (or the bus may be

@@ -19,9 +19,9 @@ Each step, after the target verified and the request state holds the accepted to
    feeding the draft just drawn.
 
 A draft is drawn from ``q``, the draft model's distribution after the request's
-temperature, min-p, top-k and top-p (argmax for greedy requests), with the sampler's
-exponential race: a seeded request draws from its own generator, the others from the
-shared one, alike on every rank. ``q`` stays with the request (``spec_token_probs``) for
+temperature, min-p, top-k and top-p (argmax for greedy requests), by the sampler's
+inverse CDF with one uniform: a seeded request draws it from its own generator, the others
+from the shared one, alike on every rank. ``q`` stays with the request (``spec_token_probs``) for
 the rejection sampler's min(1, p/q) test and residual.
 
 Positions past the request's allocated blocks (the token just sampled after a fully

@@ -90,6 +90,9 @@ class InputBatch:
         # Rows of requests with logit_bias / allowed_token_ids / bad_words.
         self.logit_control_rows: dict[int, CachedRequestState] = {}
         self._sampling_rows_changed = False
+        # The last metadata of every row, while no row changed and none has settings that
+        # change from step to step (see make_sampling_metadata).
+        self._all_rows_metadata: SamplingMetadata | None = None
 
         # What ``_move`` copies whole from one row to another.
         self._row_arrays = (
@@ -133,6 +136,7 @@ class InputBatch:
         if has_logit_controls(params):
             self.logit_control_rows[index] = state
         self._sampling_rows_changed = True
+        self._all_rows_metadata = None
 
     def set_block_ids(self, index: int, block_ids: list[int]) -> None:
         self.block_table[index, : len(block_ids)] = block_ids
@@ -156,6 +160,7 @@ class InputBatch:
             self.generators.pop(index, None)
             self.min_tokens.pop(index, None)
             self.logit_control_rows.pop(index, None)
+            self._all_rows_metadata = None
 
     def condense(self) -> None:
         """Fill holes left by removed requests with rows from the end."""
@@ -184,6 +189,7 @@ class InputBatch:
             if src in by_row:
                 by_row[dst] = by_row.pop(src)
         self._sampling_rows_changed = True
+        self._all_rows_metadata = None
         self.req_ids[dst] = req_id
         self.states[dst] = self.states[src]
         self.req_id_to_index[req_id] = dst
@@ -196,9 +202,15 @@ class InputBatch:
         """The sampler's view of ``rows``: the ascending rows that sample this step.
 
         When every row samples (any step without a prompt chunk) the tensors are
-        slices of the device copy of the settings, refreshed only after a change.
+        slices of the device copy of the settings, refreshed only after a change, and
+        while no row changed and none has per-step state (penalties' token ids, min_tokens
+        bans, logit controls) the last step's metadata is reused whole: built after the
+        LM head has swept the caches, it cost ~0.2 ms of a batch-1 step.
         """
         num_reqs = self.num_reqs
+        cached = self._all_rows_metadata
+        if cached is not None and len(rows) == num_reqs and not self._sampling_rows_changed:
+            return cached
         if self._sampling_rows_changed and self.device.type != "cpu":
             self.float_params[:num_reqs].copy_(self.float_params_cpu_tensor[:num_reqs], non_blocking=True)
             self.top_k[:num_reqs].copy_(self.top_k_cpu_tensor[:num_reqs], non_blocking=True)
@@ -216,7 +228,7 @@ class InputBatch:
         any_penalties = bool((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any())
         prompt_token_ids, output_token_ids = self._penalty_token_ids(rows) if any_penalties else (None, None)
         num_logprobs = self.num_logprobs[rows]
-        return SamplingMetadata(
+        metadata = SamplingMetadata(
             **dict(zip(_FLOAT_PARAMS, float_params.unbind(1))),
             top_k=top_k,
             generators={int(position[row]): g for row, g in self.generators.items() if position[row] >= 0},
@@ -231,6 +243,9 @@ class InputBatch:
             num_logprobs=num_logprobs.tolist() if (num_logprobs >= 0).any() else None,
             logit_controls=self._logit_controls(position),
         )
+        if len(rows) == num_reqs and not (any_penalties or self.min_tokens or self.logit_control_rows):
+            self._all_rows_metadata = metadata
+        return metadata
 
     def _logit_controls(self, position: np.ndarray) -> LogitControls | None:
         if not self.logit_control_rows:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +107,8 @@ class ModelRunner:
         torch.manual_seed(run_config.seed)
         # How float weight matrices are laid out for their products (services/worker/linear.py).
         self.pack = weight_packer(self.device, self.dtype, run_config.cpu_prepack, run_config.batch_invariant)
+        # The threads the model runs on; a CPU step of few tokens takes one (execute_model).
+        self.num_threads = torch.get_num_threads()
         # A rank's shard of a matrix is not a whole quantized tensor: under tensor
         # parallelism the weights are dequantized.
         model_kind, _ = resolve_model_path(self.model_path)
@@ -121,7 +124,7 @@ class ModelRunner:
         # Each rank reads only its rows / columns of the sharded tensors.
         self.model = self._load_model(self.model_path, self.model_config, self.tp)
         self.max_num_seqs = scheduler_config.max_num_seqs
-        # Seeded alike on every rank: unseeded random requests draw the same noise everywhere.
+        # Seeded alike on every rank: unseeded random requests draw the same uniforms everywhere.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
         # The draft_model method's model, loaded before the KV cache is sized: its cache
         # takes the same number of blocks.
@@ -234,6 +237,36 @@ class ModelRunner:
         return allocate_kv_caches(num_blocks, self.block_size, self.shard.num_kv_heads, cfg.head_dim,
                                   cfg.num_hidden_layers, self.kv_cache_dtype, self.device)
 
+    @torch.inference_mode()
+    def time_prefill(self, num_tokens: int) -> float:
+        """Seconds one prompt chunk of ``num_tokens`` tokens takes (the second of two runs),
+        for the KV tiers' load-or-recompute choice. At start-up only: it writes garbage KV into
+        the first blocks. Under TP every rank must call it (the pass has collectives)."""
+        num_tokens = max(1, min(num_tokens, self.num_blocks * self.block_size, self.max_model_len))
+        num_blocks = -(-num_tokens // self.block_size)
+        dev = self.device
+        positions = torch.arange(num_tokens, device=dev)
+        attn = AttentionMetadata(
+            slot_mapping=positions.clone(),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev).unsqueeze(0),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        if self.lora is not None:
+            self.lora.set_step([None], np.array([num_tokens]))
+        seconds = 0.0
+        for _ in range(2):
+            attn.decode_plan = attn.token_decodes = None
+            start = time.perf_counter()
+            self.model(input_ids, positions, attn, self.kv_caches)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            seconds = time.perf_counter() - start
+        return seconds
+
     # ------------------------------------------------------------------ state
 
     def _check_step(self, out: SchedulerOutput) -> None:
@@ -318,6 +351,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput, clock=NULL_CLOCK) -> ModelRunnerOutput:
         """``clock``: a step_profile.PhaseClock to time the phases, when profiling."""
         self._update_states(out)
+        self._set_threads(out.total_num_scheduled_tokens)
         clock.lap("update_states")
         batch = self.input_batch
         num_reqs = batch.num_reqs
@@ -384,6 +418,15 @@ class ModelRunner:
             output.prompt_logprobs = [prompt_logprobs.get(i) for i in range(num_reqs)]
         clock.lap("output")
         return output
+
+    def _set_threads(self, num_tokens: int) -> None:
+        """On CPU, one thread for a step of at most ``cpu_single_thread_max_tokens`` tokens,
+        all of them otherwise (``ModelRunConfig``)."""
+        if self.device.type != "cpu":
+            return
+        threads = 1 if num_tokens <= self.run_config.cpu_single_thread_max_tokens else self.num_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, num_scheduled: np.ndarray) -> dict:
         """Row -> the prompt logprobs this step's chunk yields, for requests that want them

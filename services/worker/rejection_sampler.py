@@ -12,22 +12,25 @@ At the first rejection ``j`` the request's last token is drawn from the normalis
 residual ``max(0, p_j - q_j)`` (``p_j`` with ``d_j`` removed, for one-hot ``q_j``); when all
 drafts are accepted, from ``p_s`` (greedy: ``argmax``). This keeps every output token
 distributed exactly as the target's own sampling would draw it (Leviathan et al. 2023;
-Chen et al. 2023). The draw is the sampler's exponential race.
+Chen et al. 2023). The last draw is the sampler's: one uniform, inverse CDF.
 
 Everything is vectorised over the batch's rows: rows of all requests' positions lie
 flat (``[N, V]``, N = sum of s + 1), acceptance is one comparison, the first rejection
 per request a cumulative product over a ``[R, S + 1]`` padded view. Randomness: a
-seeded request draws its uniforms and its noise from its own generator (its tokens do
-not depend on the rest of the batch), the others from the shared one, alike on every
-rank. ``verify`` is the pure core; ``verify_reference`` is its per-request loop
+seeded request draws its acceptance uniforms and then its last draw's uniform from its own
+generator (its tokens do not depend on the rest of the batch), the others from the shared
+one, alike on every rank. ``verify`` is the pure core; ``verify_reference`` is its per-request loop
 reference for the tests.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
+
+from kernels.sampling import inverse_cdf_draw
 
 from .sampler import apply_bans_and_penalties, to_probs
 from .sampling_metadata import SamplingMetadata
@@ -69,14 +72,14 @@ def verify(
     target_probs: torch.Tensor | None,
     greedy: torch.Tensor,
     uniforms: torch.Tensor | None,
-    noise: torch.Tensor | None,
+    last_uniforms: torch.Tensor | None,
     draft_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The output tokens of each request: ``[R, S + 1]`` padded with -1, and their counts.
 
     ``target_argmax`` [N]; ``target_probs`` [N, V] (None when every request is greedy);
-    ``greedy`` [R] bool; ``uniforms`` [N] in [0, 1); ``noise`` [R, V] Exp(1) for each
-    request's last draw; ``draft_probs`` [N, V] the proposer's q (None: one-hot drafts).
+    ``greedy`` [R] bool; ``uniforms`` [N] in [0, 1); ``last_uniforms`` [R] in [0, 1) (float64)
+    for each request's last draw; ``draft_probs`` [N, V] the proposer's q (None: one-hot drafts).
     """
     num_reqs = len(layout.num_drafts)
     draft_ids = layout.draft_ids
@@ -109,7 +112,7 @@ def verify(
             residual = residual.clone()
             rows = torch.nonzero(rejected_draft >= 0).squeeze(1)
             residual[rows, rejected_draft[rows]] = 0.0
-        random_tokens = (residual / noise).argmax(dim=-1)
+        random_tokens = inverse_cdf_draw(residual, last_uniforms)
         last_tokens = torch.where(greedy, last_tokens, random_tokens)
 
     columns = torch.arange(width, device=draft_ids.device).unsqueeze(0)
@@ -120,12 +123,23 @@ def verify(
     return tokens, num_accepted + 1
 
 
+def _inverse_cdf_one(weights: torch.Tensor, u) -> int:
+    """One row's inverse-CDF draw as a loop: the first token whose cumulative weight
+    exceeds u times the total."""
+    cumulative = list(itertools.accumulate(weights.double().tolist()))
+    target = float(u) * cumulative[-1]
+    for token, (total, weight) in enumerate(zip(cumulative, weights.tolist())):
+        if total > target and weight > 0:
+            return token
+    return int(torch.nonzero(weights > 0).max())
+
+
 def verify_reference(
     drafts: list[list[int]],
     target_probs: list[torch.Tensor],
     greedy: list[bool],
     uniforms: list[torch.Tensor],
-    noise: torch.Tensor,
+    last_uniforms: torch.Tensor,
     draft_probs: list[torch.Tensor] | None = None,
 ) -> list[list[int]]:
     """``verify`` as a loop over requests and positions: ``target_probs[i]`` is
@@ -149,12 +163,12 @@ def verify_reference(
                         residual[d] = 0.0
                     else:
                         residual = (residual - draft_probs[i][j]).clamp(min=0)
-                    out.append(int((residual / noise[i]).argmax()))
+                    out.append(_inverse_cdf_one(residual, last_uniforms[i]))
                 break
             out.append(d)
         else:
             last = p[len(draft)]
-            out.append(int(last.argmax()) if greedy[i] else int((last / noise[i]).argmax()))
+            out.append(int(last.argmax()) if greedy[i] else _inverse_cdf_one(last, last_uniforms[i]))
         outputs.append(out)
     return outputs
 
@@ -175,27 +189,29 @@ class RejectionSampler:
         one-hot). Returns ``verify``'s (tokens, counts), on CPU."""
         logits = apply_bans_and_penalties(logits.float(), batch)
         target_argmax = logits.argmax(dim=-1)
-        probs = uniforms = noise = None
+        probs = uniforms = last_uniforms = None
         greedy = batch.temperature[layout.row_start] < 1e-5
         if not batch.all_greedy:
             probs = to_probs(logits, batch)
-            uniforms, noise = self._draw(layout, probs.shape[1], request_generators, probs.device)
-        tokens, counts = verify(layout, target_argmax, probs, greedy, uniforms, noise, draft_probs)
+            uniforms, last_uniforms = self._draw(layout, request_generators, probs.device)
+        tokens, counts = verify(layout, target_argmax, probs, greedy, uniforms, last_uniforms, draft_probs)
         return tokens.cpu(), counts.cpu()
 
-    def _draw(self, layout: DraftLayout, vocab: int, request_generators: dict[int, torch.Generator], device):
-        """Uniforms for every row and exponential noise for every request's last draw."""
+    def _draw(self, layout: DraftLayout, request_generators: dict[int, torch.Generator], device):
+        """Uniforms for every row's acceptance and for every request's last draw."""
         num_rows, num_reqs = len(layout.draft_ids), len(layout.num_drafts)
         uniforms = torch.rand(num_rows, generator=self.generator, device=device)
-        noise = torch.empty(num_reqs, vocab, device=device)
         shared = [i for i in range(num_reqs) if i not in request_generators]
+        last_uniforms = torch.empty(num_reqs, dtype=torch.float64, device=device)
         if shared:
-            noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_(generator=self.generator)
-        # A seeded request draws one uniform per draft, then its noise: with no drafts, the
-        # same draws as the plain sampler makes, whatever the rest of the batch has.
+            last_uniforms[shared] = torch.rand(len(shared), dtype=torch.float64, generator=self.generator,
+                                               device=device)
+        # A seeded request draws one uniform per draft, then its last draw's: with no drafts,
+        # the same draw as the plain sampler makes (draw_uniforms), whatever the rest of the
+        # batch has.
         for i, generator in request_generators.items():
             start, count = int(layout.row_start[i]), int(layout.num_drafts[i])
             if count:
                 uniforms[start : start + count] = torch.rand(count, generator=generator, device=device)
-            noise[i].exponential_(generator=generator)
-        return uniforms, noise
+            last_uniforms[i : i + 1] = torch.rand(1, dtype=torch.float64, generator=generator, device=device)
+        return uniforms, last_uniforms

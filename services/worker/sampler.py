@@ -1,19 +1,21 @@
 """Turns the last position's logits of each request into its next token.
 
 Order, as in vLLM: min_tokens masking, logit controls (logit_bias, allowed_token_ids,
-bad_words) and penalties on the raw logits, then greedy
-argmax or temperature, min-p, top-k and top-p, then a draw. The draw is an
-exponential race (argmax of probs / Exp(1) noise), which is a draw from the
-distribution, with the noise of a seeded request taken from its own generator so
-its tokens do not depend on what else is in the batch. Logprobs are of the raw
-model distribution (before any processing but a grammar's mask, which the model runner
-applies first), like vLLM's default.
+bad_words) and penalties on the raw logits, then greedy argmax or temperature, min-p,
+top-k and top-p, then a draw. The per-row work is ``kernels.sampling``'s (a C kernel on
+CPU, Triton on CUDA): no sort of the vocabulary and no noise value per vocabulary entry;
+each random row takes ONE uniform and draws by inverse CDF. A seeded request's uniform
+comes from its own generator (its tokens do not depend on what else is in the batch),
+the others' from the shared one, in row order (alike on every TP rank). Logprobs are of
+the raw model distribution (before any processing but a grammar's mask, which the model
+runner applies first), like vLLM's default.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.sampling import GREEDY_BELOW, filtered_probs, inverse_cdf_draw, sample
 from shared.protocol import Logprobs
 
 from .sampling_metadata import SamplingMetadata
@@ -24,109 +26,93 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, batch: SamplingMetadata):
-        """Returns (token ids [B] int64 on CPU, list of Logprobs-or-None per row)."""
+        """Returns (token ids [B] int64 on CPU, list of Logprobs-or-None per row). ``logits``
+        may be changed in place (bans and penalties) unless logprobs are wanted."""
         logits = logits.float()
         raw_logits = logits if batch.num_logprobs is not None else None
-        logits = apply_bans_and_penalties(logits, batch)
+        logits = apply_bans_and_penalties(logits, batch, copy=raw_logits is not None)
 
         if batch.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = self._sample(logits, batch)
+            uniforms = draw_uniforms(batch, logits.shape[0], self.generator, logits.device)
+            sampled = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, uniforms)
         sampled = sampled.cpu()
         logprobs = None
         if raw_logits is not None:
             logprobs = compute_logprobs(raw_logits, sampled, batch.num_logprobs)
         return sampled, logprobs
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:
-        return draw(logits, to_probs(logits, batch), batch, self.generator)
+
+def draw_uniforms(batch: SamplingMetadata, num_rows: int, generator: torch.Generator, device) -> torch.Tensor:
+    """One uniform in [0, 1) per row (float64): a seeded row's from its own generator, the
+    others' from ``generator`` in one call, in row order."""
+    if not batch.generators:
+        return torch.rand(num_rows, dtype=torch.float64, generator=generator, device=device)
+    uniforms = torch.empty(num_rows, dtype=torch.float64, device=device)
+    shared_rows = [i for i in range(num_rows) if i not in batch.generators]
+    if shared_rows:
+        uniforms[shared_rows] = torch.rand(len(shared_rows), dtype=torch.float64, generator=generator, device=device)
+    for i, row_generator in batch.generators.items():
+        uniforms[i : i + 1] = torch.rand(1, dtype=torch.float64, generator=row_generator, device=device)
+    return uniforms
 
 
 def draw(logits: torch.Tensor, probs: torch.Tensor, batch: SamplingMetadata, generator: torch.Generator) -> torch.Tensor:
     """Each row's token: argmax of ``logits`` for greedy rows, else a draw from ``probs``
-    (``to_probs``) by the exponential race, a seeded row's noise from its own generator
-    and the others' from ``generator``."""
-    greedy_rows = batch.temperature < 1e-5
-    noise = torch.empty_like(probs)
-    shared_rows = [i for i in range(probs.shape[0]) if i not in batch.generators]
-    if shared_rows:
-        noise[shared_rows] = torch.empty(
-            len(shared_rows), probs.shape[1], device=probs.device
-        ).exponential_(generator=generator)
-    for i, row_generator in batch.generators.items():
-        noise[i].exponential_(generator=row_generator)
-    random_tokens = (probs / noise).argmax(dim=-1)
-    greedy_tokens = logits.argmax(dim=-1)
-    return torch.where(greedy_rows.to(logits.device), greedy_tokens, random_tokens)
+    (``to_probs``) with the row's uniform (``draw_uniforms``)."""
+    uniforms = draw_uniforms(batch, probs.shape[0], generator, probs.device)
+    greedy_rows = (batch.temperature < GREEDY_BELOW).to(logits.device)
+    return torch.where(greedy_rows, logits.argmax(dim=-1), inverse_cdf_draw(probs, uniforms))
 
 
-def apply_bans_and_penalties(logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:
-    """min_tokens bans, logit controls and penalties on the raw logits (a copy when
-    anything applies)."""
-    logits = logits.clone() if (batch.banned or batch.any_penalties or batch.logit_controls) else logits
+def apply_bans_and_penalties(logits: torch.Tensor, batch: SamplingMetadata, copy: bool = True) -> torch.Tensor:
+    """min_tokens bans, logit controls and penalties on the raw logits (on a copy when
+    anything applies, unless ``copy`` is False: then in place)."""
+    if copy and (batch.banned or batch.any_penalties or batch.logit_controls):
+        logits = logits.clone()
     if batch.banned:
         rows, token_ids = batch.banned
         logits[rows, token_ids] = float("-inf")
     if batch.logit_controls is not None:
         logits = batch.logit_controls.apply(logits)
     if batch.any_penalties:
-        logits = apply_penalties(logits, batch)
+        apply_penalties(logits, batch)
     return logits
 
 
 def to_probs(logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:
     """The distribution a random row draws from: temperature (1 for greedy rows), min-p,
     top-k and top-p, softmax."""
-    greedy_rows = batch.temperature < 1e-5
-    temperature = torch.where(greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
-    logits = logits / temperature.unsqueeze(1)
-    if batch.any_min_p:
-        logits = apply_min_p(logits, batch.min_p)
-    if batch.any_top_k or batch.any_top_p:
-        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-    return torch.softmax(logits, dim=-1)
+    return filtered_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingMetadata) -> torch.Tensor:
-    """Repetition (prompt and output), frequency and presence (output) penalties."""
-    num_rows, vocab = logits.shape
-    output_ids = batch.output_token_ids
-    counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)
-    counts.scatter_add_(1, output_ids.clamp(min=-1) % (vocab + 1), torch.ones_like(output_ids, dtype=logits.dtype))
-    counts = counts[:, :vocab]  # column `vocab` collected the -1 padding
-    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
-    seen.scatter_(1, batch.prompt_token_ids % (vocab + 1), True)
-    seen = seen[:, :vocab] | (counts > 0)
-
+    """Repetition (prompt and output), frequency and presence (output) penalties, in place,
+    touching only the token ids the rows hold (never a [rows, vocab] temporary)."""
+    prompt_ids, output_ids = batch.prompt_token_ids, batch.output_token_ids  # -1: padding
+    seen_ids = torch.cat([prompt_ids, output_ids], dim=1)
+    seen = seen_ids >= 0
+    # Padding points at token 0 and writes back what token 0 gets: its penalized value
+    # where the row holds token 0, else its own.
+    safe_ids = torch.where(seen, seen_ids, 0)
+    values = logits.gather(1, safe_ids)
     rep = batch.repetition_penalty.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    logits = logits - batch.frequency_penalty.unsqueeze(1) * counts
-    logits = logits - batch.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    penalized = torch.where(values > 0, values / rep, values * rep)
+    holds_zero = ((seen_ids == 0) & seen).any(dim=1, keepdim=True)
+    logits.scatter_(1, safe_ids, torch.where(seen | holds_zero, penalized, values))
+
+    output = output_ids >= 0
+    safe_output = torch.where(output, output_ids, 0)
+    frequency = torch.where(output, -batch.frequency_penalty.unsqueeze(1), 0.0)
+    logits.scatter_add_(1, safe_output, frequency)
+    # Presence: once per distinct id, at its first place in the sorted ids.
+    ordered = torch.sort(torch.where(output, output_ids, -1), dim=1).values
+    first = ordered >= 0
+    first[:, 1:] &= ordered[:, 1:] != ordered[:, :-1]
+    presence = torch.where(first, -batch.presence_penalty.unsqueeze(1), 0.0)
+    logits.scatter_add_(1, ordered.clamp(min=0), presence)
     return logits
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    vocab = logits.shape[1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
-    positions = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    drop = positions >= k.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = mass_before >= top_p.unsqueeze(1)
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
 
 
 def compute_logprobs(

@@ -1,6 +1,7 @@
 """The request's way through the services, and back as text.
 
-    gateway -> tokenizer (TokenizeRequest) -> scheduler (EngineRequest)
+    gateway -> tokenizer (TokenizeRequest) -> scheduler (EngineRequest, on the engine its
+               router chose, else the schedulers' queue group)
     scheduler -> detokenizer (EngineOutputBatch) -> gateway (StreamDeltaBatch)
     scheduler -> every detokenizer (StopStrings, once per request)
     gateway -> schedulers: aborts and resends, on the gateway's own subjects
@@ -63,6 +64,10 @@ class EngineRequestReply(msgspec.Struct, omit_defaults=True):
     engine_id: str = ""
     # Random per scheduler process: a restarted scheduler has a new one (EngineStats too).
     incarnation: str = ""
+    # The engine's count of requests admitted, this one included (0: not admitted now):
+    # a router counts the request as load until the engine's stats count it too
+    # (``EngineStats.num_requests_admitted``).
+    admission: int = 0
 
 
 class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -310,8 +315,11 @@ STREAM_DELTA_BATCH = Codec(StreamDeltaBatch)
 TOKENIZE_CHANNEL = Channel(TOKENIZE, TOKENIZE_REQUEST, TOKENIZE_REPLY)
 TOKENIZE_TEXT_CHANNEL = Channel(TOKENIZER_TOKENIZE, TOKENIZE_TEXT_REQUEST, TOKENIZE_TEXT_REPLY)
 DETOKENIZE_TOKENS_CHANNEL = Channel(TOKENIZER_DETOKENIZE, DETOKENIZE_TOKENS_REQUEST, DETOKENIZE_TOKENS_REPLY)
-# A tokenized request for any scheduler (request/reply, scheduler queue group).
+# A tokenized request for any scheduler (request/reply, scheduler queue group): the
+# fallback when no router chose an engine.
 ENGINE_REQUESTS_CHANNEL = Channel(ENGINE_REQUESTS, ENGINE_REQUEST, ENGINE_REQUEST_REPLY)
+# A tokenized request a router placed on engine ``{}`` (request/reply).
+ENGINE_REQUEST_CHANNEL = Channel(f"{SUBJECT_PREFIX}.engine.{{}}.requests", ENGINE_REQUEST, ENGINE_REQUEST_REPLY)
 # Aborts of gateway ``{}``'s requests (by it, or by a detokenizer for a stop string);
 # every scheduler listens on ``ABORT_CHANNEL.subject("*")``.
 ABORT_CHANNEL = Channel(f"{ENGINE_ABORT}.{{}}", ABORT_REQUEST)
@@ -327,6 +335,7 @@ STOP_STRINGS_QUERY_CHANNEL = Channel(f"{SUBJECT_PREFIX}.engine.{{}}.stops", STOP
 STREAM_CHANNEL = Channel(f"{SUBJECT_PREFIX}.stream.{{}}", STREAM_DELTA_BATCH)
 
 engine_abort_subject = ABORT_CHANNEL.subject
+engine_requests_subject = ENGINE_REQUEST_CHANNEL.subject
 engine_resend_subject = RESEND_CHANNEL.subject
 engine_stops_subject = STOP_STRINGS_QUERY_CHANNEL.subject
 gateway_stream_subject = STREAM_CHANNEL.subject

@@ -17,3 +17,13 @@ def peft_adapters(hf_smollm, tmp_path_factory):
     root = tmp_path_factory.mktemp("loras")
     return {name: LoRARequest(name, str(make_peft_adapter(hf_smollm, root / name, **spec)))
             for name, spec in ADAPTERS.items()}
+
+
+@pytest.fixture(scope="session")
+def pd_prompts_and_texts(smollm_tokenizer):
+    """``pd_stacks.pd_prompts`` and the one in-process engine's greedy texts for them, made once
+    for the modules that compare a stack of several engines with one engine (P/D, DP)."""
+    from tests.e2e.pd_stacks import colocated_texts, pd_prompts
+
+    prompts = pd_prompts(smollm_tokenizer)
+    return prompts, colocated_texts(prompts, smollm_tokenizer)

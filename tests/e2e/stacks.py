@@ -33,10 +33,6 @@ EXACT_WEIGHTS = ["--quantization", "none"]
 SHARED_CORES_WAIT = ["--omp-wait-policy", "passive"]
 
 
-def num_workers(config: StackConfig) -> int:
-    return config.tensor_parallel_size * max(1, config.prefill_engines + config.decode_engines)
-
-
 @contextlib.contextmanager
 def running_stack(config: StackConfig, timeout: float = 240):
     """Start the stack (its workers in float32 with dequantized weights unless
@@ -47,7 +43,7 @@ def running_stack(config: StackConfig, timeout: float = 240):
         config = dataclasses.replace(config, args=[*EXACT_DTYPE, *config.args])
     if "--quantization" not in config.args:
         config = dataclasses.replace(config, args=[*EXACT_WEIGHTS, *config.args])
-    if num_workers(config) > 1 and "--omp-wait-policy" not in config.args:
+    if config.num_workers > 1 and "--omp-wait-policy" not in config.args:
         config = dataclasses.replace(config, args=[*SHARED_CORES_WAIT, *config.args])
     stack = Stack(config)
     stack.start()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.pd_stacks import colocated_texts, engine_stats, kv_idle, pd_config, run_all, pd_prompts
+from tests.e2e.pd_stacks import engine_stats, kv_idle, pd_config, run_all
 from tests.e2e.stacks import running_stack, wait_until
 
 
@@ -22,13 +22,13 @@ def pd_stack(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm_tokenizer):
-    return pd_prompts(smollm_tokenizer)
+def prompts(pd_prompts_and_texts):
+    return pd_prompts_and_texts[0]
 
 
 @pytest.fixture(scope="module")
-def colocated(prompts, smollm_tokenizer):
-    return colocated_texts(prompts, smollm_tokenizer)
+def colocated(pd_prompts_and_texts):
+    return pd_prompts_and_texts[1]
 
 
 def test_greedy_through_prefill_and_decode_equals_colocated(pd_stack, prompts, colocated):

@@ -3,12 +3,14 @@ real NATS bus, with the fake tokenizer/engine of ``fake_engine.py`` behind it.""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
+from services.gateway.uvicorn_runner import GatewayServer
 from shared.protocol import SamplingParams
 
-from .conftest import MODEL
+from .conftest import MODEL, gateway_config, until_engine_ready
 from .fake_engine import WORDS, expected_text, output_tokens
 
 
@@ -70,6 +72,22 @@ async def test_chat_non_stream(client, fake, gateway):
     assert seen.add_generation_prompt is True
 
 
+async def test_no_prompt_tokens_details_without_the_flag(nats_server, fake):
+    """vLLM's --enable-prompt-tokens-details is on by default here; turned off, usage has no
+    prompt_tokens_details (as vLLM without the flag), streamed or not."""
+    async with GatewayServer(gateway_config(enable_prompt_tokens_details=False), nats_url=nats_server.url) as server:
+        await until_engine_ready(server)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+            whole = await http.post("/v1/chat/completions", json=body)
+            assert whole.status_code == 200, whole.text
+            assert whole.json()["usage"]["prompt_tokens"] > 0 and "prompt_tokens_details" not in whole.json()["usage"]
+            stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            async with http.stream("POST", "/v1/chat/completions", json=stream) as r:
+                lines = [line async for line in r.aiter_lines() if line.startswith("data: {")]
+            assert '"prompt_tokens"' in lines[-1] and "prompt_tokens_details" not in lines[-1]
+
+
 async def test_chat_stream_equals_non_stream(client):
     messages = [{"role": "user", "content": "streaming please"}]
     whole = await client.chat.completions.create(model=MODEL, messages=messages)
@@ -91,6 +109,7 @@ async def test_chat_stream_equals_non_stream(client):
     assert usage_chunk.choices == []
     assert usage_chunk.usage.completion_tokens == len(output_tokens("streaming"))
     assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens == 2  # streamed usage carries it too
 
 
 async def test_chat_stream_without_usage(client):
@@ -137,6 +156,7 @@ async def test_completions_token_ids_and_stream(client, fake):
     assert texts == [expected_text("gamma"), expected_text("delta")]
     assert finish == ["stop", "stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * len(output_tokens("gamma"))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 2 * 2  # both prompts' cached tokens
 
 
 async def test_n_fans_out_with_seed_plus_i(client, fake):

@@ -172,8 +172,11 @@ async def test_metrics(nats_server, gateway, client, http):
         assert values["natsllm:num_requests_running"] == 3
         assert values["natsllm:num_requests_waiting"] == 1
         assert values["natsllm:kv_cache_usage_perc"] == 0.75
-        assert values["natsllm:prefix_cache_queries_total"] == 110
-        assert values["natsllm:prefix_cache_hits_total"] == 40
+        # The prefix cache per engine, as vLLM's (label engine).
+        assert values["natsllm:prefix_cache_queries_total{engine=e0}"] == 100
+        assert values["natsllm:prefix_cache_queries_total{engine=e1}"] == 10
+        assert values["natsllm:prefix_cache_hits_total{engine=e0}"] == 40
+        assert values["natsllm:prefix_cache_hits_total{engine=e1}"] == 0
         assert values["natsllm:num_preemptions_total"] == 3
         assert values["natsllm:num_engines"] == 3  # and the fake engine
         # The gauges follow the latest message: closing streams frees the blocks.

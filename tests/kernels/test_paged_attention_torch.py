@@ -4,6 +4,9 @@ against dense attention and the reference; what the kernel cannot take goes to t
 reference. The batch-invariant attention: every token's result bit for bit the same
 whatever the rest of the step and however its prompt was chunked."""
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 
@@ -15,6 +18,7 @@ from kernels.paged_attention_torch import (
     paged_attention_cpu_batch_invariant,
     paged_attention_ref,
 )
+from shared.cpu_features import cpu_flags
 from tests.kernels.paged_batch import HEAD_CONFIGS, dense_attention, make_batch, mixed_lens, poisoned_out
 
 needs_c_kernel = pytest.mark.skipif(
@@ -254,3 +258,104 @@ def test_batch_invariant_attention_without_the_kernel_runs_the_reference(monkeyp
     batch = make_batch(query_lens, context_lens, 6, 2, 64, seed=10)
     out = paged_attention_cpu_batch_invariant(*batch.args(), out=poisoned_out(batch.query))
     torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ long prompt chunks
+
+
+def long_chunk_batch(shape, dtype):
+    """Chunks of LONG_QUERY_MIN tokens or more (the first chunk of a prompt, a later chunk,
+    one after a cached prefix, lengths not multiples of the kernels' blocks) beside a decode
+    and a short chunk."""
+    n = torch_attention.LONG_QUERY_MIN
+    num_heads, num_kv_heads, head_dim = shape
+    return make_batch([n, n + 37, 1, 40, 2 * n + 5], [0, 301, 90, 17, n], num_heads, num_kv_heads, head_dim,
+                      dtype=dtype, seed=4)
+
+
+LONG_SHAPES = [(9, 3, 64), (16, 2, 128), (8, 1, 64)]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@functools.cache
+def long_chunk_case(shape, dtype):
+    """The batch and its dense attention (computed once: float64 attention over 500-token
+    chunks is the slow part of these tests)."""
+    batch = long_chunk_batch(shape, dtype)
+    return batch, dense_attention(batch)
+
+
+def fresh_long_chunk_case(shape, dtype):
+    """``long_chunk_case`` with metadata of its own (no plan left by another test)."""
+    batch, want = long_chunk_case(shape, dtype)
+    return dataclasses.replace(batch, attn=dataclasses.replace(batch.attn, prefill_plan=None)), want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", LONG_SHAPES)
+def test_long_chunks_attend_causally_with_and_without_a_prefix(shape, dtype, monkeypatch):
+    """Without the C prefill kernel, long chunks go request by request through PyTorch's
+    flash attention in two parts merged, the others through the other paths; all against
+    dense attention."""
+    monkeypatch.setattr(torch_attention, "prefill_kernel_takes", lambda *args: False)
+    batch, want = fresh_long_chunk_case(shape, dtype)
+    out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    assert batch.attn.prefill_plan.native is None and len(batch.attn.prefill_plan.long) == 3
+
+
+def prefill_kernel_built(cpu_isa: str) -> bool:
+    return "avx512_bf16" in cpu_flags() and cpu_isa == "native" and torch_attention._prefill_kernel() is not None
+
+
+@pytest.mark.parametrize("shape", LONG_SHAPES)
+def test_the_prefill_kernel_takes_every_chunk_of_a_bfloat16_step(shape, cpu_isa):
+    """The C kernel, where this build has AVX512_BF16, takes every request with more than
+    SHORT_QUERY_MAX query tokens in one call (the decode and the 17-token chunk stay with the
+    other paths); against dense attention."""
+    if not prefill_kernel_built(cpu_isa):
+        pytest.skip("the C prefill kernel needs AVX512_BF16 and a native build")
+    batch, want = fresh_long_chunk_case(shape, torch.bfloat16)
+    out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+    plan = batch.attn.prefill_plan
+    assert plan.native is not None and plan.taken.tolist() == [True, True, False, True, True]
+
+
+def test_the_prefill_kernel_takes_many_short_chunks_at_once(cpu_isa):
+    """A step of many short prompts (some after a cached prefix), as at high concurrency."""
+    if not prefill_kernel_built(cpu_isa):
+        pytest.skip("the C prefill kernel needs AVX512_BF16 and a native build")
+    gen = torch.Generator().manual_seed(9)
+    query_lens = torch.randint(18, 140, (24,), generator=gen).tolist()
+    context_lens = [int(c) * 16 for c in torch.randint(0, 4, (24,), generator=gen)]
+    batch = make_batch(query_lens, context_lens, 9, 3, 64, dtype=torch.bfloat16, seed=5)
+    out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=2e-2, atol=2e-2)
+    assert batch.attn.prefill_plan.all_taken
+
+
+def test_the_prefill_kernel_gives_a_token_the_same_bits_however_its_prompt_is_chunked_or_batched(cpu_isa):
+    """A token's result depends on its query and its context's K/V only: the same 300-token
+    prompt as one chunk, as its second half after the first, and beside other requests."""
+    if not prefill_kernel_built(cpu_isa):
+        pytest.skip("the C prefill kernel needs AVX512_BF16 and a native build")
+    whole = make_batch([300], [0], 9, 3, 64, dtype=torch.bfloat16, seed=6)
+    out_whole = paged_attention_cpu(*whole.args(), out=poisoned_out(whole.query))
+    # The second half alone, over the same cache: its rows of the query, the prompt's first
+    # 150 positions as context.
+    half = dataclasses.replace(whole, query=whole.query[150:].clone(), attn=dataclasses.replace(
+        whole.attn, query_start_loc=torch.tensor([0, 150], dtype=torch.int32), max_query_len=150,
+        prefill_plan=None))
+    out_half = paged_attention_cpu(*half.args(), out=poisoned_out(half.query))
+    assert torch.equal(out_half, out_whole[150:])
+    # Beside other requests (their caches elsewhere): the same rows, bit for bit.
+    others = make_batch([40, 300, 77], [10, 0, 200], 9, 3, 64, dtype=torch.bfloat16, seed=7)
+    start = int(others.attn.query_start_loc[1])
+    others.query[start : start + 300] = whole.query
+    table = others.attn.block_tables[1]
+    for i in range(-(-300 // 16)):
+        others.key_cache[table[i]] = whole.key_cache[whole.attn.block_tables[0, i]]
+        others.value_cache[table[i]] = whole.value_cache[whole.attn.block_tables[0, i]]
+    out_others = paged_attention_cpu(*others.args(), out=poisoned_out(others.query))
+    assert torch.equal(out_others[start : start + 300], out_whole)

@@ -65,30 +65,40 @@ GATEWAY = "gw"
 
 
 class FakeWorker:
-    def __init__(self, nc, instance_id="w1", step_seconds=0.0):
+    def __init__(self, nc, instance_id="w1", step_seconds=0.0, engine_id=ENGINE, num_blocks=32, max_model_len=256):
         self.nc = nc
+        self.engine_id = engine_id
         self.step_seconds = step_seconds  # how long each step "runs"
         self.answered_at: dict[int, float] = {}
-        self.ready = WorkerReady(ENGINE, 0, 1, instance_id, num_blocks=32, max_model_len=256, block_size=16)
+        self.ready = WorkerReady(engine_id, 0, 1, instance_id, num_blocks=num_blocks, max_model_len=max_model_len,
+                                 block_size=16)
         self.steps = []
         self.computed: dict[str, int] = {}
         self.lengths: dict[str, int] = {}
         self.beating = True
         self.answering = True
+        # Steps it answers before it dies by itself (None: no such limit), so a test's
+        # death does not race a fast machine finishing the request first.
+        self.steps_before_death: int | None = None
 
     async def start(self):
-        await self.nc.subscribe(engine_step_subject(ENGINE), cb=self.on_step)
+        await self.nc.subscribe(engine_step_subject(self.engine_id), cb=self.on_step)
         self.task = asyncio.get_running_loop().create_task(self.heartbeat())
 
     async def heartbeat(self):
         while True:
             if self.beating:
-                await self.nc.publish(engine_ready_subject(ENGINE), WORKER_READY.encode(self.ready))
+                await self.nc.publish(engine_ready_subject(self.engine_id), WORKER_READY.encode(self.ready))
             await asyncio.sleep(0.2)
 
     async def on_step(self, msg):
         if not self.answering:
             return
+        if self.steps_before_death is not None:
+            if self.steps_before_death == 0:
+                self.beating = self.answering = False
+                return
+            self.steps_before_death -= 1
         step = SCHEDULER_OUTPUT.decode(msg.data)
         self.steps.append(step)
         if step.reset_state:
@@ -110,7 +120,7 @@ class FakeWorker:
             # Reported as the forward pass, the way a profiling worker reports its phases.
             out.timings = [time.perf_counter() - start if p == "forward" else 0.0 for p in WORKER_PHASES]
         self.answered_at[step.step_id] = time.monotonic()
-        await self.nc.publish(engine_result_subject(ENGINE), MODEL_RUNNER_OUTPUT.encode(out))
+        await self.nc.publish(engine_result_subject(self.engine_id), MODEL_RUNNER_OUTPUT.encode(out))
 
 
 @contextlib.asynccontextmanager
@@ -268,10 +278,11 @@ async def test_a_silent_worker_keeps_requests_until_it_is_back_then_resumes_them
     service, nc, outputs = bus
     worker = await ready_worker(service, nc)
     worker.steps.clear()
-    # A long request is running when the worker dies.
+    # A long request is running when the worker dies, after its fourth step.
+    worker.steps_before_death = 4
     assert await submit(nc, "long", max_tokens=10_000) is None
-    await wait_for(lambda: len(worker.steps) > 3)
-    worker.beating = worker.answering = False  # it died
+    await wait_for(lambda: not worker.beating)
+    worker.steps_before_death = None
     await wait_for(lambda: not service.ready)
     assert [r.request_id for r in service.recovery.resumable] == ["long"]
     error = await submit(nc, "after")

@@ -16,6 +16,7 @@ from bench_common import (
     describe_cpu,
     draw_lengths,
     format_peer_table,
+    from_vllm_bench,
     load_sentences,
     make_dataset,
     percentile,
@@ -187,3 +188,26 @@ def test_describe_cpu_names_the_model_and_the_flags_that_matter():
     text = describe_cpu(cpuinfo)
     assert text.startswith("AMD EPYC 7B13, ")
     assert "avx2 yes, avx512f yes, avx512_bf16 no, avx512_vnni yes, amx_bf16 no" in text
+
+
+def test_llama_server_targets_include_tpot_at_concurrency_1():
+    results = {"ours": {1: _metrics(80.0, 100.0, 9.0)}, "llama-server": {1: _metrics(78.0, 300.0, 8.0)}}
+    lines = check_targets(compare_peers(results))
+    assert "met: llama-server c1 output_tok_s_ratio 1.03 (target >= 1.0)" in lines
+    assert "MISSED: llama-server c1 tpot_ratio 1.12 (target <= 1.0)" in lines
+
+
+def test_a_run_where_every_request_failed_compares_as_missing():
+    results = {"ours": {1: _metrics(0.0, 0.0, 0.0)}, "llama-server": {1: _metrics(78.0, 300.0, 8.0)}}
+    (row,) = compare_peers(results)
+    assert math.isnan(row["output_tok_s_ratio"]) and math.isnan(row["tpot_ratio"])
+    assert all(line.startswith("MISSED") for line in check_targets([row]))
+
+
+def test_a_vllm_bench_result_reads_as_ours():
+    record = {"max_concurrency": 8, "num_prompts": 16, "output_throughput": 190.5, "median_ttft_ms": 700.0,
+              "mean_ttft_ms": 710.0, "median_tpot_ms": 31.0, "mean_tpot_ms": 32.0, "failed": 0, "completed": 16}
+    converted = from_vllm_bench(record, "vllm-cpu-bfloat16")
+    assert converted["label"] == "vllm-cpu-bfloat16" and converted["config"]["max_concurrency"] == 8
+    metrics = converted["metrics"]
+    assert (metrics["output_throughput"], metrics["ttft_ms"]["median"], metrics["tpot_ms"]["median"]) == (190.5, 700.0, 31.0)

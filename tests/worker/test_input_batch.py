@@ -86,3 +86,21 @@ def test_sampling_metadata_of_the_rows_that_sample():
     meta = batch.make_sampling_metadata(np.array([0, 2]))
     assert meta.banned is None  # r0 reached min_tokens
     assert meta.output_token_ids[0].tolist() == [4, 11, 12]
+
+
+def test_the_metadata_of_every_row_is_reused_until_a_row_changes():
+    batch = InputBatch(max_num_reqs=4, max_model_len=32, max_blocks_per_req=4)
+    batch.add_request(make_state("r0", 3))
+    first = batch.make_sampling_metadata(np.arange(1))
+    assert batch.make_sampling_metadata(np.arange(1)) is first
+    batch.add_request(CachedRequestState("r1", [1, 2], 2, SamplingParams(temperature=0.5), [3], 0, None))
+    second = batch.make_sampling_metadata(np.arange(2))
+    assert second is not first and second.temperature.tolist() == [1.0, 0.5]
+    batch.remove_request("r1")
+    batch.condense()
+    third = batch.make_sampling_metadata(np.arange(1))
+    assert third is not second and len(third.temperature) == 1
+    # Penalties read each step's output ids: never reused.
+    batch.add_request(CachedRequestState("r2", [1, 2], 2, SamplingParams(presence_penalty=0.5), [3], 0, None))
+    rows = np.arange(batch.num_reqs)
+    assert batch.make_sampling_metadata(rows) is not batch.make_sampling_metadata(rows)

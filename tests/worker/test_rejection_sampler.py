@@ -7,16 +7,9 @@ import torch
 
 from services.worker.rejection_sampler import DraftLayout, RejectionSampler, verify, verify_reference
 from services.worker.sampling_metadata import SamplingMetadata
+from tests.chi_square import chi_square_pvalue
 
 V = 12
-
-
-def chi_square_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
-    """Pearson's chi-square test: P(a statistic this large | the counts follow ``expected``)."""
-    statistic = float(((observed - expected) ** 2 / expected).sum())
-    dof = len(observed) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
 
 
 def random_case(seed, num_reqs=6, max_drafts=4, draft_model=False, greedy_every=3):
@@ -32,17 +25,17 @@ def random_case(seed, num_reqs=6, max_drafts=4, draft_model=False, greedy_every=
         drafts.append(torch.where(torch.rand(s, generator=g) < 0.6, best, other).tolist())
     greedy = [i % greedy_every == 0 for i in range(num_reqs)]
     uniforms = [torch.rand(s + 1, generator=g) for s in num_drafts]
-    noise = torch.empty(num_reqs, V).exponential_(generator=g)
-    return drafts, target, q, greedy, uniforms, noise
+    last_uniforms = torch.rand(num_reqs, dtype=torch.float64, generator=g)
+    return drafts, target, q, greedy, uniforms, last_uniforms
 
 
-def run_verify(drafts, target, q, greedy, uniforms, noise):
+def run_verify(drafts, target, q, greedy, uniforms, last_uniforms):
     layout = DraftLayout.from_drafts(drafts)
     probs = torch.cat(target)
     draft_probs = None
     if q is not None:  # rows of each request's last position carry no draft: any q there
         draft_probs = torch.cat([torch.cat([qi, torch.full((1, V), 1.0 / V)]) for qi in q])
-    tokens, counts = verify(layout, probs.argmax(-1), probs, torch.tensor(greedy), torch.cat(uniforms), noise,
+    tokens, counts = verify(layout, probs.argmax(-1), probs, torch.tensor(greedy), torch.cat(uniforms), last_uniforms,
                             draft_probs)
     return [t[:c] for t, c in zip(tokens.tolist(), counts.tolist())]
 
@@ -50,9 +43,9 @@ def run_verify(drafts, target, q, greedy, uniforms, noise):
 @pytest.mark.parametrize("draft_model", [False, True])
 @pytest.mark.parametrize("seed", range(20))
 def test_verify_matches_the_reference(seed, draft_model):
-    drafts, target, q, greedy, uniforms, noise = random_case(seed, draft_model=draft_model)
-    want = verify_reference(drafts, target, greedy, uniforms, noise, q)
-    assert run_verify(drafts, target, q, greedy, uniforms, noise) == want
+    drafts, target, q, greedy, uniforms, last_uniforms = random_case(seed, draft_model=draft_model)
+    want = verify_reference(drafts, target, greedy, uniforms, last_uniforms, q)
+    assert run_verify(drafts, target, q, greedy, uniforms, last_uniforms) == want
     for out, draft in zip(want, drafts):
         assert 1 <= len(out) <= len(draft) + 1 and out[:-1] == draft[: len(out) - 1]
 
@@ -78,8 +71,8 @@ def chi_square_of_first_token(p, draft=None, q=None, n=40000, seed=0):
     probs = torch.stack([p, second]).repeat(n, 1)
     draft_probs = None if q is None else torch.stack([q, second]).repeat(n, 1)
     uniforms = torch.rand(2 * n, generator=g)
-    noise = torch.empty(n, V).exponential_(generator=g)
-    tokens, _ = verify(layout, probs.argmax(-1), probs, torch.zeros(n, dtype=torch.bool), uniforms, noise,
+    last_uniforms = torch.rand(n, dtype=torch.float64, generator=g)
+    tokens, _ = verify(layout, probs.argmax(-1), probs, torch.zeros(n, dtype=torch.bool), uniforms, last_uniforms,
                        draft_probs)
     counts = np.bincount(tokens[:, 0].numpy(), minlength=V)
     expected = p.numpy() * n
@@ -111,7 +104,7 @@ def test_the_chi_square_check_notices_a_wrong_distribution():
     layout = DraftLayout.from_drafts([[0]] * n)
     probs = torch.stack([wrong, p]).repeat(n, 1)
     tokens, _ = verify(layout, probs.argmax(-1), probs, torch.zeros(n, dtype=torch.bool),
-                       torch.rand(2 * n, generator=g), torch.empty(n, V).exponential_(generator=g))
+                       torch.rand(2 * n, generator=g), torch.rand(n, dtype=torch.float64, generator=g))
     counts = np.bincount(tokens[:, 0].numpy(), minlength=V)
     assert chi_square_pvalue(counts, p.numpy() * n) < 1e-6
 

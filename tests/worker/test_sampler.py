@@ -1,4 +1,5 @@
-"""Sampler: filters, penalties, min_tokens masking, seeded draws and logprobs."""
+"""Sampler: filters, penalties, min_tokens masking, seeded draws, logprobs, and the
+distribution of its draws against the reference's (chi-square)."""
 
 import itertools
 import math
@@ -6,9 +7,13 @@ import math
 import numpy as np
 import torch
 
+import pytest
+
+from kernels.sampling import apply_min_p, apply_top_k_top_p, filtered_probs_ref
 from services.worker.input_batch import CachedRequestState, InputBatch
-from services.worker.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p
+from services.worker.sampler import Sampler, apply_penalties
 from shared.protocol import SamplingParams
+from tests.chi_square import draws_pvalue
 
 V = 10
 _req_ids = itertools.count()
@@ -43,6 +48,7 @@ def test_greedy_is_argmax():
 
 
 def test_top_k_and_top_p_keep_the_right_sets():
+    """(The kernels' reference filters, which the sampler's kernels are tested against.)"""
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     kept = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))
     assert torch.isfinite(kept).tolist() == [[True, True, False, False, False]]
@@ -60,6 +66,12 @@ def test_min_p_drops_tokens_below_fraction_of_top():
     assert torch.isfinite(kept).tolist() == [[True, True, True, False]]
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.tensor([[4.0, 3.0, 3.0, 3.0, 0.0]])
+    kept = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isfinite(kept).tolist() == [[True, True, True, True, False]]
+
+
 def test_sampling_only_draws_allowed_tokens_and_matches_distribution():
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1, 1e-9, 1e-9]])).repeat(4000, 1)
     params = SamplingParams(temperature=1.0, top_k=3)
@@ -71,12 +83,14 @@ def test_sampling_only_draws_allowed_tokens_and_matches_distribution():
 
 def test_penalties_match_a_naive_implementation():
     torch.manual_seed(0)
-    logits = torch.randn(2, V)
+    logits = torch.randn(3, V)
     params = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
-    states = [state(params, prompt=(1, 2), output=(3, 3, 4)), state(params, prompt=(5,), output=())]
+    # Token 0 in one row (padding points at token 0: it must not touch the other rows' token 0).
+    rows = [((0, 2), (3, 3, 4)), ((5,), ()), ((6, 7, 8, 9), (1,))]
+    states = [state(params, prompt=prompt, output=output) for prompt, output in rows]
     got = apply_penalties(logits.clone(), sampling_metadata(states))
     want = logits.clone()
-    for row, (prompt, output) in enumerate([((1, 2), (3, 3, 4)), ((5,), ())]):
+    for row, (prompt, output) in enumerate(rows):
         for t in set(prompt) | set(output):
             want[row, t] = want[row, t] / 1.3 if want[row, t] > 0 else want[row, t] * 1.3
         for t in set(output):
@@ -121,3 +135,47 @@ def test_logprobs_are_raw_log_softmax_with_rank():
     p2 = SamplingParams(temperature=0, logprobs=0, repetition_penalty=100.0)
     _, lps = sample(logits, [state(p2, prompt=(1,))])
     assert lps[0].token_ids == [2] and lps[0].sampled_rank == 2
+
+
+DISTRIBUTION_SETTINGS = [
+    dict(temperature=1.0),
+    dict(temperature=0.6),
+    dict(temperature=1.3, top_k=5),
+    dict(temperature=0.9, top_p=0.8),
+    dict(temperature=0.8, top_k=20, top_p=0.95, min_p=0.05),
+    dict(temperature=1.0, min_p=0.1),
+    dict(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3),
+]
+
+
+@pytest.mark.parametrize("settings", DISTRIBUTION_SETTINGS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_draws_follow_the_reference_distribution(settings):
+    """Many rows of the same logits, one draw each: the counts against the reference
+    sampler's distribution (temperature, min-p, top-k, top-p over the penalized logits)."""
+    vocab, n = 40, 20000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5)) * 2
+    params = SamplingParams(**settings)
+    prompt, output = (1, 2, 3), (3, 4, 4, 7)
+    tokens, _ = sample(logits.repeat(n, 1), [state(params, prompt=prompt, output=output) for _ in range(n)], seed=11)
+    one = sampling_metadata([state(params, prompt=prompt, output=output)])
+    penalized = apply_penalties(logits.clone(), one) if one.any_penalties else logits
+    want = filtered_probs_ref(penalized, one.temperature, one.top_k, one.top_p, one.min_p)[0]
+    assert draws_pvalue(tokens, want) > 1e-3
+
+
+def test_the_distribution_check_notices_a_wrong_temperature():
+    vocab, n = 40, 20000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5)) * 2
+    tokens, _ = sample(logits.repeat(n, 1), states_of(SamplingParams(temperature=1.0), n), seed=11)
+    wrong = torch.softmax(logits[0] / 1.1, -1)
+    assert draws_pvalue(tokens, wrong) < 1e-6
+
+
+def test_sampling_without_logprobs_may_change_the_logits_in_place_and_with_them_does_not():
+    logits = torch.zeros(1, V)
+    params = SamplingParams(temperature=1.0, presence_penalty=1.0)
+    sample(logits, [state(params, output=(3,))])
+    assert logits[0, 3] == -1.0  # no copy
+    logits = torch.zeros(1, V)
+    sample(logits, [state(SamplingParams(temperature=1.0, presence_penalty=1.0, logprobs=1), output=(3,))])
+    assert logits[0, 3] == 0.0  # logprobs are of the raw logits: they were copied

@@ -1,0 +1,283 @@
+"""The router without a bus: prompt hashes equal to the scheduler's, one engine's event
+batches applied in order with holes found and filled, optimistic load, and the policies."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.router.config import RouterConfig
+from services.router.events import EngineEvents
+from services.router.index import PREDICTION_TTL, PrefixIndex
+from services.router.loads import UNANSWERED_TTL, EngineLoads, takes_handoffs
+from services.router.router import Router, prompt_block_hashes
+from services.scheduler.request import Request
+from shared.config import ConfigError
+from shared.protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineRequest,
+    EngineStats,
+    KVEventBatch,
+    KVEventsReplay,
+    LoRARequest,
+    SamplingParams,
+)
+
+BS = 16
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def stats(engine_id, seq=0, incarnation="i1", admitted=0, **kw):
+    return EngineStats(engine_id, ready=True, incarnation=incarnation, block_size=BS, kv_events_seq=seq,
+                       num_requests_admitted=admitted, **kw)
+
+
+def engine_request(tokens, **kw):
+    return EngineRequest("r", tokens, SamplingParams(), **kw)
+
+
+def stored(hashes):
+    return BlockStored(list(hashes), None, [0] * BS * len(hashes), BS, None, "GPU", None)
+
+
+def batch(engine_id, seq, events, incarnation="i1"):
+    return KVEventBatch(0.0, events, engine_id=engine_id, incarnation=incarnation, seq=seq)
+
+
+@pytest.mark.parametrize("salt, lora", [("", None), ("s3cret", None), ("", LoRARequest("sql", "/a/sql")),
+                                        ("s", LoRARequest("sql", "/a/sql"))])
+def test_prompt_hashes_are_the_schedulers(salt, lora):
+    tokens = list(range(70))
+    request = Request("r", tokens, SamplingParams(), block_size=BS, cache_salt=salt, lora_request=lora)
+    assert prompt_block_hashes(engine_request(tokens, cache_salt=salt, lora_request=lora), BS) == request.block_hashes
+    assert len(request.block_hashes) == 4
+
+
+# ---------------------------------------------------------------- one engine's events
+
+
+def test_batches_in_order_apply_and_duplicates_are_dropped():
+    index = PrefixIndex()
+    events = EngineEvents("e", index)
+    assert not events.on_batch(batch("e", 1, [AllBlocksCleared(), stored([b"a", b"b"])]))
+    assert not events.on_batch(batch("e", 2, [BlockRemoved([b"a"], "GPU")]))
+    assert not events.on_batch(batch("e", 2, [stored([b"zz"])]))  # a duplicate
+    assert events.in_sync and events.applied == 2
+    assert index.match("e", [b"b"]) == 1 and index.match("e", [b"a"]) == 0 and index.match("e", [b"zz"]) == 0
+
+
+def test_a_hole_is_replayed_and_later_batches_wait_for_it():
+    index = PrefixIndex()
+    events = EngineEvents("e", index)
+    events.on_batch(batch("e", 1, [stored([b"a"])]))
+    assert events.on_batch(batch("e", 3, [stored([b"c"])]))  # 2 is missing: ask
+    assert not events.in_sync and events.num_gaps == 1
+    action = events.sync_action()
+    assert not action.dump and action.from_seq == 2 and action.incarnation == "i1"
+    assert not events.on_batch(batch("e", 4, [stored([b"d"])]))  # waits while syncing
+    events.on_replay(KVEventsReplay("i1", last_seq=4, batches=[batch("e", 2, [stored([b"b"])]),
+                                                               batch("e", 3, [stored([b"c"])])]))
+    assert events.sync_action() is None and events.in_sync and events.applied == 4
+    assert index.match("e", [b"a", b"b", b"c", b"d"]) == 4
+
+
+def test_batches_the_engine_no_longer_has_come_from_a_dump():
+    index = PrefixIndex()
+    events = EngineEvents("e", index)
+    events.on_batch(batch("e", 1, [stored([b"a"])]))
+    events.on_batch(batch("e", 9, [stored([b"i"])]))
+    assert events.sync_action().from_seq == 2
+    events.on_replay(KVEventsReplay("i1", available=False, last_seq=9))
+    assert events.sync_action().dump
+    events.on_batch(batch("e", 10, [BlockRemoved([b"x"], "GPU")]))
+    events.on_dump("i1", 9, {"GPU": [b"x", b"y"]})  # taken after batch 9: 9 is in it, 10 goes on top
+    assert events.sync_action() is None and events.applied == 10
+    assert index.match("e", [b"y"]) == 1 and index.match("e", [b"x"]) == 0 and index.match("e", [b"a"]) == 0
+
+
+def test_a_new_incarnation_starts_empty():
+    index = PrefixIndex()
+    events = EngineEvents("e", index)
+    events.on_batch(batch("e", 1, [stored([b"a"])]))
+    assert not events.on_batch(batch("e", 1, [AllBlocksCleared(), stored([b"n"])], incarnation="i2"))
+    assert index.match("e", [b"a"]) == 0 and index.match("e", [b"n"]) == 1 and events.incarnation == "i2"
+
+
+def test_stats_show_what_a_starting_router_missed_and_a_lost_last_batch():
+    index = PrefixIndex()
+    events = EngineEvents("e", index)
+    assert events.on_stats(stats("e", seq=5))  # first heard of: ask for 1..5 at once
+    assert not events.in_sync and events.sync_action().from_seq == 1
+    events.on_replay(KVEventsReplay("i1", last_seq=5, batches=[batch("e", s, [stored([bytes([s])])])
+                                                              for s in range(1, 6)]))
+    assert events.sync_action() is None and events.in_sync
+    # Batch 6 is lost; the stats announce it. Stats may overtake their batch, so one interval passes first.
+    assert not events.on_stats(stats("e", seq=6))
+    assert events.on_stats(stats("e", seq=6))
+    assert events.num_gaps == 1 and events.sync_action().from_seq == 6
+    assert not events.on_stats(stats("e", seq=0))  # events off: nothing to follow
+
+
+# ---------------------------------------------------------------- loads
+
+
+def test_sent_requests_count_until_the_engines_stats_do():
+    clock = Clock()
+    loads = EngineLoads(clock=clock)
+    loads.update(stats("e", admitted=10, num_requests_waiting=1, num_prefill_tokens_pending=100))
+    a, b, c = loads.sent("e", 50), loads.sent("e", 30), loads.sent("e", 20)
+    loads.answered(a, 11)
+    loads.answered(b, 12)
+    loads.answered(c, 0)  # refused
+    engine = loads.get("e")
+    assert engine.num_waiting == 3 and engine.prefill_tokens == 180
+    loads.update(stats("e", admitted=11, num_requests_waiting=2, num_prefill_tokens_pending=150))
+    assert engine.num_waiting == 3 and engine.prefill_tokens == 180  # b is not in these stats yet
+    unanswered = loads.sent("e", 5)
+    clock.now += UNANSWERED_TTL + 1
+    loads.update(stats("e", admitted=12, num_requests_waiting=3, num_prefill_tokens_pending=180))
+    assert engine.num_waiting == 3 and engine.prefill_tokens == 180 and unanswered not in engine.sent
+    loads.update(stats("e", incarnation="i2"))  # a restarted scheduler: nothing of before counts
+    assert loads.get("e").sent == []
+
+
+def test_stale_or_not_ready_engines_are_not_routed_to():
+    clock = Clock()
+    loads = EngineLoads(clock=clock)
+    loads.update(stats("a"))
+    loads.update(EngineStats("b", ready=False))
+    loads.update(stats("c", kv_role="kv_consumer"))  # takes hand-offs only
+    assert set(loads.ready()) == {"a"}
+    clock.now += 10
+    assert loads.ready() == {}
+    handoffs = EngineLoads(takes_handoffs, clock)
+    handoffs.update(stats("c", kv_role="kv_consumer"))
+    handoffs.update(stats("a"))
+    assert set(handoffs.ready()) == {"c"}
+
+
+# ---------------------------------------------------------------- policies
+
+
+def kv_router(engines=("a", "b"), **config):
+    clock = Clock()
+    router = Router(RouterConfig(**config), clock=clock, rng=random.Random(0))
+    for engine_id in engines:
+        router.on_stats(stats(engine_id, seq=1))
+        router.on_batch(batch(engine_id, 1, [AllBlocksCleared()]))
+    return router, clock
+
+
+def test_kv_routes_to_the_engine_holding_the_prefix_and_counts_the_request_there_at_once():
+    router, _ = kv_router()
+    prompt = list(range(200))
+    hashes = prompt_block_hashes(engine_request(prompt), BS)
+    router.on_batch(batch("b", 2, [stored(hashes[:8])]))
+    route = router.route(engine_request(prompt + [1, 2, 3]))
+    assert (route.engine_id, route.reason, route.hit_blocks) == ("b", "kv_prefix", 8)
+    # Another prompt: by load, to the other engine (b has the first request's work now).
+    other = router.route(engine_request(list(range(500, 600))))
+    assert (other.engine_id, other.reason) == ("a", "kv_load")
+    # Its blocks count as held on "a" before a's events say so.
+    again = router.route(engine_request(list(range(500, 600)) + [9]))
+    assert (again.engine_id, again.reason) == ("a", "kv_prefix")
+    assert router.decisions == {"kv_prefix": 2, "kv_load": 1}
+
+
+def test_predictions_expire_and_events_replace_them():
+    router, clock = kv_router()
+    prompt = list(range(100))
+    hashes = prompt_block_hashes(engine_request(prompt), BS)
+    first = router.route(engine_request(prompt))
+    assert router.index.match(first.engine_id, hashes) == len(hashes)
+    clock.now += PREDICTION_TTL + 1
+    assert router.index.match(first.engine_id, hashes) == 0
+    router.on_batch(batch(first.engine_id, 2, [stored(hashes)]))
+    assert router.index.match(first.engine_id, hashes) == len(hashes)
+
+
+def test_a_backlog_outweighs_a_prefix_and_busy_engines_are_skipped():
+    router, _ = kv_router()
+    prompt = list(range(160))
+    hashes = prompt_block_hashes(engine_request(prompt), BS)
+    router.on_batch(batch("a", 2, [stored(hashes)]))
+    router.on_stats(stats("a", seq=2, num_prefill_tokens_pending=5000, num_requests_waiting=8))
+    assert router.route(engine_request(prompt)).engine_id == "b"
+    router, _ = kv_router(router_busy_threshold=0.9)
+    router.on_batch(batch("a", 2, [stored(hashes)]))
+    router.on_stats(stats("a", seq=2, kv_cache_usage_perc=0.95, num_requests_waiting=1))
+    assert router.route(engine_request(prompt)).engine_id == "b"
+    router.on_stats(stats("b", seq=1, kv_cache_usage_perc=0.95, num_requests_waiting=1))
+    assert router.route(engine_request(prompt)).reason == "all_busy"
+
+
+def test_kv_routes_by_load_until_every_engine_is_in_sync():
+    router, _ = kv_router()
+    router.on_stats(stats("c", seq=7))  # a third engine, whose events this router missed
+    assert not router.in_sync()
+    assert router.route(engine_request(list(range(40)))).reason == "kv_unsynced"
+
+
+def test_without_prefixes_kv_and_least_loaded_spread_requests_evenly():
+    for mode in ("kv", "least-loaded"):
+        router, _ = kv_router(engines=("a", "b", "c"), router_mode=mode)
+        chosen = [router.route(engine_request([i] * 40 + list(range(i, i + 40)))).engine_id for i in range(30)]
+        assert sorted(chosen.count(e) for e in "abc") == [10, 10, 10], mode
+
+
+def test_round_robin_and_random():
+    router, _ = kv_router(engines=("a", "b", "c"), router_mode="round-robin")
+    assert [router.route(engine_request([1] * 40)).engine_id for _ in range(6)] == list("abcabc")
+    router, _ = kv_router(engines=("a", "b", "c"), router_mode="random")
+    chosen = [router.route(engine_request([1] * 40)).engine_id for _ in range(300)]
+    assert all(60 < chosen.count(e) < 140 for e in "abc")
+    assert router.decisions == {"random": 300}
+
+
+def test_no_ready_engine_means_the_queue_group():
+    router = Router()
+    assert router.route(engine_request([1, 2, 3])) is None
+    assert router.decisions == {"no_engine": 1}
+
+
+def test_router_stats_message_counts_decisions_and_event_troubles():
+    router, _ = kv_router()
+    router.route(engine_request([1] * 40))
+    router.on_batch(batch("a", 5, [stored([b"x"])]))
+    router.events["a"].sync_action()
+    message = router.stats_message("tok-1")
+    assert message.instance_id == "tok-1" and message.mode == "kv"
+    assert message.decisions == {"kv_load": 1}
+    assert message.event_gaps == {"a": 1} and message.event_replays == {"a": 1}
+
+
+def test_router_config_checks_its_values():
+    with pytest.raises(ConfigError, match="router_mode"):
+        RouterConfig(router_mode="session")
+    with pytest.raises(ConfigError, match="busy"):
+        RouterConfig(router_busy_threshold=0)
+
+
+def test_a_new_prefix_goes_where_it_evicts_least():
+    router, _ = kv_router()
+    for engine_id, held in (("a", 90), ("b", 40)):  # both 100 blocks; "a" nearly full of other prefixes
+        router.on_stats(stats(engine_id, seq=1, num_gpu_blocks=100))
+        router.on_batch(batch(engine_id, 2, [stored([bytes([engine_id == "a", i]) * 16 for i in range(held)])]))
+    assert router.route(engine_request(list(range(320)))).engine_id == "b"  # 20 new blocks: "a" would evict 10
+    # With the same room everywhere (a cache full of one-off blocks, say), by load as before.
+    router, _ = kv_router()
+    for engine_id in "ab":
+        router.on_stats(stats(engine_id, seq=1, num_gpu_blocks=100))
+        router.on_batch(batch(engine_id, 2, [stored([bytes([engine_id == "a", i]) * 16 for i in range(100)])]))
+    chosen = [router.route(engine_request([i] * 40 + list(range(i, i + 280)))).engine_id for i in range(10)]
+    assert chosen.count("a") == chosen.count("b") == 5
