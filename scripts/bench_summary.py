@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     try:
         if args.merge_diary:
             print(merge_conflict())
-        for path in write():
+        for path in write(rescue=not args.merge_diary):
             print(f"wrote {path}")
     except DiaryError as e:
         print(f"bench_summary: {e}", file=sys.stderr)

@@ -84,7 +84,8 @@ def base_parser(description: str, metrics_port: bool = True) -> argparse.Argumen
     from shared.tracing import TracingConfig
 
     parser = argparse.ArgumentParser(description=description)
-    add_flag(parser, "--nats-url", "NATS_URL", "nats://127.0.0.1:4222", help="NATS server URL")
+    add_flag(parser, "--nats-url", "NATS_URL", "nats://127.0.0.1:4222",
+             help="NATS server URL, or a cluster's node URLs comma-separated")
     add_flag(parser, "--log-level", "LOG_LEVEL", "INFO", help="logging level")
     add_config_flags(parser, TracingConfig)
     if metrics_port:

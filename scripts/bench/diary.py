@@ -9,8 +9,8 @@ diary. Text meant for the diary that reaches the page instead is moved, never lo
 - a section another branch added to BENCHMARKS.md while it still was the diary: merging
   that branch with one where it is the summary, git reports a conflict in BENCHMARKS.md;
   ``scripts/bench_summary.py --merge-diary`` applies that side's changes to the diary
-  (``git merge-file``: from the merge base to that side, onto the diary), then rewrites the
-  page (``merge_conflict``).
+  (``git merge-file --union``: from the merge base to that side, onto the diary; where both
+  added text at one place, both stay), then rewrites the page (``merge_conflict``).
 
 The page carries ``GENERATED_MARK``: that is how a version of BENCHMARKS.md is told from
 one in the diary's form.
@@ -105,7 +105,9 @@ def merge_conflict(diary: Path = DIARY, repo: Path = ROOT) -> str:
         base_file, side_file = Path(tmp) / "base.md", Path(tmp) / "side.md"
         base_file.write_text(base)
         side_file.write_text(side)
-        done = subprocess.run(["git", "merge-file", "-L", "diary", "-L", "merge base", "-L", name,
+        # --union: where both added text at the same place (each a section at the end), both
+        # stay, the diary's first; a diary loses nothing that way.
+        done = subprocess.run(["git", "merge-file", "--union", "-L", "diary", "-L", "merge base", "-L", name,
                                str(diary), str(base_file), str(side_file)], capture_output=True, text=True)
     if done.returncode < 0 or done.returncode > 127:
         raise DiaryError(f"git merge-file failed: {done.stderr.strip()}")

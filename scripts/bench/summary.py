@@ -236,13 +236,14 @@ def generated_headings(latest: dict[str, Record]) -> set[str]:
 
 
 def write(results: Path = records.RESULTS, page: Path = PAGE, plots: Path = PLOTS,
-          diary: Path = diaries.DIARY) -> list[Path]:
+          diary: Path = diaries.DIARY, rescue: bool = True) -> list[Path]:
     """The page and its plots; the paths written. Sections written into the page by hand
-    go to the diary first (``diary.rescue``)."""
+    go to the diary first (``diary.rescue``; not after ``diary.merge_conflict``, which
+    took them from git's stages, the page being in conflict)."""
     latest = records.latest(results)
     titles = {q.id: q.title for q in QUESTIONS}
     written = []
-    if page.exists():
+    if rescue and page.exists():
         moved = diaries.rescue(page.read_text(), generated_headings(latest), diary)
         if moved:
             print(f"moved to {diary.name}: {'; '.join(moved)}")

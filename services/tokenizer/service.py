@@ -39,7 +39,7 @@ from services.router.bus import RouterOnBus
 from services.router.config import RouterConfig
 from services.router.router import Router
 from shared import tracing
-from shared.bus import Service, respond
+from shared.bus import NO_RESPONDERS_WINDOW, Service, respond
 from shared.protocol import (
     DETOKENIZE_TOKENS_CHANNEL,
     ENGINE_REQUEST_CHANNEL,
@@ -221,7 +221,10 @@ class TokenizerService(Service):
 
     async def _submit(self, engine_request: EngineRequest, headers: dict[str, str] | None = None) -> EngineRequestReply:
         """The router's engine first; the queue group when the router knows no ready engine,
-        or that engine has no responder (it died: another takes the request)."""
+        or that engine has no responder (it died: another takes the request; in the queue
+        group no responder is asked again for a moment: ``shared.bus.NO_RESPONDERS_WINDOW``).
+        After a timeout the request may be queued after all (only the answer was lost): the
+        gateway aborts a sample refused with 503."""
         route = self.router.route(engine_request)
         if route is not None:
             try:
@@ -241,7 +244,7 @@ class TokenizerService(Service):
                 return reply
         try:
             return await self.request(ENGINE_REQUESTS_CHANNEL, engine_request, timeout=self.scheduler_timeout,
-                                      headers=headers)
+                                      no_responders_window=NO_RESPONDERS_WINDOW, headers=headers)
         except NoRespondersError:
             logger.warning("%s: %s (no responders)", engine_request.request_id, NO_SCHEDULER)
             return no_scheduler(engine_request)
