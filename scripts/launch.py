@@ -1,4 +1,5 @@
-"""Runs the whole stack in the foreground until Ctrl-C or SIGTERM (see scripts/serve).
+"""Runs the whole stack in the foreground until Ctrl-C or SIGTERM (see scripts/serve),
+showing what each service does until the stack serves, then its URL.
 
 A process of the stack that dies is restarted by the launcher's supervisor
 (services/launch/supervisor.py); the launcher stops the stack only on a signal or when
@@ -35,6 +36,9 @@ def main() -> int:
                         help="P/D: prefill engines (kv_producer), each with --tp worker ranks")
     parser.add_argument("--decode-engines", type=int, default=0,
                         help="P/D: decode engines (kv_consumer), each with --tp worker ranks")
+    parser.add_argument("--nats-cluster", type=int, default=1,
+                        help="nats-servers: 1, or a cluster of N (routes between them; every service gets all "
+                             "their URLs; a killed node is restarted and rejoins)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="data-parallel engines, each its own scheduler and --tp worker ranks; the tokenizers' "
                              "routers place each request on one (--router-mode); with P/D, per prefill and per "
@@ -64,6 +68,7 @@ def main() -> int:
                 args=service_args,
                 prefill_engines=args.prefill_engines,
                 decode_engines=args.decode_engines,
+                nats_cluster=args.nats_cluster,
                 data_parallel_size=args.data_parallel_size,
                 cpu_omp_threads_bind=args.cpu_omp_threads_bind,
                 crash_loop=crash_loop,
@@ -76,8 +81,9 @@ def main() -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         stack.start()
-        stack.wait_ready()
-        print(f"serving on {stack.base_url} (OpenAI API under /v1); Ctrl-C stops", flush=True)
+        stack.wait_ready(show=lambda line: print(line, flush=True))
+        print(f"serving on {stack.base_url} (OpenAI API under /v1, fleet status on {stack.base_url}/dashboard); "
+              f"Ctrl-C stops", flush=True)
         # A dead process is the supervisor's to restart; only a crash loop ends the stack.
         while not stop.wait(1.0):
             looping = stack.crash_loops()

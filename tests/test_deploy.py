@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SCALED = ("tokenizer", "detokenizer")  # gateways are named services, one bus user each
 # Read by shared/bus_auth.py, not flags: credentials never travel on a command line.
 BUS_CREDENTIALS = ("NATS_USER", "NATS_PASSWORD", "NATS_PASSWORD_FILE")
+# Services that run an image from a registry, not a stage of the Dockerfile: Debian has no
+# Grafana package (the monitoring profile's Grafana is the official image).
+REGISTRY_IMAGES = {"grafana"}
+MONITORING_UIS = {"prometheus": "127.0.0.1:9090:9090", "grafana": "127.0.0.1:3000:3000"}
 
 
 def compose(name: str = "docker-compose.yml") -> dict:
@@ -41,6 +45,11 @@ def python_services() -> dict[str, dict]:
 
 def gateway_services() -> dict[str, dict]:
     return {n: s for n, s in python_services().items() if s["command"][2] == "services.gateway"}
+
+
+def nats_nodes() -> dict[str, dict]:
+    """The bus's nodes: services running nats-server."""
+    return {n: s for n, s in compose()["services"].items() if s.get("command", [None])[0] == "nats-server"}
 
 
 def test_every_service_command_names_a_real_module():
@@ -67,7 +76,7 @@ def test_every_environment_variable_is_a_setting_of_its_service():
             continue
         flags = service_flags(command[2].removeprefix("services."))
         for key in service.get("environment", {}):
-            if key in BUS_CREDENTIALS:
+            if key in BUS_CREDENTIALS or key.startswith("OTEL_"):  # OTEL_*: the OpenTelemetry SDK's
                 continue
             assert "--" + key.lower().replace("_", "-") in flags, f"{name}: {key} is no setting of {command[2]}"
 
@@ -80,15 +89,47 @@ def test_scaled_services_have_no_fixed_names_or_host_ports():
         assert "ports" not in service, f"{name} publishes a host port: --scale would clash"
     # The only published port is the load balancer's, which is not scaled.
     assert not any(s.get("ports") for s in services.values())
-    published = {n for n, s in compose("docker-compose.override.yml")["services"].items() if s.get("ports")}
-    assert published == {"loadbalancer"}
+    published = {n: s["ports"] for n, s in compose("docker-compose.override.yml")["services"].items()
+                 if s.get("ports")}
+    # Besides the load balancer, only the monitoring profile's UIs, on loopback.
+    assert published == {"loadbalancer": ["127.0.0.1:8000:8000"],
+                         **{name: [port] for name, port in MONITORING_UIS.items()}}
 
 
-def test_services_reach_nats_by_url_and_nats_allows_big_prompts():
-    services = compose()["services"]
-    for name, service in services.items():
+def test_the_bus_is_a_three_node_cluster_every_service_reaches_by_every_url():
+    from services.launch.compose_nats_conf import (
+        CLUSTER_HOST_VARIABLE,
+        CLUSTER_PORT,
+        CLUSTER_PORT_VARIABLE,
+        COMPOSE_NATS_NODES,
+        ROUTE_PASSWORD_VARIABLE,
+        route_variable,
+    )
+
+    nodes = nats_nodes()
+    assert sorted(nodes) == [f"nats-{i}" for i in range(1, COMPOSE_NATS_NODES + 1)]
+    urls = ",".join(f"nats://{name}:4222" for name in nodes)
+    for name, service in compose()["services"].items():
         if service.get("command", [None])[0] == "python":
-            assert service["environment"]["NATS_URL"] == "nats://nats:4222", name
+            assert service["environment"]["NATS_URL"] == urls, name
+    conf = (ROOT / "docker" / "nats.conf").read_text()
+    # Every node routes to every node (a route to itself is dropped), authenticated.
+    assert re.search(r"routes = \[" + ", ".join(fr"\${route_variable(i)}" for i in range(1, len(nodes) + 1)), conf)
+    assert f'authorization {{ user: "route", password: ${ROUTE_PASSWORD_VARIABLE} }}' in conf
+    for i, (name, node) in enumerate(nodes.items(), start=1):
+        assert node["command"][node["command"].index("--name") + 1] == name
+        env = node["environment"]
+        for j, other in enumerate(nodes, start=1):
+            route = env[route_variable(j)]
+            assert route == f"nats-route://route:${{{ROUTE_PASSWORD_VARIABLE}:?run scripts/bus-secrets first}}" \
+                            f"@{other}:{CLUSTER_PORT}", name
+        assert env[CLUSTER_PORT_VARIABLE] == str(CLUSTER_PORT) and env[CLUSTER_HOST_VARIABLE] == "0.0.0.0"
+        # --cluster would drop the routes' authorization: the listener comes from the environment.
+        assert "--cluster" not in node["command"] and "--routes" not in node["command"]
+
+
+def test_nats_allows_big_prompts_and_nginx_balances_the_gateways():
+    services = compose()["services"]
     conf = (ROOT / "docker" / "nats.conf").read_text()
     assert re.search(r"max_payload:\s*8MB", conf)
     nginx = (ROOT / "docker" / "nginx" / "nginx.conf").read_text()
@@ -122,6 +163,9 @@ def test_every_compose_image_is_a_stage_of_the_dockerfile_and_runs_unprivileged(
     stages = dockerfile_stages()
     images = {}
     for name, service in compose()["services"].items():
+        if name in REGISTRY_IMAGES:
+            assert "build" not in service and service["profiles"] == ["monitoring"], name
+            continue
         build = service["build"]
         assert build["context"] == "." and build["target"] in stages, name
         assert set(build["args"]) == {"PYTHON_IMAGE", "DEBIAN_IMAGE", "TORCH_INDEX_URL"}, name
@@ -158,8 +202,11 @@ def test_each_service_connects_as_its_own_user_and_nats_knows_every_user():
         assert env["NATS_USER"] == user, name
         assert env["NATS_PASSWORD"] == f"${{{password_variable(user)}:?run scripts/bus-secrets first}}", name
     assert set(gateway_services()) == {gateway_user(g) for g in COMPOSE_GATEWAY_IDS}
-    nats_env = compose()["services"]["nats"]["environment"]
-    assert {password_variable(u) for u in users(COMPOSE_GATEWAY_IDS)} == set(nats_env)
+    from services.launch.compose_nats_conf import ROUTE_PASSWORD_VARIABLE
+
+    for node in nats_nodes().values():
+        passwords = {key for key in node["environment"] if key.startswith("NATS_PASSWORD_")}
+        assert {password_variable(u) for u in users(COMPOSE_GATEWAY_IDS)} | {ROUTE_PASSWORD_VARIABLE} == passwords
     # docker/nats.conf is generated (python -m services.launch.compose_nats_conf).
     assert (ROOT / "docker" / "nats.conf").read_text() == compose_nats_conf()
     # scripts/bus-secrets makes a password for every variable nats.conf names.
@@ -179,10 +226,11 @@ def test_every_service_has_a_healthcheck_that_runs_and_starts_after_nats():
         else:
             assert test[1:] == ["python", "-m", "shared.healthcheck"], name
         assert importlib.util.find_spec("shared.healthcheck") is not None
-        assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
-    nats = services["nats"]
-    assert "wget" in dockerfile_stages()[nats["build"]["target"]]  # for the check
-    assert f"http://127.0.0.1:{MONITOR_PORT}/healthz" in nats["healthcheck"]["test"]
+        assert {n: d["condition"] for n, d in service["depends_on"].items()} == dict.fromkeys(
+            nats_nodes(), "service_healthy"), name
+    for nats in nats_nodes().values():
+        assert "wget" in dockerfile_stages()[nats["build"]["target"]]  # for the check
+        assert f"http://127.0.0.1:{MONITOR_PORT}/healthz" in nats["healthcheck"]["test"]
     assert f"http: 127.0.0.1:{MONITOR_PORT}" in (ROOT / "docker" / "nats.conf").read_text()
 
 
@@ -227,7 +275,7 @@ def test_dp2_profile_runs_a_second_engine_and_every_scheduler_publishes_kv_event
 def test_volumes_keep_models_and_built_kernels():
     services = python_services()
     declared = set(compose()["volumes"])
-    assert declared == {"models", "kernel-cache"}
+    assert declared == {"models", "kernel-cache", "prometheus-data", "grafana-data"}
     for name, service in services.items():
         volumes = service["volumes"]
         assert "${MODELS_DIR:-models}:/models:ro" in volumes, name
@@ -243,14 +291,26 @@ def test_the_host_network_override_covers_every_service_on_loopback():
     base, host = compose()["services"], host_override()["services"]
     assert set(host) == set(base), "a service of docker-compose.yml has no host-network entry"
     for name, service in host.items():
-        assert service["network_mode"] == "host" and service["build"] == {"network": "host"}, name
-    command = host["nats"]["command"]
-    port = command[command.index("--port") + 1]
-    monitor = command[command.index("--http_port") + 1]
-    assert command[command.index("--addr") + 1] == "127.0.0.1"
-    assert f"http://127.0.0.1:{monitor}/healthz" in host["nats"]["healthcheck"]["test"]
+        assert service["network_mode"] == "host", name
+        assert service.get("build") == (None if name in REGISTRY_IMAGES else {"network": "host"}), name
+    from services.launch.compose_nats_conf import CLUSTER_HOST_VARIABLE, CLUSTER_PORT_VARIABLE, route_variable
+
+    ports, monitors, routes = [], [], []
+    for name in nats_nodes():
+        command, env = host[name]["command"], host[name]["environment"]
+        ports.append(command[command.index("--port") + 1])
+        monitors.append(command[command.index("--http_port") + 1])
+        assert command[command.index("--addr") + 1] == "127.0.0.1" and env[CLUSTER_HOST_VARIABLE] == "127.0.0.1"
+        assert f"http://127.0.0.1:{monitors[-1]}/healthz" in host[name]["healthcheck"]["test"]
+        routes.append(env[CLUSTER_PORT_VARIABLE])
+        assert "--cluster" not in command
+    assert len(set(ports + monitors + routes)) == 3 * len(ports)
+    for name in nats_nodes():
+        env = host[name]["environment"]
+        assert [env[route_variable(i)].rsplit(":", 1)[1] for i in range(1, len(routes) + 1)] == routes
+        assert all("@127.0.0.1:" in env[route_variable(i)] for i in range(1, len(routes) + 1))
     for name in python_services():
-        assert host[name]["environment"]["NATS_URL"] == f"nats://127.0.0.1:{port}", name
+        assert host[name]["environment"]["NATS_URL"] == ",".join(f"nats://127.0.0.1:{p}" for p in ports), name
     gateways = []
     for name in gateway_services():
         env = host[name]["environment"]
@@ -267,4 +327,4 @@ def test_the_host_network_override_covers_every_service_on_loopback():
     host_ports = re.search(r"^HOST_PORTS = \((.*)\)", check, re.M).group(1)
     assert listen == f"127.0.0.1:{lb_port}"
     assert {int(p) for p in re.findall(r"\d+", host_ports)} | {lb_port} == \
-        {lb_port, *(int(g.split(":")[1]) for g in gateways), int(port), int(monitor)}
+        {lb_port, *(int(g.split(":")[1]) for g in gateways), *map(int, ports + monitors + routes)}

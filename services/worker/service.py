@@ -19,12 +19,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-
 from nats.aio.msg import Msg
 
+from shared import tracing
 from shared.bus import Service, flush_in_order
 from shared.config import (
     CacheConfig,
+    ConfigError,
     KVOffloadConfig,
     KVTransferConfig,
     LoRAConfig,
@@ -51,8 +52,11 @@ from .kv_offload.build import build_offloading_worker
 from .kv_offload.connector import OffloadingConnectorWorker
 from .kv_transfer.connector import KVConnectorWorker
 from .kv_transfer.load_reports import LoadReports
+from .metrics import step_seconds, worker_families
 from .model_runner import ModelRunner, resolve_device
 from .parallel import init_distributed
+from .request_traces import WorkerTraces
+from .step_order import StepOrder
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +83,9 @@ class WorkerService(Service):
         super().__init__(nats_url)
         self.engine_id = engine_id
         self.profile = profile
+        # --collect-detailed-traces: each step's phases are timed for the request spans.
+        process_tracing = tracing.current()
+        self.timed_steps = profile or (process_tracing is not None and process_tracing.detailed)
         self.world_size = parallel_config.tensor_parallel_size
         self.peer_timeout = peer_timeout
         self._peers: dict[int, str] = {}
@@ -103,11 +110,16 @@ class WorkerService(Service):
         # pool, and once two pools exist every op runs ~1.7x slower on 2 cores.
         self.runner = self._executor.submit(build_runner).result()
         self._sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else None
-        self._incarnation = ""  # of the scheduler whose steps this worker follows
+        # The steps it runs (those of the scheduler incarnation it follows, in order) and
+        # how far it got, told in every heartbeat.
+        self.steps = StepOrder(f"engine {engine_id} rank {self.rank}")
         self._last_step = time.monotonic()
         self._heap_trimmed = False
         self.num_steps = 0
         self.num_sampled_tokens = 0
+        self.step_seconds = step_seconds(self.metrics_registry, engine_id, self.rank)
+        # Tracing on: the spans of traced requests' steps on this rank.
+        self.traces = WorkerTraces(process_tracing, engine_id, self.rank) if process_tracing is not None else None
         # Both KV connectors report the ends of their loads through one LoadReports.
         faults = KVTransferFaults.from_env()
         self.load_reports: LoadReports | None = None
@@ -118,6 +130,9 @@ class WorkerService(Service):
         # P/D: serves this rank's held KV blocks and pulls others' (None: no KV transfer).
         self.kv_connector: KVConnectorWorker | None = None
         if kv_transfer_config.kv_role:
+            if self.runner.kv_layout.is_hybrid:
+                raise ConfigError(f"kv_transfer_config: P/D moves one block table per request; {self.runner.model_path} "
+                                  "has sliding-window attention (KV cache groups), which it does not support")
             self.kv_connector = KVConnectorWorker(self, engine_id, self.rank, self.world_size, self.runner.kv_caches,
                                                   kv_transfer_config, self.load_reports, faults)
         # The host and disk KV tiers (None: none). Built on the forward thread: it times a prefill.
@@ -130,7 +145,11 @@ class WorkerService(Service):
 
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "rank": self.rank, "num_steps": self.num_steps,
-                "num_sampled_tokens": self.num_sampled_tokens}
+                "num_sampled_tokens": self.num_sampled_tokens, "last_step_id": self.steps.last_step_id,
+                "running_step_id": self.steps.running_step_id}
+
+    def metric_families(self):
+        return worker_families(self)
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(
@@ -142,6 +161,10 @@ class WorkerService(Service):
             max_model_len=self.runner.max_model_len,
             block_size=self.runner.block_size,
             vocab_size=self.runner.model_config.vocab_size,
+            step_incarnation=self.steps.incarnation,
+            last_step_id=self.steps.last_step_id,
+            running_step_id=self.steps.running_step_id,
+            sliding_windows=self.runner.kv_sliding_windows,
             kv_offload=self.kv_offload.info(self._kv_offload_namespace) if self.kv_offload is not None else None,
         )
 
@@ -200,17 +223,13 @@ class WorkerService(Service):
             await loop.run_in_executor(self._executor, self.runner.lora.unpin, name)
 
     async def _on_step(self, msg: Msg) -> None:
-        clock = PhaseClock(self._sync) if self.profile else NULL_CLOCK
+        clock = PhaseClock(self._sync) if self.timed_steps else NULL_CLOCK
         scheduler_output = STEP_CHANNEL.decode(msg.data)
         clock.lap("unpack")
         # A step of an earlier scheduler incarnation (delivered late, or from a scheduler
-        # that has since restarted) must not touch the state the current one built; a
-        # reset step starts the new incarnation.
-        if scheduler_output.reset_state:
-            self._incarnation = scheduler_output.incarnation
-        elif scheduler_output.incarnation != self._incarnation:
-            logger.warning("engine %s rank %d: step %d of incarnation %r dropped (current %r)", self.engine_id,
-                           self.rank, scheduler_output.step_id, scheduler_output.incarnation, self._incarnation)
+        # that has since restarted) must not touch the state the current one built, nor
+        # may a step after one lost on the bus; a reset step starts over.
+        if not self.steps.take(scheduler_output):
             return
         reset, meta = scheduler_output.reset_state, scheduler_output.kv_connector_metadata
         serial = self.kv_connector is not None or self.kv_offload is not None or self.world_size > 1
@@ -230,26 +249,41 @@ class WorkerService(Service):
         # (one thread: steps run in arrival order), so it starts the moment that one ends
         # instead of after this loop has published that one's result and read this message.
         # The result is published by a task of its own, after the previous step's.
-        running = asyncio.get_running_loop().run_in_executor(self._executor, self._run_step, scheduler_output, clock,
-                                                             stores)
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self._executor, self._run_step, scheduler_output, clock, loop, stores)
         self._step_in_flight = self.spawn(self._finish_step(scheduler_output, running, clock, self._step_in_flight))
 
-    def _run_step(self, scheduler_output, clock, stores: Future | None = None) -> ModelRunnerOutput:
+    def _run_step(self, scheduler_output, clock, loop, stores: Future | None = None) -> ModelRunnerOutput:
         """On the forward thread: the step's phases count from when it starts there, not
-        from when it was queued behind another. ``stores``: the tiers' copies of blocks
-        this step may overwrite, waited for first."""
+        from when it was queued behind another (its time on the worker, too; and, tracing,
+        its traced requests' spans: noted on the event loop, in the steps' order).
+        ``stores``: the tiers' copies of blocks this step may overwrite, waited for first."""
         if stores is not None:
             stores.result()
-        clock.starts_no_earlier_than(time.perf_counter())
-        return self.runner.execute_model(scheduler_output, clock)
+        started = time.perf_counter()
+        started_ns = time.time_ns() if self.traces is not None else 0
+        clock.starts_no_earlier_than(started)
+        try:
+            return self.runner.execute_model(scheduler_output, clock)
+        finally:
+            self.step_seconds.observe(time.perf_counter() - started)
+            if self.traces is not None:
+                loop.call_soon_threadsafe(self.traces.step_ran, scheduler_output, started_ns, time.time_ns())
 
     async def _finish_step(self, scheduler_output, running: asyncio.Future, clock, previous: asyncio.Task | None) -> None:
         """Publish one step's result (rank 0), once the step before it has published its own."""
+        try:
+            await self._publish_result(scheduler_output, running, clock, previous)
+        finally:
+            self.steps.finished(scheduler_output)
+
+    async def _publish_result(self, scheduler_output, running: asyncio.Future, clock,
+                              previous: asyncio.Task | None) -> None:
         if previous is not None:
             await asyncio.wait([previous])
         try:
             output = await running
-            if self.profile:
+            if self.timed_steps:
                 output.timings = [clock.durations.get(phase, 0.0) for phase in WORKER_PHASES]
         except Exception as e:
             logger.exception("engine %s rank %d: step %d failed", self.engine_id, self.rank, scheduler_output.step_id)
