@@ -264,22 +264,24 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         dev = self.device
         positions = torch.arange(num_tokens, device=dev)
-        attn = AttentionMetadata(
+        attn = [AttentionMetadata(  # one per KV cache group, on the same first blocks
             slot_mapping=positions.clone(),
             block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev).unsqueeze(0),
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
             max_query_len=num_tokens,
             max_seq_len=num_tokens,
-        )
+            sliding_window=group.sliding_window,
+        ) for group in self.kv_layout.groups]
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
         if self.lora is not None:
             self.lora.set_step([None], np.array([num_tokens]))
         seconds = 0.0
         for _ in range(2):
-            attn.decode_plan = attn.token_decodes = None
+            for group_attn in attn:
+                group_attn.decode_plan = group_attn.token_decodes = group_attn.prefill_plan = None
             start = time.perf_counter()
-            self.model(input_ids, positions, attn, self.kv_caches)
+            self.model(input_ids, positions, attn, self.layer_kv_caches)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             seconds = time.perf_counter() - start

@@ -37,6 +37,9 @@ def build_offloading_worker(runner, config: KVOffloadConfig, reports: LoadReport
         raise ConfigError(f"kv_offloading_size: the host and disk KV tiers hold one block table per request; "
                           f"{runner.model_path} has sliding-window attention (KV cache groups), which they do not "
                           "support")
+    if len(runner.kv_layout.groups) > 1:
+        raise ConfigError(f"the KV offloading tiers take models of one KV cache group; {runner.model_path} has "
+                          f"{len(runner.kv_layout.groups)} (sliding-window and full-attention layers)")
     world_size, rank = runner.tp.world_size, runner.rank
     unit_blocks = config.unit_blocks(runner.block_size)
     cfg = runner.model_config
