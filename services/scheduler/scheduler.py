@@ -144,7 +144,7 @@ class Scheduler:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise RequestRejected("the prompt is empty")
-        if self.vocab_size and not 0 <= min(request.prompt_token_ids) <= max(request.prompt_token_ids) < self.vocab_size:
+        if self.vocab_size and not 0 <= min(request.all_token_ids) <= max(request.all_token_ids) < self.vocab_size:
             raise RequestRejected(f"the prompt has token ids outside the vocabulary [0, {self.vocab_size})")
         if request.lora_request is not None and not self.max_loras:
             raise RequestRejected("the request names a LoRA adapter, but this engine runs without enable_lora")
@@ -156,6 +156,12 @@ class Scheduler:
                 f"accepts at most {self.max_model_len - 1} prompt tokens (max_model_len "
                 f"{self.max_model_len}, KV cache {self.num_blocks} blocks of {self.block_size})"
             )
+        if request.num_output_tokens and (request.num_tokens >= self.max_model_len
+                                          or request.num_output_tokens >= request.sampling_params.max_tokens):
+            # A resumed request that had reached its end (its last output was lost with its engine).
+            raise RequestRejected(f"the request already has {request.num_output_tokens} output tokens: "
+                                  f"nothing is left to generate within max_tokens and max_model_len "
+                                  f"{self.max_model_len}")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -657,6 +663,11 @@ class Scheduler:
         if len(self._recently_finished) > RECENTLY_FINISHED:
             self._recently_finished.popitem(last=False)
 
+    def take_finished_outputs(self, previous: "Scheduler") -> None:
+        """What ``previous`` (the scheduler this one replaces) remembered of its finished
+        requests: a gateway that lost one's last output can still ask for it."""
+        self._recently_finished = previous._recently_finished
+
     def remember_handoff(self, request: Request, owner_engine_id: str, owner_incarnation: str) -> None:
         """Prefill side: a decode engine took the request. Resends of its output are answered
         as a finished request's, naming the new owner: a gateway that lost the output naming
@@ -712,7 +723,8 @@ class Scheduler:
             finish_reason=request.finish_reason,
             logprobs=logprobs,
             stop=stop if carry_stop else [],
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            # A resumed request may hit its own earlier outputs: only prompt tokens count.
+            num_cached_tokens=min(max(request.num_cached_tokens, 0), request.num_prompt_tokens),
             has_stop=params.has_text_settings and not carry_stop,
             stop_reason=request.stop_reason,
             text_settings=RequestStopStrings.of(request.request_id, params)

@@ -52,7 +52,7 @@ from .models.base import CausalLM
 from .models.registry import model_class
 from .parallel import ShardLayout, TensorParallel, init_distributed, tp_device
 from .prompt_logprobs import compute_prompt_logprobs, wanted
-from .sampler import Sampler
+from .sampler import Sampler, skip_draws
 from .spec_decode import SpecDecoder
 from .structured_output import StructuredOutputRunner
 
@@ -316,7 +316,10 @@ class ModelRunner:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            # A request resumed after a worker restart brings the tokens it generated.
+                # Past the draws of the tokens it brings (below): it draws on as it would have.
+                skip_draws(generator, len(new.output_token_ids), self.device)
+            # A request resumed after a worker restart or on another engine, or handed off
+            # by a prefill engine, brings the tokens it generated.
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=[*new.prompt_token_ids, *new.output_token_ids],
