@@ -90,7 +90,7 @@ while [ $# -gt 0 ]; do
     --ours-args) OURS_ARGS=$2; shift 2 ;;
     --ours-dtype) OURS_ARGS="$OURS_ARGS --dtype $2"; shift 2 ;;
     --vllm-dtypes) VLLM_DTYPES=$2; shift 2 ;;
-    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,47p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
