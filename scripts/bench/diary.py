@@ -18,6 +18,7 @@ one in the diary's form.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -114,4 +115,6 @@ def merge_conflict(diary: Path = DIARY, repo: Path = ROOT) -> str:
     if done.returncode:
         raise DiaryError(f"{done.returncode} conflict(s) left in {diary}: resolve them there, then run "
                          "scripts/bench_summary.py")
+    # The union keeps one of the blank lines both sides put before their new sections.
+    diary.write_text(re.sub(r"(?m)^(?!\n)(.+)\n(## )", r"\1\n\n\2", diary.read_text()))
     return f"{PAGE_PATH}: the changes of {name} since the merge base are in {diary.name}"

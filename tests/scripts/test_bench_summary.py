@@ -103,7 +103,9 @@ def test_a_merge_with_a_branch_that_still_had_the_diary_as_the_page_keeps_its_se
     (docs / "BENCHMARKS.md").write_text(old)
     git("add", "-A"), git("commit", "-qm", "base")
     git("checkout", "-qb", "summary")
-    (docs / "BENCHMARKS-diary.md").write_text(old.replace("# Benchmarks", "# Benchmarks: the diary"))
+    # The summary's side moved the diary and appended a section of its own at the same place.
+    (docs / "BENCHMARKS-diary.md").write_text(old.replace("# Benchmarks", "# Benchmarks: the diary")
+                                              + "\n## Tracing (issue 35)\n\nCheap.\n")
     (docs / "BENCHMARKS.md").write_text(f"# Benchmarks\n\n{diary.GENERATED_MARK} -->\n\n## Contents\n")
     git("add", "-A"), git("commit", "-qm", "summary")
     git("checkout", "-q", "main")
@@ -114,7 +116,8 @@ def test_a_merge_with_a_branch_that_still_had_the_diary_as_the_page_keeps_its_se
     said = diary.merge_conflict(docs / "BENCHMARKS-diary.md", tmp_path)
     assert "ours" in said  # main's side was the diary's form
     assert (docs / "BENCHMARKS-diary.md").read_text() == (
-        "# Benchmarks: the diary\n\n## Old figures\n\nThey were slow.\n\n## New figures (issue 99)\n\nFaster.\n")
+        "# Benchmarks: the diary\n\n## Old figures\n\nThey were slow.\n\n## Tracing (issue 35)\n\nCheap.\n"
+        "\n## New figures (issue 99)\n\nFaster.\n")
     with pytest.raises(diary.DiaryError, match="conflict markers"):
         diary.rescue((docs / "BENCHMARKS.md").read_text(), set(), docs / "BENCHMARKS-diary.md")
 
