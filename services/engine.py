@@ -9,15 +9,19 @@ and prepared as the tokenizer service prepares them (``shared.request_preparatio
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 
 import msgspec
 from dataclasses import dataclass, field
 
+from services.scheduler.kv_offload.connector import OffloadingConnectorScheduler
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
+from services.worker.kv_offload.build import build_offloading_worker
+from services.worker.kv_transfer.load_reports import LoadReports
 from services.worker.model_runner import ModelRunner
-from shared.config import CacheConfig, LoRAConfig, ModelRunConfig, SchedulerConfig
+from shared.config import CacheConfig, KVOffloadConfig, LoRAConfig, ModelRunConfig, SchedulerConfig
 from shared.protocol import (
     MODEL_RUNNER_OUTPUT,
     SCHEDULER_OUTPUT,
@@ -52,17 +56,29 @@ class Engine:
         scheduler_config: SchedulerConfig = SchedulerConfig(),
         worker: ModelRunner | None = None,
         lora_config: LoRAConfig = LoRAConfig(),
+        kv_offload_config: KVOffloadConfig = KVOffloadConfig(),
     ) -> None:
         """``worker``: an already loaded runner to reuse (tests share one model);
-        it must hold no request state (every engine that used it has finished)."""
+        it must hold no request state (every engine that used it has finished).
+        ``kv_offload_config``: the host and disk KV tiers (both connector roles in process)."""
         self.worker = worker or ModelRunner(run_config, cache_config, scheduler_config, lora_config=lora_config)
         if worker is not None:
             worker.use_speculative(scheduler_config.speculative)
             if lora_config.enable_lora:
                 worker.use_lora(lora_config)
+        self.offload_worker = None
+        self._load_reports = LoadReports(None, "0", 0, 1)
+        kv_offload = None
+        if kv_offload_config.enabled:
+            kv_offload_config.check_speculative(scheduler_config.speculative)
+            self.offload_worker, namespace = build_offloading_worker(self.worker, kv_offload_config,
+                                                                     self._load_reports)
+            kv_offload = OffloadingConnectorScheduler(kv_offload_config, cache_config.block_size,
+                                                      [self.offload_worker.info(namespace)],
+                                                      cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(
             scheduler_config, cache_config, self.worker.num_blocks, self.worker.max_model_len,
-            max_loras=lora_config.max_loras if lora_config.enable_lora else 0,
+            max_loras=lora_config.max_loras if lora_config.enable_lora else 0, kv_offload=kv_offload,
         )
         self.cache_config = cache_config
         self.model_config = self.worker.model_config
@@ -126,7 +142,18 @@ class Engine:
         clock.lap("schedule")
         scheduler_output = SCHEDULER_OUTPUT.decode(SCHEDULER_OUTPUT.encode(scheduler_output))
         clock.lap("step_message")
+        offload = self.offload_worker
+        if offload is not None:
+            self._load_reports.step_started(scheduler_output.incarnation, scheduler_output.reset_state)
+            stores = offload.apply(scheduler_output.reset_state, scheduler_output.kv_connector_metadata)
+            if stores is not None:
+                stores.result()
         runner_output = self.worker.execute_model(scheduler_output, clock)
+        if offload is not None:
+            runner_output.finished_recving, runner_output.failed_recving, _ = self._load_reports.take_finished()
+            runner_output.kv_offload = offload.take_counters()
+            if not scheduler_output.total_num_scheduled_tokens and self.scheduler.is_loading_remote_kv():
+                time.sleep(0.001)  # only loads pending: let the copy threads run
         runner_output = MODEL_RUNNER_OUTPUT.decode(MODEL_RUNNER_OUTPUT.encode(runner_output))
         clock.lap("result_message")
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)

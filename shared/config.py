@@ -444,3 +444,92 @@ class KVTransferConfig:
     @property
     def takes_handoffs(self) -> bool:
         return self.kv_role in (KV_CONSUMER, KV_BOTH)
+
+
+# The tiered KV cache (services/scheduler/kv_offload/, services/worker/kv_offload/). vLLM's
+# --kv-offloading-backend names "native" (its own CPU tier: this one) and "lmcache" (a store
+# this engine does not have).
+KV_OFFLOADING_BACKENDS = ("native",)
+PREEMPTION_MODES = ("recompute", "swap")
+# When the disk tier takes a unit of blocks (SGLang HiCache's policy names): write_through when
+# the request that computed it frees it (so other engines and a restart find it at once),
+# write_back only when the host tier evicts it, write_through_selective once it was hit
+# kv_offloading_disk_hit_threshold times (and on host eviction past that count).
+DISK_WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
+
+
+@dataclass(frozen=True)
+class KVOffloadConfig:
+    """Tiers below the paged KV cache: host memory and a folder on disk (docs/ARCHITECTURE.md,
+    "Tiered KV cache"). Blocks go down when the device pool evicts them; a prompt whose blocks
+    a tier holds loads them instead of computing them. ``kv_offloading_size`` and
+    ``kv_offloading_backend`` are vLLM's flags; the disk tier's are ours."""
+
+    kv_offloading_size: float = setting(
+        0.0, "host (CPU memory) KV tier in GiB, summed over the TP ranks (vLLM's flag); 0 = no host tier")
+    kv_offloading_backend: str = setting("native", "native (this engine's tiers); lmcache is not available")
+    kv_offloading_path: str = setting(
+        "", "folder of the disk KV tier, shareable by every engine of the host and kept across restarts; '' = none")
+    kv_offloading_disk_size: float = setting(
+        10.0, "GiB the disk tier may fill in --kv-offloading-path (least recently used files go first)")
+    kv_offloading_block_size: int = setting(
+        64, "tokens per offloaded unit, a multiple of --block-size: the blocks moved (and filed) together")
+    kv_offloading_disk_write_policy: str = setting(
+        "write_through", "write_through (a request's blocks reach disk when it frees them: shared and kept at "
+                         "once) | write_back (only what the host tier evicts) | write_through_selective (blocks hit "
+                         "--kv-offloading-disk-hit-threshold times)")
+    kv_offloading_disk_hit_threshold: int = setting(
+        2, "write_through_selective: hits a block needs before it is written to disk")
+    kv_offloading_load_timeout: float = setting(
+        10.0, "seconds a load from the host or disk tier may take; past it the request recomputes its prompt")
+    preemption_mode: str = setting(
+        "recompute", "recompute (a preempted request's blocks are freed; with tiers their eviction still stores "
+                     "them) | swap (they are copied to the host tier at once, kept there and loaded back when it "
+                     "resumes; needs --kv-offloading-size)")
+
+    def __post_init__(self) -> None:
+        if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+            raise ConfigError(f"kv_offloading_backend must be native (this engine's host and disk tiers; LMCache is "
+                              f"not available here), got {self.kv_offloading_backend!r}")
+        for name in ("kv_offloading_size", "kv_offloading_disk_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 GiB, got {getattr(self, name)}")
+        if self.kv_offloading_path and self.kv_offloading_disk_size <= 0:
+            raise ConfigError("kv_offloading_disk_size must be > 0 GiB with a kv_offloading_path")
+        if self.kv_offloading_block_size < 1:
+            raise ConfigError(f"kv_offloading_block_size must be >= 1 token, got {self.kv_offloading_block_size}")
+        if self.kv_offloading_disk_write_policy not in DISK_WRITE_POLICIES:
+            raise ConfigError(f"kv_offloading_disk_write_policy must be one of {', '.join(DISK_WRITE_POLICIES)}, "
+                              f"got {self.kv_offloading_disk_write_policy!r}")
+        if self.kv_offloading_disk_hit_threshold < 1:
+            raise ConfigError(f"kv_offloading_disk_hit_threshold must be >= 1, got "
+                              f"{self.kv_offloading_disk_hit_threshold}")
+        if self.kv_offloading_load_timeout <= 0:
+            raise ConfigError(f"kv_offloading_load_timeout must be > 0 seconds, got {self.kv_offloading_load_timeout}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption_mode must be recompute|swap, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and not self.kv_offloading_size:
+            raise ConfigError("preemption_mode swap copies a preempted request's blocks to the host tier: set "
+                              "--kv-offloading-size (GiB)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kv_offloading_size or self.kv_offloading_path)
+
+    @property
+    def swaps(self) -> bool:
+        return self.preemption_mode == "swap"
+
+    def unit_blocks(self, block_size: int) -> int:
+        """Device blocks per offloaded unit; ConfigError unless a whole number of them."""
+        if self.kv_offloading_block_size % block_size:
+            raise ConfigError(f"kv_offloading_block_size ({self.kv_offloading_block_size}) must be a multiple of "
+                              f"block_size ({block_size})")
+        return self.kv_offloading_block_size // block_size
+
+    def check_speculative(self, speculative: SpeculativeConfig | None) -> None:
+        """A draft model's KV cache is not offloaded: loaded blocks would hold stale drafts' KV."""
+        if self.enabled and speculative is not None and speculative.method == "draft_model":
+            raise ConfigError("the KV offloading tiers do not carry a draft model's KV cache: speculative decoding "
+                              "with method draft_model cannot run with --kv-offloading-size / --kv-offloading-path "
+                              "(ngram can)")

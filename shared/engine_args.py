@@ -13,6 +13,7 @@ from shared.cli import add_config_flags
 from shared.config import (
     CacheConfig,
     EngineServiceConfig,
+    KVOffloadConfig,
     KVTransferConfig,
     LoRAConfig,
     ModelRunConfig,
@@ -21,7 +22,7 @@ from shared.config import (
 )
 
 ENGINE_CONFIGS = (EngineServiceConfig, ModelRunConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig,
-                  KVTransferConfig)
+                  KVTransferConfig, KVOffloadConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

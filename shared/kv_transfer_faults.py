@@ -1,4 +1,5 @@
-"""Test-only fault injection for P/D KV transfers (tests/e2e/test_pd_faults.py).
+"""Test-only fault injection for KV transfers: P/D (tests/e2e/test_pd_faults.py) and the
+offloading tiers (tests/e2e/test_kv_offload_faults.py).
 
 Read once from the environment variable ``NATSLLM_TEST_KV_FAULTS``, a comma-separated list
 of ``name=value``; unset (always, outside the fault tests) means no fault:
@@ -11,6 +12,9 @@ of ``name=value``; unset (always, outside the fault tests) means no fault:
                           contains <text> (the prefill side frees its blocks at its hold timeout)
     drop_load_push=<text> decode workers never push the end of such a request's load to their
                           scheduler (the next step's result reports it)
+    slow_offload=<text>   workers start loading such a request's blocks from the host or disk
+                          tier SLOW_OFFLOAD_SECONDS late (past a short --kv-offloading-load-timeout:
+                          the scheduler gives the load up and the request recomputes)
 
 A service that runs with faults logs so at start-up.
 """
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 
 ENV_VAR = "NATSLLM_TEST_KV_FAULTS"
 SLOW_CHUNK_SECONDS = 0.5
+SLOW_OFFLOAD_SECONDS = 3.0
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +38,7 @@ class KVTransferFaults:
     slow_chunks: str = ""
     drop_release: str = ""
     drop_load_push: str = ""
+    slow_offload: str = ""
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "KVTransferFaults":
@@ -41,7 +47,8 @@ class KVTransferFaults:
             return cls()
         values = dict(item.split("=", 1) for item in spec.split(",") if item)
         faults = cls(drop_chunks=values.get("drop_chunks", ""), slow_chunks=values.get("slow_chunks", ""),
-                     drop_release=values.get("drop_release", ""), drop_load_push=values.get("drop_load_push", ""))
+                     drop_release=values.get("drop_release", ""), drop_load_push=values.get("drop_load_push", ""),
+                     slow_offload=values.get("slow_offload", ""))
         logger.warning("TEST FAULTS injected into KV transfers: %s", faults)
         return faults
 
@@ -56,3 +63,6 @@ class KVTransferFaults:
 
     def drops_load_push(self, req_id: str) -> bool:
         return bool(self.drop_load_push) and self.drop_load_push in req_id
+
+    def offload_delay(self, req_id: str) -> float:
+        return SLOW_OFFLOAD_SECONDS if self.slow_offload and self.slow_offload in req_id else 0.0

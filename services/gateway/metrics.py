@@ -2,7 +2,7 @@
 
 Three sources. Engine-side state (running / waiting requests, KV cache usage,
 prefix cache queries and hits, preemptions, speculative decoding, the LoRA adapters running and
-waiting) comes from the ``EngineStats`` each
+waiting, where prompt tokens' KV came from, the KV offloading tiers) comes from the ``EngineStats`` each
 scheduler publishes about once a second on ``llm.engine.stats``: the latest
 message per engine is kept, engines silent for longer than ``ENGINE_STATS_TTL``
 are dropped, and the rest are summed when scraped; the prefix cache's queries and hits
@@ -128,6 +128,31 @@ class _EngineCollector:
         ("kv_transfer_requests", "kv_transfer_requests", "P/D: requests whose prompt KV was loaded."),
         ("kv_transfer_failures", "kv_transfer_failures", "P/D: KV loads that failed or timed out."),
         ("kv_transfer_fallbacks", "kv_transfer_fallbacks", "P/D: prompts recomputed instead of loaded."),
+        ("external_prefix_cache_queries", "external_prefix_cache_queries",
+         "External prefix cache queries from the KV connector (the KV tiers), in terms of number of queried tokens."),
+        ("external_prefix_cache_hits", "external_prefix_cache_hits",
+         "External prefix cache hits from the KV connector (the KV tiers), in terms of number of cached tokens."),
+        ("kv_offload_stores_skipped", "kv_offload_stores_skipped",
+         "KV tiers: stores not done (the host tier full of pinned units, the disk full or failing)."),
+        ("kv_offload_load_failures", "kv_offload_load_failures",
+         "KV tiers: loads that failed or timed out (the requests recomputed those tokens)."),
+        ("kv_offload_corrupt_files", "kv_offload_corrupt_files",
+         "KV tiers: unit files found corrupt or truncated (deleted, never loaded)."),
+    )
+    OFFLOAD_GAUGES = (
+        ("kv_offload_cpu_cache_usage_perc", "KV tiers: fraction of the host tier's units in use (1 = full)."),
+        ("kv_offload_disk_bytes_used", "KV tiers: bytes the disk tier's files take (this model's namespace)."),
+        ("kv_offload_disk_bytes_limit", "KV tiers: bytes the disk tier may take (--kv-offloading-disk-size)."),
+    )
+    # vLLM's labelled counters: (name, EngineStats dict field, label, doc).
+    LABELLED_COUNTERS = (
+        ("kv_offload_tiering_block_queries", "kv_offload_block_queries", "tier",
+         "KV tiers: blocks looked up past the device prefix cache, by tier (CPU: host memory, DISK)."),
+        ("kv_offload_tiering_block_hits", "kv_offload_block_hits", "tier", "KV tiers: blocks found, by tier."),
+        ("kv_offload_total_bytes", "kv_offload_bytes", "transfer_type",
+         "KV tiers: bytes moved, by transfer type (GPU is the engine's paged KV cache, on a CPU too)."),
+        ("kv_offload_total_time", "kv_offload_seconds", "transfer_type",
+         "KV tiers: seconds spent moving them, by transfer type."),
     )
 
     def __init__(self, store: EngineStatsStore, model_name: str) -> None:
@@ -149,6 +174,8 @@ class _EngineCollector:
             for stats in sorted(engines, key=lambda s: s.engine_id):
                 counter.add_metric([self.model_name, stats.engine_id], float(getattr(stats, field)))
             yield counter
+        yield from self._prompt_token_sources(engines)
+        yield from self._offloading(engines)
         yield self._accepted_per_position(engines)
         engines_gauge = GaugeMetricFamily("natsllm:num_engines", "Engines heard from recently.", labels=["model_name"])
         engines_gauge.add_metric([self.model_name], float(len(engines)))
@@ -168,6 +195,45 @@ class _EngineCollector:
         gauge.add_metric([str(max(s.max_lora for s in engines)), ",".join(waiting), ",".join(running)],
                          max(s.timestamp for s in engines))
         return gauge
+
+    def _prompt_token_sources(self, engines: list[EngineStats]):
+        """vLLM's prompt_tokens_by_source and prompt_tokens_cached (the prefix cache's hits and
+        what a KV connector loaded: the tiers)."""
+        sources = {source: sum(getattr(s, f"prompt_tokens_{source}") for s in engines)
+                   for source in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+        by_source = CounterMetricFamily("natsllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                        labels=["model_name", "source"])
+        for source, count in sources.items():
+            by_source.add_metric([self.model_name, source], float(count))
+        yield by_source
+        cached = CounterMetricFamily("natsllm:prompt_tokens_cached",
+                                     "Number of cached prompt tokens (local prefix cache and KV connector).",
+                                     labels=["model_name"])
+        cached.add_metric([self.model_name], float(sources["local_cache_hit"] + sources["external_kv_transfer"]))
+        yield cached
+
+    def _offloading(self, engines: list[EngineStats]):
+        """The KV tiers' gauges and labelled counters (absent when no engine has tiers)."""
+        engines = [s for s in engines if s.kv_offload_block_queries]
+        if not engines:
+            return
+        for field, doc in self.OFFLOAD_GAUGES:
+            gauge = GaugeMetricFamily(f"natsllm:{field}", doc, labels=["model_name"])
+            values = [getattr(s, field) for s in engines]
+            # Host usage is a fraction per engine: their mean. Engines of one model share one disk
+            # folder (the same namespace), so its bytes are the largest any engine reports.
+            value = sum(values) / len(values) if field.endswith("_perc") else max(values)
+            gauge.add_metric([self.model_name], float(value))
+            yield gauge
+        for name, field, label, doc in self.LABELLED_COUNTERS:
+            counter = CounterMetricFamily(f"natsllm:{name}", doc, labels=["model_name", label])
+            totals: dict[str, float] = {}
+            for stats in engines:
+                for key, value in getattr(stats, field).items():
+                    totals[key] = totals.get(key, 0.0) + value
+            for key, value in sorted(totals.items()):
+                counter.add_metric([self.model_name, key], float(value))
+            yield counter
 
     def _accepted_per_position(self, engines: list[EngineStats]) -> CounterMetricFamily:
         counter = CounterMetricFamily("natsllm:spec_decode_num_accepted_tokens_per_pos",

@@ -5,6 +5,7 @@ from shared.cli import add_config_flags, base_parser, config_from_args
 from shared.config import (
     CacheConfig,
     EngineServiceConfig,
+    KVOffloadConfig,
     KVTransferConfig,
     LoRAConfig,
     ParallelConfig,
@@ -39,6 +40,7 @@ def main() -> None:
         nats_url=args.nats_url,
         lora_config=config_from_args(LoRAConfig, args),
         kv_transfer_config=config_from_args(KVTransferConfig, args),
+        kv_offload_config=config_from_args(KVOffloadConfig, args),
         kv_events_config=config_from_args(KVEventsConfig, args),
     )
     run_service(service)

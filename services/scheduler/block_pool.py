@@ -7,7 +7,9 @@ free block) are all O(1). Eviction takes from the head: freed blocks go to the t
 so the least recently freed block is reused first.
 
 A freed block keeps its hash (and stays findable in ``cached_blocks``) until it is
-handed out again, so a finished or preempted request's prefix can still be hit.
+handed out again, so a finished or preempted request's prefix can still be hit. The KV
+offloading tiers learn of each cached block handed out again (``eviction_listener``, called
+while the block is still registered): its content may go down before it is overwritten.
 
 With KV cache events on, the pool tells a ``KVEventRecorder`` (``kv_events.py``) each change
 of ``cached_blocks``' keys: hashes that join it (stored), hashes that leave it (removed), and
@@ -16,6 +18,7 @@ a reset (cleared). A consumer that applies them in order holds the same set of h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -99,6 +102,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        # Told of each cached block about to be reused (the offloading connector's write-back).
+        self.eviction_listener: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -125,6 +130,8 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
+            if self.eviction_listener is not None:
+                self.eviction_listener(block)
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
                 if self.kv_events is not None:

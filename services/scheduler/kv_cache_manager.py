@@ -12,6 +12,7 @@ preempts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .block_pool import BlockPool, KVCacheBlock
@@ -21,16 +22,27 @@ from .request import Request
 
 @dataclass
 class PrefixCacheStats:
-    """Prompt tokens looked up in the prefix cache, and how many were hits."""
+    """Prompt tokens looked up in the prefix cache, how many were hits, and how many a KV
+    connector loaded (the tiers) before the request's first run."""
 
     queries: int = 0
     hits: int = 0
     requests: int = 0
+    external: int = 0
 
-    def record(self, num_tokens: int, num_hits: int) -> None:
+    def record(self, num_tokens: int, num_hits: int, num_external: int = 0) -> None:
         self.requests += 1
         self.queries += num_tokens
         self.hits += num_hits
+        self.external += num_external
+
+    def by_source(self) -> dict:
+        """vLLM's prompt_tokens_by_source, as ``EngineStats`` fields."""
+        return {
+            "prompt_tokens_local_compute": self.queries - self.hits - self.external,
+            "prompt_tokens_local_cache_hit": self.hits,
+            "prompt_tokens_external_kv_transfer": self.external,
+        }
 
     @property
     def hit_rate(self) -> float:
@@ -48,6 +60,9 @@ class KVCacheManager:
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # Told of each request whose blocks are freed (the offloading connector: which chain
+        # each cached block belongs to, for its eviction; the disk tier's write-through).
+        self.free_listener: Callable[[Request, list[KVCacheBlock]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -131,6 +146,8 @@ class KVCacheManager:
         """Release every block of the request, tail first (see BlockPool.free_blocks)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        if self.free_listener is not None and blocks:
+            self.free_listener(request, blocks)
         self.block_pool.free_blocks(reversed(blocks))
 
     def free_tail(self, request: Request) -> None:

@@ -30,6 +30,7 @@ from shared.protocol import (
     CachedRequestData,
     EngineOutput,
     FinishReason,
+    KVConnectorMetadata,
     ModelRunnerOutput,
     NewRequestData,
     RequestStopStrings,
@@ -40,6 +41,7 @@ from shared.token_window import window_tokens
 from .kv_cache_manager import KVCacheManager
 from .kv_connector import KVConnectorScheduler
 from .kv_events import KVEventRecorder
+from .kv_offload.connector import OffloadingConnectorScheduler
 from .request import Request, RequestStatus
 from .spec_decode_stats import SpecDecodeStats
 
@@ -80,11 +82,15 @@ class Scheduler:
         vocab_size: int = 0,
         max_loras: int = 0,
         kv_connector: KVConnectorScheduler | None = None,
+        kv_offload: OffloadingConnectorScheduler | None = None,
         kv_events: KVEventRecorder | None = None,
     ) -> None:
         """``max_loras``: distinct LoRA adapters among the running requests (0: requests
         with an adapter are refused). ``kv_connector``: P/D (None: no KV transfer).
-        ``kv_events``: told what joins and leaves the prefix cache (None: KV events off)."""
+        ``kv_offload``: the host and disk tiers (None: none). With both, a request's blocks
+        come from P/D when it was handed off, else from the tiers (vLLM's MultiConnector:
+        the first connector with tokens to load takes the request). ``kv_events``: told
+        what joins and leaves the prefix cache (None: KV events off)."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
@@ -121,6 +127,9 @@ class Scheduler:
         self.disable_spec_above = speculative.disable_by_batch_size if speculative else 0
         self.spec_decode_stats = SpecDecodeStats(self.num_speculative_tokens)
         self.connector = kv_connector
+        self.offload = kv_offload
+        if kv_offload is not None:
+            kv_offload.attach(self.kv_cache_manager)
         # P/D, prefill side: requests handed off since the service last took them, with
         # where their KV is held (``take_handoffs``).
         self._handoffs: list[tuple[Request, object]] = []
@@ -193,13 +202,20 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def has_connector_work(self) -> bool:
-        """P/D: loads or holds whose deadlines ``schedule()`` must check now and then."""
-        return self.connector is not None and bool(self.connector.loads or self.connector.holds)
+        """Loads or holds whose deadlines ``schedule()`` must check now and then."""
+        return self.is_loading_remote_kv() or (self.connector is not None and bool(self.connector.holds))
 
     def is_loading_remote_kv(self) -> bool:
-        """P/D: requests wait for their KV (the workers push the ends of loads; the service
-        polls with an empty step now and then in case a push was lost)."""
-        return self.connector is not None and bool(self.connector.loads)
+        """Requests wait for their KV (P/D pulls, loads from the tiers: the workers push the
+        ends of loads; the service polls with an empty step now and then in case a push was
+        lost)."""
+        return ((self.connector is not None and bool(self.connector.loads))
+                or (self.offload is not None and bool(self.offload.loads)))
+
+    def has_connector_meta(self) -> bool:
+        """The tiers have copies for the workers (units of a request that just ended): a step
+        should go out even with no request to run."""
+        return self.offload is not None and self.offload.has_meta()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -213,7 +229,7 @@ class Scheduler:
         reports ended loads whose push was lost)."""
         # Invariant: every running request holds blocks for its num_computed_tokens,
         # and every request appears at most once in running + waiting.
-        if self.connector is not None:
+        if self.connector is not None or self.offload is not None:
             self._connector_deadlines()
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
@@ -309,7 +325,8 @@ class Scheduler:
                 self.pinned_loras.add(request.lora_key)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
-                self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_computed)
+                external = self.offload.take_external_tokens(request.request_id) if self.offload is not None else 0
+                self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_computed - external, external)
             request.num_computed_tokens = num_computed
             resumed = request.status == RequestStatus.PREEMPTED
             request.status = RequestStatus.RUNNING
@@ -332,13 +349,17 @@ class Scheduler:
     # ------------------------------------------------------------------ P/D
 
     def _start_remote_load(self, request: Request, computed_blocks, num_computed: int) -> bool | None:
-        """Decode side: if the request's prompt KV past its local prefix-cache hits lies on a
-        prefill engine, allocate blocks for it (cached once loaded) and park the request
-        until the workers have pulled it. False: it computes as any other request; None:
-        the pool has no room for its blocks now."""
-        if self.connector is None:
-            return False
-        num_external, _ = self.connector.get_num_new_matched_tokens(request, num_computed)
+        """If the request's KV past its local prefix-cache hits lies on a prefill engine (P/D)
+        or in the host or disk tier, allocate blocks for it (cached once loaded) and park the
+        request until the workers have loaded it. False: it computes as any other request;
+        None: the pool has no room for its blocks now."""
+        connector, num_external = None, 0
+        if self.connector is not None:
+            num_external, _ = self.connector.get_num_new_matched_tokens(request, num_computed)
+            connector = self.connector
+        if not num_external and self.offload is not None:
+            num_external = self.offload.get_num_new_matched_tokens(request, num_computed)
+            connector = self.offload
         if not num_external:
             return False
         kv = self.kv_cache_manager
@@ -346,17 +367,20 @@ class Scheduler:
             return None
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_computed
-        self.connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id), num_computed,
-                                                num_external)
+        if request.num_cached_tokens < 0 and connector is self.connector:
+            request.num_cached_tokens = num_computed  # P/D: the prompt was computed elsewhere
+        connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id), num_computed, num_external)
         return True
 
     def _connector_deadlines(self) -> None:
-        for request in self.connector.expired_holds():
-            self.kv_cache_manager.free(request)
-        for request in self.connector.expired_loads():
-            self._recompute_prompt(request)
+        if self.connector is not None:
+            for request in self.connector.expired_holds():
+                self.kv_cache_manager.free(request)
+            for request in self.connector.expired_loads():
+                self._recompute_prompt(request)
+        if self.offload is not None:
+            for request in self.offload.expired_loads():
+                self._recompute_prompt(request)
 
     def _recompute_prompt(self, request: Request) -> None:
         """A load failed or timed out: the request computes its prompt here instead (its
@@ -368,16 +392,19 @@ class Scheduler:
     def update_from_kv_loads(self, finished: list[str], failed: list[str], num_bytes: int) -> None:
         """Loads the workers finished become runnable (their blocks join the prefix cache);
         failed ones recompute. From a step's result or pushed between steps; ids of loads no
-        longer waited for (reported twice, cancelled meanwhile) are ignored."""
-        connector = self.connector
-        connector.stats.bytes += num_bytes * connector.world_size
-        for load in connector.finished_loading(finished):
-            request = load.request
-            request.num_computed_tokens = load.num_local + load.num_external
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-            request.status = RequestStatus.WAITING
-        for request in connector.failed_loading(failed):
-            self._recompute_prompt(request)
+        longer waited for (reported twice, cancelled meanwhile, another connector's) are
+        ignored by each connector."""
+        connectors = [c for c in (self.connector, self.offload) if c is not None]
+        if self.connector is not None:
+            self.connector.stats.bytes += num_bytes * self.connector.world_size
+        for connector in connectors:
+            for load in connector.finished_loading(finished):
+                request = load.request
+                request.num_computed_tokens = load.num_local + load.num_external
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+                request.status = RequestStatus.WAITING
+            for request in connector.failed_loading(failed):
+                self._recompute_prompt(request)
 
     def _hand_off(self, request: Request) -> None:
         """Prefill side: the request's first token is out; its blocks stay held for the
@@ -474,7 +501,7 @@ class Scheduler:
         finished = sorted(self._finished_req_ids)
         self._finished_req_ids.clear()
         reset_state = False
-        meta = self.connector.build_connector_meta() if self.connector is not None else None
+        meta = self._connector_meta()
         if order or finished or meta is not None or (poll_kv_loads and self.is_loading_remote_kv()):
             self._step_id += 1
             reset_state, self._reset_pending = self._reset_pending, False
@@ -491,6 +518,19 @@ class Scheduler:
             kv_connector_metadata=meta,
         )
 
+    def _connector_meta(self) -> KVConnectorMetadata | None:
+        """Both connectors' parts of the step's metadata (None: nothing to do)."""
+        meta = self.connector.build_connector_meta() if self.connector is not None else None
+        if self.offload is None:
+            return meta
+        spills, stores, loads, cancels = self.offload.build_meta()
+        if not (spills or stores or loads or cancels):
+            return meta
+        meta = meta or KVConnectorMetadata()
+        meta.offload_spills, meta.offload_stores, meta.offload_loads = spills, stores, loads
+        meta.reqs_to_cancel = meta.reqs_to_cancel + cancels
+        return meta
+
     def step_worth_sending(self, step: SchedulerOutput, poll_kv_loads: bool = False) -> bool:
         """Whether ``step`` has anything for the workers (work, state to drop, connector
         metadata, or, with ``poll_kv_loads``, loads whose end its result may report)."""
@@ -498,6 +538,8 @@ class Scheduler:
                     or (poll_kv_loads and self.is_loading_remote_kv()))
 
     def _preempt(self, request: Request) -> None:
+        if self.offload is not None:
+            self.offload.on_preempt(request, self.kv_cache_manager.req_to_blocks.get(request.request_id, []))
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -515,9 +557,11 @@ class Scheduler:
     ) -> list[EngineOutput]:
         """Append sampled tokens, finish requests that stop, and report per request."""
         outputs = []
-        if self.connector is not None:
+        if self.connector is not None or self.offload is not None:
             self.update_from_kv_loads(runner_output.finished_recving, runner_output.failed_recving,
                                       runner_output.kv_bytes_recvd)
+        if self.offload is not None:
+            self.offload.add_counters(runner_output.kv_offload)
         num_reqs = len(runner_output.req_ids)
         if runner_output.token_logprobs:
             logprobs = runner_output.token_logprobs
@@ -588,6 +632,8 @@ class Scheduler:
         request.finish_reason = reason
         if self.connector is not None:
             self.connector.request_finished(request, [])  # a load under way is cancelled
+        if self.offload is not None:
+            self.offload.request_finished(request)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         end = self._engine_output(request, [], [], carry_stop=True)
@@ -676,6 +722,8 @@ class Scheduler:
             "prefix_cache_queries": kv.prefix_cache_stats.queries,
             "prefix_cache_hits": kv.prefix_cache_stats.hits,
             "num_preemptions": self.num_preemptions,
+            **kv.prefix_cache_stats.by_source(),
+            **(self.offload.engine_stats() if self.offload is not None else {}),
             "block_size": self.block_size,
             "num_gpu_blocks": self.num_blocks,
             "num_prefill_tokens_pending": self.num_prefill_tokens_pending(),

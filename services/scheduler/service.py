@@ -46,7 +46,7 @@ from services.router.loads import takes_handoffs
 from services.router.router import Router
 from shared.aio import wait_for
 from shared.bus import Service, respond
-from shared.config import CacheConfig, KVTransferConfig, LoRAConfig, SchedulerConfig
+from shared.config import CacheConfig, KVOffloadConfig, KVTransferConfig, LoRAConfig, SchedulerConfig
 from shared.kv_event_faults import KVEventFaults
 from shared.protocol import (
     ABORT_CHANNEL,
@@ -76,6 +76,7 @@ from .handoff import HandoffReceiver, HandoffSender
 from .intake import Intake
 from .kv_connector import KVConnectorScheduler
 from .kv_events import KVEventsPublisher
+from .kv_offload.connector import OffloadingConnectorScheduler
 from .outputs import OutputPublisher
 from .recovery import WorkerRecovery
 from .scheduler import Scheduler
@@ -117,11 +118,16 @@ class SchedulerService(Service):
         nats_url: str | None = None,
         lora_config: LoRAConfig = LoRAConfig(),
         kv_transfer_config: KVTransferConfig = KVTransferConfig(),
+        kv_offload_config: KVOffloadConfig = KVOffloadConfig(),
         kv_events_config: KVEventsConfig = KVEventsConfig(),
     ) -> None:
         super().__init__(nats_url)
         self.engine_id = engine_id
         self.kv_transfer_config = kv_transfer_config
+        self.kv_offload_config = kv_offload_config
+        if kv_offload_config.enabled:
+            kv_offload_config.unit_blocks(cache_config.block_size)  # a bad unit size stops start-up
+            kv_offload_config.check_speculative(scheduler_config.speculative)
         self.max_loras = lora_config.max_loras if lora_config.enable_lora else 0
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -199,6 +205,7 @@ class SchedulerService(Service):
             await self.subscribe(KV_CACHE_DUMP_CHANNEL.subject(engine), self._on_kv_cache_dump)
         if self.kv_transfer_config.takes_handoffs:
             await self.subscribe(KV_HANDOFF_CHANNEL.subject(engine), self.handoff_receiver.on_handoff)
+        if self.kv_transfer_config.takes_handoffs or self.kv_offload_config.enabled:
             await self.subscribe(KV_LOADS_DONE_CHANNEL.subject(engine), self.handoff_receiver.on_kv_loads_done)
         if self.kv_transfer_config.hands_off:
             await self.subscribe(KV_RELEASE_CHANNEL.subject(engine), self.handoff_sender.on_release)
@@ -227,8 +234,20 @@ class SchedulerService(Service):
         return Scheduler(
             self.scheduler_config, self.cache_config, self.workers.num_blocks, self.workers.max_model_len,
             first_step_id=first_step_id, vocab_size=self.workers.vocab_size, max_loras=self.max_loras,
-            kv_connector=connector, kv_events=recorder,
+            kv_connector=connector, kv_offload=self._make_offload(), kv_events=recorder,
         )
+
+    def _make_offload(self) -> OffloadingConnectorScheduler | None:
+        """The tiers' scheduler side, for the ranks now in the group (their slots and costs)."""
+        if not self.kv_offload_config.enabled:
+            return None
+        infos = self.workers.kv_offload_infos()
+        if infos is None:
+            logger.error("engine %s: a worker rank runs without the KV tiers this scheduler was given "
+                         "(--kv-offloading-size / --kv-offloading-path differ?): running without them", self.engine_id)
+            return None
+        return OffloadingConnectorScheduler(self.kv_offload_config, self.cache_config.block_size, infos,
+                                            self.cache_config.enable_prefix_caching)
 
     def _cancel_steps(self) -> None:
         for future in self._pending_steps.values():
@@ -381,7 +400,7 @@ class SchedulerService(Service):
             self.stops.ended_outputs(outputs)
             await self.stops.send()
         clock.lap("publish_outputs")
-        more_work = scheduler.has_unfinished_requests()
+        more_work = scheduler.has_unfinished_requests() or scheduler.has_connector_meta()
         if self.profile is not None:
             num_reqs = len(step.scheduled_req_ids)
             self.profile.end_step(num_reqs, clock.durations, result.timings, result_decode, more_work)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.protocol import WorkerReady
+from shared.protocol import KVOffloadWorkerInfo, WorkerReady
 
 
 @dataclass
@@ -28,6 +28,7 @@ class WorkerRecord:
     max_model_len: int
     last_seen: float
     vocab_size: int = 0
+    kv_offload: KVOffloadWorkerInfo | None = None
 
 
 class Arrival(enum.Enum):
@@ -82,6 +83,7 @@ class WorkerGroup:
             num_blocks=ready.num_blocks,
             max_model_len=ready.max_model_len,
             vocab_size=ready.vocab_size,
+            kv_offload=ready.kv_offload,
             last_seen=self._clock(),
         )
 
@@ -103,6 +105,11 @@ class WorkerGroup:
     def max_model_len(self) -> int:
         """The longest sequence every member accepts."""
         return min(w.max_model_len for w in self.members.values())
+
+    def kv_offload_infos(self) -> list[KVOffloadWorkerInfo] | None:
+        """Every member's KV tiers, by rank (None: a member has none)."""
+        infos = [self.members[rank].kv_offload for rank in sorted(self.members)]
+        return None if any(info is None for info in infos) else infos
 
     def silent_rank(self) -> int | None:
         """The first member not heard from within the timeout, if any."""

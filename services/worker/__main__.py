@@ -12,6 +12,7 @@ from shared.cli import base_parser, config_from_args  # noqa: E402
 from shared.config import (  # noqa: E402
     CacheConfig,
     EngineServiceConfig,
+    KVOffloadConfig,
     KVTransferConfig,
     LoRAConfig,
     ModelRunConfig,
@@ -50,6 +51,7 @@ def main() -> None:
         profile=engine.profile_steps,
         lora_config=config_from_args(LoRAConfig, args),
         kv_transfer_config=config_from_args(KVTransferConfig, args),
+        kv_offload_config=config_from_args(KVOffloadConfig, args),
     )
     code = run_service(service)
     # A forward thread may be stuck in a collective with a dead peer (or the bus may be

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -235,6 +236,36 @@ class ModelRunner:
         cfg = self.model_config
         return allocate_kv_caches(num_blocks, self.block_size, self.shard.num_kv_heads, cfg.head_dim,
                                   cfg.num_hidden_layers, self.kv_cache_dtype, self.device)
+
+    @torch.inference_mode()
+    def time_prefill(self, num_tokens: int) -> float:
+        """Seconds one prompt chunk of ``num_tokens`` tokens takes (the second of two runs),
+        for the KV tiers' load-or-recompute choice. At start-up only: it writes garbage KV into
+        the first blocks. Under TP every rank must call it (the pass has collectives)."""
+        num_tokens = max(1, min(num_tokens, self.num_blocks * self.block_size, self.max_model_len))
+        num_blocks = -(-num_tokens // self.block_size)
+        dev = self.device
+        positions = torch.arange(num_tokens, device=dev)
+        attn = AttentionMetadata(
+            slot_mapping=positions.clone(),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev).unsqueeze(0),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        if self.lora is not None:
+            self.lora.set_step([None], np.array([num_tokens]))
+        seconds = 0.0
+        for _ in range(2):
+            attn.decode_plan = attn.token_decodes = None
+            start = time.perf_counter()
+            self.model(input_ids, positions, attn, self.kv_caches)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            seconds = time.perf_counter() - start
+        return seconds
 
     # ------------------------------------------------------------------ state
 

@@ -16,14 +16,22 @@ import asyncio
 import functools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from nats.aio.msg import Msg
 
 from shared.bus import Service, flush_in_order
-from shared.config import CacheConfig, KVTransferConfig, LoRAConfig, ModelRunConfig, ParallelConfig, SchedulerConfig
+from shared.config import (
+    CacheConfig,
+    KVOffloadConfig,
+    KVTransferConfig,
+    LoRAConfig,
+    ModelRunConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from shared.kv_transfer_faults import KVTransferFaults
 from shared.protocol import (
     LORA_ADAPTERS_CHANNEL,
@@ -39,7 +47,10 @@ from shared.protocol import (
 from shared.step_profile import NULL_CLOCK, WORKER_PHASES, PhaseClock
 
 from .heap_trim import IDLE_SECONDS_BEFORE_TRIM, trim_heap
+from .kv_offload.build import build_offloading_worker
+from .kv_offload.connector import OffloadingConnectorWorker
 from .kv_transfer.connector import KVConnectorWorker
+from .kv_transfer.load_reports import LoadReports
 from .model_runner import ModelRunner, resolve_device
 from .parallel import init_distributed
 
@@ -63,6 +74,7 @@ class WorkerService(Service):
         peer_timeout: float = 5.0,
         lora_config: LoRAConfig = LoRAConfig(),
         kv_transfer_config: KVTransferConfig = KVTransferConfig(),
+        kv_offload_config: KVOffloadConfig = KVOffloadConfig(),
     ) -> None:
         super().__init__(nats_url)
         self.engine_id = engine_id
@@ -96,13 +108,25 @@ class WorkerService(Service):
         self._heap_trimmed = False
         self.num_steps = 0
         self.num_sampled_tokens = 0
+        # Both KV connectors report the ends of their loads through one LoadReports.
+        faults = KVTransferFaults.from_env()
+        self.load_reports: LoadReports | None = None
+        if kv_transfer_config.kv_role or kv_offload_config.enabled:
+            self.load_reports = LoadReports(self, engine_id, self.rank, self.world_size, faults)
         # The task publishing the last step's result (None before the first step).
         self._step_in_flight: asyncio.Task | None = None
         # P/D: serves this rank's held KV blocks and pulls others' (None: no KV transfer).
         self.kv_connector: KVConnectorWorker | None = None
         if kv_transfer_config.kv_role:
             self.kv_connector = KVConnectorWorker(self, engine_id, self.rank, self.world_size, self.runner.kv_caches,
-                                                  kv_transfer_config, KVTransferFaults.from_env())
+                                                  kv_transfer_config, self.load_reports, faults)
+        # The host and disk KV tiers (None: none). Built on the forward thread: it times a prefill.
+        self.kv_offload: OffloadingConnectorWorker | None = None
+        self._kv_offload_namespace = ""
+        if kv_offload_config.enabled:
+            kv_offload_config.check_speculative(scheduler_config.speculative)
+            self.kv_offload, self._kv_offload_namespace = self._executor.submit(
+                build_offloading_worker, self.runner, kv_offload_config, self.load_reports, faults).result()
 
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "rank": self.rank, "num_steps": self.num_steps,
@@ -118,6 +142,7 @@ class WorkerService(Service):
             max_model_len=self.runner.max_model_len,
             block_size=self.runner.block_size,
             vocab_size=self.runner.model_config.vocab_size,
+            kv_offload=self.kv_offload.info(self._kv_offload_namespace) if self.kv_offload is not None else None,
         )
 
     async def setup(self) -> None:
@@ -126,6 +151,8 @@ class WorkerService(Service):
         await self.subscribe(WORKER_RETIRE_CHANNEL.subject(self.engine_id), self._on_retire)
         if self.runner.lora is not None:
             await self.subscribe(LORA_ADAPTERS_CHANNEL.subject(), self._on_lora_adapters)
+        if self.load_reports is not None:
+            await self.load_reports.setup()
         if self.kv_connector is not None:
             await self.kv_connector.setup()
         await self._announce()
@@ -185,23 +212,34 @@ class WorkerService(Service):
             logger.warning("engine %s rank %d: step %d of incarnation %r dropped (current %r)", self.engine_id,
                            self.rank, scheduler_output.step_id, scheduler_output.incarnation, self._incarnation)
             return
-        if (self.kv_connector is not None or self.world_size > 1) and self._step_in_flight is not None:
-            # One step at a time: the connector learns what to stop between steps, and under
-            # TP a failed step must not leave the next one waiting in a collective.
+        reset, meta = scheduler_output.reset_state, scheduler_output.kv_connector_metadata
+        serial = self.kv_connector is not None or self.kv_offload is not None or self.world_size > 1
+        if serial and self._step_in_flight is not None:
+            # One step at a time: the connectors act between steps (P/D's learns what to stop;
+            # the tiers' stores read blocks that the last step wrote and this one may
+            # overwrite), and under TP a failed step must not leave the next one waiting in a
+            # collective.
             await asyncio.wait([self._step_in_flight])
+        if self.load_reports is not None:
+            self.load_reports.step_started(scheduler_output.incarnation, reset)
+        # The tiers' copies start before P/D's loads; the forward pass waits for the stores.
+        stores = self.kv_offload.apply(reset, meta) if self.kv_offload is not None else None
         if self.kv_connector is not None:
-            self.kv_connector.bind_connector_metadata(scheduler_output.incarnation, scheduler_output.reset_state,
-                                                      scheduler_output.kv_connector_metadata)
+            self.kv_connector.bind_connector_metadata(scheduler_output.incarnation, reset, meta)
         # Otherwise queued on the forward thread now, behind the step it may still be running
         # (one thread: steps run in arrival order), so it starts the moment that one ends
         # instead of after this loop has published that one's result and read this message.
         # The result is published by a task of its own, after the previous step's.
-        running = asyncio.get_running_loop().run_in_executor(self._executor, self._run_step, scheduler_output, clock)
+        running = asyncio.get_running_loop().run_in_executor(self._executor, self._run_step, scheduler_output, clock,
+                                                             stores)
         self._step_in_flight = self.spawn(self._finish_step(scheduler_output, running, clock, self._step_in_flight))
 
-    def _run_step(self, scheduler_output, clock) -> ModelRunnerOutput:
+    def _run_step(self, scheduler_output, clock, stores: Future | None = None) -> ModelRunnerOutput:
         """On the forward thread: the step's phases count from when it starts there, not
-        from when it was queued behind another."""
+        from when it was queued behind another. ``stores``: the tiers' copies of blocks
+        this step may overwrite, waited for first."""
+        if stores is not None:
+            stores.result()
         clock.starts_no_earlier_than(time.perf_counter())
         return self.runner.execute_model(scheduler_output, clock)
 
@@ -219,8 +257,10 @@ class WorkerService(Service):
         output.incarnation = scheduler_output.incarnation
         self.num_steps += 1
         self.num_sampled_tokens += sum(map(len, output.sampled_token_ids))
-        if self.kv_connector is not None and self.rank == 0:
-            output.finished_recving, output.failed_recving, output.kv_bytes_recvd = self.kv_connector.take_finished()
+        if self.load_reports is not None and self.rank == 0:
+            output.finished_recving, output.failed_recving, output.kv_bytes_recvd = self.load_reports.take_finished()
+        if self.kv_offload is not None and self.rank == 0:
+            output.kv_offload = self.kv_offload.take_counters()
         self._last_step, self._heap_trimmed = time.monotonic(), False
         if self.rank == 0:
             await self.publish(STEP_RESULT_CHANNEL, output, self.engine_id)
@@ -253,3 +293,5 @@ class WorkerService(Service):
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.kv_connector is not None:
             self.kv_connector.close()
+        if self.kv_offload is not None:
+            self.kv_offload.close()

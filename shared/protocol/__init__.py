@@ -8,6 +8,7 @@ boundary:
     step         scheduler <-> worker ranks, once per step
     control      membership, health, stats, restarts, LoRA adapters
     kv_transfer  P/D disaggregation: hand-offs, held blocks, KV pulls
+    kv_offload   the tiered KV cache: stores, spills and loads of the host and disk tiers
     events       KV cache events (vLLM's schema), their replay and dump, the routers' stats
     codec        Codec (one message type's encoder/decoder) and Channel (a subject bound
                  to its message type; ``shared/bus.py`` publishes through them)
@@ -28,6 +29,7 @@ evolution keeps old peers readable).
 from shared.protocol.codec import *  # noqa: F403
 from shared.protocol.common import *  # noqa: F403
 from shared.protocol.client import *  # noqa: F403
+from shared.protocol.kv_offload import *  # noqa: F403
 from shared.protocol.kv_transfer import *  # noqa: F403
 from shared.protocol.step import *  # noqa: F403
 from shared.protocol.control import *  # noqa: F403

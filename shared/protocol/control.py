@@ -14,6 +14,7 @@ import msgspec
 
 from shared.protocol.codec import RAW, SUBJECT_PREFIX, Channel, Codec
 from shared.protocol.common import LoRARequest
+from shared.protocol.kv_offload import KVOffloadWorkerInfo
 
 ENGINE_STATS = f"{SUBJECT_PREFIX}.engine.stats"
 PING = f"{SUBJECT_PREFIX}.ping"
@@ -62,6 +63,28 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
     max_lora: int = 0
+    # Where prompt tokens' KV came from, counted when a request first runs (vLLM's
+    # prompt_tokens_by_source): computed, the device prefix cache, a KV connector (tiers).
+    prompt_tokens_local_compute: int = 0
+    prompt_tokens_local_cache_hit: int = 0
+    prompt_tokens_external_kv_transfer: int = 0
+    # The tiered KV cache (vLLM's names; tiers by medium, "CPU" / "DISK"): prompt tokens
+    # looked up past the device prefix cache and found; blocks looked up and found per tier;
+    # bytes and seconds per transfer type (kv_offload.KV_OFFLOAD_TRANSFERS); the host tier's
+    # use; the disk tier's bytes in use and its limit; stores not done; loads that failed or
+    # timed out (recomputed); unit files found corrupt.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_block_queries: dict[str, int] = {}
+    kv_offload_block_hits: dict[str, int] = {}
+    kv_offload_bytes: dict[str, int] = {}
+    kv_offload_seconds: dict[str, float] = {}
+    kv_offload_cpu_cache_usage_perc: float = 0.0
+    kv_offload_disk_bytes_used: int = 0
+    kv_offload_disk_bytes_limit: int = 0
+    kv_offload_stores_skipped: int = 0
+    kv_offload_load_failures: int = 0
+    kv_offload_corrupt_files: int = 0
     # Routing (services/router/): the block size its prefix cache hashes by and its blocks
     # (vLLM's num_gpu_blocks), the prompt tokens its waiting and running requests have yet
     # to compute, the requests it admitted (new and handed off: a router's count of what it
@@ -85,6 +108,7 @@ class WorkerReady(msgspec.Struct, omit_defaults=True):
     max_model_len: int
     block_size: int
     vocab_size: int = 0  # the scheduler refuses token ids outside it (0: unknown)
+    kv_offload: KVOffloadWorkerInfo | None = None  # its KV offloading tiers (None: off)
 
 
 class WorkerRetire(msgspec.Struct, omit_defaults=True):

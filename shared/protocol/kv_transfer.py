@@ -14,6 +14,7 @@ import msgspec
 
 from shared.protocol.codec import SUBJECT_PREFIX, Channel, Codec
 from shared.protocol.client import EngineRequest
+from shared.protocol.kv_offload import KVOffloadLoad, KVOffloadSpill, KVOffloadStore
 
 
 class KVRecvSpec(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -38,9 +39,11 @@ class KVSendSpec(msgspec.Struct, array_like=True, gc=False):
 
 
 class KVConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """The scheduler's connector role -> the workers' (vLLM's ``KVConnectorMetadata``),
-    carried by the step diff. Workers apply it before the step's forward pass, in this
-    order: stop serving, cancel loads, start serving, start loads."""
+    """The scheduler's connectors -> the workers' (vLLM's ``KVConnectorMetadata``; both the
+    P/D connector's and the offloading connector's parts, as vLLM's MultiConnector carries
+    one per connector), carried by the step diff. Workers apply it before the step's
+    forward pass, in this order: cancel loads (either connector's), spill and store to the
+    tiers (done before the pass), stop serving, start serving, start loads."""
 
     reqs_to_recv: list[KVRecvSpec] = []
     reqs_to_send: list[KVSendSpec] = []
@@ -48,9 +51,15 @@ class KVConnectorMetadata(msgspec.Struct, array_like=True, omit_defaults=True, g
     reqs_not_to_send: list[str] = []
     # Loads given up (timed out, aborted): never write into their blocks after this step.
     reqs_to_cancel: list[str] = []
+    # The tiered KV cache (kv_offload.py): host units to write to disk before their slots
+    # are reused, device blocks to copy down, requests' blocks to load back.
+    offload_spills: list[KVOffloadSpill] = []
+    offload_stores: list[KVOffloadStore] = []
+    offload_loads: list[KVOffloadLoad] = []
 
     def is_empty(self) -> bool:
-        return not (self.reqs_to_recv or self.reqs_to_send or self.reqs_not_to_send or self.reqs_to_cancel)
+        return not (self.reqs_to_recv or self.reqs_to_send or self.reqs_not_to_send or self.reqs_to_cancel
+                    or self.offload_spills or self.offload_stores or self.offload_loads)
 
 
 class KVTransferParams(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):

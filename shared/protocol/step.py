@@ -12,6 +12,7 @@ import msgspec
 
 from shared.protocol.codec import SUBJECT_PREFIX, Channel, Codec
 from shared.protocol.common import Logprobs, LoRARequest, SamplingParams
+from shared.protocol.kv_offload import KVOffloadCounters
 from shared.protocol.kv_transfer import KVConnectorMetadata
 
 
@@ -113,6 +114,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     finished_recving: list[str] = []
     failed_recving: list[str] = []
     kv_bytes_recvd: int = 0
+    # The tiered KV cache's traffic since rank 0's last report (None: no offloading).
+    kv_offload: KVOffloadCounters | None = None
 
 
 SCHEDULER_OUTPUT = Codec(SchedulerOutput)

@@ -109,6 +109,7 @@ async def test_chat_stream_equals_non_stream(client):
     assert usage_chunk.choices == []
     assert usage_chunk.usage.completion_tokens == len(output_tokens("streaming"))
     assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens == 2  # streamed usage carries it too
 
 
 async def test_chat_stream_without_usage(client):
@@ -155,6 +156,7 @@ async def test_completions_token_ids_and_stream(client, fake):
     assert texts == [expected_text("gamma"), expected_text("delta")]
     assert finish == ["stop", "stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * len(output_tokens("gamma"))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 2 * 2  # both prompts' cached tokens
 
 
 async def test_n_fans_out_with_seed_plus_i(client, fake):

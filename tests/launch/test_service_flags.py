@@ -30,6 +30,9 @@ def test_each_flag_goes_to_the_services_that_take_it():
     assert takers(["--log-level", "DEBUG"]) == set(SERVICES)
     assert takers(["--chat-template", "t.jinja"]) == {"tokenizer"}
     assert takers(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == {"gateway"}
+    assert takers(["--enable-prompt-tokens-details"]) == {"gateway"}
+    for flag in ("--kv-offloading-size", "--kv-offloading-backend", "--kv-offloading-path", "--preemption-mode"):
+        assert takers([flag, "x"]) == {"worker", "scheduler"}
 
 
 def test_a_share_keeps_the_flags_values_and_order():

@@ -9,8 +9,7 @@ import torch
 from services.worker.kv_cache import allocate_kv_caches
 from services.worker.kv_transfer.block_io import KVBlockIO
 from services.worker.kv_transfer.chunks import Chunk, plan_chunks
-from services.worker.kv_transfer.connector import KVConnectorWorker
-from shared.config import KVTransferConfig
+from services.worker.kv_transfer.load_reports import LoadReports
 from shared.kv_transfer_faults import KVTransferFaults
 from shared.protocol import KV_LOADS_DONE, KVLoadsDone, engine_kv_loaded_subject
 
@@ -59,43 +58,59 @@ class _Bus:
     async def publish(self, subject, data):
         self.published.append((subject, KV_LOADS_DONE.decode(data)))
 
+    async def subscribe(self, subject, handler):
+        pass
+
 
 async def _settle():
     for _ in range(3):
         await asyncio.sleep(0)
 
 
+async def _reports(bus, world_size: int, faults=KVTransferFaults()) -> LoadReports:
+    reports = LoadReports(bus, "d0", 0, world_size, faults)
+    await reports.setup()
+    return reports
+
+
 async def test_rank_0_pushes_ended_loads_only_while_no_step_runs_and_the_next_result_repeats_them():
     bus = _Bus()
-    caches = allocate_kv_caches(4, 4, 2, 8, 1, torch.float32, torch.device("cpu"))
-    worker = KVConnectorWorker(bus, "d0", 0, 1, caches, KVTransferConfig(kv_role="kv_consumer"),
-                               KVTransferFaults(drop_load_push="lost"))
-    worker.bind_connector_metadata("inc", True, None)
-    worker.take_finished()  # the reset step ends: no step runs now
-    worker._record(0, ["a"], [])
+    reports = await _reports(bus, 1, KVTransferFaults(drop_load_push="lost"))
+    reports.step_started("inc", True)
+    reports.take_finished()  # the reset step ends: no step runs now
+    reports._record(0, ["a"], [])
     await _settle()
     assert bus.published == [(engine_kv_loaded_subject("d0"), KVLoadsDone("inc", ["a"]))]
-    worker._record(0, [], ["lost-1"])  # test fault: this push is lost ...
+    reports._record(0, [], ["lost-1"])  # test fault: this push is lost ...
     await _settle()
     assert len(bus.published) == 1
-    assert worker.take_finished() == (["a"], ["lost-1"], 0)  # ... and the next step's result repeats both
-    worker.bind_connector_metadata("inc", False, None)  # a step runs: its result carries the end
-    worker._record(0, ["b"], [])
+    assert reports.take_finished() == (["a"], ["lost-1"], 0)  # ... and the next step's result repeats both
+    reports.step_started("inc", False)  # a step runs: its result carries the end
+    reports._record(0, ["b"], [])
     await _settle()
     assert len(bus.published) == 1
-    assert worker.take_finished() == (["b"], [], 0)
-    assert worker.take_finished() == ([], [], 0)
+    assert reports.take_finished() == (["b"], [], 0)
+    assert reports.take_finished() == ([], [], 0)
+
+
+async def test_a_load_ended_on_another_thread_is_reported_on_the_event_loop():
+    bus = _Bus()
+    reports = await _reports(bus, 1)
+    reports.step_started("inc", True)
+    reports.take_finished()
+    await asyncio.to_thread(reports.report_now, "a", False)
+    await _settle()
+    assert bus.published == [(engine_kv_loaded_subject("d0"), KVLoadsDone("inc", ["a"]))]
 
 
 async def test_under_tp_rank_0_pushes_a_load_once_every_rank_ended_it():
     bus = _Bus()
-    caches = allocate_kv_caches(4, 4, 2, 8, 1, torch.float32, torch.device("cpu"))
-    worker = KVConnectorWorker(bus, "d0", 0, 2, caches, KVTransferConfig(kv_role="kv_consumer"))
-    worker.bind_connector_metadata("inc", True, None)
-    worker.take_finished()
-    worker._record(0, ["a"], [])
+    reports = await _reports(bus, 2)
+    reports.step_started("inc", True)
+    reports.take_finished()
+    reports._record(0, ["a"], [])
     await _settle()
     assert bus.published == []
-    worker._record(1, ["a"], [])
+    reports._record(1, ["a"], [])
     await _settle()
     assert bus.published == [(engine_kv_loaded_subject("d0"), KVLoadsDone("inc", ["a"]))]

@@ -16,15 +16,9 @@ scheduler may give them to other requests in that very step.
 A pull that fails (no responder, a chunk timeout, a refusal, a chunk of the wrong size) or
 passes its deadline is reported failed and the scheduler recomputes the prompt. A refusal
 with ``retry`` (the prefill rank has not applied the step that starts serving yet) is asked
-again. Under TP, rank 0 reports a load finished once every rank finished it (the others
-tell it on ``llm.engine.<id>.kv.recvd``); a lost message makes the scheduler's deadline
-recompute the prompt.
-
-Rank 0 reports the ends of loads in the next step's result, or, when they come while no
-step runs on it, pushes them to the scheduler at once (``KVLoadsDone`` on
-``llm.engine.<id>.kv.loaded``): a decode engine with nothing else to run sends no steps
-only to learn of them. The next step's result repeats what was pushed, so a lost push
-costs the wait for the scheduler's next step (its slow poll, ``KV_LOAD_POLL_INTERVAL``).
+again. The ends of loads go to the scheduler through ``LoadReports`` (``load_reports.py``,
+shared with the offloading connector): under TP rank 0 reports a load once every rank
+ended it; a lost message makes the scheduler's deadline recompute the prompt.
 """
 
 from __future__ import annotations
@@ -40,22 +34,12 @@ from nats.errors import Error as NatsError
 
 from shared.config import KVTransferConfig
 from shared.kv_transfer_faults import KVTransferFaults
-from shared.bus import publish, request, respond
-from shared.protocol import (
-    KV_LOADS_DONE_CHANNEL,
-    KV_PULL_CHANNEL,
-    KV_RECV_DONE_CHANNEL,
-    KV_SERVE_CHANNEL,
-    KVChunk,
-    KVConnectorMetadata,
-    KVLoadsDone,
-    KVPull,
-    KVRecvDone,
-    KVRecvSpec,
-)
+from shared.bus import request, respond
+from shared.protocol import KV_PULL_CHANNEL, KV_SERVE_CHANNEL, KVChunk, KVConnectorMetadata, KVPull, KVRecvSpec
 
 from .block_io import KVBlockIO
 from .chunks import plan_chunks
+from .load_reports import LoadReports
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +53,16 @@ RELEASED_MEMORY = 4096
 
 class KVConnectorWorker:
     def __init__(self, service, engine_id: str, rank: int, world_size: int, kv_caches,
-                 config: KVTransferConfig, faults: KVTransferFaults = KVTransferFaults()) -> None:
-        """``service``: the worker service (its bus connection and task spawner)."""
+                 config: KVTransferConfig, reports: LoadReports, faults: KVTransferFaults = KVTransferFaults()) -> None:
+        """``service``: the worker service (its bus connection and task spawner); ``reports``:
+        where the ends of loads go (shared with the offloading connector)."""
         self.service = service
         self.engine_id = engine_id
         self.rank = rank
         self.world_size = world_size
         self.config = config
         self.faults = faults
+        self.reports = reports
         self.io = KVBlockIO(kv_caches)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-transfer")
         self._lock = threading.Lock()
@@ -86,21 +72,10 @@ class KVConnectorWorker:
         self._released: OrderedDict[str, None] = OrderedDict()
         # Loading (decode side): request id -> cancelled flag holder.
         self._loads: dict[str, dict] = {}
-        # Rank 0: the ranks that finished each load, loads failed, bytes pulled (rank 0's).
-        self._finished_ranks: dict[str, set[int]] = {}
-        self._failed: set[str] = set()
-        self._bytes = 0
-        # Rank 0: whether a step runs (its result will carry the loads' ends), and the ends
-        # pushed since the last step's result (which repeats them).
-        self._step_running = False
-        self._pushed_finished: set[str] = set()
-        self._pushed_failed: set[str] = set()
 
     async def setup(self) -> None:
         await self.service.subscribe(KV_PULL_CHANNEL.subject(self.engine_id, self.rank), self._on_pull)
         await self.service.subscribe(KV_SERVE_CHANNEL.subject(self.engine_id), self._on_serve)
-        if self.rank == 0 and self.world_size > 1:
-            await self.service.subscribe(KV_RECV_DONE_CHANNEL.subject(self.engine_id), self._on_recv_done)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -108,8 +83,8 @@ class KVConnectorWorker:
     # ------------------------------------------------------------------ per step
 
     def bind_connector_metadata(self, incarnation: str, reset: bool, meta: KVConnectorMetadata | None) -> None:
-        """Between steps, before the forward pass: apply what the scheduler decided."""
-        self._step_running = True
+        """Between steps, before the forward pass: apply what the scheduler decided (the
+        worker service has told ``reports`` the step started)."""
         with self._lock:
             if reset:  # a new scheduler: nothing it did not ask for is served or loaded
                 self._incarnation = incarnation
@@ -117,10 +92,6 @@ class KVConnectorWorker:
                 for flag in self._loads.values():
                     flag["cancelled"] = True
                 self._loads.clear()
-                self._finished_ranks.clear()
-                self._failed.clear()
-                self._pushed_finished.clear()
-                self._pushed_failed.clear()
             if meta is None:
                 return
             self._forget_sends(meta.reqs_not_to_send)
@@ -151,49 +122,6 @@ class KVConnectorWorker:
                 self._released[req_id] = None
         while len(self._released) > RELEASED_MEMORY:
             self._released.popitem(last=False)
-
-    def take_finished(self) -> tuple[list[str], list[str], int]:
-        """Rank 0, at the end of a step: loads every rank finished and loads some rank failed
-        since the last step (those pushed meanwhile again), and the bytes this rank pulled
-        and did not push."""
-        self._step_running = False
-        finished, failed, num_bytes = self._take_ended()
-        finished = sorted(self._pushed_finished.union(finished))
-        failed = sorted(self._pushed_failed.union(failed))
-        self._pushed_finished.clear()
-        self._pushed_failed.clear()
-        return finished, failed, num_bytes
-
-    def _take_ended(self) -> tuple[list[str], list[str], int]:
-        """Loads ended since the last look, and the bytes pulled meanwhile."""
-        finished = [r for r, ranks in self._finished_ranks.items() if len(ranks) == self.world_size]
-        for req_id in finished:
-            del self._finished_ranks[req_id]
-        failed = sorted(self._failed)
-        self._failed.clear()
-        for req_id in failed:
-            self._finished_ranks.pop(req_id, None)
-        num_bytes, self._bytes = self._bytes, 0
-        return finished, failed, num_bytes
-
-    async def _push_ended(self) -> None:
-        """Rank 0, no step running: tell the scheduler now which loads ended."""
-        if self._step_running:
-            return  # a step started meanwhile: its result carries them
-        finished, failed, num_bytes = self._take_ended()
-        if not finished and not failed:
-            self._bytes += num_bytes
-            return
-        self._pushed_finished.update(finished)
-        self._pushed_failed.update(failed)
-        if any(self.faults.drops_load_push(req_id) for req_id in finished + failed):
-            logger.warning("TEST FAULT: push of the ends of loads %s dropped", finished + failed)
-            return  # the next step's result carries them
-        done = KVLoadsDone(self._incarnation, finished, failed, num_bytes)
-        try:
-            await publish(self.service.nc, KV_LOADS_DONE_CHANNEL, done, self.engine_id)
-        except NatsError as e:  # the next step's result repeats them
-            logger.warning("engine %s: ended loads not pushed to the scheduler: %r", self.engine_id, e)
 
     # ------------------------------------------------------------------ serving
 
@@ -241,7 +169,7 @@ class KVConnectorWorker:
                            spec.req_id, spec.remote_engine_id, error)
         else:
             logger.debug("%s: %d blocks pulled in %.3fs", spec.req_id, len(spec.block_ids), time.monotonic() - start)
-        await self._report(spec.req_id, failed=bool(error))
+        await self.reports.report(spec.req_id, failed=bool(error))
 
     async def _pull_all(self, spec: KVRecvSpec, flag: dict, deadline: float) -> str:
         """Every chunk of the request's blocks into the cache; an error message, or ''."""
@@ -272,34 +200,11 @@ class KVConnectorWorker:
             block_ids = spec.block_ids[chunk.first_block:chunk.first_block + chunk.num_blocks]
             await loop.run_in_executor(self._executor, self._write, flag, block_ids, chunk.first_layer,
                                        chunk.num_layers, reply.data)
-            self._bytes += len(reply.data) if self.rank == 0 else 0
+            if self.rank == 0:
+                self.reports.add_bytes(len(reply.data))
         return ""
 
     def _write(self, flag: dict, block_ids: list[int], first_layer: int, num_layers: int, data: bytes) -> None:
         with self._lock:
             if not flag["cancelled"]:  # cancelled: the blocks may belong to another request now
                 self.io.scatter(block_ids, first_layer, num_layers, data)
-
-    # ------------------------------------------------------------------ TP: rank 0 gathers
-
-    async def _report(self, req_id: str, failed: bool) -> None:
-        if self.rank == 0:
-            self._record(self.rank, [] if failed else [req_id], [req_id] if failed else [])
-            return
-        done = KVRecvDone(self.rank, [] if failed else [req_id], [req_id] if failed else [])
-        try:
-            await publish(self.service.nc, KV_RECV_DONE_CHANNEL, done, self.engine_id)
-        except NatsError as e:  # the scheduler's deadline recomputes the prompt
-            logger.warning("%s: load end not reported to rank 0: %r", req_id, e)
-
-    async def _on_recv_done(self, msg) -> None:
-        done = KV_RECV_DONE_CHANNEL.decode(msg.data)
-        self._record(done.rank, done.finished, done.failed)
-
-    def _record(self, rank: int, finished: list[str], failed: list[str]) -> None:
-        for req_id in finished:
-            if req_id not in self._failed:
-                self._finished_ranks.setdefault(req_id, set()).add(rank)
-        self._failed.update(failed)
-        if not self._step_running:
-            self.service.spawn(self._push_ended())

@@ -1,0 +1,72 @@
+"""A workload with no reuse: every prompt distinct, a pool small enough that every new
+prompt evicts (so with the tiers on every evicted block is stored, and with the disk tier
+every finished request is written through), no hit ever. Output throughput with the tiers
+off and on, the configurations alternated twice so a drift of the machine shows.
+
+    .venv/bin/python scripts/bench_kv_no_reuse.py [--requests 24] [--concurrency 4] [--prompt-tokens 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kv_tiers_bench import complete, documents, header, metric, metrics, serving, summary  # noqa: E402
+
+
+def run(args: list[str], prompts: list[list[int]], output_tokens: int, concurrency: int) -> tuple[float, dict]:
+    """Output tokens per second over the whole run, and /metrics at its end."""
+    with serving(args) as stack:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            timed = list(pool.map(lambda p: complete(stack.base_url, p, output_tokens), prompts))
+        seconds = time.perf_counter() - start
+        values = metrics(stack.base_url)
+    assert all(t.cached_tokens == 0 for t in timed), "a prompt was reused"
+    return sum(t.output_tokens for t in timed) / seconds, values
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=400)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--pool-blocks", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    header("KV tiers: no reuse (every block stored, never loaded)")
+    pool = ["--num-gpu-blocks", str(args.pool_blocks)]
+    throughput: dict[str, list[float]] = {"off": [], "host": [], "host+disk": []}
+    with tempfile.TemporaryDirectory() as folder:
+        configs = {"off": [], "host": ["--kv-offloading-size", "1"],
+                   "host+disk": ["--kv-offloading-size", "1", "--kv-offloading-path", folder]}
+        for repeat in range(args.repeats):
+            # New prompts each repeat: nothing is on disk from an earlier one.
+            prompts = documents(args.requests, args.prompt_tokens, seed=100 + repeat)
+            for name, extra in configs.items():
+                rate, values = run(pool + extra, prompts, args.output_tokens, args.concurrency)
+                stored = metric(values, "natsllm:kv_offload_total_bytes_total", transfer_type="GPU_to_CPU")
+                filed = metric(values, "natsllm:kv_offload_total_bytes_total", transfer_type="GPU_to_DISK")
+                throughput[name].append(rate)
+                print(f"repeat {repeat + 1}, tiers {name}: {rate:.1f} output tok/s (stored {stored / 2**20:.0f} MiB "
+                      f"to host, {filed / 2**20:.0f} MiB to disk)", flush=True)
+    medians = {name: statistics.median(rates) for name, rates in throughput.items()}
+    ratios = {name: medians[name] / medians["off"] for name in medians}
+    for name in ("host", "host+disk"):
+        print(f"tiers {name} / off: {ratios[name]:.3f}x output throughput", flush=True)
+    summary({"requests": args.requests, "concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens,
+             "output_tokens": args.output_tokens, "pool_blocks": args.pool_blocks,
+             "output_tok_s": throughput, "median_ratio_to_off": ratios})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

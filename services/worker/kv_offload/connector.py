@@ -1,0 +1,215 @@
+"""The offloading connector's worker role: copies blocks down to the host and disk tiers and
+back, as each step's ``KVConnectorMetadata`` says (docs/ARCHITECTURE.md, "Tiered KV cache").
+
+Per step, between the previous forward pass and this one (``apply``):
+
+1. loads the scheduler gave up are cancelled: after this no copy writes their blocks;
+2. **spills** (host units the scheduler evicts, going to disk) are copied out of their
+   slots, then **stores** copy device blocks into host slots (and/or into buffers for unit
+   files). These read blocks the pool may hand out in this very step, so the step's forward
+   pass waits for them (``apply`` returns their future; on a GPU they are queued on a side
+   stream and only the forward pass's stream waits, ``fence``);
+3. **loads** start: each request's segments are copied into its blocks on the offloading
+   thread (host slots) or, when it reads unit files, on the disk thread, after this step's
+   stores; the request waits parked in the scheduler meanwhile, and its end is reported as a
+   P/D load's (``LoadReports``). A missing, corrupt or truncated file, or any error, fails
+   the load: the scheduler recomputes the request.
+
+Unit files are written on the disk thread from copies taken in step 2, so the forward pass
+never waits for a disk. Nothing here runs on the forward thread; the offloading thread only
+copies memory. One lock orders the loads' writes against cancellation (as P/D's).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from shared.kv_transfer_faults import KVTransferFaults
+from shared.protocol import (
+    KV_OFFLOAD_TRANSFERS,
+    KVConnectorMetadata,
+    KVOffloadCounters,
+    KVOffloadLoad,
+    KVOffloadSpill,
+    KVOffloadStore,
+    KVOffloadWorkerInfo,
+)
+
+from ..kv_transfer.block_io import KVBlockIO
+from ..kv_transfer.load_reports import LoadReports
+from .copies import unit_copier
+from .disk_tier import DiskTier
+
+logger = logging.getLogger(__name__)
+
+_TRANSFER = {name: i for i, name in enumerate(KV_OFFLOAD_TRANSFERS)}
+# A cancelled load's injected delay (test faults) ends this soon after the cancellation.
+_DELAY_STEP = 0.05
+
+
+class OffloadingConnectorWorker:
+    def __init__(self, kv_caches, unit_blocks: int, host_slots: int, disk: DiskTier | None, reports: LoadReports,
+                 faults: KVTransferFaults = KVTransferFaults()) -> None:
+        self.io = KVBlockIO(kv_caches)
+        self.copier = unit_copier(self.io)
+        self.unit_blocks = unit_blocks
+        self.host_slots = host_slots
+        self.slots = self.copier.allocate_slots(host_slots, unit_blocks) if host_slots else None
+        self.disk = disk
+        self.reports = reports
+        self.faults = faults
+        self.unit_bytes = unit_blocks * self.copier.block_bytes
+        self._kv = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload")
+        self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk")
+        self._lock = threading.Lock()
+        self._loads: dict[str, dict] = {}
+        self._counter_lock = threading.Lock()
+        self._bytes = [0] * len(KV_OFFLOAD_TRANSFERS)
+        self._seconds = [0.0] * len(KV_OFFLOAD_TRANSFERS)
+        self._reported_skipped = 0
+        self._reported_corrupt = 0
+        self.costs = KVOffloadWorkerInfo(host_slots, self.unit_bytes)
+
+    def start(self) -> None:
+        if self.disk is not None:
+            self._disk.submit(self.disk.scan)  # its size, and what earlier runs and other engines left
+
+    def info(self, namespace: str) -> KVOffloadWorkerInfo:
+        self.costs.disk_namespace = namespace
+        return self.costs
+
+    def close(self) -> None:
+        self._kv.shutdown(wait=False, cancel_futures=True)
+        self._disk.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ per step
+
+    def apply(self, reset: bool, meta: KVConnectorMetadata | None) -> Future | None:
+        """Between steps, before the forward pass: cancel, store, start loads. Returns the
+        future of the stores (the forward pass waits for it), None when there are none."""
+        with self._lock:
+            if reset:  # a new scheduler: its index of the tiers starts empty
+                for flag in self._loads.values():
+                    flag["cancelled"] = True
+                self._loads.clear()
+            for req_id in meta.reqs_to_cancel if meta is not None else ():
+                flag = self._loads.pop(req_id, None)
+                if flag is not None:
+                    flag["cancelled"] = True
+        if meta is None:
+            return None
+        stores = None
+        if meta.offload_spills or meta.offload_stores:
+            stores = self._kv.submit(self._store_all, meta.offload_spills, meta.offload_stores)
+        for load in meta.offload_loads:
+            flag = {"cancelled": False}
+            with self._lock:
+                self._loads[load.req_id] = flag
+            reads_disk = any(seg.slot < 0 for seg in load.segments)
+            (self._disk if reads_disk else self._kv).submit(self._load, load, flag, stores)
+        return stores
+
+    def _store_all(self, spills: list[KVOffloadSpill], stores: list[KVOffloadStore]) -> None:
+        for spill in spills:  # before the stores: they may refill these slots
+            start = time.perf_counter()
+            data = bytes(self.copier.to_bytes(self._host(spill.slot, len(spill.block_hashes))))
+            self._disk.submit(self._write_file, spill.block_hashes, data, "CPU_to_DISK", time.perf_counter() - start)
+        for store in stores:
+            n = len(store.block_ids)
+            start = time.perf_counter()
+            if store.slot >= 0:
+                self.copier.gather(store.block_ids, self._host(store.slot, n))
+                self._count("GPU_to_CPU", n, time.perf_counter() - start)
+            if store.block_hashes:
+                start = time.perf_counter()
+                if store.slot >= 0:
+                    data = bytes(self.copier.to_bytes(self._host(store.slot, n)))
+                else:
+                    buffer = self.copier.empty(n)
+                    self.copier.gather(store.block_ids, buffer)
+                    data = self.copier.to_bytes(buffer)
+                self._disk.submit(self._write_file, store.block_hashes, data, "GPU_to_DISK",
+                                  time.perf_counter() - start)
+        self.copier.fence()
+
+    def _write_file(self, block_hashes: list[bytes], data, transfer: str, copy_seconds: float) -> None:
+        start = time.perf_counter()
+        try:
+            written = self.disk.write(block_hashes, data)
+        except Exception:  # a store is a cache entry: never an error for the engine
+            logger.exception("disk tier: a unit could not be written")
+            written = False
+        if written:
+            self._count(transfer, len(block_hashes), copy_seconds + time.perf_counter() - start)
+
+    def _host(self, slot: int, num_blocks: int, offset: int = 0):
+        return self.copier.host_view(self.slots, slot, num_blocks, offset)
+
+    # ------------------------------------------------------------------ loads
+
+    def _load(self, load: KVOffloadLoad, flag: dict, stores: Future | None) -> None:
+        error = ""
+        try:
+            self._delay_for_tests(load.req_id, flag)
+            if stores is not None:
+                stores.result()  # this step's stores read blocks the load may write
+            for segment in load.segments:
+                if flag["cancelled"]:
+                    return
+                start = time.perf_counter()
+                n = len(segment.block_ids)
+                if segment.slot >= 0:
+                    parts, transfer = self._host(segment.slot, n, segment.offset), "CPU_to_GPU"
+                else:
+                    data = self.disk.read(segment.disk_key, segment.offset + n - 1, segment.unit_blocks,
+                                          segment.unit_blocks * self.copier.block_bytes)
+                    unit = self.copier.from_bytes(data, segment.unit_blocks)
+                    parts, transfer = unit[:, segment.offset:segment.offset + n], "DISK_to_GPU"
+                with self._lock:
+                    if flag["cancelled"]:  # the blocks may belong to another request now
+                        return
+                    self.copier.scatter(segment.block_ids, parts)
+                self._count(transfer, n, time.perf_counter() - start)
+        except Exception as e:  # never a lost load: it fails and the request recomputes
+            error = f"{type(e).__name__}: {e}"
+        with self._lock:
+            if flag["cancelled"]:
+                return
+            self._loads.pop(load.req_id, None)
+        if error:
+            logger.warning("%s: loading its blocks from the KV tiers failed (%s); it recomputes them",
+                           load.req_id, error)
+        self.reports.report_now(load.req_id, failed=bool(error))
+
+    def _delay_for_tests(self, req_id: str, flag: dict) -> None:
+        delay = self.faults.offload_delay(req_id)
+        if delay:
+            logger.warning("TEST FAULT: the load of %s starts %gs late", req_id, delay)
+        end = time.monotonic() + delay
+        while time.monotonic() < end and not flag["cancelled"]:
+            time.sleep(_DELAY_STEP)
+
+    # ------------------------------------------------------------------ counters
+
+    def _count(self, transfer: str, num_blocks: int, seconds: float) -> None:
+        with self._counter_lock:
+            self._bytes[_TRANSFER[transfer]] += num_blocks * self.copier.block_bytes
+            self._seconds[_TRANSFER[transfer]] += seconds
+
+    def take_counters(self) -> KVOffloadCounters:
+        """The traffic since the last call (rank 0 reports it with each step's result)."""
+        with self._counter_lock:
+            counters = KVOffloadCounters(self._bytes, self._seconds)
+            self._bytes = [0] * len(KV_OFFLOAD_TRANSFERS)
+            self._seconds = [0.0] * len(KV_OFFLOAD_TRANSFERS)
+        if self.disk is not None:
+            disk = self.disk
+            counters.stores_skipped, self._reported_skipped = (disk.stores_skipped - self._reported_skipped,
+                                                               disk.stores_skipped)
+            counters.corrupt_files, self._reported_corrupt = (disk.corrupt_files - self._reported_corrupt,
+                                                              disk.corrupt_files)
+            counters.disk_bytes_used = disk.used_bytes
+        return counters
