@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.fused_moe import fused_moe_ref, fused_moe_triton
+from kernels.gelu_and_mul import gelu_tanh_and_mul_ref, gelu_tanh_and_mul_triton
 from kernels.paged_attention import paged_attention_triton
 from kernels.paged_attention_torch import paged_attention_cpu, paged_attention_cpu_batch_invariant
 from kernels.rms_norm import rms_norm_cpu, rms_norm_cpu_c, rms_norm_triton
@@ -44,9 +46,11 @@ class KernelOps:
     compute_cos_sin_cache: Callable  # the rotary embedding's table, built once per model
     rotary_embedding: Callable
     silu_and_mul: Callable
+    gelu_tanh_and_mul: Callable  # Gemma's gated activation
     write_kv: Callable
     rotary_write_kv: Callable  # rotary_embedding, then write_kv of k and v, in one call
     paged_attention: Callable
+    fused_moe: Callable  # a mixture-of-experts MLP's experts (kernels.fused_moe)
     # The products' kernels are chosen so that a row's result does not depend on the row
     # count either (services/worker/linear.py reads it when the model is built).
     batch_invariant: bool = False
@@ -58,9 +62,11 @@ TORCH_OPS = KernelOps(
     compute_cos_sin_cache=compute_cos_sin_cache,
     rotary_embedding=rotary_embedding_cpu,
     silu_and_mul=silu_and_mul_cpu,
+    gelu_tanh_and_mul=gelu_tanh_and_mul_ref,
     write_kv=write_kv_cpu,
     rotary_write_kv=rotary_write_kv_cpu,
     paged_attention=paged_attention_cpu,
+    fused_moe=fused_moe_ref,
 )
 
 # The same, float32 included in the C kernels.
@@ -86,9 +92,11 @@ TRITON_OPS = KernelOps(
     compute_cos_sin_cache=compute_cos_sin_cache,
     rotary_embedding=rotary_embedding_triton,
     silu_and_mul=silu_and_mul_triton,
+    gelu_tanh_and_mul=gelu_tanh_and_mul_triton,
     write_kv=write_kv_triton,
     rotary_write_kv=rotary_write_kv_triton,
     paged_attention=paged_attention_triton,
+    fused_moe=fused_moe_triton,
 )
 
 

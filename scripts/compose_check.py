@@ -56,9 +56,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = "natsllm-check"
 COMPOSE_FILES = ("docker-compose.yml", "docker/compose.host.yml")
-# docker/compose.host.yml's ports: the load balancer, the gateways, nats-server and its monitor.
+# docker/compose.host.yml's ports: the load balancer, the gateways, the nats-server nodes,
+# their monitors and their routes.
 LB_PORT = 18000
-HOST_PORTS = (LB_PORT, 18001, 18002, 14222, 18222)
+HOST_PORTS = (LB_PORT, 18001, 18002, 14222, 14223, 14224, 18222, 18223, 18224, 16222, 16223, 16224)
 STREAMS = 16
 MAX_TOKENS = 24
 HEALTHY_TIMEOUT = 900  # seconds for a stack to become healthy (model loads, first kernel builds)

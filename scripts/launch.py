@@ -35,6 +35,9 @@ def main() -> int:
                         help="P/D: prefill engines (kv_producer), each with --tp worker ranks")
     parser.add_argument("--decode-engines", type=int, default=0,
                         help="P/D: decode engines (kv_consumer), each with --tp worker ranks")
+    parser.add_argument("--nats-cluster", type=int, default=1,
+                        help="nats-servers: 1, or a cluster of N (routes between them; every service gets all "
+                             "their URLs; a killed node is restarted and rejoins)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="data-parallel engines, each its own scheduler and --tp worker ranks; the tokenizers' "
                              "routers place each request on one (--router-mode); with P/D, per prefill and per "
@@ -64,6 +67,7 @@ def main() -> int:
                 args=service_args,
                 prefill_engines=args.prefill_engines,
                 decode_engines=args.decode_engines,
+                nats_cluster=args.nats_cluster,
                 data_parallel_size=args.data_parallel_size,
                 cpu_omp_threads_bind=args.cpu_omp_threads_bind,
                 crash_loop=crash_loop,

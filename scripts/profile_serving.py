@@ -41,7 +41,7 @@ PARTS = (
     ("attention, other", ("paged_attention",)),
     ("RMSNorm, rotary + KV write, SiLU (C kernels)", ("rms_norm", "rotary_write_kv", "silu_and_mul")),
     ("sampling", ("Sampler.__call__", "make_sampling_metadata")),
-    ("model glue (embedding, module calls, splits)", ("LlamaForCausalLM.forward",)),
+    ("model glue (embedding, module calls, splits)", ("CausalLM.forward",)),
     ("batch update, inputs, output (Python)", ("execute_model",)),
 )
 

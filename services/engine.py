@@ -79,6 +79,7 @@ class Engine:
         self.scheduler = Scheduler(
             scheduler_config, cache_config, self.worker.num_blocks, self.worker.max_model_len,
             max_loras=lora_config.max_loras if lora_config.enable_lora else 0, kv_offload=kv_offload,
+            sliding_windows=self.worker.kv_sliding_windows,
         )
         self.cache_config = cache_config
         self.model_config = self.worker.model_config

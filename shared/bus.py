@@ -2,7 +2,9 @@
 
 A service subclasses ``Service``, registers one async handler per subject in
 ``setup()`` (with a queue group where replicas share the work), and runs with
-``run_service``. The base connects to ``NATS_URL`` (with the role's credentials
+``run_service``. The base connects to ``NATS_URL`` (a server, or a cluster's nodes
+comma-separated: it reconnects to another node when its own dies, forever, and
+re-subscribes; with the role's credentials
 from the environment, see ``shared/bus_auth.py``), wraps every handler in one
 error boundary (an exception is logged with the subject and counted, never
 kills the subscription), answers health pings on ``llm.ping.<service>``, keeps its
@@ -22,11 +24,13 @@ import contextlib
 import logging
 import os
 import signal
+import time
 import uuid
 
 import nats
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 
 from shared import healthcheck
 from shared.bus_auth import connect_credentials
@@ -42,16 +46,38 @@ def default_nats_url() -> str:
     return os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
 
 
+def nats_servers(url: str) -> list[str]:
+    """The servers of a ``NATS_URL``: one URL, or a cluster's nodes comma-separated (the
+    client connects to one and moves to another when it goes)."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
 async def publish(nc: nats.NATS, channel: Channel, message, *parts) -> None:
     """Publish ``message`` on the channel's subject for ``parts``."""
     await nc.publish(channel.subject(*parts), channel.encode(message))
 
 
-async def request(nc: nats.NATS, channel: Channel, message, *parts, timeout: float):
+# A request that finds no responder is asked again for a moment: on a cluster, a responder
+# that is moving to another node (its own died) is not subscribed there yet.
+NO_RESPONDERS_WINDOW = 1.0  # seconds
+NO_RESPONDERS_PAUSE = 0.1  # seconds between the tries
+
+
+async def request(nc: nats.NATS, channel: Channel, message, *parts, timeout: float,
+                  no_responders_window: float = 0.0):
     """Ask on the channel's subject for ``parts``; the decoded answer (nats-py's errors
-    when none comes: no responders, timeout)."""
-    msg = await nc.request(channel.subject(*parts), channel.encode(message), timeout=timeout)
-    return channel.decode_reply(msg.data)
+    when none comes: no responders, timeout). No responder is asked again, every
+    ``NO_RESPONDERS_PAUSE``, for ``no_responders_window`` seconds."""
+    data = channel.encode(message)
+    give_up_at = time.monotonic() + no_responders_window
+    while True:
+        try:
+            msg = await nc.request(channel.subject(*parts), data, timeout=timeout)
+            return channel.decode_reply(msg.data)
+        except NoRespondersError:
+            if time.monotonic() + NO_RESPONDERS_PAUSE > give_up_at:
+                raise
+            await asyncio.sleep(NO_RESPONDERS_PAUSE)
 
 
 async def respond(msg: Msg, channel: Channel, reply) -> None:
@@ -119,8 +145,9 @@ class Service:
     async def publish(self, channel: Channel, message, *parts) -> None:
         await publish(self.nc, channel, message, *parts)
 
-    async def request(self, channel: Channel, message, *parts, timeout: float):
-        return await request(self.nc, channel, message, *parts, timeout=timeout)
+    async def request(self, channel: Channel, message, *parts, timeout: float, no_responders_window: float = 0.0):
+        return await request(self.nc, channel, message, *parts, timeout=timeout,
+                             no_responders_window=no_responders_window)
 
     def spawn(self, coro) -> asyncio.Task:
         """Run long work off the handler (one subscription runs one callback at a time)."""
@@ -150,7 +177,7 @@ class Service:
             logger.warning("%s %s: nats error: %r", self.name, self.instance_id, e)
 
         self.nc = await nats.connect(
-            self.nats_url,
+            nats_servers(self.nats_url),
             name=f"{self.name}-{self.instance_id}",
             error_cb=on_error,
             max_reconnect_attempts=-1,

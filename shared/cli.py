@@ -79,6 +79,7 @@ def config_from_args(config_cls, args: argparse.Namespace, **fields):
 
 def base_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
-    add_flag(parser, "--nats-url", "NATS_URL", "nats://127.0.0.1:4222", help="NATS server URL")
+    add_flag(parser, "--nats-url", "NATS_URL", "nats://127.0.0.1:4222",
+             help="NATS server URL, or a cluster's node URLs comma-separated")
     add_flag(parser, "--log-level", "LOG_LEVEL", "INFO", help="logging level")
     return parser

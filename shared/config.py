@@ -216,7 +216,7 @@ class ModelRunConfig:
     # CPU: services/worker/linear.py weight_packer.
     cpu_prepack: bool = setting(True, "CPU: float weight matrices laid out once for their products (oneDNN's "
                                       "prepacking, or the batch-invariant kernel's tiles); off: F.linear")
-    # vLLM's flag name; services/worker/models/llama.py, shared/gguf_quants.py. auto by
+    # vLLM's flag name; services/worker/layers/linear.py, shared/gguf_quants.py. auto by
     # default: on the benchmark CPU the quantized products (int8 activations from 4 rows on)
     # are ~1.8x bfloat16 oneDNN's at 1 row and 1.0-1.3x from 8 rows on, in 1/3 of the
     # memory (docs/BENCHMARKS.md, "int8 activations"); the exact-vs-HF tests run with none.

@@ -1,17 +1,20 @@
 """GGUF's quantized blocks as int8 / int4 tensors with float32 scales, without dequantizing.
 
-``--quantization auto`` keeps a GGUF file's Q8_0 tensors as int8 and its Q4_0, Q4_1 and
-Q4_K tensors as int4, in the one layout the worker's quantized products read
+``--quantization auto`` keeps a GGUF file's Q8_0 and Q5_0 tensors as int8 and its Q4_0,
+Q4_1 and Q4_K tensors as int4, in the one layout the worker's quantized products read
 (``kernels/quant_linear.py``): blocks of 32 along a row, ``w = scale * q`` (int8) or
 ``w = scale * q + offset`` with q in 0..15 (int4). Each type maps onto it exactly:
 
 - Q8_0:  scale = d                                   (q int8)
+- Q5_0:  scale = d                                   (q = its 5-bit value - 16, int8)
 - Q4_0:  scale = d,          offset = -8 d           (llama.cpp: d * (q - 8))
 - Q4_1:  scale = d,          offset = m              (its block minimum)
 - Q4_K:  scale = d * sc_j,   offset = -dmin * m_j    (per 32-value sub-block j of 256)
 
 d, m, dmin are float16 and sc_j, m_j 6-bit integers, so every scale and offset is exact in
 float32 and ``scale * q`` too: the values are the ones ``gguf.quants.dequantize`` returns.
+Other types (Q6_K, Q5_1, Q5_K, ...) are dequantized to float at load: Q6_K's two scales per
+32 values have no exact int8 form with one scale per block.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 
 BLOCK = 32
-INT8_TYPES = ("Q8_0",)
+INT8_TYPES = ("Q8_0", "Q5_0")
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
@@ -80,6 +83,8 @@ def quantized_from_gguf(data: np.ndarray, type_name: str, cols: int) -> Quantize
         return None
     if type_name == "Q4_K":
         return _from_q4_k(data, rows, cols)
+    if type_name == "Q5_0":
+        return _from_q5_0(data, rows, cols)
     block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[type_name]
     blocks = data.reshape(rows, cols // BLOCK, block_bytes)
     d = _f16(blocks, 0)[..., 0]
@@ -92,6 +97,19 @@ def quantized_from_gguf(data: np.ndarray, type_name: str, cols: int) -> Quantize
         packed, offsets = blocks[..., 4:], _f16(blocks, 2)[..., 0]
     packed = np.ascontiguousarray(packed).reshape(rows, cols // 2)
     return QuantizedTensor(4, torch.from_numpy(packed), torch.from_numpy(d), torch.from_numpy(offsets))
+
+
+def _from_q5_0(data: np.ndarray, rows: int, cols: int) -> QuantizedTensor:
+    # Per block of 32: d (float16), 4 bytes of high bits (bit j: value j's), 16 bytes of low
+    # nibbles (low nibble of byte j: value j, high nibble: value j + 16).
+    blocks = data.reshape(rows, cols // BLOCK, 22)
+    d = _f16(blocks, 0)[..., 0]
+    high = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32)  # [rows, blocks, 1]
+    high = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, blocks, 32]
+    low = blocks[..., 6:, None] >> np.array([0, 4], dtype=np.uint8)  # [rows, blocks, 16, 2]
+    low = (np.swapaxes(low, -1, -2) & 15).reshape(rows, cols // BLOCK, 32)
+    q = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8).reshape(rows, cols)
+    return QuantizedTensor(8, torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d)))
 
 
 def _from_q4_k(data: np.ndarray, rows: int, cols: int) -> QuantizedTensor | None:

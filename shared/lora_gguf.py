@@ -44,8 +44,9 @@ GGUF_MODULES = {
     "ffn_up": "up_proj",
     "ffn_down": "down_proj",
 }
-# Our architecture -> the general.architecture llama.cpp writes for it (Mistral as "llama").
-GGUF_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+# Our architecture -> the general.architecture llama.cpp writes for it (Mistral as "llama"),
+# for the families whose GGUF LoRA files we read (their projections as llama.cpp names them).
+GGUF_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 # The types convert_lora_to_gguf.py writes (--outtype f32, f16, bf16, q8_0).
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0")
 ALORA_KEY = "adapter.alora.invocation_tokens"
@@ -116,7 +117,9 @@ def _check_metadata(reader, path, model_config: ModelConfig) -> str:
     if ALORA_KEY in reader.fields:
         raise LoRAAdapterError("activated LoRA (aLoRA) adapters are not supported")
     architecture = gguf_value(reader, "general.architecture", None)
-    wanted = GGUF_ARCHITECTURE[model_config.architecture]
+    wanted = GGUF_ARCHITECTURE.get(model_config.architecture)
+    if wanted is None:
+        raise LoRAAdapterError(f"GGUF LoRA adapters for {model_config.architecture!r} models are not supported")
     if architecture != wanted:
         raise LoRAAdapterError(f"GGUF LoRA {str(path)!r} is for architecture {architecture!r}; "
                                f"the base model is {wanted!r}")

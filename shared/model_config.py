@@ -20,28 +20,31 @@ from typing import Any
 
 import numpy as np
 
+from shared.architectures import (
+    ARCHITECTURES,
+    FULL_ATTENTION,
+    GGUF_NAMES,
+    HF_CLASSES,
+    HF_MODEL_TYPES,
+    HIDDEN_ACTS,
+    SLIDING_ATTENTION,
+    architecture,
+)
 from shared.config_error import ConfigError
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("llama3", "linear")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
-# Hugging Face `architectures[0]` -> our architecture name.
-_HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-# GGUF `general.architecture` values we read. Mistral's dense models are written as "llama".
-GGUF_ARCHITECTURES = ("llama", "qwen2")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and hyper-parameters of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2)."""
+    """Shape and hyper-parameters of a decoder of one of ``shared.architectures``' families.
+
+    The fields past ``torch_dtype`` are what families beyond Llama add; their defaults are
+    Llama's (no such feature)."""
 
     architecture: str
     vocab_size: int
@@ -64,10 +67,29 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list, hash=False)
     # Dtype of the source weights ("bfloat16", ...); None for quantized GGUF files.
     torch_dtype: str | None = None
+    # The MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU).
+    hidden_act: str = "silu"
+    # RMSNorm of each query and key head before the rotary embedding (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # Sliding-window attention: each query sees the last ``sliding_window`` positions (itself
+    # included) in the layers ``layer_types`` marks "sliding_attention" (None: every layer
+    # full attention).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    # The rotary base of the sliding layers, where it differs from rope_theta (Gemma 3).
+    rope_local_theta: float | None = None
+    # Attention scale = query_pre_attn_scalar ** -0.5 (None: head_dim, as Llama).
+    query_pre_attn_scalar: float | None = None
+    # Mixture of experts (0: a dense MLP): experts, experts per token, each expert's
+    # intermediate size, and whether the chosen experts' weights are renormalised to sum to 1.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
-            raise ConfigError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
+            raise ConfigError(f"architecture must be one of {tuple(ARCHITECTURES)}, got {self.architecture!r}")
         for name in (
             "vocab_size",
             "hidden_size",
@@ -100,6 +122,27 @@ class ModelConfig:
                 raise ConfigError(f"eos_token_ids has {token_id!r}, outside the vocabulary ({self.vocab_size})")
         if self.torch_dtype is not None and self.torch_dtype not in _DTYPE_NAMES:
             raise ConfigError(f"torch_dtype must be one of {_DTYPE_NAMES} or None, got {self.torch_dtype!r}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        self._check_sliding_window()
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                              f"got {self.num_experts_per_tok}")
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ConfigError(f"moe_intermediate_size must be a positive int, got {self.moe_intermediate_size!r}")
+
+    def _check_sliding_window(self) -> None:
+        if self.layer_types is None:
+            if self.sliding_window is not None:
+                raise ConfigError("sliding_window is set but layer_types does not say which layers slide")
+            return
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown:
+            raise ConfigError(f"layer_types has unsupported entries {sorted(unknown)}")
+        if not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
+            raise ConfigError(f"sliding_window must be a positive int, got {self.sliding_window!r}")
 
     def _check_rope_scaling(self) -> None:
         scaling = self.rope_scaling
@@ -124,6 +167,16 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of layer ``layer``'s attention (None: full attention)."""
+        if self.layer_types is None or self.layer_types[layer] != SLIDING_ATTENTION:
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
 # --------------------------------------------------------------------------- reading sources
@@ -227,12 +280,13 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
 
 def _config_from_gguf(path: Path) -> ModelConfig:
     reader = open_gguf(path)
-    arch = gguf_value(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {GGUF_ARCHITECTURES})")
+    gguf_arch = gguf_value(reader, "general.architecture")
+    if gguf_arch not in GGUF_NAMES:
+        raise ConfigError(f"{path}: GGUF architecture {gguf_arch!r} is not supported (supported: {sorted(GGUF_NAMES)})")
+    arch = ARCHITECTURES[GGUF_NAMES[gguf_arch]]
 
     def meta(key: str, default: Any = _MISSING) -> Any:
-        return gguf_value(reader, f"{arch}.{key}", default)
+        return gguf_value(reader, f"{gguf_arch}.{key}", default)
 
     tensors = {t.name: t for t in reader.tensors}
     hidden = int(meta("embedding_length"))
@@ -240,7 +294,8 @@ def _config_from_gguf(path: Path) -> ModelConfig:
     head_dim = int(meta("attention.key_length", hidden // heads))
     rope_dims = int(meta("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
-        raise ValueError(f"{path}: partial rotary (rope.dimension_count {rope_dims} < head_dim {head_dim}) is not supported")
+        raise ConfigError(f"{path}: partial rotary (rope.dimension_count {rope_dims} < head_dim {head_dim}) "
+                          "is not supported")
     vocab = meta("vocab_size", None)
     if vocab is None:
         vocab = int(tensors["token_embd.weight"].shape[1])  # ggml order: [hidden, vocab]
@@ -251,13 +306,14 @@ def _config_from_gguf(path: Path) -> ModelConfig:
             eos_ids.append(int(token_id))
     bos = gguf_value(reader, "tokenizer.ggml.bos_token_id", None)
     rope_theta = float(meta("rope.freq_base", 10000.0))
-    rope_scaling = _gguf_rope_scaling(reader, arch, tensors, rope_theta, head_dim)
-    return ModelConfig(
-        architecture=arch,
+    rope_scaling = _gguf_rope_scaling(reader, gguf_arch, tensors, rope_theta, head_dim)
+    num_layers = int(meta("block_count"))
+    fields = dict(
+        architecture=arch.name,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
-        num_hidden_layers=int(meta("block_count")),
+        num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=int(meta("attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -271,6 +327,8 @@ def _config_from_gguf(path: Path) -> ModelConfig:
         eos_token_ids=eos_ids,
         torch_dtype=_gguf_dtype(gguf_value(reader, "general.file_type", None)),
     )
+    fields.update(arch.gguf_config(meta, num_layers))
+    return ModelConfig(**fields)
 
 
 def _gguf_dtype(file_type: int | None) -> str | None:
@@ -337,21 +395,22 @@ def _llama3_params_from_rope_freqs(factors: np.ndarray, rope_theta: float, head_
 
 def _config_from_hf(folder: Path) -> ModelConfig:
     cfg = read_json(folder / "config.json")
-    archs = cfg.get("architectures") or []
-    arch = _HF_ARCHITECTURES.get(archs[0]) if archs else cfg.get("model_type")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{folder}: model {archs or cfg.get('model_type')} is not supported ({list(_HF_ARCHITECTURES)})")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{folder}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-    if cfg.get("mlp_bias"):
-        raise ValueError(f"{folder}: mlp_bias is not supported")
-    sliding = cfg.get("sliding_window")
-    if sliding and (arch == "mistral" or cfg.get("use_sliding_window")):
-        logger.warning("%s: sliding_window=%s is ignored; attention is full-context", folder, sliding)
+    name = hf_architecture(cfg)
+    if name not in ARCHITECTURES:
+        raise ConfigError(f"{folder}: model {cfg.get('architectures') or cfg.get('model_type')} is not supported "
+                          f"(supported: {sorted(HF_CLASSES)})")
+    arch = architecture(name)
+    try:
+        extras = arch.hf_config(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{folder}: {e}") from None
 
     heads = cfg["num_attention_heads"]
-    # transformers v5 writes rope settings under "rope_parameters", v4 as rope_theta + rope_scaling.
+    # transformers v5 writes rope settings under "rope_parameters" (per layer type for
+    # Gemma 3), v4 as rope_theta + rope_scaling.
     rope_params = cfg.get("rope_parameters") or {}
+    if FULL_ATTENTION in rope_params:
+        rope_params = rope_params[FULL_ATTENTION] or {}
     rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or {k: v for k, v in rope_params.items() if k != "rope_theta"}
     scaling = dict(scaling)
@@ -366,8 +425,8 @@ def _config_from_hf(folder: Path) -> ModelConfig:
         for token_id in source if isinstance(source, list) else [source]:
             if token_id is not None and token_id not in eos_ids:
                 eos_ids.append(int(token_id))
-    return ModelConfig(
-        architecture=arch,
+    fields = dict(
+        architecture=name,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -380,13 +439,23 @@ def _config_from_hf(folder: Path) -> ModelConfig:
         rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=hf_ties_word_embeddings(cfg),
-        attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
     )
+    fields.update(extras)
+    return ModelConfig(**fields)
+
+
+def hf_architecture(cfg: dict) -> str | None:
+    """Our architecture name for a config.json: by its ``architectures``, else its
+    ``model_type``; None when we have none."""
+    archs = cfg.get("architectures") or []
+    return HF_CLASSES.get(archs[0]) if archs else HF_MODEL_TYPES.get(cfg.get("model_type"))
 
 
 def hf_ties_word_embeddings(cfg: dict) -> bool:
-    # LlamaConfig, MistralConfig and Qwen2Config all default to untied.
-    return bool(cfg.get("tie_word_embeddings", False))
+    """config.json's tie_word_embeddings, or its architecture's default when it does not say."""
+    name = hf_architecture(cfg)
+    default = ARCHITECTURES[name].tie_word_embeddings_default if name in ARCHITECTURES else False
+    return bool(cfg.get("tie_word_embeddings", default))

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from shared.gguf_quants import QuantizedTensor, quantized_from_gguf
+from shared.architectures import ARCHITECTURES
 from shared.model_config import (  # noqa: F401  (load_model_config, ModelConfig: re-exported)
     default_model_path,
     ModelConfig,
@@ -80,18 +81,6 @@ class WeightSource:
 
 # --------------------------------------------------------------------------- GGUF
 
-# llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -102,16 +91,18 @@ _GGUF_SKIP = {"rope_freqs.weight"}
 _BLK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor; None for tensors HF does not have."""
+def gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:
+    """The Hugging Face name of a llama.cpp tensor of a model of ``architecture``; None for
+    tensors HF does not have."""
     if name in _GGUF_SKIP:
         return None
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
+    layer_names = ARCHITECTURES[architecture].gguf_tensor_names()
     m = _BLK.match(name)
-    if m is None or m.group(2) not in _GGUF_LAYER_NAMES:
-        raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart (unsupported model?)")
-    return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m is None or m.group(2) not in layer_names:
+        raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart in a {architecture} model")
+    return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_rows(num_heads: int, rows: int) -> np.ndarray:
@@ -126,41 +117,56 @@ def unpermute_rows(num_heads: int, rows: int) -> np.ndarray:
 
 
 class GGUFWeights(WeightSource):
-    """A GGUF file's tensors, dequantized one at a time with ``gguf.quants.dequantize``."""
+    """A GGUF file's tensors, dequantized one at a time with ``gguf.quants.dequantize``.
+
+    Every tensor is given under its Hugging Face name and with HF's values: llama.cpp's
+    Q/K row permutation undone ("llama" files), and the 1 it adds to zero-centred norm
+    weights taken off again (Gemma). A mixture-of-experts file's 3-D stack of one projection
+    of every expert is given as HF's one tensor per expert."""
 
     def __init__(self, path: Path) -> None:
         import gguf.quants
 
         self._dequantize = gguf.quants.dequantize
         reader = open_gguf(path)
-        arch = gguf_value(reader, "general.architecture")
-        heads = int(gguf_value(reader, f"{arch}.attention.head_count"))
-        kv_heads = int(gguf_value(reader, f"{arch}.attention.head_count_kv", heads))
+        gguf_arch = gguf_value(reader, "general.architecture")
+        self.architecture = ARCHITECTURES[load_model_config(path).architecture]
+        heads = int(gguf_value(reader, f"{gguf_arch}.attention.head_count"))
+        kv_heads = int(gguf_value(reader, f"{gguf_arch}.attention.head_count_kv", heads))
         # llama.cpp permutes Q/K rows only for the "llama" arch (its rotary is interleaved);
-        # qwen2 uses NeoX-style rotary and is stored as in HF.
-        permute = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}
-        self._tensors: dict[str, tuple[object, int | None]] = {}
+        # the others use NeoX-style rotary and are stored as in HF.
+        permute = {"attn_q": heads, "attn_k": kv_heads} if self.architecture.gguf_permutes_qk else {}
+        # HF name -> (tensor, rows to unpermute by (heads), expert of a 3-D stack)
+        self._tensors: dict[str, tuple[object, int | None, int | None]] = {}
         for t in reader.tensors:
-            hf_name = gguf_to_hf_name(t.name)
+            hf_name = gguf_to_hf_name(t.name, self.architecture.name)
             if hf_name is None:
                 continue
             m = _BLK.match(t.name)
-            self._tensors[hf_name] = (t, permute.get(m.group(2)) if m else None)
+            if "{e}" in hf_name:  # a stack of experts: one HF tensor per expert
+                for e in range(int(t.shape[-1])):
+                    self._tensors[hf_name.format(e=e)] = (t, None, e)
+                continue
+            self._tensors[hf_name] = (t, permute.get(m.group(2)) if m else None, None)
 
     def names(self) -> list[str]:
         return list(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        t, _ = self._tensors[name]
-        return tuple(int(n) for n in reversed(t.shape))  # ggml lists dims innermost first
+        t, _, expert = self._tensors[name]
+        shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists dims innermost first
+        return shape if expert is None else shape[1:]
 
     def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.load_slice(name, 0, 0, self.shape(name)[0], dtype)
 
+    def _offset_norm(self, name: str) -> bool:
+        return self.architecture.gguf_norms_offset and name.endswith("norm.weight")
+
     def load_quantized(self, name: str) -> QuantizedTensor | None:
-        t, heads = self._tensors[name]
+        t, heads, expert = self._tensors[name]
         shape = self.shape(name)
-        if len(shape) != 2:
+        if len(shape) != 2 or expert is not None:  # experts are kept float
             return None
         data = t.data if heads is None else t.data[unpermute_rows(heads, shape[0])]
         return quantized_from_gguf(np.asarray(data), t.tensor_type.name, shape[1])
@@ -168,22 +174,25 @@ class GGUFWeights(WeightSource):
     def load_slice(
         self, name: str, dim: int, start: int, stop: int, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
-        t, heads = self._tensors[name]
+        t, heads, expert = self._tensors[name]
         shape = self.shape(name)
+        tensor_data = t.data if expert is None else t.data[expert]
         # Quantized blocks run along a row, so rows can be picked before dequantizing.
         if heads is not None:
             rows = unpermute_rows(heads, shape[0])
-            data = t.data[rows[start:stop] if dim == 0 else rows]
+            data = tensor_data[rows[start:stop] if dim == 0 else rows]
         elif dim == 0:
-            data = t.data[start:stop]
+            data = tensor_data[start:stop]
         else:
-            data = t.data
+            data = tensor_data
         values = self._dequantize(data, t.tensor_type)
         # F32 tensors come back as a view of the read-only memory map: copy them.
         values = np.require(values, dtype=np.float32, requirements=["C", "O", "W"])
         out = torch.from_numpy(values).reshape(data.shape[0], *shape[1:])
         if dim != 0:
             out = out.narrow(dim, start, stop - start).contiguous()
+        if self._offset_norm(name):
+            out -= 1
         return out.to(dtype)
 
 

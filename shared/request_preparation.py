@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from shared.protocol import EngineRequest, SamplingParams, TokenizeRequest
+from shared.protocol import EngineRequest, ResumedSample, SamplingParams, TokenizeRequest
 from shared.request_validation import (
     InvalidRequest,
     chat_messages,
@@ -68,19 +68,32 @@ class RequestPreparer:
         params = self.stop_at_every_eos(resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len,
                                                            prompt_param))
         arrival_time = time.time()
+        resumed = self.resumed_samples(request)
         return [
             EngineRequest(
                 request_id=request_id,
                 prompt_token_ids=prompt_token_ids,
-                sampling_params=params.for_choice(i),
+                sampling_params=params.for_choice(sample.choice),
                 arrival_time=arrival_time,
                 eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
                 gateway_id=request.gateway_id,
                 cache_salt=request.cache_salt,
                 lora_request=request.lora_request,
+                output_token_ids=sample.output_token_ids,
             )
-            for i, request_id in enumerate(request.request_ids)
+            for request_id, sample in zip(request.request_ids, resumed)
         ]
+
+    def resumed_samples(self, request: TokenizeRequest) -> list[ResumedSample]:
+        """Each request id's sample: sample i with no output yet, or the resumed one."""
+        if not request.resumed:
+            return [ResumedSample(i, []) for i in range(len(request.request_ids))]
+        if len(request.resumed) != len(request.request_ids):
+            raise InvalidRequest(f"{len(request.resumed)} resumed samples for {len(request.request_ids)} request ids")
+        for sample in request.resumed:
+            if sample.choice < 0 or not all(0 <= t < self.vocab_size for t in sample.output_token_ids):
+                raise InvalidRequest("a resumed sample has a negative choice or token ids outside the vocabulary")
+        return request.resumed
 
     def stop_at_every_eos(self, params: SamplingParams) -> SamplingParams:
         """``params`` with the EOS ids after the first added to its stop token ids."""

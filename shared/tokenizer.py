@@ -2,7 +2,8 @@
 
 For a GGUF file the ``tokenizers.Tokenizer`` is rebuilt from the metadata llama.cpp
 stores (byte-level BPE vocabulary, merges, token types, special ids), with the
-pre-tokenizer that the file's ``tokenizer.ggml.pre`` names. For a folder it is read
+pre-tokenizer that the file's ``tokenizer.ggml.pre`` names; a Gemma file's sentencepiece
+vocabulary becomes the BPE transformers builds from it (``_gemma_sentencepiece``). For a folder it is read
 from tokenizer.json and tokenizer_config.json. Chat templates are rendered with
 Jinja2 the way transformers does (sandboxed, trim_blocks, lstrip_blocks).
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from shared.chat_template import compile_template
 from shared.model_config import gguf_value, open_gguf, read_json, resolve_model_path
@@ -263,35 +264,25 @@ def byte_alphabet() -> dict[int, str]:
     return chars
 
 
+# general.architecture values whose sentencepiece ("llama") vocabulary is Gemma's.
+_GEMMA_SENTENCEPIECE = ("gemma", "gemma2", "gemma3")
+
+
 def _tokenizer_from_gguf(path: Path) -> Tokenizer:
     reader = open_gguf(path)
     model = gguf_value(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(
-            f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2'); "
-            "use the model's Hugging Face folder instead"
-        )
-    pre = gguf_value(reader, "tokenizer.ggml.pre", "default")
-    if pre not in _GGUF_PRE_TOKENIZERS:
-        raise ValueError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported ({sorted(_GGUF_PRE_TOKENIZERS)})")
-    make_pre, ignore_merges = _GGUF_PRE_TOKENIZERS[pre]
-
+    architecture = gguf_value(reader, "general.architecture")
     tokens: list[str] = gguf_value(reader, "tokenizer.ggml.tokens")
     types: list[int] = gguf_value(reader, "tokenizer.ggml.token_type", None) or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges")]
-    alphabet = byte_alphabet()
-    alphabet_chars = set(alphabet.values())
-
-    def spelled(token: str) -> str:
-        # Tokens outside the byte alphabet (a few files store raw text) are respelled, as transformers does.
-        if set(token) <= alphabet_chars:
-            return token
-        return "".join(alphabet[b] for b in token.encode("utf-8"))
-
-    vocab = {spelled(t): i for i, t in enumerate(tokens)}
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
-    backend.pre_tokenizer = make_pre()
-    backend.decoder = decoders.ByteLevel()
+    if model == "llama" and architecture in _GEMMA_SENTENCEPIECE:
+        backend, vocab = _gemma_sentencepiece(tokens)
+    elif model == "gpt2":
+        backend, vocab = _byte_level_bpe(path, reader, tokens)
+    else:
+        raise ValueError(
+            f"{path}: GGUF tokenizer model {model!r} of a {architecture!r} model is not supported (byte-level "
+            f"BPE, 'gpt2', or Gemma's sentencepiece vocabulary); use the model's Hugging Face folder instead"
+        )
 
     # Control and user-defined tokens are matched whole in the text, as llama.cpp does; only
     # control tokens are special (skipped by decode(skip_special_tokens=True)).
@@ -323,6 +314,56 @@ def _tokenizer_from_gguf(path: Path) -> Tokenizer:
         pad_token=token_of("padding_token_id"),
         chat_template=gguf_value(reader, "tokenizer.chat_template", None),
     )
+
+
+def _byte_level_bpe(path: Path, reader, tokens: list[str]) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
+    """A byte-level BPE vocabulary (``tokenizer.ggml.model`` "gpt2") with its merges and the
+    pre-tokenizer ``tokenizer.ggml.pre`` names."""
+    pre = gguf_value(reader, "tokenizer.ggml.pre", "default")
+    if pre not in _GGUF_PRE_TOKENIZERS:
+        raise ValueError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported ({sorted(_GGUF_PRE_TOKENIZERS)})")
+    make_pre, ignore_merges = _GGUF_PRE_TOKENIZERS[pre]
+    merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges")]
+    alphabet = byte_alphabet()
+    alphabet_chars = set(alphabet.values())
+
+    def spelled(token: str) -> str:
+        # Tokens outside the byte alphabet (a few files store raw text) are respelled, as transformers does.
+        if set(token) <= alphabet_chars:
+            return token
+        return "".join(alphabet[b] for b in token.encode("utf-8"))
+
+    vocab = {spelled(t): i for i, t in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = make_pre()
+    backend.decoder = decoders.ByteLevel()
+    return backend, vocab
+
+
+def _gemma_sentencepiece(tokens: list[str]) -> tuple[tokenizers.Tokenizer, dict[str, int]]:
+    """Gemma's sentencepiece vocabulary as the BPE transformers builds from the same file
+    (its ``GemmaTokenizer``: spaces normalised to "▁", byte fallback, no prefix space).
+
+    The file has no merges: they are recovered from the vocabulary, every split of a token
+    into two tokens, ranked by the token's position in the file (Gemma's scores do not
+    follow its merge order; its order does). A token of two or more spaces is stored as
+    real spaces and is looked up as as many "▁"."""
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    rank = {t: -i for i, t in enumerate(tokens)}
+    merges = []
+    for token, token_rank in rank.items():
+        splits = [(token[:k], token[k:], token_rank) for k in range(1, len(token))
+                  if token[:k] in vocab and token[k:] in vocab]
+        splits.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges += splits
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges], fuse_unk=True,
+                                              unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend, vocab
 
 
 def _template_processor(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None):

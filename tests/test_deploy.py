@@ -43,6 +43,11 @@ def gateway_services() -> dict[str, dict]:
     return {n: s for n, s in python_services().items() if s["command"][2] == "services.gateway"}
 
 
+def nats_nodes() -> dict[str, dict]:
+    """The bus's nodes: services running nats-server."""
+    return {n: s for n, s in compose()["services"].items() if s.get("command", [None])[0] == "nats-server"}
+
+
 def test_every_service_command_names_a_real_module():
     services = compose()["services"]
     modules = []
@@ -84,11 +89,40 @@ def test_scaled_services_have_no_fixed_names_or_host_ports():
     assert published == {"loadbalancer"}
 
 
-def test_services_reach_nats_by_url_and_nats_allows_big_prompts():
-    services = compose()["services"]
-    for name, service in services.items():
+def test_the_bus_is_a_three_node_cluster_every_service_reaches_by_every_url():
+    from services.launch.compose_nats_conf import (
+        CLUSTER_HOST_VARIABLE,
+        CLUSTER_PORT,
+        CLUSTER_PORT_VARIABLE,
+        COMPOSE_NATS_NODES,
+        ROUTE_PASSWORD_VARIABLE,
+        route_variable,
+    )
+
+    nodes = nats_nodes()
+    assert sorted(nodes) == [f"nats-{i}" for i in range(1, COMPOSE_NATS_NODES + 1)]
+    urls = ",".join(f"nats://{name}:4222" for name in nodes)
+    for name, service in compose()["services"].items():
         if service.get("command", [None])[0] == "python":
-            assert service["environment"]["NATS_URL"] == "nats://nats:4222", name
+            assert service["environment"]["NATS_URL"] == urls, name
+    conf = (ROOT / "docker" / "nats.conf").read_text()
+    # Every node routes to every node (a route to itself is dropped), authenticated.
+    assert re.search(r"routes = \[" + ", ".join(fr"\${route_variable(i)}" for i in range(1, len(nodes) + 1)), conf)
+    assert f'authorization {{ user: "route", password: ${ROUTE_PASSWORD_VARIABLE} }}' in conf
+    for i, (name, node) in enumerate(nodes.items(), start=1):
+        assert node["command"][node["command"].index("--name") + 1] == name
+        env = node["environment"]
+        for j, other in enumerate(nodes, start=1):
+            route = env[route_variable(j)]
+            assert route == f"nats-route://route:${{{ROUTE_PASSWORD_VARIABLE}:?run scripts/bus-secrets first}}" \
+                            f"@{other}:{CLUSTER_PORT}", name
+        assert env[CLUSTER_PORT_VARIABLE] == str(CLUSTER_PORT) and env[CLUSTER_HOST_VARIABLE] == "0.0.0.0"
+        # --cluster would drop the routes' authorization: the listener comes from the environment.
+        assert "--cluster" not in node["command"] and "--routes" not in node["command"]
+
+
+def test_nats_allows_big_prompts_and_nginx_balances_the_gateways():
+    services = compose()["services"]
     conf = (ROOT / "docker" / "nats.conf").read_text()
     assert re.search(r"max_payload:\s*8MB", conf)
     nginx = (ROOT / "docker" / "nginx" / "nginx.conf").read_text()
@@ -158,8 +192,11 @@ def test_each_service_connects_as_its_own_user_and_nats_knows_every_user():
         assert env["NATS_USER"] == user, name
         assert env["NATS_PASSWORD"] == f"${{{password_variable(user)}:?run scripts/bus-secrets first}}", name
     assert set(gateway_services()) == {gateway_user(g) for g in COMPOSE_GATEWAY_IDS}
-    nats_env = compose()["services"]["nats"]["environment"]
-    assert {password_variable(u) for u in users(COMPOSE_GATEWAY_IDS)} == set(nats_env)
+    from services.launch.compose_nats_conf import ROUTE_PASSWORD_VARIABLE
+
+    for node in nats_nodes().values():
+        passwords = {key for key in node["environment"] if key.startswith("NATS_PASSWORD_")}
+        assert {password_variable(u) for u in users(COMPOSE_GATEWAY_IDS)} | {ROUTE_PASSWORD_VARIABLE} == passwords
     # docker/nats.conf is generated (python -m services.launch.compose_nats_conf).
     assert (ROOT / "docker" / "nats.conf").read_text() == compose_nats_conf()
     # scripts/bus-secrets makes a password for every variable nats.conf names.
@@ -179,10 +216,11 @@ def test_every_service_has_a_healthcheck_that_runs_and_starts_after_nats():
         else:
             assert test[1:] == ["python", "-m", "shared.healthcheck"], name
         assert importlib.util.find_spec("shared.healthcheck") is not None
-        assert service["depends_on"]["nats"]["condition"] == "service_healthy", name
-    nats = services["nats"]
-    assert "wget" in dockerfile_stages()[nats["build"]["target"]]  # for the check
-    assert f"http://127.0.0.1:{MONITOR_PORT}/healthz" in nats["healthcheck"]["test"]
+        assert {n: d["condition"] for n, d in service["depends_on"].items()} == dict.fromkeys(
+            nats_nodes(), "service_healthy"), name
+    for nats in nats_nodes().values():
+        assert "wget" in dockerfile_stages()[nats["build"]["target"]]  # for the check
+        assert f"http://127.0.0.1:{MONITOR_PORT}/healthz" in nats["healthcheck"]["test"]
     assert f"http: 127.0.0.1:{MONITOR_PORT}" in (ROOT / "docker" / "nats.conf").read_text()
 
 
@@ -244,13 +282,24 @@ def test_the_host_network_override_covers_every_service_on_loopback():
     assert set(host) == set(base), "a service of docker-compose.yml has no host-network entry"
     for name, service in host.items():
         assert service["network_mode"] == "host" and service["build"] == {"network": "host"}, name
-    command = host["nats"]["command"]
-    port = command[command.index("--port") + 1]
-    monitor = command[command.index("--http_port") + 1]
-    assert command[command.index("--addr") + 1] == "127.0.0.1"
-    assert f"http://127.0.0.1:{monitor}/healthz" in host["nats"]["healthcheck"]["test"]
+    from services.launch.compose_nats_conf import CLUSTER_HOST_VARIABLE, CLUSTER_PORT_VARIABLE, route_variable
+
+    ports, monitors, routes = [], [], []
+    for name in nats_nodes():
+        command, env = host[name]["command"], host[name]["environment"]
+        ports.append(command[command.index("--port") + 1])
+        monitors.append(command[command.index("--http_port") + 1])
+        assert command[command.index("--addr") + 1] == "127.0.0.1" and env[CLUSTER_HOST_VARIABLE] == "127.0.0.1"
+        assert f"http://127.0.0.1:{monitors[-1]}/healthz" in host[name]["healthcheck"]["test"]
+        routes.append(env[CLUSTER_PORT_VARIABLE])
+        assert "--cluster" not in command
+    assert len(set(ports + monitors + routes)) == 3 * len(ports)
+    for name in nats_nodes():
+        env = host[name]["environment"]
+        assert [env[route_variable(i)].rsplit(":", 1)[1] for i in range(1, len(routes) + 1)] == routes
+        assert all("@127.0.0.1:" in env[route_variable(i)] for i in range(1, len(routes) + 1))
     for name in python_services():
-        assert host[name]["environment"]["NATS_URL"] == f"nats://127.0.0.1:{port}", name
+        assert host[name]["environment"]["NATS_URL"] == ",".join(f"nats://127.0.0.1:{p}" for p in ports), name
     gateways = []
     for name in gateway_services():
         env = host[name]["environment"]
@@ -267,4 +316,4 @@ def test_the_host_network_override_covers_every_service_on_loopback():
     host_ports = re.search(r"^HOST_PORTS = \((.*)\)", check, re.M).group(1)
     assert listen == f"127.0.0.1:{lb_port}"
     assert {int(p) for p in re.findall(r"\d+", host_ports)} | {lb_port} == \
-        {lb_port, *(int(g.split(":")[1]) for g in gateways), int(port), int(monitor)}
+        {lb_port, *(int(g.split(":")[1]) for g in gateways), *map(int, ports + monitors + routes)}

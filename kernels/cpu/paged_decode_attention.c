@@ -1,6 +1,7 @@
 /* Decode attention over a paged KV cache, for the CPU (see kernels/paged_attention_torch.py).
  *
- * One query token per request. Request i attends to its first seq_lens[i] cached tokens,
+ * One query token per request. Request i attends to its first seq_lens[i] cached tokens
+ * (with window > 0, to its last `window` of them only: the blocks before are never read),
  * read in place through block_tables[i] from caches laid out
  * [num_blocks, block_size, num_kv_heads, head_dim]: no gathered copy of K/V. Work is split
  * over requests; each K/V row read serves all the request's query heads. Arithmetic is in
@@ -33,6 +34,7 @@ typedef struct {
     int64_t block_table_stride;
     const int32_t *seq_lens;
     int num_kv_heads, group, block_size;
+    int window; /* > 0: each query sees only its last `window` positions */
     float scale;
     void *out;
     int64_t out_row_stride; /* elements */
@@ -272,6 +274,8 @@ ALWAYS_INLINE void weighted_values(const void *v_rows, int64_t token_stride, int
 ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const int q_bf16, const int bf16) {
     const int group = a->group, kvh = a->num_kv_heads, nh = kvh * group;
     const int len = a->seq_lens[i], bs = a->block_size;
+    /* The first position the query sees: scores, softmax and values run over [lo, len). */
+    const int lo = a->window > 0 && len > a->window ? len - a->window : 0;
     const int32_t *blocks = a->block_tables + (int64_t)i * a->block_table_stride;
     const int64_t token_stride = (int64_t)kvh * hd, block_elements = (int64_t)bs * token_stride;
     const int elem = bf16 ? 2 : 4;
@@ -300,7 +304,7 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
         const int block_lines = (int)((block_elements * elem + 63) / 64);
         const int score_lines = 2 * block_lines / (((bs + run - 1) / run) * kvh) + 1;
         /* Runs of up to `run` tokens, never across a block's end. */
-        for (int start = 0; start < len;) {
+        for (int start = lo; start < len;) {
             const int in_block = start % bs;
             int count = bs - in_block < run ? bs - in_block : run;
             if (count > len - start) count = len - start;
@@ -335,10 +339,10 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
         /* The query in float32, scaled once, for the generic dot products. */
         load_row(a->query, (int64_t)i * a->query_row_stride, q, nh * hd, q_bf16);
         for (int d = 0; d < nh * hd; d++) q[d] *= a->scale;
-        for (int start = 0; start < len; start += bs) {
-            const int64_t first = (int64_t)blocks[start / bs] * bs;
-            const int count = len - start < bs ? len - start : bs;
-            if (start + bs < len) prefetch_block(a->key_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
+        for (int start = lo, count; start < len; start += count) {
+            const int64_t first = (int64_t)blocks[start / bs] * bs + start % bs;
+            count = bs - start % bs < len - start ? bs - start % bs : len - start;
+            if (start + count < len) prefetch_block(a->key_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
             for (int j = 0; j < count; j++) {
                 load_row(a->key_cache, (first + j) * token_stride, row, kvh * hd, bf16);
                 for (int h = 0; h < nh; h++) {
@@ -356,23 +360,23 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     for (int h = 0; h < nh; h++) {
         float *sh = scores + (int64_t)h * len, m = -INFINITY, total = 0.0f;
 #pragma omp simd reduction(max : m)
-        for (int t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;
+        for (int t = lo; t < len; t++) m = sh[t] > m ? sh[t] : m;
 #pragma omp simd reduction(+ : total)
-        for (int t = 0; t < len; t++) {
+        for (int t = lo; t < len; t++) {
             sh[t] = fast_expf(sh[t] - m);
             total += sh[t];
         }
         inv_sum[h] = len > 0 ? 1.0f / total : 0.0f;
     }
     /* Weighted values. */
-    if (len > 0) prefetch_block(a->value_cache, (int64_t)blocks[0] * block_elements, block_elements, elem);
+    if (len > 0) prefetch_block(a->value_cache, (int64_t)blocks[lo / bs] * block_elements, block_elements, elem);
     if (hd == 64 && group <= 4) {
         const int value_lines = (int)((block_elements * elem + 63) / 64) / kvh + 1;
         /* Block by block, each KV head in turn while the block is in cache. */
-        for (int start = 0; start < len; start += bs) {
-            const int64_t first = (int64_t)blocks[start / bs] * bs;
-            const int count = len - start < bs ? len - start : bs;
-            if (start + bs < len) prefetch_queue(&pf, 0, a->value_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
+        for (int start = lo, count; start < len; start += count) {
+            const int64_t first = (int64_t)blocks[start / bs] * bs + start % bs;
+            count = bs - start % bs < len - start ? bs - start % bs : len - start;
+            if (start + count < len) prefetch_queue(&pf, 0, a->value_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
             for (int kv = 0; kv < kvh; kv++) {
                 prefetch_some(&pf, value_lines);
                 const void *v_rows = (const char *)a->value_cache + (first * token_stride + (int64_t)kv * hd) * elem;
@@ -387,10 +391,10 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
             }
         }
     } else {
-        for (int start = 0; start < len; start += bs) {
-            const int64_t first = (int64_t)blocks[start / bs] * bs;
-            const int count = len - start < bs ? len - start : bs;
-            if (start + bs < len) prefetch_block(a->value_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
+        for (int start = lo, count; start < len; start += count) {
+            const int64_t first = (int64_t)blocks[start / bs] * bs + start % bs;
+            count = bs - start % bs < len - start ? bs - start % bs : len - start;
+            if (start + count < len) prefetch_block(a->value_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
             for (int j = 0; j < count; j++) {
                 load_row(a->value_cache, (first + j) * token_stride, row, kvh * hd, bf16);
                 for (int h = 0; h < nh; h++) {
@@ -430,12 +434,12 @@ enum pairing { F32, BF16, F32_BF16KV };
 static int decode_attention(const void *query, int64_t query_row_stride, const void *key_cache,
                             const void *value_cache, const int32_t *block_tables,
                             int64_t block_table_stride, const int32_t *seq_lens, int num_requests,
-                            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                            int num_heads, int num_kv_heads, int head_dim, int block_size, int window, float scale,
                             void *out, int64_t out_row_stride, int num_threads, enum pairing pairing) {
     if (num_heads > MAX_HEADS || num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0 || head_dim <= 0)
         return 1;
     const Args a = {query, query_row_stride, key_cache, value_cache, block_tables, block_table_stride,
-                    seq_lens, num_kv_heads, num_heads / num_kv_heads, block_size, scale, out, out_row_stride};
+                    seq_lens, num_kv_heads, num_heads / num_kv_heads, block_size, window, scale, out, out_row_stride};
     int max_len = 1;
     for (int i = 0; i < num_requests; i++)
         if (seq_lens[i] > max_len) max_len = seq_lens[i];
@@ -471,11 +475,11 @@ static int decode_attention(const void *query, int64_t query_row_stride, const v
 #define DECODE_ATTENTION_ENTRY(NAME, Q, KV, PAIRING)                                                            \
     int NAME(const Q *query, int64_t query_row_stride, const KV *key_cache, const KV *value_cache,             \
              const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens, int num_requests, \
-             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, Q *out,                 \
+             int num_heads, int num_kv_heads, int head_dim, int block_size, int window, float scale, Q *out,     \
              int64_t out_row_stride, int num_threads) {                                                          \
         return decode_attention(query, query_row_stride, key_cache, value_cache, block_tables,                  \
                                 block_table_stride, seq_lens, num_requests, num_heads, num_kv_heads, head_dim,  \
-                                block_size, scale, out, out_row_stride, num_threads, PAIRING);                  \
+                                block_size, window, scale, out, out_row_stride, num_threads, PAIRING);          \
     }
 
 DECODE_ATTENTION_ENTRY(decode_attention_f32, float, float, F32)

@@ -114,9 +114,11 @@ class DetokenizerService(Service):
         deadline = time.monotonic() + self.stop_strings_timeout
         while unknown:  # a scheduler answers as many as fit one message: ask for the rest
             self.num_stop_queries += 1
+            left = max(0.01, deadline - time.monotonic())
             try:
+                # No responder (its scheduler moving to another node of the cluster, say) is asked again.
                 answer = await self.request(STOP_STRINGS_QUERY_CHANNEL, StopStringsQuery(unknown), batch.engine_id,
-                                            timeout=max(0.01, deadline - time.monotonic()))
+                                            timeout=left, no_responders_window=left)
                 added = answer.added
             except (NatsError, asyncio.TimeoutError, msgspec.DecodeError) as e:
                 logger.warning("engine %s did not tell the stop strings of %s: %r", batch.engine_id, unknown, e)
@@ -186,6 +188,7 @@ class DetokenizerService(Service):
                     prompt_logprobs=result.prompt_logprobs,
                     engine_id=output.owner_engine_id,
                     incarnation=output.owner_incarnation,
+                    token_ids=output.new_token_ids,
                 )
             )
         return deltas, aborts

@@ -9,7 +9,8 @@ request id, then asks a tokenizer on ``llm.tokenize`` (request/reply), one reque
 prompt with its samples' ids. Deltas for ids it does not hold (finished, aborted) are
 dropped. Requests that end early are aborted on ``llm.abort.<gateway_id>``, lost
 outputs asked for again on ``llm.resend.<gateway_id>``. ``EngineStats`` from
-``llm.engine.stats`` feed /metrics.
+``llm.engine.stats`` feed /metrics and tell which engines restarted or went silent:
+their requests resume on another engine (``resume.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from nats.errors import Error as NatsError
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from shared.bus import Service, flush_in_order
+from shared.bus import NO_RESPONDERS_WINDOW, Service, flush_in_order
 from shared.bus_auth import gateway_id_from_credentials
 from shared.config import ConfigError
 from shared.protocol import (
@@ -38,6 +39,7 @@ from shared.protocol import (
     TOKENIZE,
     TOKENIZE_CHANNEL,
     AbortRequest,
+    EngineRequestReply,
     ResendOutputs,
     TokenizeReply,
     TokenizeRequest,
@@ -46,7 +48,8 @@ from shared.protocol import (
 from .config import GatewayConfig
 from .errors import ApiError, bus_unavailable, engine_lost, no_tokenizer, shutting_down, tokenizer_timeout
 from .lora_routes import LoRARegistry, join_lora_bus
-from .metrics import EngineStatsStore, GatewayMetrics, RouterStatsStore
+from .metrics import ENGINE_STATS_TTL, EngineStatsStore, GatewayMetrics, RouterStatsStore
+from .resume import Resumer
 from .streams import RequestStream
 
 logger = logging.getLogger(__name__)
@@ -76,6 +79,7 @@ class GatewayService(Service):
         self.num_dropped_deltas = 0
         self.num_resends = 0
         self.lora = LoRARegistry(config.lora, config.model) if config.lora.enable_lora else None
+        self.resumer = Resumer(self)
 
     @property
     def gateway_id(self) -> str:
@@ -119,7 +123,7 @@ class GatewayService(Service):
             return
         self.engine_stats.update(stats)
         if stats.incarnation:
-            self._fail_requests_of(stats.engine_id, "restarted", lambda s: s.incarnation != stats.incarnation)
+            self._engine_lost(stats.engine_id, "restarted", lambda s: s.incarnation != stats.incarnation)
 
     async def _on_router_stats(self, msg: Msg) -> None:
         self.router_stats.update(ROUTER_STATS_CHANNEL.decode(msg.data))
@@ -129,16 +133,22 @@ class GatewayService(Service):
 
     # ------------------------------------------------------------------ lost engines
 
-    def _fail_requests_of(self, engine_id: str, why: str, which) -> None:
-        """End (503) and abort every open request that ``engine_id`` holds and ``which`` picks."""
+    def _engine_lost(self, engine_id: str, why: str, which) -> None:
+        """Every open request that ``engine_id`` holds and ``which`` picks resumes on another
+        engine (``resume.py``); one that cannot ends with 503 ``engine_lost`` (and is aborted)."""
         lost = [s for s in self.streams.values()
                 if s.engine_id == engine_id and s.incarnation and not s.finished and which(s)]
         if not lost:
             return
-        logger.warning("engine %s %s: failing its %d open request(s)", engine_id, why, len(lost))
+        resumable = [s for s in lost if self.resumer.can_resume(s)]
+        logger.warning("engine %s %s: resuming %d of its %d open request(s) elsewhere", engine_id, why,
+                       len(resumable), len(lost))
         error = engine_lost(engine_id, why).info
         for stream in lost:
-            stream.fail(error)
+            if stream in resumable:
+                self.resumer.resume(stream, engine_id, why)
+            else:
+                stream.fail(error)
 
     async def _watch_engines(self) -> None:
         """A scheduler sends EngineStats every second: one silent for longer than
@@ -164,7 +174,7 @@ class GatewayService(Service):
                 def silent(s, last=last):
                     return now - max(last, s.accepted_at) > timeout
 
-                self._fail_requests_of(engine_id, f"sent no heartbeat for {timeout:g}s", silent)
+                self._engine_lost(engine_id, f"sent no heartbeat for {timeout:g}s", silent)
 
     # ------------------------------------------------------------------ outbound
 
@@ -183,7 +193,7 @@ class GatewayService(Service):
             self.streams[stream.request_id] = stream
         name = request.request_ids[0]
         try:
-            reply = await self._ask_tokenizer(request)
+            reply, request = await self._ask_tokenizer(streams, request)
         except NoRespondersError:
             logger.warning("%s: no tokenizer is subscribed to %s", name, TOKENIZE)
             raise no_tokenizer() from None
@@ -213,18 +223,29 @@ class GatewayService(Service):
                 stream.accepted_at = now
         return reply
 
-    async def _ask_tokenizer(self, request: TokenizeRequest) -> TokenizeReply:
-        """One retry after a timeout: the replica that took the request may have died (its
-        queue-group place is gone, so the retry reaches another). A retry of a request
-        that did reach a scheduler is harmless: the scheduler takes a known id as queued."""
+    async def _ask_tokenizer(self, streams: list[RequestStream],
+                             request: TokenizeRequest) -> tuple[TokenizeReply, TokenizeRequest]:
+        """The tokenizer's answer, and the request it answers. One retry after a timeout:
+        the replica that took the request may have died (its queue-group place is gone, so
+        the retry reaches another), or only its answer was lost and the samples are queued
+        somewhere: the retry goes under new request ids and the old ones are aborted, so no
+        sample runs twice (on two engines, two samples would interleave in one stream). No
+        responder is asked again for a moment (``shared.bus.NO_RESPONDERS_WINDOW``)."""
         for attempt in range(TOKENIZE_ATTEMPTS):
             try:
-                return await self.request(TOKENIZE_CHANNEL, request, timeout=self.config.tokenize_timeout)
+                reply = await self.request(TOKENIZE_CHANNEL, request, timeout=self.config.tokenize_timeout,
+                                           no_responders_window=NO_RESPONDERS_WINDOW)
+                return reply, request
             except (NatsTimeoutError, asyncio.TimeoutError):
                 if attempt + 1 == TOKENIZE_ATTEMPTS or self.closing:
                     raise
-                logger.warning("%s: no tokenizer answer within %.1fs; trying again", request.request_ids[0],
-                               self.config.tokenize_timeout)
+            logger.warning("%s: no tokenizer answer within %.1fs; trying again under new ids", request.request_ids[0],
+                           self.config.tokenize_timeout)
+            for stream in streams:
+                old_id = stream.request_id
+                stream.next_attempt()
+                self.rekey(stream, old_id)
+            request = msgspec.structs.replace(request, request_ids=[s.request_id for s in streams])
 
     async def _ask_resend(self, stream: RequestStream, why: str) -> None:
         log = logger.warning if why == "missing" else logger.debug
@@ -235,6 +256,24 @@ class GatewayService(Service):
             await self.publish(RESEND_CHANNEL, ResendOutputs(stream.request_id, stream.next_offset), self.gateway_id)
         except NatsError as e:
             logger.warning("%s: resend request not sent: %r", stream.request_id, e)
+
+    def waits_for_an_engine(self, stream: RequestStream, choice: EngineRequestReply) -> bool:
+        """A sample no engine could take (503: none ready, or none subscribed) while an
+        engine was ready lately (one is restarting, say): it is placed as a resumed request
+        with no tokens yet, tried again until ``engine_resume_timeout``. Whether it is."""
+        if choice.error.status != 503 or not self.engine_stats.ready_engines(ENGINE_STATS_TTL) \
+                or not self.resumer.can_resume(stream):
+            return False
+        self.resumer.resume(stream, choice.engine_id or "(any)", f"could not take it ({choice.error.message})")
+        return True
+
+    def rekey(self, stream: RequestStream, old_id: str) -> None:
+        """``stream`` moved from ``old_id`` to a new engine request id (a resume): outputs
+        under the old one are dropped from now on, and the old one is aborted."""
+        if self.streams.get(old_id) is stream:
+            del self.streams[old_id]
+        self.streams[stream.request_id] = stream
+        self.abort_soon([old_id])
 
     def release(self, stream: RequestStream) -> None:
         if self.streams.get(stream.request_id) is stream:

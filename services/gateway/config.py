@@ -44,7 +44,9 @@ class GatewayConfig:
     engine_ready_ttl: float = setting(
         3.0, "/health counts an engine as ready if its stats (sent every second) said so within this many seconds")
     engine_heartbeat_timeout: float = setting(
-        5.0, "seconds of engine silence after which its open requests fail with 503 (engine_lost)")
+        5.0, "seconds of engine silence after which its open requests resume on another engine")
+    engine_resume_timeout: float = setting(
+        60.0, "seconds a lost engine's request may look for an engine to go on (then 503, engine_lost)")
     stream_idle_timeout: float = setting(
         0.0, "a stream that got no token for this many seconds ends with 504 (0: only --request-timeout)")
     enable_prompt_tokens_details: bool = setting(
@@ -69,7 +71,7 @@ class GatewayConfig:
         if self.max_request_body_bytes < 1024:
             raise ConfigError(f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}")
         for name in ("request_timeout", "tokenize_timeout", "health_timeout", "shutdown_timeout",
-                     "engine_ready_ttl", "engine_heartbeat_timeout"):
+                     "engine_ready_ttl", "engine_heartbeat_timeout", "engine_resume_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 

@@ -74,8 +74,12 @@ class Generation:
         """Send every prompt with its samples; raises the first ``ApiError`` (by choice
         index) if any sample is refused."""
         groups = self.prompt_streams()
+        requests = [self.tokenize_request(p, streams) for p, streams in enumerate(groups)]
+        for request, streams in zip(requests, groups):
+            for i, stream in enumerate(streams):  # what a resume sends again (resume.py)
+                stream.prompt_request, stream.choice = request, i
         results = await asyncio.gather(
-            *(self.gateway.tokenize(streams, self.tokenize_request(p, streams)) for p, streams in enumerate(groups)),
+            *(self.gateway.tokenize(streams, request) for request, streams in zip(requests, groups)),
             return_exceptions=True,
         )
         errors = []
@@ -87,11 +91,12 @@ class Generation:
                 continue
             self.prompt_tokens[p] = result.num_prompt_tokens
             for stream, choice in zip(streams, result.choices):
-                if choice.error is None:
+                if choice.error is None or self.gateway.waits_for_an_engine(stream, choice):
                     self.gateway.metrics.prompt_tokens.inc(result.num_prompt_tokens)
                 else:
                     errors.append(ApiError.from_info(choice.error))
-                    self._refused.add(stream.request_id)
+                    if choice.error.status != 503:  # a 503 may be a lost answer: it is aborted to be sure
+                        self._refused.add(stream.request_id)
         for error in errors:
             if not isinstance(error, ApiError):
                 raise error

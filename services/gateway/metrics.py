@@ -287,6 +287,9 @@ class GatewayMetrics:
         self.e2e_request_latency = Histogram("natsllm:e2e_request_latency_seconds",
                                              "Histogram of e2e request latency in seconds.",
                                              labels, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.requests_resumed = Counter("natsllm:requests_resumed",
+                                        "Engine requests sent to an engine again after the one holding them "
+                                        "was lost (restarted or silent).", labels, registry=r).labels(model_name)
         r.register(_EngineCollector(engine_stats, model_name))
         r.register(_RouterCollector(router_stats or RouterStatsStore(), model_name))
         self.service_restarts: dict[str, int] = {}

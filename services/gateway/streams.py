@@ -10,6 +10,12 @@ behind a missing one for long (``gap_since``), or no delta at all for long
 (``last_delta_at``: the lost one may have been the last), mean a detokenizer may have
 died with it: the gateway then asks the engine to send those outputs again.
 
+The stream also keeps what its client received as token ids (``output_token_ids``) and
+the prompt it came from (``prompt_request``, sample ``choice``): enough to resume it on
+another engine when the one holding it is lost (``resume.py``). A resumed stream takes a
+new engine request id (``next_attempt``), so nothing the lost engine still sends under
+the old one is taken.
+
     offsets:   0    1    2    3    4    5
     arrived:  [0,2) .......... [3,5)+end
     written:  [0,2)                          next_offset = 2, [3,5) waits
@@ -21,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from shared.protocol import ErrorInfo, FinishReason, StreamDelta
+from shared.protocol import ErrorInfo, FinishReason, StreamDelta, TokenizeRequest
 
 
 class RequestStream:
@@ -30,7 +36,8 @@ class RequestStream:
     __slots__ = (
         "request_id", "index", "prompt_index", "next_offset", "finished", "engine_done", "finish_reason",
         "num_prompt_tokens", "num_cached_tokens", "engine_id", "incarnation", "accepted_at", "gap_since", "last_delta_at",
-        "_pending", "_sink",
+        "_pending", "_sink", "first_request_id", "attempt", "num_resumes", "output_token_ids", "prompt_request",
+        "choice",
     )
 
     def __init__(self, request_id: str, index: int, prompt_index: int, sink: asyncio.Queue) -> None:
@@ -52,6 +59,16 @@ class RequestStream:
         self.last_delta_at = 0.0  # when a delta for it last arrived (monotonic)
         self._pending: dict[int, list[StreamDelta]] = {}
         self._sink = sink
+        # Resuming on another engine: the id it was first sent under and the attempt
+        # (its id is "<first id>.r<attempt>" after the first), resumes so far, the token
+        # ids written (None once a delta came without them: it cannot be resumed), and
+        # its prompt's TokenizeRequest and which of its samples it is.
+        self.first_request_id = request_id
+        self.attempt = 0
+        self.num_resumes = 0
+        self.output_token_ids: list[int] | None = []
+        self.prompt_request: TokenizeRequest | None = None
+        self.choice = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -108,15 +125,29 @@ class RequestStream:
 
     def _emit(self, delta: StreamDelta) -> None:
         self.next_offset += delta.num_tokens
+        if self.output_token_ids is not None:
+            if len(delta.token_ids) == delta.num_tokens:
+                self.output_token_ids.extend(delta.token_ids)
+            else:
+                self.output_token_ids = None
         if delta.num_prompt_tokens:
             self.num_prompt_tokens = delta.num_prompt_tokens
-        if delta.num_cached_tokens:
+        if delta.num_cached_tokens and not self.num_cached_tokens:  # a resumed request's engine counts anew
             self.num_cached_tokens = delta.num_cached_tokens
         if delta.finish_reason != FinishReason.NONE:
             self.finished = self.engine_done = True
             self.finish_reason = FinishReason(delta.finish_reason)
             self._pending.clear()
         self._sink.put_nowait((self, delta))
+
+    def next_attempt(self) -> str:
+        """Move to a new engine request id for a resume: deltas waiting under the old one
+        are dropped (the new engine sends those tokens again). Returns the new id."""
+        self.attempt += 1
+        self.request_id = f"{self.first_request_id}.r{self.attempt}"
+        self._pending.clear()
+        self.gap_since = None
+        return self.request_id
 
     def fail(self, error: ErrorInfo) -> None:
         """End the stream with an error (engine error, timeout, gateway shutdown); unless

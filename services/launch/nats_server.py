@@ -69,6 +69,7 @@ class NatsServer:
                 f.write(authorization_config(self.passwords))
         argv = [find_nats_server(), "-c", config]
         self._supervisor = supervisor
+        self.names = [SUPERVISED_NAME] if supervisor is not None else []  # its supervised children
         if supervisor is not None:
             supervisor.start(SUPERVISED_NAME, argv, dict(os.environ), self._dir, log_file or os.devnull,
                              backoff_max=SUPERVISED_BACKOFF_MAX)
@@ -80,11 +81,19 @@ class NatsServer:
         self._wait_ready()
 
     @property
+    def servers(self) -> list[str]:
+        """Its URL as a list (as a cluster's, ``nats_cluster.py``)."""
+        return [self.url]
+
+    @property
     def process(self) -> subprocess.Popen:
         """The server's process now (a supervised server's latest one)."""
         if self._supervisor is not None:
             return self._supervisor.children[SUPERVISED_NAME].process
         return self._process
+
+    def up(self) -> bool:
+        return self.process.poll() is None
 
     def credentials(self, user: str) -> dict[str, str]:
         """``nats.connect`` keyword arguments for a client of ``user`` ({} without authentication)."""

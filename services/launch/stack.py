@@ -2,11 +2,11 @@
 
 ``scripts/serve`` runs it in the foreground; the end-to-end tests start the same
 stack. Every service is its own OS process (``python -m services.<name>``) in its
-own process group, started through a ``Supervisor``, nats-server too: from the start,
-a process that dies is started again (and the counts reach the gateways'
-/metrics); one that keeps dying spends its crash-loop budget and is named by
-``crash_loops()``, the launcher's cue to give up; stopping the stack, or killing the
-launcher, leaves nothing running. nats-server runs
+own process group, started through a ``Supervisor``, nats-server too (or a cluster of
+them, ``nats_cluster``, each node supervised like a service): from the start, a process
+that dies is started again (and the counts reach the gateways' /metrics); one that keeps
+dying spends its crash-loop budget and is named by ``crash_loops()``, the launcher's cue
+to give up; stopping the stack, or killing the launcher, leaves nothing running. nats-server runs
 with one user per service role and one for the gateway (fresh passwords per run), each
 service gets its user's credentials in its environment; the gateway's user name is its
 id (``GATEWAY_ID``). Extra flags go to the services that take them
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.launch.nats_server import SUPERVISED_NAME as NATS_SERVER
+from services.launch.nats_cluster import NatsCluster
 from services.launch.nats_server import NatsServer, free_port
 from services.launch.supervisor import CrashLoopBudget, Supervisor
 from shared.bus import flush_in_order, publish
@@ -73,6 +73,8 @@ class StackConfig:
     # tensor_parallel_size worker ranks) instead of one engine; both 0: one plain engine.
     prefill_engines: int = 0
     decode_engines: int = 0
+    # nats-servers: 1, or a cluster of this many (routes between them, nats_cluster.py).
+    nats_cluster: int = 1
     # Data-parallel engines (vLLM's --data-parallel-size): this many engines where there would
     # be one (with P/D: per prefill and per decode instance).
     data_parallel_size: int = 1
@@ -152,7 +154,9 @@ class Stack:
         if config.prefill_engines and role_flags:
             raise ConfigError(f"{', '.join(sorted(role_flags))}: with --prefill-engines / --decode-engines the "
                               f"launcher gives each engine its kv_role")
-        self.nats: NatsServer | None = None
+        if config.nats_cluster < 1:
+            raise ConfigError(f"--nats-cluster must be at least 1, got {config.nats_cluster}")
+        self.nats: NatsServer | NatsCluster | None = None
         self.supervisor = Supervisor(crash_loop=config.crash_loop)
         self._supervising: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -193,8 +197,12 @@ class Stack:
     def start(self) -> None:
         cfg = self.config
         log = os.path.join(cfg.log_dir, "nats.log") if cfg.log_dir else None
-        self.nats = NatsServer(port=cfg.nats_port, log_file=log, authenticated=cfg.authenticated_bus,
-                               gateway_ids=[GATEWAY_ID], supervisor=self.supervisor)
+        if cfg.nats_cluster > 1:
+            self.nats = NatsCluster(cfg.nats_cluster, self.supervisor, log_dir=cfg.log_dir,
+                                    authenticated=cfg.authenticated_bus, gateway_ids=[GATEWAY_ID])
+        else:
+            self.nats = NatsServer(port=cfg.nats_port, log_file=log, authenticated=cfg.authenticated_bus,
+                                   gateway_ids=[GATEWAY_ID], supervisor=self.supervisor)
         model = ["--model", cfg.model] if cfg.model else []
         extra = self.service_args
         cores = iter(self.worker_cores)
@@ -265,8 +273,6 @@ class Stack:
         with P/D, every engine's stats say ready."""
         import asyncio
 
-        import nats
-
         from shared.bus import request
         from shared.protocol import ENGINE_STATS_CHANNEL, PING_CHANNEL
 
@@ -274,8 +280,7 @@ class Stack:
 
         async def ask() -> bool:
             try:
-                nc = await nats.connect(self.nats.url, connect_timeout=1, allow_reconnect=False,
-                                        max_reconnect_attempts=0, **self.nats.credentials("admin"))
+                nc = await self._admin_connection()
             except Exception:
                 return False  # the bus is down (being restarted): not ready
             try:
@@ -300,9 +305,19 @@ class Stack:
 
         return asyncio.run(ask())
 
+    async def _admin_connection(self):
+        """A connection as the admin user that gives up at once when the bus is down (nats-py's
+        default first connect retries for minutes): each node is tried once."""
+        import nats
+
+        return await nats.connect(servers=self.nats.servers, connect_timeout=1, max_reconnect_attempts=0,
+                                  **self.nats.credentials("admin"))
+
     def dead_services(self) -> dict[str, int]:
-        """Services that exited and are not running again (yet)."""
-        return self.supervisor.dead()
+        """Services that exited and are not running again (yet). A node of a nats cluster is
+        not one: the others carry the bus while it is restarted."""
+        nodes = self.nats.names if isinstance(self.nats, NatsCluster) else ()
+        return {name: code for name, code in self.supervisor.dead().items() if name not in nodes}
 
     def crash_loops(self) -> dict[str, str]:
         """Processes given up on for dying too often, each with why (``Supervisor.crash_loops``)."""
@@ -329,20 +344,17 @@ class Stack:
     def _publish_restarts(self, counts: dict[str, int]) -> None:
         import asyncio
 
-        import nats
-
         # Bounded: this thread also restarts nats-server, so a dead bus must not hold it
         # (nats-py's default first connect retries for minutes).
         async def send() -> None:
-            nc = await nats.connect(self.nats.url, connect_timeout=1, allow_reconnect=False,
-                                    max_reconnect_attempts=0, **self.nats.credentials("admin"))
+            nc = await self._admin_connection()
             try:
                 await publish(nc, SERVICE_RESTARTS_CHANNEL, ServiceRestarts(counts))
                 await flush_in_order(nc)
             finally:
                 await nc.close()
 
-        if self.nats.process.poll() is not None:
+        if not self.nats.up():
             return  # down: the next round tries again
         try:
             asyncio.run(asyncio.wait_for(send(), PUBLISH_TIMEOUT))
@@ -355,7 +367,7 @@ class Stack:
         if self._supervising is not None:
             self._supervising.join()
         # Services first, so they drain into a live bus.
-        self.supervisor.stop(timeout, spare=frozenset({NATS_SERVER}))
+        self.supervisor.stop(timeout, spare=frozenset(self.nats.names if self.nats is not None else ()))
         if self.nats is not None:
             self.nats.stop()
 

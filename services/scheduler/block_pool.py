@@ -7,13 +7,21 @@ free block) are all O(1). Eviction takes from the head: freed blocks go to the t
 so the least recently freed block is reused first.
 
 A freed block keeps its hash (and stays findable in ``cached_blocks``) until it is
-handed out again, so a finished or preempted request's prefix can still be hit. The KV
-offloading tiers learn of each cached block handed out again (``eviction_listener``, called
-while the block is still registered): its content may go down before it is overwritten.
+handed out again, so a finished or preempted request's prefix can still be hit. Blocks are
+cached under (KV cache group, block hash): the same tokens have other KV in each group. The
+KV offloading tiers learn of each cached block handed out again (``eviction_listener``,
+called while the block is still registered): its content may go down before it is
+overwritten (the tiers serve models of one full-attention group only).
+
+With sliding-window groups (``kv_cache_manager.py``) block 0 is the null block: never
+handed out or freed, it stands in a block table for the blocks a window let go.
 
 With KV cache events on, the pool tells a ``KVEventRecorder`` (``kv_events.py``) each change
-of ``cached_blocks``' keys: hashes that join it (stored), hashes that leave it (removed), and
-a reset (cleared). A consumer that applies them in order holds the same set of hashes.
+of ``cached_blocks``' keys of group 0 (the first group: the full-attention layers where there
+are any): hashes that join it (stored), hashes that leave it (removed), and a reset
+(cleared). A consumer that applies them in order holds the same set of hashes. The other
+groups' blocks are cached under the same hashes and not announced (a router weighing
+prefixes needs one set).
 """
 
 from __future__ import annotations
@@ -26,12 +34,13 @@ if TYPE_CHECKING:
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
+        self.group_id = 0  # the KV cache group it is cached for (with block_hash)
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -93,15 +102,17 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Owns every block: hands out, reference-counts, frees and caches them."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, kv_events: KVEventRecorder | None = None) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_caching: bool = True, kv_events: KVEventRecorder | None = None,
+                 reserve_null_block: bool = False) -> None:
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(f"num_blocks must be >= {1 + reserve_null_block}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.kv_events = kv_events
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        self.null_block = self.blocks[0] if reserve_null_block else None
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[int(reserve_null_block):])
+        self.cached_blocks: dict[tuple[int, bytes], KVCacheBlock] = {}
         # Told of each cached block about to be reused (the offloading connector's write-back).
         self.eviction_listener: Callable[[KVCacheBlock], None] | None = None
 
@@ -109,12 +120,21 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold (the null block is none of them)."""
+        return self.num_blocks - (self.null_block is not None)
+
     def usage(self) -> float:
         """Fraction of blocks in use by running requests (0.0 - 1.0)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached_blocks.get(block_hash)
+    def announced_hashes(self) -> list[bytes]:
+        """The cached hashes KV events tell of: group 0's."""
+        return [block_hash for group_id, block_hash in self.cached_blocks if group_id == 0]
+
+    def get_cached_block(self, block_hash: bytes, group_id: int = 0) -> KVCacheBlock | None:
+        return self.cached_blocks.get((group_id, block_hash))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` from the LRU end, evicting their cached hashes."""
@@ -132,9 +152,10 @@ class BlockPool:
         if block.block_hash is not None:
             if self.eviction_listener is not None:
                 self.eviction_listener(block)
-            if self.cached_blocks.get(block.block_hash) is block:
-                del self.cached_blocks[block.block_hash]
-                if self.kv_events is not None:
+            key = (block.group_id, block.block_hash)
+            if self.cached_blocks.get(key) is block:
+                del self.cached_blocks[key]
+                if self.kv_events is not None and block.group_id == 0:
                     self.kv_events.removed(block.block_hash)
             block.block_hash = None
 
@@ -145,27 +166,27 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
-        """Register a block whose tokens are all known under its chained hash; whether it
-        was not registered before (a prefix-cache hit was)."""
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes, group_id: int = 0) -> bool:
+        """Register a block whose tokens are all known under its chained hash, for KV
+        cache group ``group_id``; whether it was not registered before (a prefix-cache hit was)."""
         if not self.enable_caching or block.block_hash is not None:
             return False
-        block.block_hash = block_hash
+        block.block_hash, block.group_id = block_hash, group_id
         # An identical block computed by another request keeps the entry; this one
         # is simply not findable (it still works for its own request).
-        self.cached_blocks.setdefault(block_hash, block)
+        self.cached_blocks.setdefault((group_id, block_hash), block)
         return True
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[bytes], parent_hash: bytes | None,
-                          token_ids: list[int], lora_name: str | None = None) -> None:
-        """Register a run of one request's full blocks: ``block_hashes`` chain on from
-        ``parent_hash``, ``token_ids`` are their tokens. The ones registered now (past the
-        prefix-cache hits the run starts with) are one stored event."""
+                          token_ids: list[int], lora_name: str | None = None, group_id: int = 0) -> None:
+        """Register a run of one request's full blocks of group ``group_id``: ``block_hashes``
+        chain on from ``parent_hash``, ``token_ids`` are their tokens. The ones registered now
+        (past the prefix-cache hits the run starts with) are one stored event (group 0's)."""
         first_new = None
         for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
-            if self.cache_full_block(block, block_hash) and first_new is None:
+            if self.cache_full_block(block, block_hash, group_id) and first_new is None:
                 first_new = i
-        if first_new is None or self.kv_events is None:
+        if first_new is None or self.kv_events is None or group_id != 0:
             return
         parent = block_hashes[first_new - 1] if first_new else parent_hash
         block_size = len(token_ids) // len(blocks)
@@ -187,7 +208,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible while no block is in use."""
-        if self.num_free_blocks != self.num_blocks:
+        if self.num_free_blocks != self.num_usable_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None

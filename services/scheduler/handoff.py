@@ -171,12 +171,10 @@ class HandoffReceiver:
 
         def make_request() -> Request:
             request = Request.from_engine_request(handoff.request, self.block_size)
-            for token_id in handoff.output_token_ids:
-                request.append_output_token(token_id)
+            request.append_output_tokens(handoff.output_token_ids)  # prompt logprobs went with the first
             request.kv_transfer_params = handoff.kv_transfer_params
             request.came_by_handoff = True
             request.num_cached_tokens = handoff.num_cached_tokens
-            request.prompt_logprobs_sent = True  # they went with the first token
             return request
 
         queued, error = self._intake.admit(handoff.request.request_id, handoff.request.gateway_id, make_request)

@@ -144,7 +144,7 @@ class KVEventsPublisher:
         if not request.snapshot:
             self.num_dumps += 1
             pool = self._pool()
-            hashes = list(pool.cached_blocks) if pool is not None else []
+            hashes = pool.announced_hashes() if pool is not None else []
             snapshot = uuid.uuid4().hex[:12]
             self._snapshots[snapshot] = (now, self.seq, hashes)
             while len(self._snapshots) > DUMP_SNAPSHOTS:

@@ -19,13 +19,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from nats.aio.msg import Msg
-
 from shared.protocol import (
     WORKER_HELLO_CHANNEL,
-    WORKER_READY_CHANNEL,
     WORKER_RETIRE_CHANNEL,
     RequestStopStrings,
+    WorkerReady,
     WorkerRetire,
 )
 
@@ -65,9 +63,10 @@ class WorkerRecovery:
         self.resumable: list[Request] = []
         self._resume_deadline = 0.0
         self._last_step_id = 0  # step ids keep rising across the schedulers of one process
+        self._previous: Scheduler | None = None  # the last scheduler dropped, until the next is made
 
-    async def on_worker_ready(self, msg: Msg) -> None:
-        ready = WORKER_READY_CHANNEL.decode(msg.data)
+    def on_worker_ready(self, ready: WorkerReady) -> None:
+        """A rank's announcement or heartbeat."""
         if not self.workers.fits(ready):
             logger.error(
                 "engine %s: worker rank %d reports world_size=%d block_size=%d, expected %d and %d",
@@ -91,8 +90,12 @@ class WorkerRecovery:
 
     def _new_scheduler(self) -> None:
         """A scheduler for the workers now in the group; its first step resets their state,
-        and it takes over the requests waiting to resume."""
+        and it takes over the requests waiting to resume and what the last one remembered
+        of its finished requests (for resends)."""
         self.scheduler = self._make_scheduler(self._last_step_id + 1)
+        if self._previous is not None:
+            self.scheduler.take_finished_outputs(self._previous)
+            self._previous = None
         resumable, self.resumable = self.resumable, []
         if resumable:
             refused = self.scheduler.resume_requests(resumable)
@@ -107,30 +110,55 @@ class WorkerRecovery:
         self._cancel_steps()
         if scheduler is None:
             return []
+        self._previous = scheduler
         self._last_step_id = max(self._last_step_id, scheduler.last_step_id)
         return list(scheduler.running) + list(scheduler.waiting)
 
-    def fail_engine(self, reason: str, resume: bool) -> None:
+    def fail_engine(self, reason: str, resume: bool, blame: bool = True) -> None:
         """The workers failed: wait for them to announce themselves again. With ``resume``
-        the unfinished requests wait too and resume on the new workers; else they fail."""
+        the unfinished requests wait too and resume on the new workers; else they fail.
+        ``blame``: the failure may be the requests' doing (it counts towards MAX_RESUMES);
+        not so for a message lost on the bus."""
         requests = self._drop_scheduler()
         retired = self.workers.retire()
         if retired:
             # Healthy ranks of a broken TP group must exit too, so the group restarts whole.
             self._spawn(self._publish(WORKER_RETIRE_CHANNEL, WorkerRetire(self.engine_id, retired), self.engine_id))
-        resumable = [r for r in requests if resume and r.num_resumes < MAX_RESUMES]
+        resumable = [r for r in requests if resume and (r.num_resumes < MAX_RESUMES or not blame)]
         if resumable:
             logger.error("engine %s: %s; %d request(s) wait for its workers to resume", self.engine_id, reason,
                          len(resumable))
             for request in resumable:
-                request.num_resumes += 1
-            self.resumable.extend(resumable)
-            self._resume_deadline = time.monotonic() + RESUME_TIMEOUT
+                request.num_resumes += blame
+            self._wait_to_resume(resumable)
         failed = [r for r in requests if r not in resumable]
         if failed:
             logger.error("engine %s: %s; failing %d request(s)", self.engine_id, reason, len(failed))
             self._outputs.fail(failed, f"engine {self.engine_id} failed: {reason}")
         self._spawn(self._publish(WORKER_HELLO_CHANNEL, b"", self.engine_id))
+
+    def _wait_to_resume(self, requests: list[Request]) -> None:
+        self.resumable.extend(requests)
+        self._resume_deadline = time.monotonic() + RESUME_TIMEOUT
+
+    def resync(self, reason: str) -> None:
+        """A step or its result was lost on the bus (a NATS node died, say): the workers
+        live, but what they hold may differ from what the scheduler thinks. Start over with
+        a fresh scheduler whose first step resets them; the unfinished requests resume at
+        once, recomputed from prompt + outputs, and count no resume against them. Under TP
+        a rank that got the lost step waits in a collective for one that did not: the
+        group is retired and restarts whole, and the requests resume on it."""
+        if self.scheduler is None:
+            return
+        if self.workers.world_size > 1:
+            self.fail_engine(reason, resume=True, blame=False)
+            return
+        requests = self._drop_scheduler()
+        logger.warning("engine %s: %s; its workers start over, %d request(s) resume", self.engine_id, reason,
+                       len(requests))
+        self._wait_to_resume(requests)
+        if self.workers.complete:
+            self._new_scheduler()
 
     def restart_scheduler(self, reason: str) -> None:
         """The step loop broke (not the workers): fail its requests, go on with a fresh

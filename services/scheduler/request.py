@@ -104,7 +104,9 @@ class Request:
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, block_size: int) -> "Request":
-        return cls(
+        """A request as it arrives; a resumed one (its engine was lost) with the output
+        tokens its client already has, computed again from the prompt on."""
+        request = cls(
             req.request_id,
             req.prompt_token_ids,
             req.sampling_params,
@@ -115,6 +117,8 @@ class Request:
             gateway_id=req.gateway_id,
             lora_request=req.lora_request,
         )
+        request.append_output_tokens(req.output_token_ids)
+        return request
 
     @property
     def num_tokens(self) -> int:
@@ -137,6 +141,14 @@ class Request:
         if len(self.all_token_ids) % self.block_size == 0:
             extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
                                 self.lora_key)
+
+    def append_output_tokens(self, token_ids: list[int]) -> None:
+        """Tokens generated before this engine had the request (a hand-off, a resume):
+        their prompt logprobs, if asked for, went with the first of them."""
+        for token_id in token_ids:
+            self.append_output_token(token_id)
+        if token_ids:
+            self.prompt_logprobs_sent = True
 
     def __repr__(self) -> str:
         return (

@@ -84,21 +84,24 @@ class Scheduler:
         kv_connector: KVConnectorScheduler | None = None,
         kv_offload: OffloadingConnectorScheduler | None = None,
         kv_events: KVEventRecorder | None = None,
+        sliding_windows: tuple[int, ...] | list[int] = (0,),
     ) -> None:
         """``max_loras``: distinct LoRA adapters among the running requests (0: requests
         with an adapter are refused). ``kv_connector``: P/D (None: no KV transfer).
         ``kv_offload``: the host and disk tiers (None: none). With both, a request's blocks
         come from P/D when it was handed off, else from the tiers (vLLM's MultiConnector:
         the first connector with tokens to load takes the request). ``kv_events``: told
-        what joins and leaves the prefix cache (None: KV events off)."""
+        what joins and leaves the prefix cache (None: KV events off).
+        ``sliding_windows``: per KV cache group of the model, its window (0: full attention)."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
-        # A lone request must always fit the pool, or preempting it could never help.
-        self.max_model_len = min(max_model_len, num_blocks * self.block_size)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, cache_config.enable_prefix_caching, kv_events
+            num_blocks, self.block_size, cache_config.enable_prefix_caching, sliding_windows, kv_events
         )
+        # A lone request must always fit the pool, or preempting it could never help.
+        self.max_model_len = min(max_model_len,
+                                 self.kv_cache_manager.max_request_tokens(scheduler_config.max_num_batched_tokens))
         # Token ids must be below this (0: unchecked): the workers index embeddings with them.
         self.vocab_size = vocab_size
         self.max_loras = max_loras
@@ -141,7 +144,7 @@ class Scheduler:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:
             raise RequestRejected("the prompt is empty")
-        if self.vocab_size and not 0 <= min(request.prompt_token_ids) <= max(request.prompt_token_ids) < self.vocab_size:
+        if self.vocab_size and not 0 <= min(request.all_token_ids) <= max(request.all_token_ids) < self.vocab_size:
             raise RequestRejected(f"the prompt has token ids outside the vocabulary [0, {self.vocab_size})")
         if request.lora_request is not None and not self.max_loras:
             raise RequestRejected("the request names a LoRA adapter, but this engine runs without enable_lora")
@@ -153,6 +156,12 @@ class Scheduler:
                 f"accepts at most {self.max_model_len - 1} prompt tokens (max_model_len "
                 f"{self.max_model_len}, KV cache {self.num_blocks} blocks of {self.block_size})"
             )
+        if request.num_output_tokens and (request.num_tokens >= self.max_model_len
+                                          or request.num_output_tokens >= request.sampling_params.max_tokens):
+            # A resumed request that had reached its end (its last output was lost with its engine).
+            raise RequestRejected(f"the request already has {request.num_output_tokens} output tokens: "
+                                  f"nothing is left to generate within max_tokens and max_model_len "
+                                  f"{self.max_model_len}")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -234,7 +243,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         num_scheduled: dict[str, int] = {}
-        new_blocks_of: dict[str, list[int]] = {}
+        new_blocks_of: dict[str, list[list[int]]] = {}  # per KV cache group
         num_spec_of: dict[str, int] = {}  # draft tokens among the scheduled ones
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
@@ -270,7 +279,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new + num_spec
             if num_spec:
                 num_spec_of[request.request_id] = num_spec
-            new_blocks_of[request.request_id] = [b.block_id for b in new_blocks]
+            new_blocks_of[request.request_id] = [[b.block_id for b in group] for group in new_blocks]
             budget -= num_new + num_spec
             index += 1
 
@@ -299,7 +308,7 @@ class Scheduler:
                     break
                 running_loras.add(request.lora_key)
             if request.num_computed_tokens:  # P/D: its prompt's KV was loaded into its blocks
-                computed_blocks, num_computed = [], request.num_computed_tokens
+                computed_blocks, num_computed = None, request.num_computed_tokens
             else:
                 computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
                 loading = self._start_remote_load(request, computed_blocks, num_computed)
@@ -480,7 +489,7 @@ class Scheduler:
                     req_id=request.request_id,
                     prompt_token_ids=request.prompt_token_ids,
                     sampling_params=request.sampling_params,
-                    block_ids=kv.get_block_ids(request.request_id),
+                    block_ids=kv.get_group_block_ids(request.request_id),
                     num_computed_tokens=request.num_computed_tokens,
                     eos_token_id=request.eos_token_id,
                     output_token_ids=request.output_token_ids,
@@ -494,7 +503,7 @@ class Scheduler:
             cached.req_ids.append(request.request_id)
             cached.resumed_from_preemption.append(resumed)
             cached.new_block_ids.append(
-                kv.get_block_ids(request.request_id) if resumed else new_blocks_of[request.request_id]
+                kv.get_group_block_ids(request.request_id) if resumed else new_blocks_of[request.request_id]
             )
             cached.num_computed_tokens.append(request.num_computed_tokens)
         order = [r.request_id for r in scheduled_new] + cached.req_ids
@@ -600,6 +609,13 @@ class Scheduler:
             output = self._engine_output(request, new_token_ids, lps[: len(new_token_ids)])
             output.prompt_logprobs = request.take_prompt_logprobs()
             outputs.append(output)
+        if self.kv_cache_manager.has_sliding_window:
+            # The step is done: blocks that fell out of a window go back now, not at the
+            # request's next allocation (a later step of it reads only from its window on).
+            for req_id in scheduler_output.scheduled_req_ids:
+                request = self.requests.get(req_id)
+                if request is not None and request.status == RequestStatus.RUNNING:
+                    self.kv_cache_manager.remove_skipped_blocks(request)
         return outputs
 
     def _rollback_rejected(self, request: Request, num_spec: int, num_accepted: int) -> None:
@@ -646,6 +662,11 @@ class Scheduler:
         self._recently_finished[finished.end.request_id] = finished
         if len(self._recently_finished) > RECENTLY_FINISHED:
             self._recently_finished.popitem(last=False)
+
+    def take_finished_outputs(self, previous: "Scheduler") -> None:
+        """What ``previous`` (the scheduler this one replaces) remembered of its finished
+        requests: a gateway that lost one's last output can still ask for it."""
+        self._recently_finished = previous._recently_finished
 
     def remember_handoff(self, request: Request, owner_engine_id: str, owner_incarnation: str) -> None:
         """Prefill side: a decode engine took the request. Resends of its output are answered
@@ -702,7 +723,8 @@ class Scheduler:
             finish_reason=request.finish_reason,
             logprobs=logprobs,
             stop=stop if carry_stop else [],
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            # A resumed request may hit its own earlier outputs: only prompt tokens count.
+            num_cached_tokens=min(max(request.num_cached_tokens, 0), request.num_prompt_tokens),
             has_stop=params.has_text_settings and not carry_stop,
             stop_reason=request.stop_reason,
             text_settings=RequestStopStrings.of(request.request_id, params)

@@ -12,6 +12,7 @@ objects it calls:
 
     recovery.py                worker membership and recovery: the scheduler exists while
                                every rank lives; failed engines resume their requests
+    lost_steps.py              steps and results lost on the bus, seen in the heartbeats
     intake.py                  admission (one check for new and handed-off requests),
                                aborts and resends
     stop_strings_broadcast.py  stop strings to every detokenizer, and their queries
@@ -76,6 +77,7 @@ from .handoff import HandoffReceiver, HandoffSender
 from .intake import Intake
 from .kv_connector import KVConnectorScheduler
 from .kv_events import KVEventsPublisher
+from .lost_steps import LostStepWatch
 from .kv_offload.connector import OffloadingConnectorScheduler
 from .outputs import OutputPublisher
 from .recovery import WorkerRecovery
@@ -140,6 +142,8 @@ class SchedulerService(Service):
         self._pending_steps: dict[int, asyncio.Future] = {}
         self._last_step_sent = 0.0  # time.monotonic() of the last step published
         self.num_kv_poll_steps = 0  # empty steps sent only to learn of ended KV loads
+        self.lost_steps = LostStepWatch()
+        self.num_lost_steps = 0  # steps or results lost on the bus (the engine started over)
         self.profile = StepProfile() if profile else None
         self._loop_task: asyncio.Task | None = None
         self._wait_log = WaitLog(logger, f"engine {engine_id}")
@@ -187,7 +191,8 @@ class SchedulerService(Service):
 
     def info(self) -> dict:
         info = {"engine_id": self.engine_id, "ready": self.ready, "num_stop_queries": self.stops.num_queries,
-                "num_kv_poll_steps": self.num_kv_poll_steps}
+                "num_kv_poll_steps": self.num_kv_poll_steps, "num_lost_steps": self.num_lost_steps,
+                "steps_in_flight": self.lost_steps.in_flight()}
         if self.kv_events is not None:
             info.update(kv_events_seq=self.kv_events.seq, kv_events_replays=self.kv_events.num_replays,
                         kv_events_dumps=self.kv_events.num_dumps)
@@ -195,7 +200,7 @@ class SchedulerService(Service):
 
     async def setup(self) -> None:
         engine = self.engine_id
-        await self.subscribe(WORKER_READY_CHANNEL.subject(engine), self.recovery.on_worker_ready)
+        await self.subscribe(WORKER_READY_CHANNEL.subject(engine), self._on_worker_ready)
         await self.subscribe(STEP_RESULT_CHANNEL.subject(engine), self._on_result)
         if self.kv_transfer_config.takes_new_requests:
             await self.subscribe(ENGINE_REQUEST_CHANNEL.subject(engine), self.intake.on_request)
@@ -235,6 +240,7 @@ class SchedulerService(Service):
             self.scheduler_config, self.cache_config, self.workers.num_blocks, self.workers.max_model_len,
             first_step_id=first_step_id, vocab_size=self.workers.vocab_size, max_loras=self.max_loras,
             kv_connector=connector, kv_offload=self._make_offload(), kv_events=recorder,
+            sliding_windows=self.workers.sliding_windows,
         )
 
     def _make_offload(self) -> OffloadingConnectorScheduler | None:
@@ -254,6 +260,18 @@ class SchedulerService(Service):
             if not future.done():
                 future.cancel()
         self._pending_steps.clear()
+        self.lost_steps.clear()
+
+    async def _on_worker_ready(self, msg: Msg) -> None:
+        """A rank's announcement or heartbeat: membership, and whether a step or its result
+        was lost on the bus (``lost_steps.py``)."""
+        ready = WORKER_READY_CHANNEL.decode(msg.data)
+        self.recovery.on_worker_ready(ready)
+        if self.scheduler is not None and ready.engine_id == self.engine_id:
+            lost = self.lost_steps.check(ready, self.incarnation, time.monotonic())
+            if lost is not None:
+                self.num_lost_steps += 1
+                self.recovery.resync(lost)
 
     async def _on_lora_adapters(self, msg: Msg) -> None:
         """Unloaded adapters free their pinned worker slots (a lost message keeps the slot
@@ -286,6 +304,7 @@ class SchedulerService(Service):
         future = self._pending_steps.get(output.step_id)
         if future is not None and not future.done():
             future.set_result((output, start, decode_seconds))
+            self.lost_steps.answered(output.step_id)
 
     # ------------------------------------------------------------------ step loop
 
@@ -362,6 +381,7 @@ class SchedulerService(Service):
         # The stop strings of every request this step may start reach the detokenizers
         # before any output of it can.
         await self.stops.send()
+        self.lost_steps.sent(step.step_id, time.monotonic())
         await self.nc.publish(STEP_CHANNEL.subject(self.engine_id), data)
         return _SentStep(step, future, clock)
 
@@ -378,6 +398,7 @@ class SchedulerService(Service):
             return
         finally:
             self._pending_steps.pop(step.step_id, None)
+            self.lost_steps.answered(step.step_id)
         if scheduler is not self.scheduler:
             return  # the engine failed while the step ran
         if result.error:

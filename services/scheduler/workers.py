@@ -28,6 +28,7 @@ class WorkerRecord:
     max_model_len: int
     last_seen: float
     vocab_size: int = 0
+    sliding_windows: tuple[int, ...] = (0,)
     kv_offload: KVOffloadWorkerInfo | None = None
 
 
@@ -83,6 +84,7 @@ class WorkerGroup:
             num_blocks=ready.num_blocks,
             max_model_len=ready.max_model_len,
             vocab_size=ready.vocab_size,
+            sliding_windows=tuple(ready.sliding_windows or (0,)),
             kv_offload=ready.kv_offload,
             last_seen=self._clock(),
         )
@@ -100,6 +102,12 @@ class WorkerGroup:
     def vocab_size(self) -> int:
         """The token ids every member's model knows (0: a member did not say)."""
         return min(w.vocab_size for w in self.members.values())
+
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        """Per KV cache group, its sliding window (0: full attention); the same on every
+        rank (one model)."""
+        return next(iter(self.members.values())).sliding_windows
 
     @property
     def max_model_len(self) -> int:

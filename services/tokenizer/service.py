@@ -28,7 +28,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from services.router.bus import RouterOnBus
 from services.router.config import RouterConfig
 from services.router.router import Router
-from shared.bus import Service, respond
+from shared.bus import NO_RESPONDERS_WINDOW, Service, respond
 from shared.protocol import (
     DETOKENIZE_TOKENS_CHANNEL,
     ENGINE_REQUEST_CHANNEL,
@@ -161,7 +161,10 @@ class TokenizerService(Service):
         """Hand one sample to a scheduler: its answer (the engine that queued the request,
         or its refusal), or a 503 when none answers. The router's engine first; the queue
         group when the router knows no ready engine, or that engine has no responder (it
-        died: another takes the request)."""
+        died: another takes the request; in the queue group no responder is asked again for
+        a moment: ``shared.bus.NO_RESPONDERS_WINDOW``). After a timeout the request may be
+        queued after all (only the answer was lost): the gateway aborts a sample refused
+        with 503."""
         route = self.router.route(engine_request)
         if route is not None:
             try:
@@ -180,7 +183,8 @@ class TokenizerService(Service):
                 self.router.answered(route, reply.admission if reply.error is None else 0)
                 return reply
         try:
-            return await self.request(ENGINE_REQUESTS_CHANNEL, engine_request, timeout=self.scheduler_timeout)
+            return await self.request(ENGINE_REQUESTS_CHANNEL, engine_request, timeout=self.scheduler_timeout,
+                                      no_responders_window=NO_RESPONDERS_WINDOW)
         except NoRespondersError:
             logger.warning("%s: %s (no responders)", engine_request.request_id, NO_SCHEDULER)
             return no_scheduler(engine_request)

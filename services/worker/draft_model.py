@@ -46,7 +46,7 @@ from shared.tokenizer import load_tokenizer
 
 from .input_batch import InputBatch
 from .kv_cache import allocate_kv_caches, kv_block_bytes
-from .models.llama import LlamaForCausalLM
+from .models.base import CausalLM
 from .sampler import draw, to_probs
 
 logger = logging.getLogger(__name__)
@@ -69,9 +69,12 @@ class DraftModel:
     """The draft model of one worker rank, its KV cache and its proposing."""
 
     def __init__(
-        self, config: SpeculativeConfig, model: LlamaForCausalLM, model_config: ModelConfig, ops: KernelOps,
+        self, config: SpeculativeConfig, model: CausalLM, model_config: ModelConfig, ops: KernelOps,
         generator: torch.Generator, block_size: int, max_num_seqs: int, max_model_len: int,
     ) -> None:
+        if model.kv_layout.is_hybrid:
+            raise ConfigError(f"speculative_config: the draft model {config.model} has sliding-window attention, "
+                              "which a draft model's cache does not support")
         if model_config.max_position_embeddings < max_model_len:
             raise ConfigError(f"speculative_config: the draft model {config.model} has "
                               f"{model_config.max_position_embeddings} positions, fewer than max_model_len "
@@ -223,5 +226,5 @@ class DraftModel:
             max_seq_len=int(seq_lens.max()),
         )
         hidden = self.model(torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev),
-                            torch.from_numpy(positions).to(dev), attn, self.kv_caches)
+                            torch.from_numpy(positions).to(dev), [attn], self.kv_caches)
         return hidden, cu

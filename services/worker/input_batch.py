@@ -32,7 +32,7 @@ class CachedRequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
     eos_token_id: int | None
     generator: torch.Generator | None = None
@@ -52,7 +52,8 @@ class CachedRequestState:
 
 class InputBatch:
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, device: torch.device | str = "cpu"
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, device: torch.device | str = "cpu",
+        num_kv_groups: int = 1,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -61,8 +62,11 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        # Per KV cache group, each row's block table and its length; group 0's also as
+        # ``block_table`` / ``num_blocks`` (the only ones of a model with one group).
+        self.block_tables = [np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32) for _ in range(num_kv_groups)]
+        self.group_num_blocks = [np.zeros(max_num_reqs, dtype=np.int32) for _ in range(num_kv_groups)]
+        self.block_table, self.num_blocks = self.block_tables[0], self.group_num_blocks[0]
         self.req_ids: list[str | None] = []
         self.states: list[CachedRequestState | None] = []
         self.req_id_to_index: dict[str, int] = {}
@@ -96,7 +100,7 @@ class InputBatch:
 
         # What ``_move`` copies whole from one row to another.
         self._row_arrays = (
-            self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
+            self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, *self.group_num_blocks,
             self.float_params_cpu, self.top_k_cpu, self.greedy, self.num_logprobs,
         )
 
@@ -138,15 +142,19 @@ class InputBatch:
         self._sampling_rows_changed = True
         self._all_rows_metadata = None
 
-    def set_block_ids(self, index: int, block_ids: list[int]) -> None:
-        self.block_table[index, : len(block_ids)] = block_ids
-        self.num_blocks[index] = len(block_ids)
+    def set_block_ids(self, index: int, block_ids: list[list[int]]) -> None:
+        """Row ``index``'s block table of each KV cache group."""
+        for table, num_blocks, ids in zip(self.block_tables, self.group_num_blocks, block_ids, strict=True):
+            table[index, : len(ids)] = ids
+            num_blocks[index] = len(ids)
 
-    def append_block_ids(self, index: int, block_ids: list[int], keep: int | None = None) -> None:
-        """Append after the first ``keep`` blocks (default: all the row has)."""
-        start = self.num_blocks[index] if keep is None else min(keep, self.num_blocks[index])
-        self.block_table[index, start : start + len(block_ids)] = block_ids
-        self.num_blocks[index] = start + len(block_ids)
+    def append_block_ids(self, index: int, block_ids: list[list[int]], keep: int | None = None) -> None:
+        """Append to each group's table after its first ``keep`` blocks (default: all the
+        row has)."""
+        for table, num_blocks, ids in zip(self.block_tables, self.group_num_blocks, block_ids, strict=True):
+            start = num_blocks[index] if keep is None else min(keep, num_blocks[index])
+            table[index, start : start + len(ids)] = ids
+            num_blocks[index] = start + len(ids)
 
     def append_token(self, index: int, token_id: int) -> None:
         self.token_ids[index, self.num_tokens[index]] = token_id
@@ -181,8 +189,9 @@ class InputBatch:
         req_id = self.req_ids[src]
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
-        nb = self.num_blocks[src]
-        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for table, num_blocks in zip(self.block_tables, self.group_num_blocks):
+            nb = num_blocks[src]
+            table[dst, :nb] = table[src, :nb]
         for array in self._row_arrays:
             array[dst] = array[src]
         for by_row in (self.generators, self.min_tokens, self.logit_control_rows):

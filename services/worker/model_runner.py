@@ -30,6 +30,7 @@ import torch
 from kernels import AttentionMetadata, get_kernel_ops
 from shared.config import (
     CacheConfig,
+    ConfigError,
     LoRAConfig,
     ModelRunConfig,
     ParallelConfig,
@@ -44,13 +45,14 @@ from shared.step_profile import NULL_CLOCK
 from .draft_model import DraftModel
 from .dtype_choice import resolve_dtype, resolve_kv_cache_dtype
 from .input_batch import CachedRequestState, InputBatch
-from .kv_cache import allocate_kv_caches, kv_block_bytes
+from .kv_cache import allocate_kv_caches, kv_block_bytes, layer_kv_caches
 from .linear import weight_packer
 from .lora.slots import LoRASlots
-from .models.llama import LlamaForCausalLM
+from .models.base import CausalLM
+from .models.registry import model_class
 from .parallel import ShardLayout, TensorParallel, init_distributed, tp_device
 from .prompt_logprobs import compute_prompt_logprobs, wanted
-from .sampler import Sampler
+from .sampler import Sampler, skip_draws
 from .spec_decode import SpecDecoder
 from .structured_output import StructuredOutputRunner
 
@@ -68,7 +70,7 @@ class ModelInputs:
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    attn: AttentionMetadata
+    attn: list[AttentionMetadata]  # per KV cache group
     logits_indices: torch.Tensor  # [B]: each request's last token
     seq_lens_np: np.ndarray  # [B]: the attention's seq_lens, on the host
 
@@ -123,6 +125,9 @@ class ModelRunner:
                                                      run_config.dtype, self.keep_quantized)
         # Each rank reads only its rows / columns of the sharded tensors.
         self.model = self._load_model(self.model_path, self.model_config, self.tp)
+        # KV cache groups (shared/kv_cache_groups.py): their windows, for the scheduler.
+        self.kv_layout = self.model.kv_layout
+        self.kv_sliding_windows = self.kv_layout.sliding_windows
         self.max_num_seqs = scheduler_config.max_num_seqs
         # Seeded alike on every rank: unseeded random requests draw the same uniforms everywhere.
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(run_config.seed))
@@ -135,11 +140,13 @@ class ModelRunner:
 
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        self.layer_kv_caches = layer_kv_caches(self.kv_caches, self.kv_layout)
         if self.draft_model is not None:
             self.draft_model.allocate_kv_cache(self.num_blocks)
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.input_batch = InputBatch(
-            scheduler_config.max_num_seqs, self.max_model_len, max_blocks_per_req, self.device
+            scheduler_config.max_num_seqs, self.max_model_len, max_blocks_per_req, self.device,
+            num_kv_groups=len(self.kv_layout.groups),
         )
         self.requests: dict[str, CachedRequestState] = {}
         self.spec_decoder: SpecDecoder | None = None
@@ -156,13 +163,12 @@ class ModelRunner:
             self.shard.num_heads, self.shard.num_kv_heads, self.num_blocks, self.block_size, self.kv_cache_dtype,
         )
 
-    def _load_model(self, path: str, config: ModelConfig, tp: TensorParallel) -> LlamaForCausalLM:
+    def _load_model(self, path: str, config: ModelConfig, tp: TensorParallel) -> CausalLM:
         with torch.device(self.device):
-            model = LlamaForCausalLM(config, self.ops, tp)
+            model = model_class(config)(config, self.ops, tp)
         with open_weights(path) as weights:
             model.load_weights_from(weights, dtype=torch.float32, keep_quantized=self.keep_quantized)
         model.to(dtype=self.dtype)
-        model.cos_sin_cache = model.cos_sin_cache.float()
         model.eval()
         if self.pack is not None:
             model.prepack_linears(self.pack)
@@ -171,7 +177,11 @@ class ModelRunner:
         return model
 
     def _load_draft_model(self, config: SpeculativeConfig) -> DraftModel:
-        """The draft model, whole on this rank (never sharded), its vocabulary checked."""
+        """The draft model, whole on this rank (never sharded), its vocabulary checked. Its
+        cache follows the target's KV cache group 0, which must be full attention."""
+        if self.model.kv_layout.groups[0].sliding_window is not None:
+            raise ConfigError(f"speculative_config: the draft_model method needs a target with full-attention "
+                              f"layers; {self.model_path} has only sliding-window ones")
         draft_config = DraftModel.load_config(config, self.model_path, self.model_config)
         model = self._load_model(config.model, draft_config, TensorParallel.single())
         logger.info("draft model %s loaded on rank %d: %d layers, %d KV heads", config.model, self.rank,
@@ -200,15 +210,18 @@ class ModelRunner:
             self.lora = None
         if not config.enable_lora:
             return
+        if not self.model.supports_lora:
+            raise ConfigError(f"enable_lora: LoRA adapters on {self.model_config.architecture} models "
+                              "(mixture of experts) are not supported")
         self.lora = LoRASlots(self.model, self.model_config, config, self.device, self.dtype)
 
     # ------------------------------------------------------------------ KV cache
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block on this rank (its KV heads only), the draft model's block
-        included."""
-        cfg = self.model_config
-        target = kv_block_bytes(self.block_size, self.shard.num_kv_heads, cfg.head_dim, cfg.num_hidden_layers,
+        """Bytes of one KV block on this rank (its KV heads only, the layers of one KV cache
+        group), the draft model's block included."""
+        spec = self.model.kv_cache_spec()
+        target = kv_block_bytes(self.block_size, spec.num_kv_heads, spec.head_dim, spec.layout.group_size,
                                 self.kv_cache_dtype)
         return target + (self.draft_model.kv_block_bytes() if self.draft_model is not None else 0)
 
@@ -233,9 +246,10 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_caches(self, num_blocks: int):
-        cfg = self.model_config
-        return allocate_kv_caches(num_blocks, self.block_size, self.shard.num_kv_heads, cfg.head_dim,
-                                  cfg.num_hidden_layers, self.kv_cache_dtype, self.device)
+        """The pool's (key, value) tensor pairs (``kv_cache.py``)."""
+        spec = self.model.kv_cache_spec()
+        return allocate_kv_caches(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+                                  spec.layout.group_size, self.kv_cache_dtype, self.device)
 
     @torch.inference_mode()
     def time_prefill(self, num_tokens: int) -> float:
@@ -272,9 +286,14 @@ class ModelRunner:
     def _check_step(self, out: SchedulerOutput) -> None:
         """Refuse a step whose block ids fall outside this worker's pool before any state
         changes or any kernel reads them (the C kernels do not bounds-check)."""
+        num_groups = len(self.kv_layout.groups)
         block_lists = [new.block_ids for new in out.scheduled_new_reqs]
         block_lists += out.scheduled_cached_reqs.new_block_ids
-        for block_ids in block_lists:
+        for groups in block_lists:
+            if len(groups) != num_groups:
+                raise ValueError(f"step {out.step_id} names block tables of {len(groups)} KV cache groups, "
+                                 f"this worker's model has {num_groups}")
+            block_ids = [b for ids in groups for b in ids]
             if block_ids and not (0 <= min(block_ids) and max(block_ids) < self.num_blocks):
                 raise ValueError(f"step {out.step_id} names KV blocks outside this worker's "
                                  f"{self.num_blocks} blocks")
@@ -297,13 +316,16 @@ class ModelRunner:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            # A request resumed after a worker restart brings the tokens it generated.
+                # Past the draws of the tokens it brings (below): it draws on as it would have.
+                skip_draws(generator, len(new.output_token_ids), self.device)
+            # A request resumed after a worker restart or on another engine, or handed off
+            # by a prefill engine, brings the tokens it generated.
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=[*new.prompt_token_ids, *new.output_token_ids],
                 num_prompt_tokens=len(new.prompt_token_ids),
                 sampling_params=params,
-                block_ids=list(new.block_ids),
+                block_ids=[list(ids) for ids in new.block_ids],
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_id=new.eos_token_id,
                 generator=generator,
@@ -323,9 +345,10 @@ class ModelRunner:
             # Blocks past the computed tokens held only rejected drafts; the scheduler freed them.
             keep = -(-num_computed // self.block_size)
             if resumed:
-                state.block_ids = list(new_block_ids)
+                state.block_ids = [list(ids) for ids in new_block_ids]
             else:
-                state.block_ids[keep:] = new_block_ids
+                for ids, new_ids in zip(state.block_ids, new_block_ids):
+                    ids[keep:] = new_ids
             index = batch.req_id_to_index.get(req_id)
             if index is not None:
                 batch.num_computed_tokens[index] = num_computed
@@ -367,7 +390,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_step([state.lora_request for state in batch.states[:num_reqs]], num_scheduled)
         clock.lap("prepare_inputs")
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.layer_kv_caches)
         prompt_logprobs = self._prompt_logprobs(hidden, num_scheduled)
 
         # Only requests whose every known token is now computed get a sample; a
@@ -467,21 +490,27 @@ class ModelRunner:
         offsets = np.arange(total) - np.repeat(cu - num_scheduled, num_scheduled)
         positions = batch.num_computed_tokens[req_indices] + offsets
         input_ids = batch.token_ids[req_indices, positions]
-        block_numbers = batch.block_table[req_indices, positions // self.block_size]
-        slot_mapping = block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
         seq_lens = batch.num_computed_tokens[:num_reqs] + num_scheduled
-        query_start_loc = np.concatenate([[0], cu]).astype(np.int32)
-        max_blocks = int(batch.num_blocks[:num_reqs].max())
 
         dev = self.device
-        attn = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_table[:num_reqs, :max_blocks])).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
+        query_start_loc = torch.from_numpy(np.concatenate([[0], cu]).astype(np.int32)).to(dev)
+        seq_lens_t = torch.from_numpy(seq_lens.astype(np.int32)).to(dev)
+        max_query_len, max_seq_len = int(num_scheduled.max()), int(seq_lens.max())
+        in_block = positions % self.block_size
+        attn = []
+        for group, table, num_blocks in zip(self.kv_layout.groups, batch.block_tables, batch.group_num_blocks):
+            block_numbers = table[req_indices, positions // self.block_size]
+            slot_mapping = block_numbers.astype(np.int64) * self.block_size + in_block
+            max_blocks = int(num_blocks[:num_reqs].max())
+            attn.append(AttentionMetadata(
+                slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+                block_tables=torch.from_numpy(np.ascontiguousarray(table[:num_reqs, :max_blocks])).to(dev),
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens_t,
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len,
+                sliding_window=group.sliding_window,
+            ))
         return ModelInputs(
             input_ids=torch.from_numpy(input_ids).to(dev),
             positions=torch.from_numpy(positions).to(dev),

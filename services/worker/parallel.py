@@ -1,7 +1,7 @@
 """Tensor parallelism: the process group of one engine's ranks and the TP collectives.
 
 Every rank of an engine runs the same code on its shard of the model (see
-``models/llama.py``): column-parallel q/k/v and gate/up, row-parallel o_proj and
+``layers/``): column-parallel q/k/v and gate/up, row-parallel o_proj and
 down_proj followed by an all-reduce, a vocab-parallel embedding (all-reduce) and a
 vocab-parallel LM head whose logits are all-gathered, so every rank ends up with the
 full logits and samples the same tokens.

@@ -66,6 +66,16 @@ def draw(logits: torch.Tensor, probs: torch.Tensor, batch: SamplingMetadata, gen
     return torch.where(greedy_rows, logits.argmax(dim=-1), inverse_cdf_draw(probs, uniforms))
 
 
+def skip_draws(generator: torch.Generator, num_tokens: int, device) -> None:
+    """Advance a seeded request's generator past the uniforms ``draw_uniforms`` took for
+    its first ``num_tokens`` tokens (sampled elsewhere: a worker or engine lost since, or a
+    P/D prefill engine), so its next token gets the uniform it would have got there. One
+    draw per token, as the sampler draws without speculative decoding (with drafts the
+    draws depend on how many were proposed and accepted, which is not known here)."""
+    for _ in range(num_tokens):
+        torch.rand(1, dtype=torch.float64, generator=generator, device=device)
+
+
 def apply_bans_and_penalties(logits: torch.Tensor, batch: SamplingMetadata, copy: bool = True) -> torch.Tensor:
     """min_tokens bans, logit controls and penalties on the raw logits (on a copy when
     anything applies, unless ``copy`` is False: then in place)."""

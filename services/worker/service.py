@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from shared.bus import Service, flush_in_order
 from shared.config import (
     CacheConfig,
+    ConfigError,
     KVOffloadConfig,
     KVTransferConfig,
     LoRAConfig,
@@ -53,6 +54,7 @@ from .kv_transfer.connector import KVConnectorWorker
 from .kv_transfer.load_reports import LoadReports
 from .model_runner import ModelRunner, resolve_device
 from .parallel import init_distributed
+from .step_order import StepOrder
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +105,9 @@ class WorkerService(Service):
         # pool, and once two pools exist every op runs ~1.7x slower on 2 cores.
         self.runner = self._executor.submit(build_runner).result()
         self._sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else None
-        self._incarnation = ""  # of the scheduler whose steps this worker follows
+        # The steps it runs (those of the scheduler incarnation it follows, in order) and
+        # how far it got, told in every heartbeat.
+        self.steps = StepOrder(f"engine {engine_id} rank {self.rank}")
         self._last_step = time.monotonic()
         self._heap_trimmed = False
         self.num_steps = 0
@@ -118,6 +122,9 @@ class WorkerService(Service):
         # P/D: serves this rank's held KV blocks and pulls others' (None: no KV transfer).
         self.kv_connector: KVConnectorWorker | None = None
         if kv_transfer_config.kv_role:
+            if self.runner.kv_layout.is_hybrid:
+                raise ConfigError(f"kv_transfer_config: P/D moves one block table per request; {self.runner.model_path} "
+                                  "has sliding-window attention (KV cache groups), which it does not support")
             self.kv_connector = KVConnectorWorker(self, engine_id, self.rank, self.world_size, self.runner.kv_caches,
                                                   kv_transfer_config, self.load_reports, faults)
         # The host and disk KV tiers (None: none). Built on the forward thread: it times a prefill.
@@ -130,7 +137,8 @@ class WorkerService(Service):
 
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "rank": self.rank, "num_steps": self.num_steps,
-                "num_sampled_tokens": self.num_sampled_tokens}
+                "num_sampled_tokens": self.num_sampled_tokens, "last_step_id": self.steps.last_step_id,
+                "running_step_id": self.steps.running_step_id}
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(
@@ -142,6 +150,10 @@ class WorkerService(Service):
             max_model_len=self.runner.max_model_len,
             block_size=self.runner.block_size,
             vocab_size=self.runner.model_config.vocab_size,
+            step_incarnation=self.steps.incarnation,
+            last_step_id=self.steps.last_step_id,
+            running_step_id=self.steps.running_step_id,
+            sliding_windows=self.runner.kv_sliding_windows,
             kv_offload=self.kv_offload.info(self._kv_offload_namespace) if self.kv_offload is not None else None,
         )
 
@@ -204,13 +216,9 @@ class WorkerService(Service):
         scheduler_output = STEP_CHANNEL.decode(msg.data)
         clock.lap("unpack")
         # A step of an earlier scheduler incarnation (delivered late, or from a scheduler
-        # that has since restarted) must not touch the state the current one built; a
-        # reset step starts the new incarnation.
-        if scheduler_output.reset_state:
-            self._incarnation = scheduler_output.incarnation
-        elif scheduler_output.incarnation != self._incarnation:
-            logger.warning("engine %s rank %d: step %d of incarnation %r dropped (current %r)", self.engine_id,
-                           self.rank, scheduler_output.step_id, scheduler_output.incarnation, self._incarnation)
+        # that has since restarted) must not touch the state the current one built, nor
+        # may a step after one lost on the bus; a reset step starts over.
+        if not self.steps.take(scheduler_output):
             return
         reset, meta = scheduler_output.reset_state, scheduler_output.kv_connector_metadata
         serial = self.kv_connector is not None or self.kv_offload is not None or self.world_size > 1
@@ -245,6 +253,13 @@ class WorkerService(Service):
 
     async def _finish_step(self, scheduler_output, running: asyncio.Future, clock, previous: asyncio.Task | None) -> None:
         """Publish one step's result (rank 0), once the step before it has published its own."""
+        try:
+            await self._publish_result(scheduler_output, running, clock, previous)
+        finally:
+            self.steps.finished(scheduler_output)
+
+    async def _publish_result(self, scheduler_output, running: asyncio.Future, clock,
+                              previous: asyncio.Task | None) -> None:
         if previous is not None:
             await asyncio.wait([previous])
         try:

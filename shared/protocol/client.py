@@ -54,6 +54,9 @@ class EngineRequest(msgspec.Struct, omit_defaults=True):
     gateway_id: str = ""
     cache_salt: str = ""
     lora_request: LoRARequest | None = None
+    # A request resumed after its engine was lost: the output tokens its client already
+    # has. It is recomputed from prompt + these and its outputs go on from there.
+    output_token_ids: list[int] = []
 
 
 class EngineRequestReply(msgspec.Struct, omit_defaults=True):
@@ -68,6 +71,15 @@ class EngineRequestReply(msgspec.Struct, omit_defaults=True):
     # a router counts the request as load until the engine's stats count it too
     # (``EngineStats.num_requests_admitted``).
     admission: int = 0
+
+
+class ResumedSample(msgspec.Struct, array_like=True, gc=False):
+    """A sample sent again because the engine that held it was lost: which of its
+    prompt's ``n`` samples it is (its seed is seed + ``choice``) and the output tokens its
+    client already received (the engine goes on after them)."""
+
+    choice: int
+    output_token_ids: list[int]
 
 
 class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -94,6 +106,9 @@ class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     tools: list[dict] | None = None
     chat_template_kwargs: dict | None = None
     lora_request: LoRARequest | None = None  # the adapter "model" named (None: the base model)
+    # Resumed samples (their engine was lost), one per request id; empty: new samples
+    # (request_ids[i] is sample i).
+    resumed: list[ResumedSample] = []
 
 
 class TokenizeReply(msgspec.Struct, omit_defaults=True):
@@ -287,6 +302,9 @@ class StreamDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     # P/D: the engine that holds the request from now on (EngineOutput.owner_engine_id).
     engine_id: str = ""
     incarnation: str = ""
+    # The token ids of the delta (``num_tokens`` of them): the gateway keeps what its
+    # client received, to resume the request elsewhere if its engine is lost.
+    token_ids: list[int] = []
 
 
 class StreamDeltaBatch(msgspec.Struct, array_like=True, gc=False):

@@ -108,6 +108,15 @@ class WorkerReady(msgspec.Struct, omit_defaults=True):
     max_model_len: int
     block_size: int
     vocab_size: int = 0  # the scheduler refuses token ids outside it (0: unknown)
+    # Its progress through the steps of scheduler incarnation ``step_incarnation``: the last
+    # step it finished (rank 0 had published its result by then) and the one it is on
+    # (0: idle). The scheduler sees from them a step or a result lost on the bus.
+    step_incarnation: str = ""
+    last_step_id: int = 0
+    running_step_id: int = 0
+    # Per KV cache group, its sliding window (0: full attention); empty: one
+    # full-attention group (shared/kv_cache_groups.py).
+    sliding_windows: list[int] = []
     kv_offload: KVOffloadWorkerInfo | None = None  # its KV offloading tiers (None: off)
 
 

@@ -22,7 +22,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group (shared/kv_cache_groups.py)
     num_computed_tokens: int
     # Masked while fewer than min_tokens were generated.
     eos_token_id: int | None = None
@@ -36,16 +36,16 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What changed for requests the workers already hold, as parallel lists.
 
-    ``new_block_ids[i]`` are appended to the request's block table, unless
-    ``resumed_from_preemption[i]``, in which case they replace it (the request
-    was preempted, its blocks freed, and it is being recomputed). Before appending,
-    the table is cut to the blocks its ``num_computed_tokens[i]`` fill: the scheduler
-    freed those past them (they held only rejected draft tokens).
+    ``new_block_ids[i][g]`` are appended to the request's block table of KV cache
+    group ``g``, unless ``resumed_from_preemption[i]``, in which case they replace it
+    (the request was preempted, its blocks freed, and it is being recomputed). Before
+    appending, each table is cut to the blocks its ``num_computed_tokens[i]`` fill: the
+    scheduler freed those past them (they held only rejected draft tokens).
     """
 
     req_ids: list[str] = []
     resumed_from_preemption: list[bool] = []
-    new_block_ids: list[list[int]] = []
+    new_block_ids: list[list[list[int]]] = []
     num_computed_tokens: list[int] = []
 
 

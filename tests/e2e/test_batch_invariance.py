@@ -8,7 +8,7 @@ activations), the KV cache in the model's dtype, ``--batch-invariant`` on. Sixte
 prompts of varied lengths run alone, then among 31 others in one batch, then so with a
 token budget of 37 (every prompt chunked, at other boundaries), then again in an engine
 whose prefix cache holds their prefixes: the same tokens each time. Under TP=2 and
-through the services: tests/e2e/test_tp2_services.py.
+through the services: tests/e2e/test_batch_invariance_tp2.py.
 """
 
 from __future__ import annotations

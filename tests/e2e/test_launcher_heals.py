@@ -8,19 +8,27 @@ service would stop it here (it once did). nats-server is killed too: the launche
 it again on its port and every service reconnects. After each, the stack serves. A fourth
 death within the crash-loop window (``--crash-loop-restarts 3``) spends the budget: the
 launcher stops everything and exits with status 1, naming the service and the budget.
+
+Then the issue's fault run, in the default configuration (bfloat16, int4/int8 weights):
+``scripts/serve --tokenizers 2 --detokenizers 2`` under 16 concurrent greedy streams, a
+detokenizer, a tokenizer and the worker killed in turn mid-stream: every stream completes
+with the text of the fault-free run (the launcher heals; batch invariance keeps the text
+whatever the batches of the disturbed run).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
 
 import httpx
+import pytest
 
-from scripts.chaos import Launched, kind_of
+from scripts.chaos import Launched, kind_of, wait_idle
 from services.launch.nats_server import free_port
-from tests.e2e.stacks import wait_until
+from tests.e2e.stacks import stream_or_error, wait_until
 
 
 def pid_of(stack: Launched, kind: str, other_than: int | None = None) -> int | None:
@@ -74,3 +82,41 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+STREAMS = 16
+QUESTIONS = [f"Tell me fact number {i} about the sea{' and its ships' * (i % 5)}." for i in range(STREAMS)]
+
+
+async def streams(stack: Launched, victim: str | None = None) -> list:
+    """``STREAMS`` concurrent greedy streams; ``victim`` (a process kind) is killed once the
+    first token is out."""
+    started = asyncio.Event()
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=180) as http:
+        tasks = [asyncio.ensure_future(stream_or_error(http, "/v1/chat/completions", {
+            "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": q}],
+            "max_tokens": 16 + 2 * i, "temperature": 0, "ignore_eos": True}, started))
+            for i, q in enumerate(QUESTIONS)]
+        if victim is not None:
+            await asyncio.wait_for(started.wait(), 120)
+            os.kill(pid_of(stack, victim), signal.SIGKILL)
+        return await asyncio.gather(*tasks)
+
+
+@pytest.mark.slow
+def test_the_fault_run_of_the_issue_costs_no_text_in_the_default_configuration(tmp_path):
+    stack = Launched(free_port(), ["--tokenizers", "2", "--detokenizers", "2"], tmp_path / "launcher.log",
+                     env={"LOG_LEVEL": "WARNING"})
+    try:
+        stack.wait_ready()
+        undisturbed = asyncio.run(streams(stack))
+        assert all(isinstance(text, str) and text for text in undisturbed), undisturbed
+        for victim in ("detokenizer", "tokenizer", "worker-0"):
+            assert asyncio.run(streams(stack, victim)) == undisturbed, f"after killing a {victim}"
+            gauges = wait_idle(stack)
+            assert gauges.get("natsllm:num_engines", 0) >= 1 and not any(
+                value for name, value in gauges.items() if name != "natsllm:num_engines"), gauges
+        assert stack.process.poll() is None
+    finally:
+        code, _, left = stack.stop()
+    assert code == 0 and left == []

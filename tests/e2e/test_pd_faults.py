@@ -4,8 +4,9 @@ Request ids tell the faults which requests they hit: every chunk of a chat reque
 ("chatcmpl-...") is dropped, the release of a completion's second prompt ("...-1-0") is
 lost, a completion's third prompt ("...-2-0") transfers slowly, and the decode worker's push
 of the end of the load of a prompt's fourth sample ("...-0-3") is lost. Each case ends with
-the same text as an undisturbed run (by recomputing the prompt on the decode engine) or a
-clear error, and with nothing held on either engine.
+the same text as an undisturbed run (by recomputing the prompt on the decode engine, or,
+when the decode scheduler dies, by resuming the requests through a prefill engine), and
+with nothing held on either engine.
 """
 
 from __future__ import annotations
@@ -118,28 +119,25 @@ def test_killing_the_prefill_worker_mid_transfer_costs_a_recompute(pd_stack, smo
     wait_until(lambda: kv_idle(pd_stack), 30, "KV blocks left over")
 
 
-def test_killing_the_decode_scheduler_fails_its_streams_with_a_clear_error_within_seconds(pd_stack, smollm_tokenizer):
+def test_killing_the_decode_scheduler_costs_no_text(pd_stack, smollm_tokenizer):
+    """The decode engine holds every stream when its scheduler dies: the gateway sees the
+    restarted (or silent) decode engine and sends each request again with the tokens its
+    client has; a prefill engine recomputes them and hands them off again (or decodes them
+    itself), and every stream ends with the text of an undisturbed run."""
     prompts = [smollm_tokenizer.encode(q) for q in ("Write a long story.", "Describe a city.", "List animals.")]
-
-    async def timed(coro):
-        outcome = await coro
-        return outcome, time.monotonic()
+    max_tokens = 40
 
     async def run_and_kill():
         started = [asyncio.Event() for _ in prompts]
-        body = {**BODY, "max_tokens": 400}
+        body = {**BODY, "max_tokens": max_tokens}
         async with httpx.AsyncClient(base_url=pd_stack.base_url, timeout=180) as http:
-            tasks = [asyncio.ensure_future(timed(stream_or_error(http, "/v1/completions", {"prompt": p, **body}, e)))
+            tasks = [asyncio.ensure_future(stream_or_error(http, "/v1/completions", {"prompt": p, **body}, e))
                      for p, e in zip(prompts, started)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
             await asyncio.sleep(1.0)  # every stream's first token is out: the decode engine holds them
-            killed_at = time.monotonic()
             pd_stack.supervisor.kill("decode-0-scheduler")
-            return await asyncio.gather(*tasks), killed_at
+            return await asyncio.gather(*tasks)
 
-    results, killed_at = asyncio.run(run_and_kill())
-    errors = [(outcome, ended) for outcome, ended in results if isinstance(outcome, dict)]
-    assert errors, results
-    assert all(e["code"] == "engine_lost" and "decode-0" in e["message"] for e, _ in errors), errors
-    assert max(ended for _, ended in errors) - killed_at < 10
+    texts = asyncio.run(run_and_kill())
+    assert texts == run_all(pd_stack, prompts, max_tokens=max_tokens)
     wait_until(lambda: kv_idle(pd_stack), 120, "not idle again after the decode scheduler's restart")

@@ -17,6 +17,10 @@ attempt: a tokenizer that died), ``GHOST`` (queued by engine "ghost", which
 never sends stats), a word of ``SCRIPTS`` (the output is that script's tokens: a model's
 tool calls, say). Other requests are queued by engine ``FAKE_ENGINE_ID`` under
 the fake's current ``incarnation`` (a test changes it to play a restarted scheduler).
+Token ``j`` of an output has id ``j``. A resumed sample (``TokenizeRequest.resumed``: its
+engine was lost) goes on from the tokens its client has, to the end of its text (``HANG``,
+``FAIL`` and ``GHOST`` play only the first engine), on engine ``FAKE_ENGINE_ID``; with
+``NORESUME`` in the prompt no engine takes it again (503).
 Chat messages are checked and normalised as the real tokenizer does; a refused one
 is not recorded. Each ``TokenizeRequest`` (one prompt, its n samples) is recorded in
 ``prompts`` and each of its samples in ``requests`` (a ``Sample``: the request's fields
@@ -89,6 +93,7 @@ class Sample:
     request_id: str
     sampling_params: SamplingParams
     prompt_request: TokenizeRequest
+    output_token_ids: list[int] | None = None  # resumed: the tokens its client has
 
     def __getattr__(self, name):
         return getattr(self.prompt_request, name)
@@ -187,8 +192,12 @@ class FakeEngine(Service):
                 await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(error=e.error)))
                 return
         self.prompts.append(request)
-        samples = [Sample(request_id, request.sampling_params.for_choice(i), request)
-                   for i, request_id in enumerate(request.request_ids)]
+        if request.resumed:
+            samples = [Sample(request_id, request.sampling_params.for_choice(r.choice), request, r.output_token_ids)
+                       for request_id, r in zip(request.request_ids, request.resumed)]
+        else:
+            samples = [Sample(request_id, request.sampling_params.for_choice(i), request)
+                       for i, request_id in enumerate(request.request_ids)]
         self.requests.extend(samples)
         await self._notify()
         self.spawn(self._serve(msg, request, samples))
@@ -198,7 +207,9 @@ class FakeEngine(Service):
         num_prompt_tokens = len(words) + 3
         if "SILENT" in words:
             return
-        if "SILENTONCE" in words and sum(r.request_ids == request.request_ids for r in self.prompts) == 1:
+        first_attempt = [r.request_ids[0].split(".r")[0] for r in self.prompts].count(
+            request.request_ids[0].split(".r")[0]) == 1
+        if "SILENTONCE" in words and first_attempt:
             return
         if "REJECT" in words:
             await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(error=REJECTION)))
@@ -220,6 +231,12 @@ class FakeEngine(Service):
 
     def _queue(self, sample: Sample, words: list[str]) -> EngineRequestReply:
         """The "scheduler's" answer for one sample."""
+        if sample.output_token_ids is not None:
+            if "NORESUME" in words:
+                error = ErrorInfo("engine fake is not ready (waiting for its workers)", type="service_unavailable",
+                                  status=503)
+                return EngineRequestReply(sample.request_id, error)
+            return EngineRequestReply(sample.request_id, engine_id=FAKE_ENGINE_ID, incarnation=self.incarnation)
         if "REJECTSECOND" in words and sample.request_id.endswith("-1"):
             return EngineRequestReply(sample.request_id, REJECTION)
         if "BUSY" in words:
@@ -260,7 +277,8 @@ class FakeEngine(Service):
         texts = list(tokens)
         finish = FinishReason.STOP
         error = ""
-        if "HANG" in words or "FAIL" in words or "GHOST" in words:
+        resumed = request.output_token_ids is not None
+        if not resumed and ("HANG" in words or "FAIL" in words or "GHOST" in words):
             tokens, texts = tokens[:2], texts[:2]
             finish = FinishReason.NONE
             error = "the engine failed: FAIL" if "FAIL" in words else ""
@@ -278,7 +296,7 @@ class FakeEngine(Service):
                     break
                 text += token
         deltas = []
-        offset = 0
+        offset = len(request.output_token_ids) if resumed else 0
         sizes = [1, 2] * len(tokens)
         while offset < len(tokens):
             size = min(sizes.pop(), len(tokens) - offset)
@@ -288,7 +306,7 @@ class FakeEngine(Service):
             deltas.append(
                 StreamDelta(
                     request.request_id, offset, size, "".join(texts[offset : offset + size]),
-                    num_prompt_tokens=num_prompt_tokens, logprobs=logprobs,
+                    num_prompt_tokens=num_prompt_tokens, logprobs=logprobs, token_ids=list(range(offset, offset + size)),
                 )
             )
             offset += size
@@ -298,5 +316,6 @@ class FakeEngine(Service):
             deltas[-1] = StreamDelta(
                 request.request_id, deltas[-1].token_offset, deltas[-1].num_tokens, deltas[-1].text, finish,
                 num_prompt_tokens=num_prompt_tokens, num_cached_tokens=2, logprobs=deltas[-1].logprobs,
+                token_ids=deltas[-1].token_ids,
             )
         return deltas

@@ -1,9 +1,12 @@
-"""Requests never wait out the request timeout for an engine that is gone: a restarted
-scheduler (new incarnation) or a silent one fails its open requests at once with 503,
-and a stream whose tokens stop flowing ends after ``stream_idle_timeout``."""
+"""Requests never wait out the request timeout for an engine that is gone: the requests of a
+restarted scheduler (new incarnation) or a silent one resume on an engine that is there,
+from the tokens their clients have, under a new request id; one no engine takes within
+``engine_resume_timeout`` ends with 503, and a stream whose tokens stop flowing ends
+after ``stream_idle_timeout``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -29,7 +32,22 @@ async def stream_events(http: httpx.AsyncClient, prompt: str) -> tuple[list[dict
     return events, time.monotonic() - first
 
 
-async def test_restarted_scheduler_fails_its_requests_at_once(gateway, fake, http):
+@contextlib.asynccontextmanager
+async def own_gateway(nats_server, **config):
+    """A gateway of its own with these settings, ready, and a client of it; afterwards it
+    holds no stream."""
+    async with GatewayServer(gateway_config(**config), nats_url=nats_server.url) as server:
+        await until_engine_ready(server)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
+            yield server, http
+        assert server.gateway.streams == {}
+
+
+def streamed_text(events: list[dict]) -> str:
+    return "".join(e["choices"][0]["text"] for e in events if "choices" in e)
+
+
+async def test_a_restarted_schedulers_requests_resume_where_their_clients_are(gateway, fake, http):
     async def restart_soon():
         await fake.wait_for(lambda: fake.requests_with("restart"))
         fake.incarnation = "fake-2"
@@ -38,42 +56,71 @@ async def test_restarted_scheduler_fails_its_requests_at_once(gateway, fake, htt
     task = gateway.gateway.spawn(restart_soon())
     events, _ = await stream_events(http, "HANG restart")
     await task
-    assert events[0]["choices"][0]["text"].startswith("[HANG]")
-    error = events[-1]["error"]
-    assert error["code"] == "engine_lost" and "restarted" in error["message"]
-    [request] = fake.requests_with("restart")
-    await fake.wait_for(lambda: request.request_id in fake.aborted)
+    assert "error" not in events[-1], events[-1]
+    # The two tokens the lost engine sent, then the rest from the engine that took it over: whole, none twice.
+    assert streamed_text(events) == expected_text("HANG")
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    first, resumed = fake.requests_with("restart")
+    assert resumed.request_id == first.request_id + ".r1" and resumed.output_token_ids == [0, 1]
+    await fake.wait_for(lambda: first.request_id in fake.aborted)  # the old id, should its engine be alive
     # The new incarnation serves new requests.
     r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "after", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "[after] The quick"
 
 
-async def test_silent_engine_fails_its_requests(nats_server, fake):
-    config = gateway_config(engine_heartbeat_timeout=1.0)
-    async with GatewayServer(config, nats_url=nats_server.url) as server:
-        await until_engine_ready(server)
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
-            start = time.monotonic()
-            events, _ = await stream_events(http, "GHOST silent")
-            assert time.monotonic() - start < 5
-            error = events[-1]["error"]
-            assert error["code"] == "engine_lost" and "no heartbeat" in error["message"]
-            # The fake engine, which does send stats, keeps its requests.
-            r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "alive", "max_tokens": 2})
-            assert r.status_code == 200
-        assert server.gateway.streams == {}
+async def test_a_silent_engines_requests_resume_elsewhere(nats_server, fake):
+    async with own_gateway(nats_server, engine_heartbeat_timeout=1.0) as (_, http):
+        start = time.monotonic()
+        events, _ = await stream_events(http, "GHOST silent")
+        assert time.monotonic() - start < 5
+        assert streamed_text(events) == expected_text("GHOST")
+        [_, resumed] = fake.requests_with("silent")
+        assert resumed.output_token_ids == [0, 1]
+        assert b"natsllm:requests_resumed_total" in (await http.get("/metrics")).content
+
+
+async def test_a_request_no_engine_takes_again_ends_with_engine_lost(nats_server, fake):
+    """Engine "ghost" goes silent and no engine takes its request again (503 each time):
+    the stream ends with 503 engine_lost once ``engine_resume_timeout`` has passed."""
+    async with own_gateway(nats_server, engine_heartbeat_timeout=1.0, engine_resume_timeout=1.0) as (_, http):
+        start = time.monotonic()
+        events, _ = await stream_events(http, "GHOST NORESUME")
+        assert time.monotonic() - start < 6
+        error = events[-1]["error"]
+        assert error["code"] == "engine_lost" and "no heartbeat" in error["message"]
+        assert "no engine took its request again within 1s" in error["message"]
+        attempts = fake.requests_with("NORESUME")
+        assert len(attempts) >= 3 and all(a.output_token_ids == [0, 1] for a in attempts[1:])
+        # Every abandoned attempt is aborted (the last by the closing request).
+        await fake.wait_for(lambda: all(a.request_id in fake.aborted for a in attempts))
+        # The fake engine, which does send stats, keeps its requests.
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "alive", "max_tokens": 2})
+        assert r.status_code == 200
+
+
+async def test_a_request_no_engine_can_take_waits_for_one_while_engines_were_ready_lately(nats_server, fake):
+    """The fake engine said it is ready, yet no engine takes this request (503: its
+    scheduler is restarting, say): the request waits for one as a resumed request does,
+    and ends with 503 once ``engine_resume_timeout`` has passed without one."""
+    async with own_gateway(nats_server, engine_resume_timeout=1.0) as (_, http):
+        start = time.monotonic()
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "UNAVAILABLE NORESUME now"})
+        assert 1.0 <= time.monotonic() - start < 5
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert "no scheduler is available" in r.json()["error"]["message"]
+        assert len(fake.requests_with("UNAVAILABLE")) >= 3  # asked again meanwhile
+        # One that an engine takes on a later try ends whole.
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "UNAVAILABLE later"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text("UNAVAILABLE")
 
 
 async def test_stream_idle_timeout(nats_server, fake):
-    config = gateway_config(stream_idle_timeout=0.5)
-    async with GatewayServer(config, nats_url=nats_server.url) as server:
-        await until_engine_ready(server)
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
-            events, idle = await stream_events(http, "HANG idle")
-            assert events[-1]["error"]["type"] == "timeout" and "no output for 0.5s" in events[-1]["error"]["message"]
-            assert 0.4 < idle < 5
-            r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "HANG idle2"})
-            assert r.status_code == 504 and "no output" in r.json()["error"]["message"]
+    async with own_gateway(nats_server, stream_idle_timeout=0.5) as (_, http):
+        events, idle = await stream_events(http, "HANG idle")
+        assert events[-1]["error"]["type"] == "timeout" and "no output for 0.5s" in events[-1]["error"]["message"]
+        assert 0.4 < idle < 5
+        r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "HANG idle2"})
+        assert r.status_code == 504 and "no output" in r.json()["error"]["message"]
 
 
 async def test_a_lost_delta_is_sent_again_and_the_text_is_whole(gateway, fake, http):

@@ -73,11 +73,11 @@ async def test_timeouts_abort(nats_server, fake):
             r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "SILENT tokenizer"})
             assert r.status_code == 504
             assert r.json()["error"]["message"] == "the tokenizer service did not answer within 0.3s"
-            # Asked twice (a dead replica is retried), by the same id; the tokenizer may
-            # have handed it to an engine after all.
+            # Asked twice (a dead replica is retried), the second time under a new id: the
+            # tokenizer may have handed the first to an engine after all, so both are aborted.
             first, retry = fake.requests_with("SILENT")
-            assert first.request_id == retry.request_id
-            await fake.wait_for(lambda: first.request_id in fake.aborted)
+            assert retry.request_id == first.request_id + ".r1"
+            await fake.wait_for(lambda: first.request_id in fake.aborted and retry.request_id in fake.aborted)
             # A replica that took the request and never answered (it died): the retry reaches one that does.
             r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "SILENTONCE retried", "max_tokens": 2})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "[SILENTONCE] The"

@@ -33,8 +33,11 @@ def make_batch(
     block_size: int = 16,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    window: int | None = None,
 ) -> PagedBatch:
-    """Random caches, blocks handed out in shuffled order, garbage past each table's end."""
+    """Random caches, blocks handed out in shuffled order, garbage past each table's end
+    and, with a sliding ``window``, garbage for the blocks wholly before each request's
+    first query's window (as a kernel must never read them)."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
     blocks_needed = [-(-s // block_size) for s in seq_lens]
@@ -47,6 +50,10 @@ def make_batch(
     for i, n in enumerate(blocks_needed):
         block_tables[i, :n] = order[used : used + n]
         used += n
+    if window is not None:
+        for i, context in enumerate(context_lens):
+            skipped = max(context - window + 1, 0) // block_size
+            block_tables[i, :skipped] = torch.randint(num_blocks + 1, num_blocks + 100, (skipped,), generator=gen)
     new_positions = [torch.arange(c, s) for c, s in zip(context_lens, seq_lens)]
     slot_mapping = torch.cat([
         block_tables[i, p // block_size] * block_size + p % block_size for i, p in enumerate(new_positions)
@@ -64,20 +71,25 @@ def make_batch(
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            sliding_window=window,
         ),
         scale=head_dim**-0.5,
     )
 
 
 def dense_attention(batch: PagedBatch) -> torch.Tensor:
-    """Per request: unpage K/V position by position, causal softmax attention in float64."""
+    """Per request: unpage K/V position by position, causal (and windowed) softmax attention
+    in float64."""
     num_heads = batch.query.shape[1]
     block_size, num_kv_heads = batch.key_cache.shape[1], batch.key_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty(batch.query.shape, dtype=torch.float64, device=DEVICE)
     starts = batch.attn.query_start_loc.tolist()
+    window = batch.attn.sliding_window
     for i, seq_len in enumerate(batch.attn.seq_lens.tolist()):
-        positions = torch.arange(seq_len, device=DEVICE)
+        num_queries = starts[i + 1] - starts[i]
+        first = 0 if window is None else max(seq_len - num_queries - window + 1, 0)
+        positions = torch.arange(first, seq_len, device=DEVICE)
         blocks = batch.attn.block_tables[i, positions // block_size].long()
         k = batch.key_cache[blocks, positions % block_size].double()  # [S, kvh, hd]
         v = batch.value_cache[blocks, positions % block_size].double()
@@ -85,6 +97,8 @@ def dense_attention(batch: PagedBatch) -> torch.Tensor:
         q = batch.query[starts[i] : starts[i + 1]].double()  # [Lq, nh, hd]
         q_positions = seq_len - q.shape[0] + torch.arange(q.shape[0], device=DEVICE)
         visible = positions[None, :] <= q_positions[:, None]  # [Lq, S]
+        if window is not None:
+            visible &= positions[None, :] > q_positions[:, None] - window
         for h in range(num_heads):  # one head at a time keeps long prefills small
             scores = (q[:, h] @ k[:, h].T) * batch.scale
             scores = scores.masked_fill(~visible, float("-inf"))

@@ -68,3 +68,19 @@ def test_triton_head_dim_not_power_of_two(num_splits):
         *batch.args(), out=poisoned_out(batch.query), num_splits=num_splits
     )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [5, 16, 70, 1000])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_triton_with_a_sliding_window_matches_dense_attention(window, num_splits):
+    # The blocks wholly before each request's window hold garbage (out-of-range) ids: the
+    # kernel must neither read nor load them; windows narrower than a tile, a tile, wider.
+    from tests.kernels.paged_batch import dense_attention
+
+    query_lens, context_lens = mixed_lens(seed=window)
+    batch = make_batch(query_lens, context_lens, 6, 2, 64, block_size=8, seed=9, window=window)
+    out = paged_attention_triton(*batch.args(), out=poisoned_out(batch.query), num_splits=num_splits)
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+    decodes = make_batch([1] * 5, [0, 15, 16, 17, 200], 8, 1, 128, block_size=16, seed=10, window=window)
+    out = paged_attention_triton(*decodes.args(), out=poisoned_out(decodes.query), num_splits=num_splits)
+    torch.testing.assert_close(out.double(), dense_attention(decodes), rtol=1e-5, atol=1e-5)

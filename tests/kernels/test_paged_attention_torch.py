@@ -213,6 +213,46 @@ def test_short_queries_run_through_the_c_kernel_one_decode_per_token(shape, monk
     assert seq_lens.tolist()[:7] == [1, 16, 17, 18, 19, 20, 30]
 
 
+# ------------------------------------------------------------------ sliding windows
+
+# Windows shorter than a block, one block exactly, spanning blocks, and wider than every
+# context (no effect); the blocks wholly before each window hold garbage ids.
+WINDOWS = [5, 16, 23, 1000]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_reference_with_a_sliding_window_matches_dense_attention(window):
+    query_lens, context_lens = mixed_lens(seed=window)
+    batch = make_batch(query_lens, context_lens, 6, 2, 64, block_size=8, seed=11, window=window)
+    out = paged_attention_ref(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+    decodes = make_batch([1] * 5, [0, 15, 16, 17, 90], 6, 2, 64, block_size=8, seed=12, window=window)
+    out = paged_attention_ref(*decodes.args(), out=poisoned_out(decodes.query))
+    torch.testing.assert_close(out.double(), dense_attention(decodes), rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_changes_the_result():
+    # Guards the test above: the window really hides keys there.
+    batch = make_batch([1, 9], [40, 30], 6, 2, 64, block_size=8, seed=13, window=16)
+    full = make_batch([1, 9], [40, 30], 6, 2, 64, block_size=8, seed=13)
+    assert not torch.allclose(dense_attention(batch), dense_attention(full), atol=1e-3)
+
+
+@needs_c_kernel
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_c_kernel_with_a_sliding_window_matches_dense_attention(window, shape, cpu_isa):
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        batch = make_batch([1] * 6, [0, 15, 16, 17, 40, 300], *shape, block_size=8, dtype=dtype, seed=14,
+                           window=window)
+        out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+        torch.testing.assert_close(out.double(), dense_attention(batch), rtol=tol, atol=tol)
+    # Short queries: one decode per query token, each with its own window.
+    batch = make_batch([1, 5, 3, 1, 17], [0, 15, 29, 40, 300], *shape, block_size=8, seed=15, window=window)
+    out = paged_attention_cpu(*batch.args(), out=poisoned_out(batch.query))
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------ batch invariance
 
 

@@ -55,7 +55,7 @@ def make_router(url: str, mode: str = "kv") -> TokenizerService:
 
 
 def held(service: SchedulerService) -> set[bytes]:
-    return set(service.scheduler.kv_cache_manager.block_pool.cached_blocks)
+    return set(service.scheduler.kv_cache_manager.block_pool.announced_hashes())
 
 
 def index_matches(router: TokenizerService, engine: SchedulerService) -> bool:

@@ -81,13 +81,15 @@ def test_removed_events_merge_and_a_reset_clears():
     assert recorder.take() == [AllBlocksCleared()]
 
 
-def test_a_consumer_applying_the_events_holds_exactly_the_pools_cached_hashes():
+@pytest.mark.parametrize("sliding_windows", [(0,), (0, 6)])
+def test_a_consumer_applying_the_events_holds_exactly_the_pools_cached_hashes(sliding_windows):
     """A random workload with shared prefixes on a small pool (evictions, preemptions): after
-    every step the index built from the events equals the pool's cached hashes."""
+    every step the index built from the events equals the pool's cached hashes (with a
+    sliding-window group beside the full one, group 0's: the other group's are not told)."""
     rng = random.Random(3)
     recorder = KVEventRecorder(BS)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32), CacheConfig(block_size=BS), 24, 96,
-                      kv_events=recorder)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=32), CacheConfig(block_size=BS), 24 * len(sliding_windows),
+                      96, kv_events=recorder, sliding_windows=sliding_windows)
     index = PrefixIndex()
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice((4, 8, 12)))] for _ in range(5)]
     num_removed = 0
@@ -100,9 +102,10 @@ def test_a_consumer_applying_the_events_holds_exactly_the_pools_cached_hashes():
         num_removed += sum(len(e.block_hashes) for e in events if isinstance(e, BlockRemoved))
         index.apply("e", events)
         pool = sched.kv_cache_manager.block_pool
-        assert index.num_held("e") == len(pool.cached_blocks)
-        assert all(index.match("e", [h]) == 1 for h in pool.cached_blocks)
+        assert index.num_held("e") == len(pool.announced_hashes())
+        assert all(index.match("e", [h]) == 1 for h in pool.announced_hashes())
     assert num_removed > 50  # the pool was small: hashes were evicted all along
+    assert len(pool.announced_hashes()) < len(pool.cached_blocks) or len(sliding_windows) == 1
 
 
 class _Bus:
@@ -141,7 +144,7 @@ def test_publisher_numbers_batches_replays_them_and_dumps_in_pages():
     first = publisher.dump(KVCacheDumpRequest())
     assert first.seq == 5 and first.total == DUMP_PAGE_BLOCKS + 10 and len(first.block_hashes) == DUMP_PAGE_BLOCKS
     rest = publisher.dump(KVCacheDumpRequest(first.snapshot, DUMP_PAGE_BLOCKS))
-    assert set(first.block_hashes + rest.block_hashes) == set(pool.cached_blocks)
+    assert set(first.block_hashes + rest.block_hashes) == set(pool.announced_hashes())
     assert publisher.dump(KVCacheDumpRequest("gone", 0)).error
 
 

@@ -36,4 +36,4 @@ def test_no_prefix_cache_hit_for_a_request_that_wants_them():
     again = Request("again", list(range(12)), SamplingParams(), block_size=4)
     assert manager.get_computed_blocks(again)[1] == 8
     wanting = Request("wanting", list(range(12)), SamplingParams(prompt_logprobs=1), block_size=4)
-    assert manager.get_computed_blocks(wanting) == ([], 0)
+    assert manager.get_computed_blocks(wanting) == ([[]], 0)

@@ -88,11 +88,11 @@ def test_new_blocks_are_sent_as_a_diff():
     sched = make_scheduler()
     sched.add_request(make_request("a", 4))
     out, _ = run_step(sched)
-    assert out.scheduled_new_reqs[0].block_ids == [0]
+    assert out.scheduled_new_reqs[0].block_ids == [[0]]  # one KV cache group
     out, _ = run_step(sched)  # 5th token needs a second block
-    assert out.scheduled_cached_reqs.new_block_ids == [[1]]
+    assert out.scheduled_cached_reqs.new_block_ids == [[[1]]]
     out, _ = run_step(sched)
-    assert out.scheduled_cached_reqs.new_block_ids == [[]]
+    assert out.scheduled_cached_reqs.new_block_ids == [[[]]]
 
 
 def test_preemption_takes_the_last_admitted_and_recomputes_it():

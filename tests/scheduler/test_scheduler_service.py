@@ -77,9 +77,18 @@ class FakeWorker:
         self.lengths: dict[str, int] = {}
         self.beating = True
         self.answering = True
-        # Steps it answers before it dies by itself (None: no such limit), so a test's
-        # death does not race a fast machine finishing the request first.
-        self.steps_before_death: int | None = None
+        # Faults of the bus: steps lost on their way here (from the next one on), results
+        # lost on their way back; after a lost step the later ones are dropped until a
+        # reset step, as a real worker does (services/worker/step_order.py).
+        self.lose_steps = 0
+        self.lose_results = 0
+        self.gap = False
+        self._fault = None  # (steps answered, what to do then): see after_steps
+
+    def after_steps(self, count: int, fault) -> None:
+        """Call ``fault()`` once this worker has answered ``count`` more steps: a fault at
+        a known point of a request, however fast the steps run on a loaded machine."""
+        self._fault = (len(self.steps) + count, fault)
 
     async def start(self):
         await self.nc.subscribe(engine_step_subject(self.engine_id), cb=self.on_step)
@@ -92,14 +101,18 @@ class FakeWorker:
             await asyncio.sleep(0.2)
 
     async def on_step(self, msg):
+        step = SCHEDULER_OUTPUT.decode(msg.data)
+        if self.lose_steps:
+            self.lose_steps -= 1
+            self.gap = True
+            return
+        if self.gap and not step.reset_state:
+            return
+        self.gap = False
+        # Its progress, in its heartbeats (a step it does not answer runs forever).
+        self.ready.step_incarnation, self.ready.running_step_id = step.incarnation, step.step_id
         if not self.answering:
             return
-        if self.steps_before_death is not None:
-            if self.steps_before_death == 0:
-                self.beating = self.answering = False
-                return
-            self.steps_before_death -= 1
-        step = SCHEDULER_OUTPUT.decode(msg.data)
         self.steps.append(step)
         if step.reset_state:
             self.computed.clear()
@@ -120,7 +133,14 @@ class FakeWorker:
             # Reported as the forward pass, the way a profiling worker reports its phases.
             out.timings = [time.perf_counter() - start if p == "forward" else 0.0 for p in WORKER_PHASES]
         self.answered_at[step.step_id] = time.monotonic()
-        await self.nc.publish(engine_result_subject(self.engine_id), MODEL_RUNNER_OUTPUT.encode(out))
+        if self.lose_results:
+            self.lose_results -= 1
+        else:
+            await self.nc.publish(engine_result_subject(self.engine_id), MODEL_RUNNER_OUTPUT.encode(out))
+        self.ready.last_step_id, self.ready.running_step_id = step.step_id, 0
+        if self._fault is not None and len(self.steps) >= self._fault[0]:
+            fault, self._fault = self._fault[1], None
+            fault()
 
 
 @contextlib.asynccontextmanager
@@ -278,11 +298,14 @@ async def test_a_silent_worker_keeps_requests_until_it_is_back_then_resumes_them
     service, nc, outputs = bus
     worker = await ready_worker(service, nc)
     worker.steps.clear()
-    # A long request is running when the worker dies, after its fourth step.
-    worker.steps_before_death = 4
+    # A long request is running when the worker dies (at its 4th step: the fake worker
+    # runs the request's 236 tokens within a poll of a loaded machine).
+
+    def die():
+        worker.beating = worker.answering = False
+
+    worker.after_steps(4, die)
     assert await submit(nc, "long", max_tokens=10_000) is None
-    await wait_for(lambda: not worker.beating)
-    worker.steps_before_death = None
     await wait_for(lambda: not service.ready)
     assert [r.request_id for r in service.recovery.resumable] == ["long"]
     error = await submit(nc, "after")
@@ -303,6 +326,45 @@ async def test_a_silent_worker_keeps_requests_until_it_is_back_then_resumes_them
     [sent] = resume.scheduled_new_reqs
     assert sent.req_id == "long" and len(sent.output_token_ids) >= 3 and sent.num_computed_tokens == 0
     assert await submit(nc, "again") is None
+    worker.task.cancel()
+
+
+@pytest.mark.parametrize("fault", ["step", "result"])
+async def test_a_step_or_result_lost_on_the_bus_costs_a_resync_not_the_step_timeout(bus, fault):
+    """A NATS node that dies takes what it held with it: a step on its way to the worker,
+    or the result on its way back. The worker's heartbeats show it idle and behind (or
+    done with a step whose result never came): within seconds the scheduler starts over
+    on the same worker, and the request goes on at the token where its output stopped."""
+    service, nc, outputs = bus
+    worker = await ready_worker(service, nc)
+    lost_after = []  # the steps the worker had answered when the fault struck
+
+    def lose():
+        lost_after.append(len(worker.steps))
+        if fault == "step":
+            worker.lose_steps = 1
+        else:
+            worker.lose_results = 1
+
+    worker.after_steps(4, lose)
+    assert await submit(nc, "long", max_tokens=10_000) is None
+    await wait_for(lambda: lost_after)
+    start = time.monotonic()
+    await wait_for(lambda: service.num_lost_steps == 1, timeout=8)
+    assert time.monotonic() - start < 5  # not the 60 s step timeout
+    await wait_for(lambda: any(s.reset_state for s in worker.steps[lost_after[0]:]))
+    reset = next(s for s in worker.steps[lost_after[0]:] if s.reset_state)
+    [sent] = reset.scheduled_new_reqs
+    assert sent.req_id == "long" and sent.num_computed_tokens == 0 and sent.output_token_ids
+    assert worker.ready.instance_id == service.workers.members[0].instance_id  # the same worker: not retired
+    # Outputs go on one token after another: none twice, none missing.
+    ends = []
+    while len(ends) < 30:
+        out = await asyncio.wait_for(outputs.get(), 10)
+        assert out.request_id == "long" and out.finish_reason == FinishReason.NONE
+        ends.append(out.window_offset + len(out.window_token_ids))
+    assert ends == list(range(ends[0], ends[0] + 30)), ends
+    assert service.num_lost_steps == 1
     worker.task.cancel()
 
 

@@ -68,7 +68,7 @@ def test_drafts_are_scheduled_as_extra_tokens_and_rejected_ones_rolled_back():
 
     out = sched.schedule()
     assert out.scheduled_cached_reqs.num_computed_tokens == [8]
-    assert out.scheduled_cached_reqs.new_block_ids == [[out.scheduled_cached_reqs.new_block_ids[0][0]]]
+    assert out.scheduled_cached_reqs.new_block_ids == [[[out.scheduled_cached_reqs.new_block_ids[0][0][0]]]]
     answer(sched, out, lambda r, s: [1, 1, 1, 1])  # every draft accepted, plus one
     assert request.num_tokens == 13 and request.num_computed_tokens == 12
     assert sched.spec_decode_stats.num_accepted_tokens_per_pos == [2, 1, 1]

@@ -26,7 +26,7 @@ def random_q4_k(rows: int, cols: int, rng) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K"])
 def test_kept_blocks_dequantize_to_gguf_values(type_name):
     rng = np.random.default_rng(0)
     qtype = gguf.GGMLQuantizationType[type_name]
@@ -35,7 +35,7 @@ def test_kept_blocks_dequantize_to_gguf_values(type_name):
     else:
         data = gguf.quants.quantize(rng.standard_normal((ROWS, COLS)).astype(np.float32), qtype)
     kept = quantized_from_gguf(data, type_name, COLS)
-    assert kept.bits == (8 if type_name == "Q8_0" else 4)
+    assert kept.bits == (8 if type_name in ("Q8_0", "Q5_0") else 4)
     assert kept.shape == (ROWS, COLS)
     expected = torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(ROWS, COLS))
     assert torch.equal(dequantized(kept), expected)

@@ -10,7 +10,7 @@ from shared.protocol import SamplingParams
 
 
 def make_state(req_id, n):
-    return CachedRequestState(req_id, list(range(n)), n, SamplingParams(), [n, n + 1], 0, None)
+    return CachedRequestState(req_id, list(range(n)), n, SamplingParams(), [[n, n + 1]], 0, None)
 
 
 def test_condense_moves_last_rows_into_holes():
@@ -25,7 +25,7 @@ def test_condense_moves_last_rows_into_holes():
     assert batch.num_tokens[:2].tolist() == [6, 4]
     assert batch.token_ids[0, :6].tolist() == list(range(6))
     assert batch.block_table[0, :2].tolist() == [6, 7]
-    batch.append_block_ids(1, [9])
+    batch.append_block_ids(1, [[9]])
     assert batch.block_table[1, :3].tolist() == [4, 5, 9] and batch.num_blocks[1] == 3
     batch.append_token(1, 42)
     assert batch.token_ids[1, 4] == 42 and batch.num_tokens[1] == 5
@@ -43,7 +43,7 @@ def test_condense_of_trailing_holes_only_shrinks():
 
 def add(batch, req_id, params, prompt=(1, 2), output=(), eos=None):
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-    state = CachedRequestState(req_id, list(prompt) + list(output), len(prompt), params, [0], 0, eos,
+    state = CachedRequestState(req_id, list(prompt) + list(output), len(prompt), params, [[0]], 0, eos,
                                generator=generator, output_token_ids=list(output))
     batch.add_request(state)
     return state
@@ -93,7 +93,7 @@ def test_the_metadata_of_every_row_is_reused_until_a_row_changes():
     batch.add_request(make_state("r0", 3))
     first = batch.make_sampling_metadata(np.arange(1))
     assert batch.make_sampling_metadata(np.arange(1)) is first
-    batch.add_request(CachedRequestState("r1", [1, 2], 2, SamplingParams(temperature=0.5), [3], 0, None))
+    batch.add_request(CachedRequestState("r1", [1, 2], 2, SamplingParams(temperature=0.5), [[3]], 0, None))
     second = batch.make_sampling_metadata(np.arange(2))
     assert second is not first and second.temperature.tolist() == [1.0, 0.5]
     batch.remove_request("r1")
@@ -101,6 +101,6 @@ def test_the_metadata_of_every_row_is_reused_until_a_row_changes():
     third = batch.make_sampling_metadata(np.arange(1))
     assert third is not second and len(third.temperature) == 1
     # Penalties read each step's output ids: never reused.
-    batch.add_request(CachedRequestState("r2", [1, 2], 2, SamplingParams(presence_penalty=0.5), [3], 0, None))
+    batch.add_request(CachedRequestState("r2", [1, 2], 2, SamplingParams(presence_penalty=0.5), [[3]], 0, None))
     rows = np.arange(batch.num_reqs)
     assert batch.make_sampling_metadata(rows) is not batch.make_sampling_metadata(rows)

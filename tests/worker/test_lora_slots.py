@@ -78,9 +78,9 @@ def test_tokens_get_their_requests_slots(slots, loras):
 def test_detach_restores_the_plain_projections(tiny_llama):
     worker = tiny_llama[0]
     attn = worker.model.layers[0].self_attn
-    before = attn.qkv_proj
+    before = attn.qkv_proj.proj
     slots = LoRASlots(worker.model, worker.model_config, LoRAConfig(enable_lora=True), torch.device("cpu"),
                       torch.float32)
-    assert attn.qkv_proj is not before
+    assert attn.qkv_proj.proj is not before
     slots.detach()
-    assert attn.qkv_proj is before
+    assert attn.qkv_proj.proj is before

@@ -101,9 +101,9 @@ def test_default_model_weights_take_at_most_1_5x_the_gguf_file(int4_worker, smol
     model = int4_worker.model
     assert model.num_quantized() == 4 * model.config.num_hidden_layers + 1  # + the tied embedding / LM head
     assert model.weight_bytes() <= 1.5 * os.path.getsize(smollm_path)
-    assert model.layers[0].self_attn.qkv_weight.numel() == 0 and model.embed_weight.numel() == 0
+    assert model.layers[0].self_attn.qkv_proj.weight.numel() == 0 and model.embed_tokens.weight.numel() == 0
     # The layers' int4 matrices only as tiles where the kernel reads them (no second copy).
-    kept = model.layers[0].mlp.quantized["down_weight"]
+    kept = model.layers[0].mlp.down_proj.quantized
     assert isinstance(kept, WeightTiles) == int8_activations.tiles_available()
 
 
@@ -117,8 +117,7 @@ def exact_products(monkeypatch):
 
 def test_int4_greedy_on_the_exact_path_agrees_with_the_float_model(int4_rows_worker, float_outputs, exact_products):
     model = int4_rows_worker.model
-    assert all(not isinstance(t, WeightTiles) for layer in model.layers for m in (layer.self_attn, layer.mlp)
-               for t in m.quantized.values())
+    assert all(not isinstance(m.quantized, WeightTiles) for m in model.modules() if hasattr(m, "quantized"))
     assert per_token_agreement(int4_rows_worker, *float_outputs) >= 0.98
 
 
@@ -139,7 +138,7 @@ def test_int4_greedy_over_a_bfloat16_kv_cache_agrees_with_the_float_model_on_90_
 
 
 def test_int8_greedy_agrees_with_the_float_model_on_90_percent_of_tokens(int8_worker, float_outputs):
-    assert int8_worker.model.layers[0].mlp.quantized["gate_up_weight"].bits == 8
+    assert int8_worker.model.layers[0].mlp.gate_up_proj.quantized.bits == 8
     # Quantized weights take the float32 C kernels (RMSNorm, SiLU-and-mul): measured with them.
     assert int8_worker.ops is get_kernel_ops("torch", float32_hf_order=False, batch_invariant=True)
     assert per_token_agreement(int8_worker, *float_outputs) >= 0.90
@@ -154,16 +153,17 @@ def test_quantized_logits_are_the_float_models_up_to_summation_order(int4_rows_w
 
 def test_quantized_embedding_rows_are_the_float_models(int4_worker, int4_rows_worker, smollm_worker):
     """Looked up in the row layout or unpacked from the LM head's tiles (tied): the same values."""
-    assert isinstance(int4_worker.model.quantized["embed_weight"], WeightTiles) == int8_activations.tiles_available()
+    assert isinstance(int4_worker.model.embed_tokens.quantized, WeightTiles) == int8_activations.tiles_available()
     ids = torch.tensor([0, 17, 49151, 17])
     for worker in (int4_worker, int4_rows_worker):
-        torch.testing.assert_close(worker.model.embed(ids), smollm_worker.model.embed(ids), atol=0, rtol=0)
+        torch.testing.assert_close(worker.model.embed_tokens(ids, torch.float32), smollm_worker.model.embed_tokens(ids, torch.float32),
+                                   atol=0, rtol=0)
 
 
 def test_lora_adds_its_delta_to_a_quantized_projection(int4_worker):
-    """LoRA wraps the projection it finds: on a quantized one it adds the same delta."""
+    """LoRA wraps the product it finds: on a quantized one it adds the same delta."""
     layer = int4_worker.model.layers[2].self_attn
-    base = layer.qkv_proj
+    base = layer.qkv_proj.proj
     int4_worker.use_lora(LoRAConfig(enable_lora=True, max_loras=1, max_lora_rank=8))
     try:
         slots = int4_worker.lora
@@ -184,7 +184,7 @@ def test_lora_adds_its_delta_to_a_quantized_projection(int4_worker):
         torch.testing.assert_close(layer.qkv_proj(x), want, atol=1e-4, rtol=1e-4)
     finally:
         int4_worker.use_lora(LoRAConfig())
-    assert layer.qkv_proj is base
+    assert layer.qkv_proj.proj is base
 
 
 def test_quantization_none_keeps_nothing_quantized(smollm_worker):
@@ -221,6 +221,6 @@ def test_a_fused_matrix_with_a_part_not_kept_is_dequantized_whole(smollm_path):
         p = "model.layers.0.self_attn."
         want = torch.cat([weights.load(f"{p}{key}_proj.weight") for key in "qkv"])
     attn = model.layers[0].self_attn
-    assert "qkv_weight" not in attn.quantized and "o_weight" in attn.quantized
-    assert torch.equal(attn.qkv_weight, want)
-    assert "qkv_weight" in model.layers[1].self_attn.quantized
+    assert attn.qkv_proj.quantized is None and attn.o_proj.quantized is not None
+    assert torch.equal(attn.qkv_proj.weight, want)
+    assert model.layers[1].self_attn.qkv_proj.quantized is not None

@@ -11,7 +11,7 @@ import pytest
 
 from kernels.sampling import apply_min_p, apply_top_k_top_p, filtered_probs_ref
 from services.worker.input_batch import CachedRequestState, InputBatch
-from services.worker.sampler import Sampler, apply_penalties
+from services.worker.sampler import Sampler, apply_penalties, skip_draws
 from shared.protocol import SamplingParams
 from tests.chi_square import draws_pvalue
 
@@ -21,7 +21,7 @@ _req_ids = itertools.count()
 
 def state(params, prompt=(1, 2), output=(), eos=None):
     gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-    return CachedRequestState(f"r{next(_req_ids)}", list(prompt) + list(output), len(prompt), params, [], 0, eos,
+    return CachedRequestState(f"r{next(_req_ids)}", list(prompt) + list(output), len(prompt), params, [[]], 0, eos,
                               generator=gen, output_token_ids=list(output))
 
 
@@ -119,6 +119,21 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     batch_logits = torch.cat([torch.randn(2, 1000), logits, torch.randn(1, 1000)])
     mixed, _ = sample(batch_logits, [state(other), state(other), state(params), state(other)], seed=99)
     assert mixed[2].item() == alone[0]
+
+
+def test_a_seeded_request_resumed_elsewhere_draws_what_it_would_have_drawn():
+    """Its generator skips the draws of the tokens it brings: token k of a request
+    resumed after k tokens is the token k an undisturbed run samples (same logits)."""
+    torch.manual_seed(2)
+    steps = [torch.randn(1, 1000) for _ in range(6)]
+    params = SamplingParams(temperature=1.0, seed=77)
+    undisturbed = state(params)
+    tokens = [sample(logits, [undisturbed])[0].item() for logits in steps]
+    resumed = state(params, output=tokens[:4])
+    skip_draws(resumed.generator, 4, "cpu")
+    assert [sample(logits, [resumed])[0].item() for logits in steps[4:]] == tokens[4:]
+    fresh = state(params, output=tokens[:4])  # without the skip: the first token's uniform again
+    assert [sample(logits, [fresh])[0].item() for logits in steps[4:]] != tokens[4:]
 
 
 def test_logprobs_are_raw_log_softmax_with_rank():

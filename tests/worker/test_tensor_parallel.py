@@ -213,12 +213,12 @@ def test_rank_shards_reassemble_the_checkpoint(tmp_path, num_heads, num_kv_heads
     single = LlamaForCausalLM(cfg, ops=get_kernel_ops("torch"))
     for m in shards:
         attn, mlp = m.layers[0].self_attn, m.layers[0].mlp
-        assert attn.qkv_weight.shape == ((nh // tp + 2 * kv_per_rank) * hd, cfg.hidden_size)
-        assert attn.o_weight.shape == (cfg.hidden_size, nh // tp * hd)
-        assert mlp.gate_up_weight.shape == (2 * cfg.intermediate_size // tp, cfg.hidden_size)
-        assert mlp.down_weight.shape == (cfg.hidden_size, cfg.intermediate_size // tp)
-        assert m.embed_weight.shape == (vocab_rows, cfg.hidden_size)
-        assert (m.lm_head is None) == tie
+        assert attn.qkv_proj.weight.shape == ((nh // tp + 2 * kv_per_rank) * hd, cfg.hidden_size)
+        assert attn.o_proj.weight.shape == (cfg.hidden_size, nh // tp * hd)
+        assert mlp.gate_up_proj.weight.shape == (2 * cfg.intermediate_size // tp, cfg.hidden_size)
+        assert mlp.down_proj.weight.shape == (cfg.hidden_size, cfg.intermediate_size // tp)
+        assert m.embed_tokens.weight.shape == (vocab_rows, cfg.hidden_size)
+        assert (m.lm_head.weight is None) == tie
         sharded = sum(p.numel() for n, p in m.named_parameters() if "norm" not in n)
         full_sharded = sum(p.numel() for n, p in single.named_parameters() if "norm" not in n)
         kv_extra = 0 if nkv >= tp else cfg.num_hidden_layers * 2 * hd * cfg.hidden_size * (tp - nkv) / tp
@@ -226,7 +226,7 @@ def test_rank_shards_reassemble_the_checkpoint(tmp_path, num_heads, num_kv_heads
         assert sharded == pytest.approx(full_sharded / tp + kv_extra + pad)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        qkv = [m.layers[i].self_attn.qkv_weight for m in shards]
+        qkv = [m.layers[i].self_attn.qkv_proj.weight for m in shards]
         q_rows = nh // tp * hd
         kv_rows = kv_per_rank * hd
         torch.testing.assert_close(torch.cat([w[:q_rows] for w in qkv]), full[p + "self_attn.q_proj.weight"], rtol=0, atol=0)
@@ -242,24 +242,24 @@ def test_rank_shards_reassemble_the_checkpoint(tmp_path, num_heads, num_kv_heads
                     assert kv_head == r * nkv // tp
                     torch.testing.assert_close(part, want[kv_head * hd : (kv_head + 1) * hd], rtol=0, atol=0)
         torch.testing.assert_close(
-            torch.cat([m.layers[i].self_attn.o_weight for m in shards], dim=1), full[p + "self_attn.o_proj.weight"],
+            torch.cat([m.layers[i].self_attn.o_proj.weight for m in shards], dim=1), full[p + "self_attn.o_proj.weight"],
             rtol=0, atol=0,
         )
         inter = cfg.intermediate_size // tp
-        gate_up = [m.layers[i].mlp.gate_up_weight for m in shards]
+        gate_up = [m.layers[i].mlp.gate_up_proj.weight for m in shards]
         torch.testing.assert_close(torch.cat([w[:inter] for w in gate_up]), full[p + "mlp.gate_proj.weight"], rtol=0, atol=0)
         torch.testing.assert_close(torch.cat([w[inter:] for w in gate_up]), full[p + "mlp.up_proj.weight"], rtol=0, atol=0)
         torch.testing.assert_close(
-            torch.cat([m.layers[i].mlp.down_weight for m in shards], dim=1), full[p + "mlp.down_proj.weight"],
+            torch.cat([m.layers[i].mlp.down_proj.weight for m in shards], dim=1), full[p + "mlp.down_proj.weight"],
             rtol=0, atol=0,
         )
         for m in shards:
-            torch.testing.assert_close(m.layers[i].input_norm, full[p + "input_layernorm.weight"], rtol=0, atol=0)
-    embed = torch.cat([m.embed_weight for m in shards])
+            torch.testing.assert_close(m.layers[i].input_layernorm.weight, full[p + "input_layernorm.weight"], rtol=0, atol=0)
+    embed = torch.cat([m.embed_tokens.weight for m in shards])
     torch.testing.assert_close(embed[:VOCAB], full["model.embed_tokens.weight"], rtol=0, atol=0)
     assert not embed[VOCAB:].any()
     if not tie:
-        head = torch.cat([m.lm_head for m in shards])
+        head = torch.cat([m.lm_head.weight for m in shards])
         torch.testing.assert_close(head[:VOCAB], full["lm_head.weight"], rtol=0, atol=0)
         assert not head[VOCAB:].any()
 
@@ -307,8 +307,8 @@ def check_against_tp1(model_dir: Path, world_size: int, tmp_path: Path) -> None:
         assert result["kv_block_bytes"] * nkv == single["kv_block_bytes"] * kv_per_rank
         assert result["num_params"] < single["num_params"]
         shapes = result["param_shapes"]
-        assert shapes["layers.0.mlp.down_weight"] == [cfg.hidden_size, cfg.intermediate_size // world_size]
-        assert shapes["embed_weight"] == [math.ceil(VOCAB / world_size), cfg.hidden_size]
+        assert shapes["layers.0.mlp.down_proj.weight"] == [cfg.hidden_size, cfg.intermediate_size // world_size]
+        assert shapes["embed_tokens.weight"] == [math.ceil(VOCAB / world_size), cfg.hidden_size]
 
 
 def test_tp2_split_kv_heads_equals_tp1(tmp_path):
@@ -319,6 +319,53 @@ def test_tp2_split_kv_heads_equals_tp1(tmp_path):
 def test_tp4_replicated_kv_heads_equals_tp1(tmp_path):
     """8 query heads, 2 KV heads on 4 ranks: ranks 0-1 keep KV head 0, ranks 2-3 KV head 1."""
     check_against_tp1(tiny_model(tmp_path / "m", 8, 2, tie=True), 4, tmp_path)
+
+
+# --------------------------------------------------------------------------- other families
+
+
+FAMILY_PROMPT_LENGTHS = [5, 30, 61, 100]  # past the tiny models' 24-token windows
+
+
+def family_greedy(runner) -> dict:
+    from services.engine import Engine
+    from tests.tiny_models import VOCAB as FAMILY_VOCAB
+
+    gen = torch.Generator().manual_seed(5)
+    family_prompts = [torch.randint(3, FAMILY_VOCAB, (n,), generator=gen).tolist() for n in FAMILY_PROMPT_LENGTHS]
+    engine = Engine(cache_config=CacheConfig(num_gpu_blocks=runner.num_blocks), scheduler_config=SCHED, worker=runner)
+    results = engine.generate(family_prompts, GREEDY)
+    return {"prompts": family_prompts, "tokens": [r.token_ids for r in results],
+            "kv_shape": list(runner.kv_caches[0][0].shape)}
+
+
+def _family_rank_main(rank: int, world_size: int, init_method: str, model_dir: str, out_dir: str) -> None:
+    def compute():
+        from services.worker.model_runner import ModelRunner
+
+        runner = ModelRunner(
+            ModelRunConfig(model=model_dir, kernel_backend="torch", device="cpu", dtype="float32",
+                           quantization="none", seed=7),
+            CacheConfig(num_gpu_blocks=128), SCHED, ParallelConfig(world_size, rank, init_method))
+        return family_greedy(runner)
+
+    write_rank_result(out_dir, rank, compute)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "qwen2", "qwen3_moe"])
+def test_tp2_model_families_equal_transformers(arch, tmp_path):
+    """Gemma 3 (sliding and global KV cache groups), Phi-3 (q/k/v and gate/up cut out of its
+    fused checkpoint tensors per rank), Qwen2 (q/k/v biases) and Qwen3-MoE (every expert on
+    every rank with its slice of the intermediate size): 4 heads, 2 KV heads on 2 ranks,
+    greedy equal to transformers past the sliding window."""
+    from tests.tiny_models import make_tiny_model
+
+    folder = make_tiny_model(arch, tmp_path / "m", seed=3)
+    ranks = run_ranks(folder, 2, tmp_path, _family_rank_main)
+    assert ranks[0]["tokens"] == ranks[1]["tokens"]
+    assert ranks[0]["kv_shape"][2] == 1  # one of the two KV heads on each rank
+    refs = hf_greedy(load_hf_model_from_folder(folder), ranks[0]["prompts"], NUM_TOKENS, stop_at_eos=False)
+    assert_greedy_matches(ranks[0]["tokens"], refs, NUM_TOKENS)
 
 
 # --------------------------------------------------------------------------- batch invariance

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 
-from shared.config import KVOffloadConfig
+from shared.config import ConfigError, KVOffloadConfig
 from shared.kv_transfer_faults import KVTransferFaults
 
 from ..kv_transfer.load_reports import LoadReports
@@ -31,7 +31,12 @@ TIMED_PREFILL_TOKENS = 256
 def build_offloading_worker(runner, config: KVOffloadConfig, reports: LoadReports,
                             faults: KVTransferFaults = KVTransferFaults()) -> tuple[OffloadingConnectorWorker, str]:
     """The connector for ``runner``'s KV cache (on the forward thread: it times a prefill),
-    and this rank's disk namespace ("" without a disk tier)."""
+    and this rank's disk namespace ("" without a disk tier). A model with sliding-window
+    attention (KV cache groups) is refused: a tier's unit is a run of one block table's blocks."""
+    if runner.kv_layout.is_hybrid:
+        raise ConfigError(f"kv_offloading_size: the host and disk KV tiers hold one block table per request; "
+                          f"{runner.model_path} has sliding-window attention (KV cache groups), which they do not "
+                          "support")
     world_size, rank = runner.tp.world_size, runner.rank
     unit_blocks = config.unit_blocks(runner.block_size)
     cfg = runner.model_config

@@ -1,7 +1,7 @@
 """A PEFT LoRA adapter folder (``shared/lora.py``) or GGUF LoRA file (``gguf_adapter.py``)
 read into A/B matrices laid out for our fused projections.
 
-Our model fuses q/k/v into one projection and gate/up into another (``models/llama.py``),
+Our model fuses q/k/v into one projection and gate/up into another (``layers/linear.py``),
 so an adapter is stored per layer and *fused* projection: the sub-modules' A matrices
 stacked (each padded to ``max_rank`` rows) and their B matrices block-diagonal, with the
 scaling folded into B. One shrink ``x @ A.T`` and one expand ``h @ B.T`` then give each

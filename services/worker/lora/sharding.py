@@ -1,6 +1,6 @@
 """LoRA under tensor parallelism: this rank's part of each fused projection's A and B.
 
-As vLLM shards them (and as ``models/llama.py`` shards the base weights):
+As vLLM shards them (and as ``layers/linear.py`` shards the base weights):
 
 - column-parallel qkv and gate_up: the rank computes only its output columns, so A
   stays whole and B keeps the rows of those columns (its q, k and v heads; its gate and

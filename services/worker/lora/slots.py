@@ -27,16 +27,12 @@ from shared.model_config import ModelConfig
 from shared.protocol import LoRARequest
 
 from .adapter import LoRAAdapter, load_lora_adapter
-from ..models.llama import RowParallel
 from .batched import LoRABatch, add_lora
 from .sharding import LoRAShard
 
 logger = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 60.0
-# Model attribute of each fused projection: (sub-module of a decoder layer, linear attribute).
-_PROJECTION_ATTRS = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"),
-                     "gate_up": ("mlp", "gate_up_proj"), "down": ("mlp", "down_proj")}
 
 AdapterKey = tuple[str, str]  # (lora_name, lora_path): a name loaded again from elsewhere is new
 
@@ -81,18 +77,14 @@ class LoRASlots:
     # ------------------------------------------------------------------ the model's hook
 
     def _wrap_projections(self, model) -> None:
-        for layer, a_by_proj, b_by_proj in zip(model.layers, self.a_slots, self.b_slots):
-            for projection, (module_name, attr) in _PROJECTION_ATTRS.items():
-                module = getattr(layer, module_name)
-                base = getattr(module, attr)
-                self._originals.append((module, attr, base))
-                a_slots, b_slots = a_by_proj[projection], b_by_proj[projection]
-                out_splits = self.shard.out_splits[projection]
-                if isinstance(base, RowParallel):  # the delta joins the partial sum before the all-reduce
-                    wrapped = RowParallel(self._with_lora(base.linear, a_slots, b_slots, out_splits), base.all_reduce)
-                else:
-                    wrapped = self._with_lora(base, a_slots, b_slots, out_splits)
-                setattr(module, attr, wrapped)
+        """Wrap each target layer's local product (``proj``): a row-parallel layer's delta
+        joins its partial sum before the all-reduce."""
+        for targets, a_by_proj, b_by_proj in zip(model.lora_targets(), self.a_slots, self.b_slots):
+            for projection, layer in targets.items():
+                base = layer.proj
+                self._originals.append((layer, "proj", base))
+                layer.proj = self._with_lora(base, a_by_proj[projection], b_by_proj[projection],
+                                             self.shard.out_splits[projection])
 
     def _with_lora(self, base, a_slots: torch.Tensor, b_slots: torch.Tensor, out_splits: tuple[int, ...]):
         def linear(x: torch.Tensor) -> torch.Tensor:
