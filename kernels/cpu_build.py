@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch  # imported before any kernel library: it loads the OpenMP runtime they use
 
+from shared import startup
+
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
@@ -164,6 +166,7 @@ def load_library(name: str) -> ctypes.CDLL | None:
     target = cache_dir() / f"{name}-{key}.so"
     try:
         if not (target.exists() and _trusted(target)):
+            startup.phase(f"compiling CPU kernel {name}")
             _build(source, compiler, flags, target)
         return ctypes.CDLL(str(target))
     except subprocess.CalledProcessError as exc:

@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # before torch loads libgomp
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import ROOT  # noqa: E402  (bench puts the checkout first on the path)
 
 MODES = ("on", "off")
 
@@ -103,7 +102,7 @@ def served(repeats: int) -> dict:
                 subprocess.run(bench + at + ["--num-prompts", "64", "--no-warmup", "--result-file", str(result)],
                                cwd=ROOT, check=True, capture_output=True)
                 cpu = _cpu_of(pids) - cpu
-                metrics = json.loads(result.read_text())["metrics"]
+                metrics = json.loads(result.read_text())["results"]["metrics"]  # a bench.record.Record
                 tokens = 64 * 64
                 out[mode].append({"cpu_s": cpu, "output_tok_s": metrics["output_throughput"], "failed": metrics["failed"]})
                 print(f"served  {mode:3s} {tokens / cpu:6.1f} tokens per CPU-second of the stack, "

@@ -12,26 +12,29 @@ policies by running the script once per policy.
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench import record  # noqa: E402
+from bench.engines import engine as make_engine  # noqa: E402
 
 NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN = 8, 64, 32
 
 
 def main() -> None:
-    from services.engine import Engine
-    from shared.config import CacheConfig, SchedulerConfig
     from shared.protocol import SamplingParams
 
-    engine = Engine(scheduler_config=SchedulerConfig(max_num_seqs=16),
-                    cache_config=CacheConfig(cpu_kv_cache_gib=0.25, enable_prefix_caching=False))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Other flags go to the engine, as scripts/serve's.")
+    record.add_arguments(parser)
+    args, engine_flags = parser.parse_known_args()
+    engine = make_engine([*engine_flags, "--no-enable-prefix-caching"], max_num_seqs=16, cpu_kv_cache_gib=0.25)
     rng = random.Random(0)
     engine.generate([[rng.randrange(100, 40000) for _ in range(32)]], SamplingParams(max_tokens=4, temperature=0))
 
@@ -52,6 +55,10 @@ def main() -> None:
     policy = os.environ.get("OMP_WAIT_POLICY", "default")
     print(f"OMP_WAIT_POLICY={policy}: quiet {quiet:.1f} tok/s, beside a busy process {busy:.1f} tok/s "
           f"({busy / quiet:.2f}x), {os.cpu_count()} CPUs")
+    table = [{"OMP_WAIT_POLICY": policy, "quiet tok/s": quiet, "beside a busy process tok/s": busy,
+              "busy/quiet": busy / quiet}]
+    record.save(record.Record("cpu_contention", "cpu-contention", config={"engine_flags": engine_flags},
+                              results={"table": table}), args)
 
 
 if __name__ == "__main__":

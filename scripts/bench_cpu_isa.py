@@ -18,14 +18,12 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from kernels import cpu_build  # noqa: E402
-from kernels.paged_attention_torch import decode_attention_native  # noqa: E402
+from bench import record
+from kernels import cpu_build
+from kernels.paged_attention_torch import decode_attention_native
 
 LAYERS = 30
 
@@ -56,7 +54,9 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=180)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
                    help="query and KV cache dtype")
+    record.add_arguments(p)
     args = p.parse_args(argv)
+    table = []
     torch.set_num_threads(1)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     blocks_per_request = -(-args.context // block_size)
@@ -74,8 +74,12 @@ def main(argv=None) -> int:
         for isa in args.isas:
             ms, out, built = time_build(isa, query, caches, tables, lens)
             first = out if first is None else first
-            print(f"NATSLLM_CPU_ISA={isa:7s} ({built}): {ms:.3f} ms per layer, "
-                  f"max diff from the first: {(out.float() - first.float()).abs().max().item():.2e}")
+            diff = (out.float() - first.float()).abs().max().item()
+            table.append({"dtype": dtype, "NATSLLM_CPU_ISA": isa, "built for": built, "CPU ms per layer": ms,
+                          "max diff from the first": diff})
+            print(f"NATSLLM_CPU_ISA={isa:7s} ({built}): {ms:.3f} ms per layer, max diff from the first: {diff:.2e}")
+    config = {k: v for k, v in vars(args).items() if k not in ("record", "result_file")}
+    record.save(record.Record("cpu_isa", "cpu-isa", config=config, results={"table": table}), args)
     return 0
 
 

@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from kernels import AttentionMetadata, get_kernel_ops  # noqa: E402
+from bench import record
+from kernels import AttentionMetadata, get_kernel_ops
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, BLOCK = 576, 9, 3, 64, 1536, 16
 
@@ -39,6 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--context", type=int, default=151)
     p.add_argument("--calls", type=int, default=3000)
+    record.add_arguments(p)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     ops, dtype = get_kernel_ops("torch"), getattr(torch, args.dtype)
@@ -78,8 +77,12 @@ def main(argv=None) -> int:
         "SiLU-and-mul": lambda: ops.silu_and_mul(gate_up),
     }
     print(f"{args.dtype}, batch 1, SmolLM2-135M shapes, 1 thread: CPU us per call")
+    table = []
     for name, fn in rows.items():
-        print(f"| {name} | {per_call_us(fn, args.calls):.1f} |")
+        table.append({"call": name, "CPU us per call": per_call_us(fn, args.calls)})
+        print(f"| {name} | {table[-1]['CPU us per call']:.1f} |")
+    config = {k: v for k, v in vars(args).items() if k not in ("record", "result_file")}
+    record.save(record.Record("decode_glue", "decode-glue", config=config, results={"table": table}), args)
     return 0
 
 

@@ -16,12 +16,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-# Run as a plain script from anywhere: make the repository's packages importable.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench  # noqa: F401  (this checkout's kernels/ first on the path)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ CPU time (``time.process_time``), which a busy machine inflates less than wall t
 
     .venv/bin/python scripts/bench_lora.py [--num-prompts 32] [--ranks 8,16]
 
-The LAST line is one JSON object: {"rank": {"k": tok_s}} and the ratios.
+``--record`` / ``--result-file`` keep the tok/s and the ratios as a result record.
 
 ``--served`` measures a served stack instead: per rank, the same adapters are served as
 ``adapter-0`` .. ``adapter-(K-1)`` (K the largest k, 8) by a stack started like ``scripts/serve --enable-lora
@@ -37,16 +37,19 @@ import argparse
 import json
 import os
 import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+
+from bench import record  # noqa: E402
+from bench.client import served_model  # noqa: E402
+from bench.engines import engine as make_engine  # noqa: E402
+from bench.engines import stack  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -115,12 +118,10 @@ def bench_kernels(ranks: list[int], counts: list[int], token_counts: list[int], 
     return results
 
 
-def bench_served(args, ranks: list[int], counts: list[int]) -> dict[int, dict[int, float]]:
+def bench_served(args, ranks: list[int], counts: list[int], engine_flags: list[str]) -> dict[int, dict[int, float]]:
     """Output tok/s of a served stack per rank and number of distinct adapters (module docstring)."""
     import bench_serving
 
-    from services.launch.nats_server import free_port
-    from services.launch.stack import Stack, StackConfig
     from shared.model_config import default_model_path, load_model_config
 
     model_config = load_model_config(default_model_path())
@@ -129,19 +130,16 @@ def bench_served(args, ranks: list[int], counts: list[int]) -> dict[int, dict[in
         for rank in ranks:
             modules = [f"adapter-{i}={write_adapter(Path(tmp) / f'r{rank}-{i}', model_config, rank, i)}"
                        for i in range(max(counts))]
-            flags = ["--enable-lora", "--max-loras", str(max(max(counts), 1)), "--max-lora-rank", str(rank),
+            flags = [*engine_flags, "--enable-lora", "--max-loras", str(max(max(counts), 1)), "--max-lora-rank", str(rank),
                      "--max-num-seqs", str(args.concurrency)] + (["--lora-modules", " ".join(modules)] if modules else [])
-            stack = Stack(StackConfig(port=free_port(), args=flags, log_dir=None))
-            print(f"rank {rank}: scripts/serve --port {stack.config.port} {shlex.join(flags)}", flush=True)
-            try:
-                stack.start()
-                stack.wait_ready()
-                base = bench_serving.served_model(stack.base_url, "")
+            print(f"rank {rank}: scripts/serve {shlex.join(flags)}", flush=True)
+            with stack(flags) as running:
+                base = served_model(running.base_url)
                 results[rank] = {}
                 for k in counts:
                     names = [f"adapter-{i}" for i in range(k)] or [base]
                     metrics = bench_serving.run(bench_serving.parse_args([
-                        "--base-url", stack.base_url, "--models", ",".join(names), "--quiet",
+                        "--base-url", running.base_url, "--models", ",".join(names), "--quiet",
                         "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
                         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                         "--seed", str(k), "--label", f"rank {rank}, {k} adapter(s)"]))
@@ -151,13 +149,20 @@ def bench_served(args, ranks: list[int], counts: list[int]) -> dict[int, dict[in
                     results[rank][k] = metrics["output_throughput"]
                     print(f"rank {rank:3d}  {k} adapter(s): {results[rank][k]:8.1f} output tok/s "
                           f"({results[rank][k] / results[rank][counts[0]]:.2f}x of {counts[0]})", flush=True)
-            finally:
-                stack.stop()
     return results
 
 
+def ratio_table(results: dict[int, dict[int, float]], counts: list[int]) -> list[dict]:
+    """Per rank: the base's tok/s, and each number of adapters' tok/s over it."""
+    return [{"rank": rank, f"{counts[0]} adapters tok/s": by_k[counts[0]],
+             **{f"{k} adapter{'s' if k != 1 else ''}": v / by_k[counts[0]] for k, v in by_k.items() if k != counts[0]}}
+            for rank, by_k in results.items()]
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Other flags go to the engine (in-process) or the stack (--served), as "
+                                       "scripts/serve's.")
     p.add_argument("--kernels", action="store_true", help="time the LoRA delta alone, per method")
     p.add_argument("--served", action="store_true", help="measure a served stack (scripts/serve) over HTTP")
     p.add_argument("--concurrency", type=int, default=32, help="--served: requests in flight (and --max-num-seqs)")
@@ -173,7 +178,10 @@ def main(argv=None) -> None:
     p.add_argument("--ranks", default="8,16")
     p.add_argument("--adapters", default="0,1,4,8", help="numbers of distinct adapters to run")
     p.add_argument("--method", default=None, help="force a LoRA method of batched.METHODS (default: chosen per step)")
-    args = p.parse_args(argv)
+    record.add_arguments(p)
+    args, engine_flags = p.parse_known_args(argv)
+    config = {**{k: v for k, v in vars(args).items() if k not in ("record", "result_file")},
+              "engine_flags": engine_flags}
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.kernels:
@@ -181,22 +189,19 @@ def main(argv=None) -> None:
         results = bench_kernels([int(r) for r in args.ranks.split(",")], counts,
                                 [int(t) for t in args.tokens.split(",")], args.repeats, args.methods.split(","),
                                 getattr(torch, args.dtype), args.shuffle)
-        print(json.dumps({"us": results, "threads": torch.get_num_threads(), "dtype": args.dtype,
-                          "loadavg": os.getloadavg()}))
+        print(json.dumps({"us": results, "threads": torch.get_num_threads(), "dtype": args.dtype}))
+        record.save(record.Record("lora_kernels", "lora-kernels", config=config, results={"us": results}), args)
         return
 
     load_start = os.getloadavg()  # the machine may be shared: the figures say how busy it was
     counts = [int(k) for k in args.adapters.split(",")]
     ranks = [int(r) for r in args.ranks.split(",")]
     if args.served:
-        results = bench_served(args, ranks, counts)
-        ratios = {r: {k: v / by_k[counts[0]] for k, v in by_k.items()} for r, by_k in results.items()}
-        print(json.dumps({"tok_s": results, "ratio": ratios, "served": True, "concurrency": args.concurrency,
-                          "loadavg_start": load_start, "loadavg_end": os.getloadavg()}))
+        results = bench_served(args, ranks, counts, engine_flags)
+        record.save(record.Record("lora", "lora-served", config=config, results={
+            "table": ratio_table(results, counts), "tok_s": results, "load_average_at_start": load_start[0]}), args)
         return
 
-    from services.engine import Engine
-    from shared.config import CacheConfig, LoRAConfig, SchedulerConfig
     from shared.protocol import LoRARequest, SamplingParams
 
     gen = torch.Generator().manual_seed(0)
@@ -205,12 +210,11 @@ def main(argv=None) -> None:
     cpu_results: dict[int, dict[int, float]] = {}  # output tokens per second of process CPU time
     with tempfile.TemporaryDirectory() as tmp:
         for rank in ranks:
-            lora_config = LoRAConfig(enable_lora=True, max_loras=max(max(counts), 1), max_lora_rank=rank,
-                                     max_cpu_loras=max(max(counts), 1))
             need_blocks = args.num_prompts * ((args.input_len + args.output_len) // 16 + 2)
-            engine = Engine(cache_config=CacheConfig(num_gpu_blocks=need_blocks),
-                            scheduler_config=SchedulerConfig(max_num_seqs=args.num_prompts),
-                            lora_config=lora_config)
+            slots = str(max(max(counts), 1))
+            engine = make_engine([*engine_flags, "--enable-lora", "--max-loras", slots, "--max-lora-rank", str(rank),
+                                  "--max-cpu-loras", slots],
+                                 num_gpu_blocks=need_blocks, max_num_seqs=args.num_prompts)
             engine.worker.lora.method = args.method
             vocab = engine.model_config.vocab_size
             loras = [LoRARequest(f"r{rank}-{i}", str(write_adapter(Path(tmp) / f"r{rank}-{i}",
@@ -234,9 +238,10 @@ def main(argv=None) -> None:
                       flush=True)
     ratios = {r: {k: v / by_k[counts[0]] for k, v in by_k.items()} for r, by_k in results.items()}
     cpu_ratios = {r: {k: v / by_k[counts[0]] for k, v in by_k.items()} for r, by_k in cpu_results.items()}
-    print(json.dumps({"tok_s": results, "ratio": ratios, "tok_per_cpu_s": cpu_results, "cpu_ratio": cpu_ratios,
-                      "threads": torch.get_num_threads(),
-                      "method": args.method or "auto", "loadavg_start": load_start, "loadavg_end": os.getloadavg()}))
+    record.save(record.Record("lora", "lora-in-process", config=config, results={
+        "table": ratio_table(results, counts), "tok_s": results, "ratio": ratios, "tok_per_cpu_s": cpu_results,
+        "cpu_ratio": cpu_ratios, "threads": torch.get_num_threads(), "method": args.method or "auto",
+        "load_average_at_start": load_start[0]}), args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Offline throughput: our in-process engine against Hugging Face transformers ``generate``.
 
 Same weights (the GGUF file, dequantized to the same dtype by each side's own loader),
-same prompts (token ids of real text, from bench_common's seeded dataset), same output
+same prompts (token ids of real text, from the harness's seeded corpus), same output
 lengths (ours: ``max_tokens`` with ``ignore_eos``; HF: ``min_new_tokens`` =
 ``max_new_tokens``), greedy, same torch thread count. HF runs static batches of
 ``--hf-batch-size`` prompts (default: all at once) with left padding; ours gets all
@@ -11,16 +11,18 @@ Only generation is timed (not loading, not the warm-up), as output tokens / seco
 fresh engine each time, so its prefix cache carries nothing over), and reports the medians:
 on a shared machine one run of either side can move by 10%.
 
-    .venv/bin/python scripts/bench_offline.py [--num-prompts 32] [--output-len 128] [--repeats 1]
+    .venv/bin/python scripts/bench_offline.py [--num-prompts 32] [--output-len 128] [--repeats 1] \
+        [our engine's flags as scripts/serve's, e.g. --dtype float32 --no-cpu-prepack] [--record]
 
-Prints every run and the ratio of the medians; the LAST line is one JSON object with at
-least ``ours_tok_s``, ``hf_tok_s`` and ``ratio`` (medians), and each run's figures.
+Our engine is built from scripts/serve's flags (its defaults: ``--dtype auto``...), with a
+KV pool that holds every sequence and a batch of at least 32 unless the flags say otherwise.
+Prints every run and the ratio of the medians; the record (``--record`` / ``--result-file``)
+holds ``ours_tok_s``, ``hf_tok_s`` and ``ratio`` (medians) and each run's figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,19 +30,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench_common import make_dataset  # noqa: E402
+from bench import record as records  # noqa: E402
+from bench.corpus import default_encoder, make_dataset  # noqa: E402
+from bench.engines import engine, engine_configs  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="", help="GGUF file (default: the default model)")
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    """The benchmark's own flags, and the rest: our engine's, as scripts/serve takes them
+    (``--dtype``, ``--no-cpu-prepack``, ``--max-num-seqs``, ``--model``...)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Other flags go to our engine, as scripts/serve's (e.g. --dtype float32).")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128, help="mean prompt length in tokens")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per prompt")
@@ -48,22 +51,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, the same for both")
     p.add_argument("--hf-batch-size", type=int, default=0, help="HF static batch size (0: all prompts at once)")
-    p.add_argument("--max-num-seqs", type=int, default=0, help="our engine's batch cap (0: max(32, num prompts))")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="our engine's token budget per step")
-    p.add_argument("--dtype", default="auto", help="our engine's dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 dot products, else float32)")
-    p.add_argument("--cpu-prepack", action=argparse.BooleanOptionalAction, default=True,
-                   help="our engine's oneDNN-prepacked weights on CPU")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
-                   help="our engine's --batch-invariant (per-token attention, row-count-independent products)")
     p.add_argument("--hf-dtype", default="float32", help="HF's torch_dtype (float32: transformers' default)")
     p.add_argument("--only", choices=("both", "ours", "hf"), default="both")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--repeats", type=int, default=1, help="timed runs of each side, alternating; medians reported")
-    p.add_argument("--result-file", default=None, help="also write the JSON here")
-    args = p.parse_args(argv)
+    records.add_arguments(p)
+    args, engine_flags = p.parse_known_args(argv)
     if args.num_prompts < 1 or args.output_len < 1 or args.input_len < 1 or args.repeats < 1:
         p.error("--num-prompts, --input-len, --output-len and --repeats must be >= 1")
-    return args
+    return args, engine_flags
 
 
 def warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
@@ -72,33 +68,22 @@ def warmup_prompts(prompts: list[list[int]]) -> list[list[int]]:
     return [p[::-1] for p in prompts[:4]]
 
 
-def run_ours(model_path: str, prompts: list[list[int]], output_len: int, args) -> dict:
-    from services.engine import Engine
-    from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
+def run_ours(engine_flags: list[str], prompts: list[list[int]], output_len: int, args) -> dict:
     from shared.protocol import SamplingParams
 
-    n = len(prompts)
     # Every sequence's blocks fit at once, so nothing is ever preempted.
     need_blocks = sum((len(p) + output_len) // 16 + 2 for p in prompts)
     t0 = time.perf_counter()
-    engine = Engine(
-        run_config=ModelRunConfig(model=model_path, dtype=args.dtype, cpu_prepack=args.cpu_prepack,
-                                  batch_invariant=args.batch_invariant),
-        cache_config=CacheConfig(num_gpu_blocks=max(need_blocks, 256)),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs or max(32, n),
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        ),
-    )
+    ours = engine(engine_flags, num_gpu_blocks=max(need_blocks, 256), max_num_seqs=max(32, len(prompts)))
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     if not args.no_warmup:
-        engine.generate(warmup_prompts(prompts), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        ours.generate(warmup_prompts(prompts), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     t0 = time.perf_counter()
-    results = engine.generate(prompts, params)
+    results = ours.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     outputs = [r.token_ids for r in results]
-    return {"outputs": outputs, "seconds": elapsed, "load_s": load_s, "dtype": str(engine.worker.dtype) if hasattr(engine.worker, "dtype") else "float32"}
+    return {"outputs": outputs, "seconds": elapsed, "load_s": load_s, "dtype": str(ours.worker.dtype)}
 
 
 def run_hf(model_path: str, prompts: list[list[int]], output_len: int, args) -> dict:
@@ -162,19 +147,16 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args, engine_flags = parse_args(argv)
     import torch
 
     from shared.model_config import default_model_path
-    from shared.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
-    model_path = args.model or default_model_path()
-    tok = load_tokenizer(model_path)
-    dataset = make_dataset(
-        args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-        lambda s: tok.encode(s, add_special_tokens=False), tok.decode, seed=args.seed,
-    )
+    model_path = engine_configs(engine_flags)[0].model or default_model_path()
+    encode, decode, tok = default_encoder(model_path)
+    dataset = make_dataset(args.num_prompts, args.input_len, args.output_len, args.range_ratio, encode, decode,
+                           seed=args.seed)
     # The model's own specials (BOS where its tokenizer adds one) lead every prompt.
     bos = [tok.bos_token_id] if tok.add_bos_token and tok.bos_token_id is not None else []
     prompts = [bos + r.prompt_token_ids for r in dataset]
@@ -186,7 +168,7 @@ def main(argv=None) -> int:
     record: dict = {
         "model": Path(model_path).name, "num_prompts": len(prompts), "input_len": args.input_len,
         "prompt_tokens": sum(len(p) for p in prompts), "output_len": output_len, "threads": args.threads,
-        "ours_cpu_prepack": args.cpu_prepack, "hf_batch_size": args.hf_batch_size or len(prompts),
+        "engine_flags": engine_flags, "hf_batch_size": args.hf_batch_size or len(prompts),
     }
     ours = hf = None
     ours_runs: list[float] = []
@@ -194,7 +176,7 @@ def main(argv=None) -> int:
     hf_timed = hf_runner(model_path, prompts, output_len, args) if args.only in ("both", "hf") else None
     for _ in range(args.repeats):
         if args.only in ("both", "ours"):
-            ours = run_ours(model_path, prompts, output_len, args)
+            ours = run_ours(engine_flags, prompts, output_len, args)
             got = sum(len(o) for o in ours["outputs"])
             ours_runs.append(got / ours["seconds"])
             record.update(ours_output_tokens=got, ours_dtype=ours["dtype"], ours_load_s=ours["load_s"])
@@ -223,11 +205,12 @@ def main(argv=None) -> int:
               f"{lead:.0%} of tokens agree before the first difference", flush=True)
         if record["ours_output_tokens"] != n_out or record["hf_output_tokens"] != n_out:
             print(f"warning: expected {n_out} output tokens on each side", flush=True)
-    line = json.dumps(record)
-    if args.result_file:
-        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result_file).write_text(line + "\n")
-    print(line, flush=True)
+    table = [{"engine flags": " ".join(engine_flags) or "defaults", "ours tok/s (median)": record.get("ours_tok_s"),
+              "HF generate tok/s (median)": record.get("hf_tok_s"), "ours/HF": record.get("ratio"),
+              "runs": args.repeats}]
+    records.save(records.Record("offline", "offline-vs-hf", results={"table": table, **record},
+                                config={k: v for k, v in vars(args).items() if k not in ("record", "result_file")}),
+                 args)
     return 0
 
 

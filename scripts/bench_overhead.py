@@ -26,16 +26,15 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import nats
 
-import nats  # noqa: E402
+from bench import record
 
-from services.launch.nats_server import NatsServer  # noqa: E402
-from services.launch.stack import Stack, StackConfig  # noqa: E402
-from shared.bus import flush_in_order  # noqa: E402
-from shared.protocol import (  # noqa: E402
+from services.launch.nats_server import NatsServer
+from services.launch.stack import Stack, StackConfig
+from shared.bus import flush_in_order
+from shared.protocol import (
     ABORT_REQUEST,
     ENGINE_REQUEST,
     ENGINE_REQUEST_REPLY,
@@ -49,7 +48,7 @@ from shared.protocol import (  # noqa: E402
     engine_abort_subject,
     engine_profile_subject,
 )
-from shared.step_profile import WORKER_PHASES  # noqa: E402
+from shared.step_profile import WORKER_PHASES
 
 BENCH_GATEWAY = "bench"  # the gateway id the benchmark's requests (and their aborts) name
 # In the order a step goes through them.
@@ -102,7 +101,9 @@ async def main():
     async def echo(msg):
         await nc.publish("bench.echo.back", msg.data)
     await nc.subscribe("bench.echo", cb=echo)
-    await flush_in_order(nc)
+    # shared.bus.flush_in_order's two round trips (this process does not import the project)
+    await nc.flush()
+    await nc.flush()
     print("ready", flush=True)
     await asyncio.sleep(3600)
 asyncio.run(main())
@@ -178,8 +179,9 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="the requests' (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--json", help="also write the results here")
+    record.add_arguments(parser)
     args, engine_args = parser.parse_known_args()
+    given_flags = list(engine_args)
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     # Defaults first: flags given on the command line come later and win.
     engine_args = ["--max-num-seqs", str(max(args.batches)), "--num-gpu-blocks", "4096", *engine_args]
@@ -196,8 +198,12 @@ def main() -> int:
         finally:
             stack.stop()
     print_table(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict((str(b), r) for b, r in results), indent=2))
+    table = [{"batch": b, "step ms": r["median_step_ms"], "forward ms": r["median_ms"].get("forward"),
+              "not forward/sampling": f"{100 * r['overhead_share']:.1f}%"} for b, r in results]
+    config = {**{k: v for k, v in vars(args).items() if k not in ("record", "result_file")},
+              "engine_flags": given_flags}
+    record.save(record.Record("overhead", "step-overhead", config=config,
+                              results={"table": table, "by_batch": {str(b): r for b, r in results}}), args)
     return 0
 
 

@@ -8,7 +8,7 @@ arriving every ``--long-interval`` seconds (each asking for a few tokens). It re
 decoding streams' inter-token latency (p50 / p99 / max, over every gap between two of
 their tokens) and, for P/D, the KV transfer rate: bytes the decode engine pulled over the
 seconds from hand-off to loaded, summed over requests (queueing included), from its
-``EngineStats``. Prompts are real text (``bench_common.text_of_tokens``), seeded.
+``EngineStats``. Prompts are real text (the harness's corpus, ``bench.corpus``), seeded.
 
     .venv/bin/python scripts/bench_pd.py --streams 16 --output-len 96 --long-prompts 4 --long-len 2048
 
@@ -20,59 +20,49 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import httpx
+import nats
 
-import httpx  # noqa: E402
-import nats  # noqa: E402
-
-from bench_common import load_sentences, summarize, text_of_tokens  # noqa: E402
-from services.launch.nats_server import free_port  # noqa: E402
-from services.launch.stack import Stack, StackConfig  # noqa: E402
-from shared.model_config import default_model_path  # noqa: E402
-from shared.protocol import ENGINE_STATS, ENGINE_STATS_MSG  # noqa: E402
-from shared.tokenizer import load_tokenizer  # noqa: E402
+from bench import record
+from bench.client import send_request
+from bench.corpus import default_encoder, load_sentences, text_of_tokens
+from bench.engines import stack
+from bench.stats import summarize
+from shared.protocol import ENGINE_STATS, ENGINE_STATS_MSG
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
-async def stream_token_times(http: httpx.AsyncClient, prompt: list[int], max_tokens: int,
-                             first_token: asyncio.Event | None = None) -> list[float]:
-    """Arrival times of each streamed chunk with text (one per token on our engine)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
-    times = []
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                times.append(time.monotonic())
-                if first_token is not None:
-                    first_token.set()
-    return times
-
-
 async def run_load(base_url: str, streams: list[list[int]], long_prompts: list[list[int]], args) -> dict:
-    async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout) as http:
+    url = base_url + "/v1/completions"
+
+    def body(prompt: list[int], max_tokens: int) -> dict:
+        return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                "stream": True}
+
+    async with httpx.AsyncClient(timeout=args.timeout, trust_env=False) as http:
         started = [asyncio.Event() for _ in streams]
-        decoding = [asyncio.ensure_future(stream_token_times(http, p, args.output_len, e))
+        decoding = [asyncio.ensure_future(send_request(http, url, "completions", body(p, args.output_len), len(p),
+                                                       args.timeout, first_text=e))
                     for p, e in zip(streams, started)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), args.timeout)
         long_tasks = []
         for prompt in long_prompts:
-            long_tasks.append(asyncio.ensure_future(stream_token_times(http, prompt, 4)))
+            long_tasks.append(asyncio.ensure_future(send_request(http, url, "completions", body(prompt, 4),
+                                                                 len(prompt), args.timeout)))
             await asyncio.sleep(args.long_interval)
-        stream_times = await asyncio.gather(*decoding)
-        long_times = await asyncio.gather(*long_tasks)
-    gaps = [b - a for times in stream_times for a, b in zip(times, times[1:])]
-    return {"itl": summarize(gaps, (50, 99)), "tokens": sum(map(len, stream_times)),
-            "long_prompt_tokens": sum(map(len, long_times))}
+        decoded = await asyncio.gather(*decoding)
+        longs = await asyncio.gather(*long_tasks)
+    failed = [r.error for r in (*decoded, *longs) if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} request(s) failed: {failed[:3]}")
+    gaps = [gap for r in decoded for gap in r.itl]
+    return {"itl": summarize(gaps, (50, 99)), "tokens": sum(r.output_tokens for r in decoded),
+            "long_prompt_tokens": sum(r.output_tokens for r in longs)}
 
 
 async def decode_engine_stats(nats_url: str, credentials: dict, engine_id: str) -> dict:
@@ -89,22 +79,15 @@ async def decode_engine_stats(nats_url: str, credentials: dict, engine_id: str) 
 
 
 def run_stack(label: str, pd: bool, streams, long_prompts, args) -> dict:
-    config = StackConfig(port=free_port(), prefill_engines=int(pd), decode_engines=int(pd),
-                         args=["--cpu-kv-cache-gib", str(args.kv_gib), "--max-num-seqs", "32"],
-                         log_dir=args.log_dir)
-    stack = Stack(config)
-    stack.start()
-    try:
-        stack.wait_ready(timeout=600)
-        asyncio.run(run_load(stack.base_url, streams[:2], [], args))  # warm-up
-        result = asyncio.run(run_load(stack.base_url, streams, long_prompts, args))
+    flags = ["--cpu-kv-cache-gib", str(args.kv_gib), "--max-num-seqs", "32"]
+    with stack(flags, timeout=600, prefill_engines=int(pd), decode_engines=int(pd), log_dir=args.log_dir) as running:
+        asyncio.run(run_load(running.base_url, streams[:2], [], args))  # warm-up
+        result = asyncio.run(run_load(running.base_url, streams, long_prompts, args))
         if pd:
             time.sleep(1.5)  # the stats after the load
-            kv = asyncio.run(decode_engine_stats(stack.nats.url, stack.nats.credentials("admin"), "decode-0"))
+            kv = asyncio.run(decode_engine_stats(running.nats.url, running.nats.credentials("admin"), "decode-0"))
             result["kv_transfer"] = kv
             result["kv_gb_per_s"] = kv["bytes"] / kv["seconds"] / 1e9 if kv["seconds"] else float("nan")
-    finally:
-        stack.stop()
     print(f"{label}: ITL p50 {result['itl']['p50'] * 1000:.1f} ms, p99 {result['itl']['p99'] * 1000:.1f} ms, "
           f"max {result['itl']['max'] * 1000:.1f} ms" + (f", KV {result['kv_gb_per_s']:.3f} GB/s" if pd else ""),
           flush=True)
@@ -123,15 +106,14 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default=None)
-    parser.add_argument("--result-file", default=None)
+    record.add_arguments(parser)
     args = parser.parse_args()
-    tokenizer = load_tokenizer(default_model_path())
+    encode, decode, _ = default_encoder()
     rng = random.Random(args.seed)
     sentences = load_sentences()
 
     def prompt(n):
-        return text_of_tokens(rng, sentences, n, lambda t: tokenizer.encode(t, add_special_tokens=False),
-                              tokenizer.decode)[1]
+        return text_of_tokens(rng, sentences, n, encode, decode)[1]
 
     streams = [prompt(args.stream_len) for _ in range(args.streams)]
     long_prompts = [prompt(args.long_len) for _ in range(args.long_prompts)]
@@ -140,8 +122,13 @@ def main() -> int:
     p99 = results["pd"]["itl"]["p99"] / results["colocated"]["itl"]["p99"]
     print(f"p99 ITL P/D / colocated: {p99:.2f}")
     results["p99_itl_ratio_pd_over_colocated"] = p99
-    if args.result_file:
-        Path(args.result_file).write_text(json.dumps({"args": vars(args), **results}, indent=2))
+    table = [{"engines": name, "ITL p50 ms": r["itl"]["p50"] * 1000, "ITL p99 ms": r["itl"]["p99"] * 1000,
+              "ITL max ms": r["itl"]["max"] * 1000, "KV GB/s (hand-off to loaded)": r.get("kv_gb_per_s")}
+             for name, r in (("colocated, 1 engine", results["colocated"]), ("P/D, 1 prefill + 1 decode", results["pd"]))]
+    table.append({"engines": "P/D / colocated", **{k: table[1][k] / table[0][k] for k in
+                                                   ("ITL p50 ms", "ITL p99 ms", "ITL max ms")}})
+    config = {k: v for k, v in vars(args).items() if k not in ("record", "result_file", "log_dir")}
+    record.save(record.Record("pd", "pd", config=config, results={"table": table, **results}), args)
     return 0
 
 

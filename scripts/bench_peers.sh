@@ -41,6 +41,9 @@
 # stops it; then prints the CPU and its flags and, per sampling and client, a table of
 # our/peer ratios and the issue-29 targets, and writes every result as JSON under
 # --out/<sampling>-<client>/. Every server it starts is stopped on exit.
+# BENCH_RECORD=1 keeps the record of the first sampling and client's comparison (default
+# sampling, our client, unless --sampling / --clients say otherwise) under
+# docs/benchmarks/results/ (scripts/bench_summary.py draws its table and plots).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -265,7 +268,7 @@ main(parser.parse_args(sys.argv[1:]))
       --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --num-prompts "$n" \
       --max-concurrency "$c" --ignore-eos --seed "$seed" --num-warmups 1 "${sampling_args[@]}" \
       --disable-tqdm --save-result --result-dir "$(dirname "$raw")" --result-filename "$(basename "$raw")" \
-      && "$PY" scripts/bench_common.py from-vllm "$raw" "$result" "$peer"
+      && "$PY" scripts/bench_compare_peers.py --from-vllm "$raw" "$result" "$peer"
   fi
 }
 
@@ -293,13 +296,22 @@ for peer in $LABELS; do
 done
 
 echo
-echo "## $("$PY" -c "import sys; sys.path.insert(0, 'scripts'); from bench_common import describe_cpu; print(describe_cpu())")"
+# Per sampling and client: the table, the targets and one record of the comparison
+# (--out/<sampling>-<client>/summary.json); BENCH_RECORD=1 also keeps the first one's under
+# docs/benchmarks/results/, for scripts/bench_summary.py.
+QUESTION=serving-vs-peers
+if [ "${NATSLLM_CPU_ISA:-}" = avx2 ]; then QUESTION=serving-vs-peers-avx2; fi
+RECORD=${BENCH_RECORD:+--record}
 for sampling in $SAMPLING; do
   for client in $CLIENTS; do
     [ -d "$OUT/$sampling-$client" ] || continue
     echo
-    echo "## $sampling sampling, $client client: ours / peer (tok/s > 1: ours faster; TTFT, TPOT < 1: ours faster; medians)"
-    "$PY" scripts/bench_common.py compare "$OUT/$sampling-$client" "$OUT/$sampling-$client/summary.json"
+    echo "## $sampling sampling, $client client"
+    "$PY" scripts/bench_compare_peers.py "$OUT/$sampling-$client" --question "$QUESTION" \
+      --result-file "$OUT/$sampling-$client/summary.json" \
+      --command "scripts/bench_peers.sh --concurrency \"$CONCURRENCY\" --input-len $INPUT_LEN --output-len $OUTPUT_LEN --peers \"$PEERS\" --sampling $sampling --clients $client" \
+      $RECORD
+    RECORD=""
   done
 done
 log "results in $OUT"

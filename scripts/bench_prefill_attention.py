@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
+from bench.record import describe_cpu  # first: puts the checkout on the path
 
 import kernels.paged_attention_torch as attention  # noqa: E402
-from bench_common import describe_cpu  # noqa: E402
 from tests.kernels.paged_batch import make_batch  # noqa: E402
 
 # (label, query lengths, context lengths before them)

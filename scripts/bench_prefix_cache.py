@@ -1,7 +1,7 @@
 """Time to first token of a request that shares a long prefix with an earlier one.
 
 Starts the stack (or uses ``--base-url``), then for a few distinct ~1,000-token
-documents sends one streaming request (cold: the whole prompt is computed) and a
+documents (the harness's corpus, seeded per round) sends one streaming request (cold: the whole prompt is computed) and a
 second one with the same document and another question (warm: the document's
 blocks come from the prefix cache), and prints both TTFTs and their ratio.
 
@@ -11,64 +11,35 @@ blocks come from the prefix cache), and prints both TTFTs and their ratio.
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
+import contextlib
+import random
 import statistics
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import httpx  # noqa: E402
-
-from services.launch.nats_server import free_port  # noqa: E402
-from services.launch.stack import Stack, StackConfig  # noqa: E402
-from shared.model_config import default_model_path  # noqa: E402
-from shared.tokenizer import load_tokenizer  # noqa: E402
-
-SENTENCES = [
-    "The river bends twice before it reaches the old mill.",
-    "Engineers measured the bridge every spring for forty years.",
-    "A quiet library keeps maps of cities that no longer exist.",
-    "Wind turbines on the ridge turn slowly in the evening light.",
-    "The committee published its findings in a short report.",
-    "Farmers in the valley rotate barley, beans and clover.",
-    "An old lighthouse keeper wrote letters to passing ships.",
-    "Students compared the speed of sound in water and in air.",
-]
-
-
-def document(tokenizer, round_index: int, num_tokens: int) -> str:
-    parts, i = [f"Document {round_index}:"], round_index
-    while len(tokenizer.encode(" ".join(parts))) < num_tokens:
-        parts.append(SENTENCES[i % len(SENTENCES)])
-        i += 3
-    return " ".join(parts)
+from bench import record
+from bench.client import check_loopback_url, stream
+from bench.corpus import default_encoder, load_sentences, text_of_tokens
+from bench.engines import stack
 
 
 def ttft(base_url: str, model: str, content: str) -> float:
     body = {"model": model, "messages": [{"role": "user", "content": content}], "stream": True,
             "max_tokens": 4, "temperature": 0}
-    start = time.perf_counter()
-    first = None
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=600) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if first is None and line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                    first = time.perf_counter() - start
-    if first is None:
-        raise RuntimeError("no content in the stream")
-    return first
+    result = asyncio.run(stream(base_url, "/v1/chat/completions", body, timeout=600))
+    if not result.success:
+        raise RuntimeError(result.error)
+    return result.ttft
 
 
-def measure(base_url: str, model: str, prefix_tokens: int, rounds: int) -> list[tuple[float, float]]:
-    tokenizer = load_tokenizer(default_model_path())
+def measure(base_url: str, model: str, prefix_tokens: int, rounds: int, seed: int) -> list[tuple[float, float]]:
+    encode, decode, _ = default_encoder()
+    sentences = load_sentences()
     ttft(base_url, model, "warm up")
     pairs = []
     for r in range(rounds):
-        doc = document(tokenizer, r, prefix_tokens)
+        doc, _ = text_of_tokens(random.Random(seed + r), sentences, prefix_tokens, encode, decode)
+        doc = f"Document {r}: {doc}"
         cold = ttft(base_url, model, doc + "\n\nQuestion: what is this document about?")
         warm = ttft(base_url, model, doc + "\n\nQuestion: name one thing it mentions.")
         pairs.append((cold, warm))
@@ -78,26 +49,23 @@ def measure(base_url: str, model: str, prefix_tokens: int, rounds: int) -> list[
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", help="a running server; default: start our stack here")
+    parser.add_argument("--base-url", help="a running server (loopback); default: start our stack here")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--prefix-tokens", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    record.add_arguments(parser)
     args = parser.parse_args()
-    stack = None
-    base_url = args.base_url
-    if base_url is None:
-        stack = Stack(StackConfig(port=free_port(), log_dir=None))
-        stack.start()
-        stack.wait_ready()
-        base_url = stack.base_url
-    try:
-        pairs = measure(base_url, args.model, args.prefix_tokens, args.rounds)
-    finally:
-        if stack is not None:
-            stack.stop()
+    with contextlib.ExitStack() as exits:
+        base_url = check_loopback_url(args.base_url) if args.base_url else exits.enter_context(stack()).base_url
+        pairs = measure(base_url, args.model, args.prefix_tokens, args.rounds, args.seed)
     ratio = statistics.median(w / c for c, w in pairs)
-    print(json.dumps({"prefix_tokens": args.prefix_tokens, "cold_ms": [c * 1e3 for c, _ in pairs],
-                      "warm_ms": [w * 1e3 for _, w in pairs], "median_ratio": ratio}))
+    print(f"median warm/cold TTFT: {ratio:.3f}")
+    table = [{"round": r, "cold TTFT ms": c * 1e3, "warm TTFT ms": w * 1e3, "warm/cold": w / c}
+             for r, (c, w) in enumerate(pairs)]
+    config = {k: v for k, v in vars(args).items() if k not in ("record", "result_file")}
+    record.save(record.Record("prefix_cache", "prefix-cache", config=config,
+                              results={"table": table, "median_ratio": ratio}), args)
     return 0
 
 

@@ -37,13 +37,12 @@ activations (``kernels/int8_activations.py``; ``tiled``: the int4 weight repacke
 per-call gather), and ``ours auto``: what ``--quantization auto`` runs (int4 layers and the
 int8 LM head as ``cpu_layout`` keeps them).
 
-The LAST line printed is one JSON object with every figure.
+``--record`` / ``--result-file`` keep every figure as a result record.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -51,15 +50,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT))
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench_common import make_dataset  # noqa: E402
+from bench import ROOT, record  # noqa: E402
+from bench.corpus import make_dataset  # noqa: E402
+from bench.engines import engine  # noqa: E402
 
 BATCHES = (1, 8, 32)
 MODELS = ("none", "int8", "int4", "int8-exact", "int4-exact", "int4-bf16kv")
@@ -84,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--options", default="", help="--kernels: comma-separated options (default: all but PyTorch's "
                    "packed weight-only ops, minutes per step)")
+    record.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -95,13 +93,10 @@ def fixed_text() -> str:
 
 def make_engine(path: str, quantization: str, dtype: str, max_num_seqs: int = 32, kv_cache_dtype: str = "auto",
                 batch_invariant: bool = True):
-    from services.engine import Engine
-    from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
-
     # The exact path picks its kernels by row count: batch invariance off (it takes one for all).
-    return Engine(ModelRunConfig(model=path, quantization=quantization, dtype=dtype, batch_invariant=batch_invariant),
-                  CacheConfig(num_gpu_blocks=1024, kv_cache_dtype=kv_cache_dtype),
-                  SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048))
+    return engine(["--model", path, "--quantization", quantization, "--dtype", dtype, "--kv-cache-dtype",
+                   kv_cache_dtype, "--batch-invariant" if batch_invariant else "--no-batch-invariant"],
+                  num_gpu_blocks=1024, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
 
 
 def greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -279,7 +274,9 @@ def bench_kernels(args) -> int:
     print("|" + "---|" * (len(names) + 1))
     for m in rows_list:
         print(f"| {m} | " + " | ".join(f"{table[n][m]:.1f} ({table[base][m] / table[n][m]:.2f}x)" for n in names) + " |")
-    print(json.dumps({"threads": args.threads, "load_average": os.getloadavg()[0], "ms": table}))
+    rows = [{"rows": m, **{f"{n} ms": table[n][m] for n in names}} for m in rows_list]
+    config = {k: v for k, v in vars(args).items() if k not in ("record", "result_file")}
+    record.save(record.Record("quant_kernels", "quantized-products", config=config, results={"table": rows}), args)
     return 0
 
 
@@ -359,8 +356,14 @@ def main(argv=None) -> int:
         ppl = f"{row['perplexity']:.3f}" if "perplexity" in row else "-"
         print(f"| {name} | {row['weight_bytes'] / 2**20:.1f} ({row['weight_to_file']:.2f}x) | {agree[0]} | {agree[1]} | "
               f"{ppl} | " + " | ".join(speeds) + " |")
-    print(json.dumps({"model": Path(model_path).name, "dtype": args.dtype, "threads": args.threads, "load_average": os.getloadavg()[0],
-                      "num_prompts": len(prompts), "output_len": args.output_len, "results": results}))
+    table = [{"weights": name, "weight MiB": row["weight_bytes"] / 2**20, "x its GGUF file": row["weight_to_file"],
+              "greedy agreement per token": row.get("greedy_agreement"),
+              "free-running": row.get("free_running_agreement"), "perplexity": row.get("perplexity"),
+              **{f"tok/s batch {b}": row[f"tok_s_batch{b}"] for b in BATCHES}} for name, row in results.items()]
+    config = {**{k: v for k, v in vars(args).items() if k not in ("record", "result_file")},
+              "model": Path(model_path).name, "num_prompts": len(prompts)}
+    record.save(record.Record("quant", "quantization", config=config, results={"table": table, "models": results}),
+                args)
     return 0
 
 

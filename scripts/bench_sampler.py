@@ -20,16 +20,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench_common import describe_cpu  # noqa: E402
+from bench.record import describe_cpu  # noqa: E402
 
 # name -> SamplingParams fields
 SETTINGS = {

@@ -18,23 +18,24 @@ A draft model for the default model (the same tokenizer), SmolLM2 without 4 of i
 default_model_path as d; from pathlib import Path; w(d(), Path('/tmp/smollm2-26'), [i for i in range(30)
 if i not in (10, 13, 16, 19)])"``.
 
-Prints a table; the LAST line is one JSON object with every figure.
+Other flags go to the engine as scripts/serve's (``--dtype float32``...). Prints a table;
+``--record`` / ``--result-file`` keep every figure in a result record.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from bench import record  # noqa: E402
+from bench.engines import engine_configs  # noqa: E402
 
 SNIPPETS = [
     "def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n        subtotal += item.price * "
@@ -70,9 +71,10 @@ def workloads() -> dict[str, list[str]]:
     return {"repetitive": repetitive, "non-repetitive": QUESTIONS}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="", help="default: the default SmolLM2 model")
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    """The benchmark's flags, and the rest: the engine's, as scripts/serve takes them."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Other flags go to the engine, as scripts/serve's (e.g. --dtype float32).")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens per request (answers end at EOS)")
     p.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
     p.add_argument("--draft-model", default="", help="draft_model: its GGUF file or Hugging Face folder")
@@ -83,19 +85,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=8, help="requests per workload and run")
     p.add_argument("--rounds", type=int, default=3,
                    help="runs of each setting, alternating without and with (this VM's speed drifts)")
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    return p.parse_args(argv)
+    record.add_arguments(p)
+    return p.parse_known_args(argv)
 
 
-def run(worker, prompts, concurrency: int, output_len: int, speculative_config: str) -> dict:
+def run(worker, configs, prompts, concurrency: int, output_len: int, speculative_config: str) -> dict:
     from services.engine import Engine
-    from shared.config import CacheConfig, SchedulerConfig
     from shared.protocol import SamplingParams
 
-    engine = Engine(cache_config=CacheConfig(num_gpu_blocks=worker.num_blocks),
-                    scheduler_config=SchedulerConfig(max_num_seqs=concurrency, speculative_config=speculative_config),
-                    worker=worker)
+    _, cache, scheduler, _ = configs
+    engine = Engine(cache_config=cache, worker=worker, scheduler_config=dataclasses.replace(
+        scheduler, max_num_seqs=concurrency, speculative_config=speculative_config))
     params = SamplingParams(temperature=0.0, max_tokens=output_len)
     start = time.perf_counter()
     tokens = []
@@ -123,11 +124,10 @@ def _combined(runs: list[dict]) -> dict:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args, engine_flags = parse_args(argv)
     import torch
 
     from services.worker.model_runner import ModelRunner
-    from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
 
     torch.set_num_threads(args.threads)
     if args.method == "ngram":
@@ -140,8 +140,9 @@ def main(argv=None) -> None:
         speculative = json.dumps({"method": "draft_model", "model": args.draft_model,
                                   "num_speculative_tokens": args.num_speculative_tokens})
     # The draft model (if any) loads at start-up, so its KV cache is sized with the target's.
-    worker = ModelRunner(ModelRunConfig(model=args.model, dtype=args.dtype), CacheConfig(num_gpu_blocks=1024),
-                         SchedulerConfig(max_num_seqs=max(args.concurrency), speculative_config=speculative))
+    configs = engine_configs(engine_flags, num_gpu_blocks=1024, max_num_seqs=max(args.concurrency),
+                             speculative_config=speculative)
+    worker = ModelRunner(*configs[:3])
     from shared.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(worker.model_path)
@@ -150,23 +151,32 @@ def main(argv=None) -> None:
         return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]),
                                 add_special_tokens=False)
 
-    run(worker, [chat("Hello!")], 1, 8, "")  # warm-up
-    run(worker, [chat("Hello!")], 1, 8, speculative)
+    run(worker, configs, [chat("Hello!")], 1, 8, "")  # warm-up
+    run(worker, configs, [chat("Hello!")], 1, 8, speculative)
     results = {}
     print(f"{'workload':<16}{'conc':>5}{'off tok/s':>11}{args.method + ' tok/s':>18}{'ratio':>7}{'accept':>8}"
           f"{'mean len':>9}  same tokens")
     for name, texts in workloads().items():
         prompts = [chat(t) for t in (texts * args.num_requests)[: args.num_requests]]
         for concurrency in args.concurrency:
-            rounds = [(run(worker, prompts, concurrency, args.output_len, ""),
-                       run(worker, prompts, concurrency, args.output_len, speculative)) for _ in range(args.rounds)]
+            rounds = [(run(worker, configs, prompts, concurrency, args.output_len, ""),
+                       run(worker, configs, prompts, concurrency, args.output_len, speculative))
+                      for _ in range(args.rounds)]
             same = all(off["tokens"] == on["tokens"] for off, on in rounds)
             off, on = (_combined([r[i] for r in rounds]) for i in (0, 1))
             ratio = on["tok_s"] / off["tok_s"]
             results[f"{name}@{concurrency}"] = {"off": off, args.method: on, "ratio": ratio, "same_tokens": same}
             print(f"{name:<16}{concurrency:>5}{off['tok_s']:>11.1f}{on['tok_s']:>18.1f}{ratio:>7.2f}"
                   f"{on['acceptance_rate']:>8.2f}{on['mean_acceptance_length']:>9.2f}  {same}", flush=True)
-    print(json.dumps({"args": vars(args), "results": results}))
+    table = [{"workload": key.split("@")[0], "concurrency": int(key.split("@")[1]),
+              "without tok/s": r["off"]["tok_s"], f"{args.method} tok/s": r[args.method]["tok_s"],
+              f"{args.method}/without": r["ratio"], "acceptance rate": r[args.method]["acceptance_rate"],
+              "mean acceptance length": r[args.method]["mean_acceptance_length"], "same tokens": r["same_tokens"]}
+             for key, r in results.items()]
+    config = {**{k: v for k, v in vars(args).items() if k not in ("record", "result_file")},
+              "engine_flags": engine_flags}
+    record.save(record.Record("spec_decode", "spec-decode" if args.method == "ngram" else "spec-decode-draft-model",
+                              config=config, results={"table": table, "runs": results}), args)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ On a shared VM the wall clock of a step swings with whatever else runs (a 2-core
 load 11 made a batch-1 step 10x slower), while the CPU time this process spends per step
 moves much less. With one torch thread (the default here) that CPU time is the work of a
 step: matrix products, kernels and Python. Prints wall and CPU milliseconds per step for
-each (dtype, batch) pair, interleaved over --rounds, and one JSON line per run.
+each (dtype, batch) pair, interleaved over --rounds; ``--record`` keeps them as a result record.
 
     .venv/bin/python scripts/bench_step_cpu.py [--dtypes bfloat16 float32] [--batches 1 8 32] [--rounds 2]
         [--sampling greedy chat default]
@@ -17,21 +17,22 @@ token cached, so it measures decode steps (its first step computes one token per
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from bench import record  # noqa: E402
+from bench.engines import engine as make_engine  # noqa: E402
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    """The benchmark's flags, and the rest: the engines', as scripts/serve takes them."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Other flags go to the engines, as scripts/serve's.")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=64, help="output tokens per request")
@@ -39,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--sampling", nargs="+", default=["greedy"], choices=list(SAMPLING),
                    help="the timed requests' settings: greedy, default (temperature 1), chat (0.7, top_p 0.9)")
-    return p.parse_args(argv)
+    record.add_arguments(p)
+    return p.parse_known_args(argv)
 
 
 # --sampling's choices: the requests' temperature and top_p.
@@ -60,18 +62,13 @@ def measure(engine, batch: int, steps: int, salt: int, sampling: str = "greedy")
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args, engine_flags = parse_args(argv)
     import torch
 
-    from services.engine import Engine
-    from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
-
     torch.set_num_threads(args.threads)
-    engines = {
-        dtype: Engine(run_config=ModelRunConfig(dtype=dtype), cache_config=CacheConfig(num_gpu_blocks=1024),
-                      scheduler_config=SchedulerConfig(max_num_seqs=max(args.batches)))
-        for dtype in args.dtypes
-    }
+    engines = {dtype: make_engine([*engine_flags, "--dtype", dtype], num_gpu_blocks=1024, max_num_seqs=max(args.batches))
+               for dtype in args.dtypes}
+    runs = []
     for round_ in range(args.rounds):
         for batch in args.batches:
             for dtype, engine in engines.items():
@@ -81,9 +78,11 @@ def main(argv=None) -> int:
                     print(f"round {round_ + 1} batch {batch:3d} {dtype:9s} {sampling:7s}: wall {wall:8.2f} ms/step, "
                           f"CPU {cpu:8.2f} ms/step ({batch * 1000 / cpu:7.1f} tok per CPU-second), load {load:.1f}",
                           flush=True)
-                    print(json.dumps({"round": round_ + 1, "batch": batch, "dtype": dtype, "sampling": sampling,
-                                      "threads": args.threads, "wall_ms": wall, "cpu_ms": cpu, "load": load}),
-                          flush=True)
+                    runs.append({"round": round_ + 1, "batch": batch, "dtype": dtype, "sampling": sampling,
+                                 "wall ms/step": wall, "CPU ms/step": cpu, "load average": load})
+    config = {**{k: v for k, v in vars(args).items() if k not in ("record", "result_file")},
+              "engine_flags": engine_flags}
+    record.save(record.Record("step_cpu", "step-cpu", config=config, results={"table": runs}), args)
     return 0
 
 

@@ -10,7 +10,8 @@ compile, which pays once for shared work) and cached (our ``GrammarCompileCache`
 
     .venv/bin/python scripts/bench_structured_output.py [--batch-sizes 1,8,32] [--steps 24]
 
-The LAST line is one JSON object with the figures.
+``--record`` / ``--result-file`` keep the figures as a result record; other flags go to
+the engine, as scripts/serve's.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from bench import record  # noqa: E402
+from bench.engines import engine as make_engine  # noqa: E402
 
 SCHEMAS = {
     "person": {
@@ -51,13 +52,16 @@ PERSON_TEXT = json.dumps({
 })
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    """The benchmark's flags, and the rest: the engine's, as scripts/serve takes them."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Other flags go to the engine, as scripts/serve's.")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    return p.parse_args(argv)
+    record.add_arguments(p)
+    return p.parse_known_args(argv)
 
 
 def compile_times(tokenizer, vocab_size: int) -> dict:
@@ -141,17 +145,15 @@ def decode_step_ms(engine, prompt_ids: list[int], batch_size: int, steps: int) -
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args, engine_flags = parse_args(argv)
     import torch
 
-    from services.engine import Engine
-    from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
     from shared.structured_output import GrammarSpec, TokenizerVocabulary, make_backend
 
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    engine = Engine(ModelRunConfig(), CacheConfig(num_gpu_blocks=1024),
-                    SchedulerConfig(max_num_seqs=max(batch_sizes), max_num_batched_tokens=4096))
+    engine = make_engine(engine_flags, num_gpu_blocks=1024, max_num_seqs=max(batch_sizes),
+                         max_num_batched_tokens=4096)
     tokenizer = engine.tokenizer
     vocab_size = engine.model_config.vocab_size
     compiles = compile_times(tokenizer, vocab_size)
@@ -179,7 +181,12 @@ def main(argv=None) -> None:
             print(f"compile {name:8s}: cold {t['cold_ms']:7.2f} ms, cached {t['cached_ms']:.4f} ms")
     print(f"backend build (vocabulary, once per process): {compiles['backend_build_s'] * 1e3:.0f} ms, "
           f"its first compile (a regex): {compiles['first_compile_ms']:.0f} ms")
-    print(json.dumps({"masking": rows, "compile": compiles, "threads": args.threads}))
+    table = [{"batch": r["batch"], "masking ms/step": r["mask_ms"], "decode step ms": r["decode_step_ms"],
+              "masking/step": f"{100 * r['ratio']:.2f}%"} for r in rows]
+    config = {**{k: v for k, v in vars(args).items() if k not in ("record", "result_file")},
+              "engine_flags": engine_flags}
+    record.save(record.Record("structured_output", "structured-output", config=config,
+                              results={"table": table, "masking": rows, "compile": compiles}), args)
 
 
 if __name__ == "__main__":

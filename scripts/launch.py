@@ -1,4 +1,5 @@
-"""Runs the whole stack in the foreground until Ctrl-C or SIGTERM (see scripts/serve).
+"""Runs the whole stack in the foreground until Ctrl-C or SIGTERM (see scripts/serve),
+showing what each service does until the stack serves, then its URL.
 
 A process of the stack that dies is restarted by the launcher's supervisor
 (services/launch/supervisor.py); the launcher stops the stack only on a signal or when
@@ -80,8 +81,9 @@ def main() -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         stack.start()
-        stack.wait_ready()
-        print(f"serving on {stack.base_url} (OpenAI API under /v1); Ctrl-C stops", flush=True)
+        stack.wait_ready(show=lambda line: print(line, flush=True))
+        print(f"serving on {stack.base_url} (OpenAI API under /v1, fleet status on {stack.base_url}/dashboard); "
+              f"Ctrl-C stops", flush=True)
         # A dead process is the supervisor's to restart; only a crash loop ends the stack.
         while not stop.wait(1.0):
             looping = stack.crash_loops()

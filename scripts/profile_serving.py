@@ -150,7 +150,7 @@ def main() -> int:
     finally:
         os.killpg(stack.pid, signal.SIGTERM)
         stack.wait(timeout=60)
-    metrics = json.loads((work / "result.json").read_text())["metrics"]
+    metrics = json.loads((work / "result.json").read_text())["results"]["metrics"]
     # The stack idles while the benchmark process starts and ends: CPU per second of its run.
     duration = metrics["duration_s"]
     print(f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}; {args.serve_args or 'defaults'}")

@@ -34,6 +34,8 @@ def write_hf_folder(gguf_path: Path, out_dir: Path) -> Path:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    # A config read from GGUF names no class; vLLM would guess one (Gemma 3: an embedding model).
+    config.architectures = [type(model).__name__]
     config.save_pretrained(str(out_dir))
     model.generation_config.save_pretrained(str(out_dir))
     AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out_dir))

@@ -9,12 +9,16 @@ from the environment, see ``shared/bus_auth.py``), wraps every handler in one
 error boundary (an exception is logged with the subject and counted, never
 kills the subscription), answers health pings on ``llm.ping.<service>``, keeps its
 heartbeat file fresh while its loop runs and nats-server answers
-(``shared/healthcheck.py``: a container healthcheck without bus permissions), and
-on SIGTERM/SIGINT drains the connection and exits.
+(``shared/healthcheck.py``: a container healthcheck without bus permissions), says
+what it is and does on ``llm.status.<service>`` at each heartbeat (``ServiceStatus``:
+the gateways' /dashboard lists every replica), serves its Prometheus metrics on its own
+port when given one (``shared/service_metrics.py``), and on SIGTERM/SIGINT drains the
+connection and exits.
 
 Messages go out through channels (``shared.protocol.Channel``: a subject bound to its
 message type): ``publish``, ``request`` and ``respond`` encode with the channel's codec
-and refuse a message of another type before anything is sent.
+and refuse a message of another type before anything is sent. ``headers`` (a request's
+W3C trace context, ``shared/tracing.py``) go in the NATS message's headers.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 
@@ -32,9 +37,10 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
-from shared import healthcheck
+from shared import healthcheck, startup, tracing
 from shared.bus_auth import connect_credentials
-from shared.protocol import PING_CHANNEL, Channel, Pong
+from shared.protocol import PING_CHANNEL, SERVICE_STATUS_CHANNEL, Channel, Pong, ServiceStatus
+from shared.service_metrics import MetricsServer, MetricsServerConfig, new_registry
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +58,9 @@ def nats_servers(url: str) -> list[str]:
     return [part.strip() for part in url.split(",") if part.strip()]
 
 
-async def publish(nc: nats.NATS, channel: Channel, message, *parts) -> None:
+async def publish(nc: nats.NATS, channel: Channel, message, *parts, headers: dict[str, str] | None = None) -> None:
     """Publish ``message`` on the channel's subject for ``parts``."""
-    await nc.publish(channel.subject(*parts), channel.encode(message))
+    await nc.publish(channel.subject(*parts), channel.encode(message), headers=headers)
 
 
 # A request that finds no responder is asked again for a moment: on a cluster, a responder
@@ -64,7 +70,7 @@ NO_RESPONDERS_PAUSE = 0.1  # seconds between the tries
 
 
 async def request(nc: nats.NATS, channel: Channel, message, *parts, timeout: float,
-                  no_responders_window: float = 0.0):
+                  no_responders_window: float = 0.0, headers: dict[str, str] | None = None):
     """Ask on the channel's subject for ``parts``; the decoded answer (nats-py's errors
     when none comes: no responders, timeout). No responder is asked again, every
     ``NO_RESPONDERS_PAUSE``, for ``no_responders_window`` seconds."""
@@ -72,7 +78,7 @@ async def request(nc: nats.NATS, channel: Channel, message, *parts, timeout: flo
     give_up_at = time.monotonic() + no_responders_window
     while True:
         try:
-            msg = await nc.request(channel.subject(*parts), data, timeout=timeout)
+            msg = await nc.request(channel.subject(*parts), data, timeout=timeout, headers=headers)
             return channel.decode_reply(msg.data)
         except NoRespondersError:
             if time.monotonic() + NO_RESPONDERS_PAUSE > give_up_at:
@@ -117,6 +123,11 @@ class Service:
         self.heartbeat_interval = healthcheck.HEARTBEAT_INTERVAL
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        # Prometheus metrics (shared/service_metrics.py), served on their own port when
+        # ``metrics_config`` is set (the service's __main__ sets it from its flags).
+        self.metrics_registry = new_registry(self)
+        self.metrics_config: MetricsServerConfig | None = None
+        self.metrics_server: MetricsServer | None = None
 
     # ------------------------------------------------------------------ hooks
 
@@ -127,8 +138,25 @@ class Service:
         """Release resources before the connection drains (override)."""
 
     def info(self) -> dict:
-        """Extra fields for health pings (override)."""
+        """Extra fields for health pings and the status (override)."""
         return {}
+
+    def phase(self) -> str:
+        """What the service does: "serving", or what it waits for (override)."""
+        return startup.SERVING
+
+    def metric_families(self):
+        """The service's own Prometheus families, read at scrape time (override)."""
+        return ()
+
+    @property
+    def metrics_port(self) -> int:
+        """The port its metrics are served on (0: none)."""
+        return self.metrics_server.port if self.metrics_server is not None else 0
+
+    def status(self) -> ServiceStatus:
+        return ServiceStatus(self.name, self.instance_id, self.phase(), self.info(), self.metrics_port,
+                             startup.started_at(), socket.gethostname())
 
     # ------------------------------------------------------------------ helpers
 
@@ -142,12 +170,13 @@ class Service:
 
         await self.nc.subscribe(subject, queue=queue, cb=guarded)
 
-    async def publish(self, channel: Channel, message, *parts) -> None:
-        await publish(self.nc, channel, message, *parts)
+    async def publish(self, channel: Channel, message, *parts, headers: dict[str, str] | None = None) -> None:
+        await publish(self.nc, channel, message, *parts, headers=headers)
 
-    async def request(self, channel: Channel, message, *parts, timeout: float, no_responders_window: float = 0.0):
+    async def request(self, channel: Channel, message, *parts, timeout: float, no_responders_window: float = 0.0,
+                      headers: dict[str, str] | None = None):
         return await request(self.nc, channel, message, *parts, timeout=timeout,
-                             no_responders_window=no_responders_window)
+                             no_responders_window=no_responders_window, headers=headers)
 
     def spawn(self, coro) -> asyncio.Task:
         """Run long work off the handler (one subscription runs one callback at a time)."""
@@ -173,6 +202,8 @@ class Service:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        startup.phase("connecting to the bus")
+
         async def on_error(e: Exception) -> None:
             logger.warning("%s %s: nats error: %r", self.name, self.instance_id, e)
 
@@ -184,22 +215,30 @@ class Service:
             reconnect_time_wait=0.5,
             **connect_credentials(),
         )
+        startup.on_the_bus()
         await self.subscribe(PING_CHANNEL.subject(self.name), self._on_ping, queue=self.name)
+        if self.metrics_config is not None and self.metrics_server is None:
+            self.metrics_server = MetricsServer(self.metrics_registry, self.metrics_config)
         await self.setup()
         self.spawn(self._beat())
         logger.info("%s %s: up on %s", self.name, self.instance_id, self.nats_url)
 
     async def _beat(self) -> None:
-        """Write the heartbeat file (what a ping answers) after each round trip to
-        nats-server: it goes stale when the loop stops or the bus connection is lost."""
+        """Write the heartbeat file (the service's status) after each round trip to
+        nats-server: it goes stale when the loop stops or the bus connection is lost. The
+        status goes on the bus too (the gateways' /dashboard)."""
         warned = False
         while True:
             try:
                 # While reconnecting, nats-py's flush returns without a round trip.
                 if self.nc.is_connected:
                     await self.nc.flush(timeout=self.heartbeat_interval)
-                    healthcheck.beat(self.heartbeat_file,
-                                     {"service": self.name, "instance_id": self.instance_id, **self.info()})
+                    status = self.status()
+                    await publish(self.nc, SERVICE_STATUS_CHANNEL, status, self.name)
+                    healthcheck.beat(self.heartbeat_file, {
+                        "service": status.service, "instance_id": status.instance_id, "phase": status.phase,
+                        "metrics_port": status.metrics_port, **status.info, "started_at": status.started_at,
+                        "history": startup.history()})
             except OSError as e:
                 if not warned:
                     logger.warning("%s %s: heartbeat file %s: %r", self.name, self.instance_id, self.heartbeat_file, e)
@@ -221,6 +260,8 @@ class Service:
             for task in stuck:
                 logger.warning("%s %s: task %r did not stop when cancelled", self.name, self.instance_id, task)
         await self.cleanup()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         if self.nc is not None and not self.nc.is_closed:
             # With the server gone, drain would wait for a reconnect that never comes.
             try:
@@ -248,7 +289,12 @@ def setup_logging(level: str | None = None) -> None:
     )
 
 
-def run_service(service: Service) -> int:
-    """Run until stopped; returns the exit code for the process."""
-    asyncio.run(service.run())
+def run_service(service: Service, metrics_config: MetricsServerConfig | None = None) -> int:
+    """Run until stopped (serving its metrics per ``metrics_config``); returns the exit
+    code for the process. Spans still queued are sent before it returns."""
+    service.metrics_config = metrics_config
+    try:
+        asyncio.run(service.run())
+    finally:
+        tracing.shutdown()
     return service.exit_code

@@ -65,9 +65,13 @@ from shared.protocol import (
     gateway_stream_subject,
     kv_events_subject,
     ping_subject,
+    service_status_subject,
 )
 
 ANY = "*"
+# Every service says what it does on its own status subject (shared/bus.py's heartbeat);
+# gateways listen to all of them.
+ALL_STATUS = service_status_subject(ANY)
 GATEWAY_USER_PREFIX = "gateway-"
 # A gateway id is one subject token (it names subjects and a user).
 _GATEWAY_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -86,7 +90,7 @@ ROLES: dict[str, Permissions] = {
         # Its router places requests on an engine's own subject (the queue group otherwise),
         # follows every engine's stats and KV events, asks for those it missed.
         publish=(ENGINE_REQUESTS, engine_requests_subject(ANY), engine_kv_events_replay_subject(ANY),
-                 engine_kv_cache_dump_subject(ANY), ROUTER_STATS_SUBJECT),
+                 engine_kv_cache_dump_subject(ANY), ROUTER_STATS_SUBJECT, service_status_subject("tokenizer")),
         subscribe=(TOKENIZE, ping_subject("tokenizer"), TOKENIZER_TOKENIZE, TOKENIZER_DETOKENIZE, ENGINE_STATS,
                    kv_events_subject(ANY)),
         makes_requests=True,
@@ -94,7 +98,8 @@ ROLES: dict[str, Permissions] = {
     "detokenizer": Permissions(
         # A stop string ends a request: aborted on its gateway's abort subject. Stop
         # strings come by broadcast; those missed are asked of their scheduler.
-        publish=(gateway_stream_subject(ANY), engine_abort_subject(ANY), engine_stops_subject(ANY)),
+        publish=(gateway_stream_subject(ANY), engine_abort_subject(ANY), engine_stops_subject(ANY),
+                 service_status_subject("detokenizer")),
         subscribe=(DETOKENIZE, ping_subject("detokenizer"), DETOKENIZE_STOPS),
         makes_requests=True,
     ),
@@ -106,6 +111,7 @@ ROLES: dict[str, Permissions] = {
             engine_kv_handoff_subject(ANY), engine_kv_release_subject(ANY), engine_kv_serve_subject(ANY),
             # KV events; a prefill engine's router asks decode engines for those it missed.
             kv_events_subject(ANY), engine_kv_events_replay_subject(ANY), engine_kv_cache_dump_subject(ANY),
+            service_status_subject("scheduler"),
         ),
         subscribe=(
             engine_ready_subject(ANY), engine_result_subject(ANY), ENGINE_REQUESTS, engine_requests_subject(ANY),
@@ -121,7 +127,8 @@ ROLES: dict[str, Permissions] = {
         publish=(engine_ready_subject(ANY), engine_result_subject(ANY),
                  # P/D: KV chunks pulled from prefill ranks; load ends told to rank 0, and
                  # by rank 0 to the scheduler.
-                 engine_kv_pull_subject(ANY, ANY), engine_kv_recvd_subject(ANY), engine_kv_loaded_subject(ANY)),
+                 engine_kv_pull_subject(ANY, ANY), engine_kv_recvd_subject(ANY), engine_kv_loaded_subject(ANY),
+                 service_status_subject("worker")),
         subscribe=(
             engine_step_subject(ANY), engine_hello_subject(ANY), engine_retire_subject(ANY),
             engine_ready_subject(ANY), ping_subject("worker"), LORA_ADAPTERS,
@@ -135,13 +142,14 @@ ROLES: dict[str, Permissions] = {
 
 def gateway_permissions(gateway_id: str) -> Permissions:
     """Gateway ``gateway_id``: tokenize requests (and /tokenize, /detokenize) out, its own
-    aborts and resends; its own streams, engine and router stats and restart counts in; LoRA
-    adapter changes and lists both ways."""
+    aborts and resends; its own streams, engine and router stats, restart counts and every
+    service's status in (its /dashboard); LoRA adapter changes and lists both ways."""
     return Permissions(
         publish=(TOKENIZE, engine_abort_subject(gateway_id), engine_resend_subject(gateway_id), f"{PING}.>",
-                 TOKENIZER_TOKENIZE, TOKENIZER_DETOKENIZE, LORA_ADAPTERS, LORA_LIST),
+                 TOKENIZER_TOKENIZE, TOKENIZER_DETOKENIZE, LORA_ADAPTERS, LORA_LIST,
+                 service_status_subject("gateway")),
         subscribe=(gateway_stream_subject(gateway_id), ENGINE_STATS, SERVICE_RESTARTS, ping_subject("gateway"),
-                   LORA_ADAPTERS, LORA_LIST, ROUTER_STATS_SUBJECT),
+                   LORA_ADAPTERS, LORA_LIST, ROUTER_STATS_SUBJECT, ALL_STATUS),
         makes_requests=True,
     )
 

@@ -77,9 +77,32 @@ def config_from_args(config_cls, args: argparse.Namespace, **fields):
     return config_cls(**{**values, **fields})
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
+def base_parser(description: str, metrics_port: bool = True) -> argparse.ArgumentParser:
+    """The flags every service takes: the bus, logging, tracing and (``metrics_port``: the
+    services without an HTTP port of their own) where their Prometheus metrics are served."""
+    from shared.service_metrics import MetricsServerConfig
+    from shared.tracing import TracingConfig
+
     parser = argparse.ArgumentParser(description=description)
     add_flag(parser, "--nats-url", "NATS_URL", "nats://127.0.0.1:4222",
              help="NATS server URL, or a cluster's node URLs comma-separated")
     add_flag(parser, "--log-level", "LOG_LEVEL", "INFO", help="logging level")
+    add_config_flags(parser, TracingConfig)
+    if metrics_port:
+        add_config_flags(parser, MetricsServerConfig)
     return parser
+
+
+def begin_service(args: argparse.Namespace, service: str) -> None:
+    """What each service's ``__main__`` does once its flags are parsed: its start-up status
+    (``shared/startup.py``) and its tracing (``shared/tracing.py``)."""
+    from shared import startup, tracing
+
+    startup.begin(service)
+    tracing.configure(config_from_args(tracing.TracingConfig, args), service)
+
+
+def metrics_server_config(args: argparse.Namespace):
+    from shared.service_metrics import MetricsServerConfig
+
+    return config_from_args(MetricsServerConfig, args)

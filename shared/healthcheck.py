@@ -8,7 +8,9 @@ bus permissions (a container healthcheck runs it beside the service):
     python -m shared.healthcheck [--max-age SECONDS] [--show]
 
 exits 0 when the file was written within ``--max-age`` seconds, 1 otherwise (a
-blocked loop, a lost bus connection, a dead or never started service). The file is
+blocked loop, a lost bus connection, a dead or never started service), and 1 while the
+file says the service is still starting (``shared/startup.py``: loading weights,
+compiling kernels..., before it is on the bus). The file is
 ``HEARTBEAT_FILE`` from the environment, else ``DEFAULT_HEARTBEAT_FILE`` (one per
 container; processes on one host that share it only keep each other's file fresh).
 It holds what the service answers to a ping, as JSON: its name, instance id and
@@ -50,6 +52,16 @@ def age(path: str) -> float:
         return float("inf")
 
 
+def read(path: str) -> dict:
+    """What the file holds ({} if it is missing or not JSON, as while being replaced)."""
+    try:
+        with open(path) as f:
+            status = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Exit 0 if this container's service beats recently")
     parser.add_argument("--file", default=heartbeat_file(), help="heartbeat file [env HEARTBEAT_FILE]")
@@ -62,6 +74,10 @@ def main(argv=None) -> int:
             print(f.read())
     if seconds > args.max_age:
         print(f"unhealthy: {args.file} last touched {seconds:.1f}s ago (limit {args.max_age:g}s)", file=sys.stderr)
+        return 1
+    status = read(args.file)
+    if status.get("starting"):
+        print(f"starting: {status.get('phase', '')}", file=sys.stderr)
         return 1
     return 0
 

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The benchmark harness (scripts/bench/: the corpus, the streaming client, the OTLP receiver
+# the tracing tests use) and the benchmark scripts are run from scripts/, not installed.
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
 
 # Without a GPU the Triton kernels run under Triton's interpreter. triton.jit reads
 # this when a kernel is decorated, i.e. when `kernels` is first imported: it must be

@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SCALED = ("tokenizer", "detokenizer")  # gateways are named services, one bus user each
 # Read by shared/bus_auth.py, not flags: credentials never travel on a command line.
 BUS_CREDENTIALS = ("NATS_USER", "NATS_PASSWORD", "NATS_PASSWORD_FILE")
+# Services that run an image from a registry, not a stage of the Dockerfile: Debian has no
+# Grafana package (the monitoring profile's Grafana is the official image).
+REGISTRY_IMAGES = {"grafana"}
+MONITORING_UIS = {"prometheus": "127.0.0.1:9090:9090", "grafana": "127.0.0.1:3000:3000"}
 
 
 def compose(name: str = "docker-compose.yml") -> dict:
@@ -72,7 +76,7 @@ def test_every_environment_variable_is_a_setting_of_its_service():
             continue
         flags = service_flags(command[2].removeprefix("services."))
         for key in service.get("environment", {}):
-            if key in BUS_CREDENTIALS:
+            if key in BUS_CREDENTIALS or key.startswith("OTEL_"):  # OTEL_*: the OpenTelemetry SDK's
                 continue
             assert "--" + key.lower().replace("_", "-") in flags, f"{name}: {key} is no setting of {command[2]}"
 
@@ -85,8 +89,11 @@ def test_scaled_services_have_no_fixed_names_or_host_ports():
         assert "ports" not in service, f"{name} publishes a host port: --scale would clash"
     # The only published port is the load balancer's, which is not scaled.
     assert not any(s.get("ports") for s in services.values())
-    published = {n for n, s in compose("docker-compose.override.yml")["services"].items() if s.get("ports")}
-    assert published == {"loadbalancer"}
+    published = {n: s["ports"] for n, s in compose("docker-compose.override.yml")["services"].items()
+                 if s.get("ports")}
+    # Besides the load balancer, only the monitoring profile's UIs, on loopback.
+    assert published == {"loadbalancer": ["127.0.0.1:8000:8000"],
+                         **{name: [port] for name, port in MONITORING_UIS.items()}}
 
 
 def test_the_bus_is_a_three_node_cluster_every_service_reaches_by_every_url():
@@ -156,6 +163,9 @@ def test_every_compose_image_is_a_stage_of_the_dockerfile_and_runs_unprivileged(
     stages = dockerfile_stages()
     images = {}
     for name, service in compose()["services"].items():
+        if name in REGISTRY_IMAGES:
+            assert "build" not in service and service["profiles"] == ["monitoring"], name
+            continue
         build = service["build"]
         assert build["context"] == "." and build["target"] in stages, name
         assert set(build["args"]) == {"PYTHON_IMAGE", "DEBIAN_IMAGE", "TORCH_INDEX_URL"}, name
@@ -265,7 +275,7 @@ def test_dp2_profile_runs_a_second_engine_and_every_scheduler_publishes_kv_event
 def test_volumes_keep_models_and_built_kernels():
     services = python_services()
     declared = set(compose()["volumes"])
-    assert declared == {"models", "kernel-cache"}
+    assert declared == {"models", "kernel-cache", "prometheus-data", "grafana-data"}
     for name, service in services.items():
         volumes = service["volumes"]
         assert "${MODELS_DIR:-models}:/models:ro" in volumes, name
@@ -281,7 +291,8 @@ def test_the_host_network_override_covers_every_service_on_loopback():
     base, host = compose()["services"], host_override()["services"]
     assert set(host) == set(base), "a service of docker-compose.yml has no host-network entry"
     for name, service in host.items():
-        assert service["network_mode"] == "host" and service["build"] == {"network": "host"}, name
+        assert service["network_mode"] == "host", name
+        assert service.get("build") == (None if name in REGISTRY_IMAGES else {"network": "host"}), name
     from services.launch.compose_nats_conf import CLUSTER_HOST_VARIABLE, CLUSTER_PORT_VARIABLE, route_variable
 
     ports, monitors, routes = [], [], []

@@ -16,6 +16,11 @@ not in the cache (the replica started later, the broadcast was lost, or the entr
 evicted) is looked up at the scheduler that made it (``llm.engine.<id>.stops``, one
 query per batch, with a deadline); if none answers, that request's delta is an error
 and the request is aborted: its text is never sent with its stop strings ignored.
+
+Tracing (``shared/tracing.py``): a batch published with the scheduler's traced header
+holds first or last outputs of traced requests, which carry their engine span's context
+(``EngineOutput.trace_context``); each gets a ``detokenize`` span over the batch's
+handling. Other batches are not looked at for traces.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from collections import defaultdict
 import msgspec
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from prometheus_client import Histogram
 
+from shared import tracing
 from shared.bus import Service
 from shared.protocol import (
     ABORT_CHANNEL,
@@ -45,6 +52,8 @@ from shared.protocol import (
     StreamDelta,
     StreamDeltaBatch,
 )
+from shared.service_metrics import counter
+from shared.tracing import TRACED_BATCH_HEADER, TRACEPARENT, Attr
 
 from .config import DetokenizerConfig
 from .incremental import IncrementalDetokenizer
@@ -54,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 # Batches with more window tokens than this are decoded in a thread, off the event loop.
 THREAD_MIN_TOKENS = 2048
+BATCH_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 class DetokenizerService(Service):
@@ -68,10 +78,20 @@ class DetokenizerService(Service):
         self.num_outputs = 0
         self.num_stop_aborts = 0
         self.num_stop_queries = 0
+        self.batch_seconds = Histogram("natsllm:detokenizer_batch_seconds",
+                                       "Seconds to turn one step's outputs into text deltas and send them.",
+                                       buckets=BATCH_BUCKETS, registry=self.metrics_registry)
+        self.tracing = tracing.current()
 
     def info(self) -> dict:
         return {"num_outputs": self.num_outputs, "num_stop_aborts": self.num_stop_aborts,
                 "num_stop_queries": self.num_stop_queries, "stop_strings_cached": len(self.stop_strings)}
+
+    def metric_families(self):
+        yield counter("natsllm:detokenizer_outputs", "Request outputs turned into text.", self.num_outputs)
+        yield counter("natsllm:detokenizer_stop_aborts", "Requests a stop string ended.", self.num_stop_aborts)
+        yield counter("natsllm:detokenizer_stop_queries", "Stop strings asked of a scheduler (missed broadcasts).",
+                      self.num_stop_queries)
 
     async def setup(self) -> None:
         await self.subscribe(STOP_STRINGS_CHANNEL.subject(), self._on_stop_strings)
@@ -87,6 +107,8 @@ class DetokenizerService(Service):
     async def _on_batch(self, msg: Msg) -> None:
         # Awaited in the handler, not spawned: one replica publishes a request's deltas
         # in step order (the gateway re-orders by offset anyway).
+        started = time.perf_counter()
+        started_ns = time.time_ns() if msg.headers and self.tracing is not None else 0
         batch = ENGINE_OUTPUTS_CHANNEL.decode(msg.data)
         stops, missing = await self._stop_strings_of(batch)
         if sum(len(o.window_token_ids) for o in batch.outputs) > THREAD_MIN_TOKENS:
@@ -99,6 +121,21 @@ class DetokenizerService(Service):
             await self.publish(ABORT_CHANNEL, AbortRequest(request_ids), gateway_id)
         for gateway_id, gateway_deltas in deltas.items():
             await self.publish(STREAM_CHANNEL, StreamDeltaBatch(gateway_deltas), gateway_id)
+        self.batch_seconds.observe(time.perf_counter() - started)
+        if started_ns and msg.headers.get(TRACED_BATCH_HEADER):
+            self._record_spans(batch, started_ns)
+
+    def _record_spans(self, batch: EngineOutputBatch, started_ns: int) -> None:
+        """A ``detokenize`` span for each output that carries its request's trace context."""
+        now = time.time_ns()
+        for output in batch.outputs:
+            if not output.trace_context:
+                continue
+            parent = self.tracing.context_from({TRACEPARENT: output.trace_context})
+            self.tracing.record("detokenize", parent, started_ns, now, {
+                Attr.REQUEST_ID: output.request_id, "detokenize.new_tokens": len(output.new_token_ids),
+                "detokenize.batch_outputs": len(batch.outputs), Attr.ENGINE: batch.engine_id,
+                "detokenize.finished": output.finish_reason != FinishReason.NONE})
 
     async def _stop_strings_of(self, batch: EngineOutputBatch) -> tuple[list[RequestStopStrings | None], str]:
         """Each output's stop strings and text settings (None: unknown here), and why some

@@ -4,8 +4,9 @@ import asyncio
 import logging
 import sys
 
+from shared import tracing
 from shared.bus import setup_logging
-from shared.cli import add_config_flags, add_flag, base_parser, config_from_args
+from shared.cli import add_config_flags, add_flag, base_parser, begin_service, config_from_args
 
 from shared.config import LoRAConfig
 
@@ -15,7 +16,9 @@ logger = logging.getLogger("services.gateway")
 
 
 def build_parser():
-    parser = base_parser("Gateway: OpenAI-compatible HTTP API (chat, completions, models, health, metrics)")
+    # Its metrics are on its HTTP port (/metrics).
+    parser = base_parser("Gateway: OpenAI-compatible HTTP API (chat, completions, models, health, metrics)",
+                         metrics_port=False)
     add_config_flags(parser, GatewayConfig)
     add_config_flags(parser, LoRAConfig)
     add_flag(parser, "--model", "MODEL", "", help="the model path; its base name is the default served name")
@@ -42,12 +45,15 @@ def main() -> None:
 
     args = build_parser().parse_args()
     setup_logging(args.log_level)
+    begin_service(args, "gateway")
     server = GatewayServer(build_config(args), nats_url=args.nats_url)
     try:
         asyncio.run(server.run())
     except ServeError as e:
         logger.error("%s", e)
         sys.exit(1)
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

@@ -10,14 +10,19 @@
     GET  /health                200 when a tokenizer answers a ping and an engine is ready, else 503
     GET  /ping                  the same (vLLM's alias; POST too)
     GET  /metrics               Prometheus text
+    GET  /dashboard             a live status page of the fleet (``dashboard.py``)
 
-With an API key set, every ``/v1`` route, ``/tokenize``, ``/detokenize`` and ``/metrics`` (unless
-``--metrics-public``) need ``Authorization: Bearer <key>``.
+With an API key set, every ``/v1`` route, ``/tokenize``, ``/detokenize``, ``/metrics`` and
+``/dashboard`` (those two unless ``--metrics-public``) need ``Authorization: Bearer <key>``;
+``/metrics`` and ``/dashboard`` also take HTTP Basic with the key as the password (a browser
+asks for it: the page's event stream cannot send a bearer header).
 Every error answer has OpenAI's shape.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import logging
 import time
@@ -34,6 +39,7 @@ from starlette.routing import Route
 from shared.protocol import ping_subject
 from shared.wait_log import WaitLog
 
+from .dashboard import DashboardRoutes
 from .errors import ApiError, error_response, json_response
 from .http_endpoints import GenerationEndpoint
 from .tokens_endpoints import TokenEndpoints
@@ -45,29 +51,56 @@ logger = logging.getLogger(__name__)
 
 # Guarded like /v1 (vLLM leaves them open): they expose the served model's tokenizer.
 TOKEN_ROUTES = ("/tokenize", "/detokenize")
+DASHBOARD = "/dashboard"
+
+
+def _is_monitoring(path: str) -> bool:
+    return path == "/metrics" or path == DASHBOARD or path.startswith(DASHBOARD + "/")
+
+
+def _basic_password(authorization: str) -> str | None:
+    """The password of an HTTP Basic ``Authorization`` header (None if it is not one)."""
+    scheme, _, encoded = authorization.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        return base64.b64decode(encoded, validate=True).decode().partition(":")[2]
+    except (binascii.Error, UnicodeDecodeError):
+        return None
 
 
 class ApiKeyMiddleware:
-    """Pure ASGI (streams pass untouched): /v1 routes need the bearer key, and so does
-    /metrics (it tells request counts and timings) unless ``metrics_public``."""
+    """Pure ASGI (streams pass untouched): /v1 routes need the bearer key, and so do
+    /metrics and /dashboard (they tell request counts and timings, and the fleet) unless
+    ``metrics_public``; those two also take the key as an HTTP Basic password."""
 
     def __init__(self, app, api_key: str, metrics_public: bool) -> None:
         self.app = app
+        self.api_key = api_key.encode()
         self.expected = f"Bearer {api_key}".encode()
         self.metrics_public = metrics_public
 
     def _guarded(self, path: str) -> bool:
-        if path == "/metrics":
+        if _is_monitoring(path):
             return not self.metrics_public
         return path == "/v1" or path.startswith("/v1/") or path in TOKEN_ROUTES
 
+    def _allowed(self, path: str, authorization: str) -> bool:
+        if hmac.compare_digest(authorization.encode(), self.expected):
+            return True
+        password = _basic_password(authorization) if _is_monitoring(path) else None
+        return password is not None and hmac.compare_digest(password.encode(), self.api_key)
+
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and self._guarded(scope["path"]):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path and self._guarded(path):
+            if not self._allowed(path, Headers(scope=scope).get("authorization", "")):
                 error = ApiError("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                  status=401, code="invalid_api_key")
-                await error_response(error.info)(scope, receive, send)
+                response = error_response(error.info)
+                if path.startswith(DASHBOARD):  # a browser asks for the key
+                    response.headers["WWW-Authenticate"] = 'Basic realm="natsllm", charset="UTF-8"'
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -139,6 +172,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 def build_app(gateway: GatewayService) -> Starlette:
     info = InfoRoutes(gateway)
     tokens = TokenEndpoints(gateway)
+    dashboard = DashboardRoutes(gateway)
     routes = [
         Route("/v1/chat/completions", GenerationEndpoint(gateway, "chat").endpoint, methods=["POST"]),
         Route("/v1/completions", GenerationEndpoint(gateway, "completion").endpoint, methods=["POST"]),
@@ -152,6 +186,11 @@ def build_app(gateway: GatewayService) -> Starlette:
         # vLLM's alias (SageMaker's probe path), GET and POST
         Route("/ping", info.health, methods=["GET", "POST"]),
         Route("/metrics", info.metrics, methods=["GET"]),
+        Route(DASHBOARD, dashboard.page, methods=["GET"]),
+        Route(DASHBOARD + "/", dashboard.page, methods=["GET"]),
+        Route(DASHBOARD + "/events", dashboard.events, methods=["GET"]),
+        Route(DASHBOARD + "/state", dashboard.state, methods=["GET"]),
+        Route(DASHBOARD + "/{name}", dashboard.static, methods=["GET"]),
     ]
     api_key = gateway.config.api_key
     middleware = []

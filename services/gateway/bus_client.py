@@ -10,7 +10,8 @@ prompt with its samples' ids. Deltas for ids it does not hold (finished, aborted
 dropped. Requests that end early are aborted on ``llm.abort.<gateway_id>``, lost
 outputs asked for again on ``llm.resend.<gateway_id>``. ``EngineStats`` from
 ``llm.engine.stats`` feed /metrics and tell which engines restarted or went silent:
-their requests resume on another engine (``resume.py``).
+their requests resume on another engine (``resume.py``); every replica's
+``ServiceStatus`` from ``llm.status.*`` feeds the fleet /dashboard shows (``fleet.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from shared.protocol import (
     RESEND_CHANNEL,
     ROUTER_STATS_CHANNEL,
     SERVICE_RESTARTS_CHANNEL,
+    SERVICE_STATUS_CHANNEL,
     STREAM_CHANNEL,
     TOKENIZE,
     TOKENIZE_CHANNEL,
@@ -47,6 +49,7 @@ from shared.protocol import (
 
 from .config import GatewayConfig
 from .errors import ApiError, bus_unavailable, engine_lost, no_tokenizer, shutting_down, tokenizer_timeout
+from .fleet import Fleet
 from .lora_routes import LoRARegistry, join_lora_bus
 from .metrics import ENGINE_STATS_TTL, EngineStatsStore, GatewayMetrics, RouterStatsStore
 from .resume import Resumer
@@ -73,8 +76,9 @@ class GatewayService(Service):
         self.config = config
         self.streams: dict[str, RequestStream] = {}
         self.engine_stats = EngineStatsStore()
+        self.fleet = Fleet()
         self.router_stats = RouterStatsStore()
-        self.metrics = GatewayMetrics(config.model_name, self.engine_stats, self.router_stats)
+        self.metrics = GatewayMetrics(config.model_name, self.engine_stats, self.router_stats, self.metrics_registry)
         self.closing = False
         self.num_dropped_deltas = 0
         self.num_resends = 0
@@ -88,10 +92,19 @@ class GatewayService(Service):
     def info(self) -> dict:
         return {"gateway_id": self.gateway_id, "open_requests": len(self.streams), "port": self.config.port}
 
+    def phase(self) -> str:
+        """serving, or what a request would wait for (the tokenizers' status and the
+        engines' stats tell; /health asks a tokenizer itself)."""
+        missing = [] if self.fleet.live("tokenizer") else ["a tokenizer"]
+        if not self.engine_stats.ready_engines(self.config.engine_ready_ttl):
+            missing.append("a ready engine")
+        return "waiting for " + " and ".join(missing) if missing else "serving"
+
     async def setup(self) -> None:
         await self.subscribe(STREAM_CHANNEL.subject(self.gateway_id), self._on_deltas)
         await self.subscribe(ENGINE_STATS_CHANNEL.subject(), self._on_stats)
         await self.subscribe(SERVICE_RESTARTS_CHANNEL.subject(), self._on_restarts)
+        await self.subscribe(SERVICE_STATUS_CHANNEL.subject("*"), self._on_status)
         await self.subscribe(ROUTER_STATS_CHANNEL.subject(), self._on_router_stats)
         self.spawn(self._watch_engines())
         if self.lora is not None:
@@ -125,6 +138,11 @@ class GatewayService(Service):
         if stats.incarnation:
             self._engine_lost(stats.engine_id, "restarted", lambda s: s.incarnation != stats.incarnation)
 
+    async def _on_status(self, msg: Msg) -> None:
+        try:
+            self.fleet.update(SERVICE_STATUS_CHANNEL.decode(msg.data))
+        except msgspec.DecodeError as e:
+            logger.warning("malformed service status on %s: %s", msg.subject, e)
     async def _on_router_stats(self, msg: Msg) -> None:
         self.router_stats.update(ROUTER_STATS_CHANNEL.decode(msg.data))
 
@@ -178,9 +196,11 @@ class GatewayService(Service):
 
     # ------------------------------------------------------------------ outbound
 
-    async def tokenize(self, streams: list[RequestStream], request: TokenizeRequest) -> TokenizeReply:
+    async def tokenize(self, streams: list[RequestStream], request: TokenizeRequest,
+                       headers: dict[str, str] | None = None) -> TokenizeReply:
         """Register the prompt's ``streams`` (outputs may beat the reply here), then ask a
-        tokenizer; the streams whose samples were queued learn their engine.
+        tokenizer (with ``headers``: a traced request's context); the streams whose samples
+        were queued learn their engine.
 
         Raises ``ApiError`` when the prompt reached no scheduler: the tokenizer's refusal
         as is, 503 when none is subscribed; or when it may have (``maybe_submitted``): 504
@@ -193,7 +213,7 @@ class GatewayService(Service):
             self.streams[stream.request_id] = stream
         name = request.request_ids[0]
         try:
-            reply, request = await self._ask_tokenizer(streams, request)
+            reply, request = await self._ask_tokenizer(streams, request, headers)
         except NoRespondersError:
             logger.warning("%s: no tokenizer is subscribed to %s", name, TOKENIZE)
             raise no_tokenizer() from None
@@ -223,9 +243,10 @@ class GatewayService(Service):
                 stream.accepted_at = now
         return reply
 
-    async def _ask_tokenizer(self, streams: list[RequestStream],
-                             request: TokenizeRequest) -> tuple[TokenizeReply, TokenizeRequest]:
-        """The tokenizer's answer, and the request it answers. One retry after a timeout:
+    async def _ask_tokenizer(self, streams: list[RequestStream], request: TokenizeRequest,
+                             headers: dict[str, str] | None = None) -> tuple[TokenizeReply, TokenizeRequest]:
+        """The tokenizer's answer, and the request it answers (``headers``: a traced
+        request's context). One retry after a timeout:
         the replica that took the request may have died (its queue-group place is gone, so
         the retry reaches another), or only its answer was lost and the samples are queued
         somewhere: the retry goes under new request ids and the old ones are aborted, so no
@@ -234,7 +255,7 @@ class GatewayService(Service):
         for attempt in range(TOKENIZE_ATTEMPTS):
             try:
                 reply = await self.request(TOKENIZE_CHANNEL, request, timeout=self.config.tokenize_timeout,
-                                           no_responders_window=NO_RESPONDERS_WINDOW)
+                                           no_responders_window=NO_RESPONDERS_WINDOW, headers=headers)
                 return reply, request
             except (NatsTimeoutError, asyncio.TimeoutError):
                 if attempt + 1 == TOKENIZE_ATTEMPTS or self.closing:

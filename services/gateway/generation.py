@@ -9,7 +9,8 @@ first refusal (by choice index) and ``close()`` aborts the ones accepted. ``even
 until all choices end, the request's deadline passes or, once tokens flow, none
 comes for ``stream_idle_timeout`` seconds, and records the
 gateway-side metrics. ``close()`` (always called) aborts in the engine whatever
-the engine has not ended itself: client gone, timeout, error, shutdown.
+the engine has not ended itself: client gone, timeout, error, shutdown; and ends the
+request's spans when it is traced (``request_trace.py``).
 """
 
 from __future__ import annotations
@@ -24,18 +25,25 @@ from shared.protocol import ErrorInfo, FinishReason, StreamDelta, TokenizeReques
 from .errors import ApiError, request_timeout, stream_idle
 from .openai_requests import GenerationRequest
 from .bus_client import GatewayService
+from .request_trace import RequestTrace
 from .streams import RequestStream
 
 Event = tuple[RequestStream, "StreamDelta | ErrorInfo"]
 
 
 class Generation:
-    def __init__(self, gateway: GatewayService, request: GenerationRequest, request_id: str) -> None:
+    def __init__(self, gateway: GatewayService, request: GenerationRequest, request_id: str,
+                 trace: RequestTrace | None = None) -> None:
         self.gateway = gateway
         self.request = request
         self.request_id = request_id
-        self.created = int(time.time())
+        self.trace = trace
+        self.created_ns = time.time_ns()
+        self.created = self.created_ns // 10**9
         self.arrival = time.monotonic()
+        self.first_token_at: float | None = None  # monotonic, the first token of any choice
+        self.error = ""  # the message of an error that ended a choice (or the request)
+        self.error_status = 500
         self.deadline = self.arrival + gateway.config.request_timeout
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         n = request.n
@@ -79,7 +87,7 @@ class Generation:
             for i, stream in enumerate(streams):  # what a resume sends again (resume.py)
                 stream.prompt_request, stream.choice = request, i
         results = await asyncio.gather(
-            *(self.gateway.tokenize(streams, request) for request, streams in zip(requests, groups)),
+            *(self._tokenize(streams, request) for request, streams in zip(requests, groups)),
             return_exceptions=True,
         )
         errors = []
@@ -102,6 +110,18 @@ class Generation:
                 raise error
         if errors:
             raise errors[0]
+
+    async def _tokenize(self, streams: list[RequestStream], request: TokenizeRequest):
+        if self.trace is None:
+            return await self.gateway.tokenize(streams, request)
+        span, headers = self.trace.tokenize_span()
+        try:
+            return await self.gateway.tokenize(streams, request, headers)
+        except ApiError as e:
+            self.trace.tracing.fail(span, e.info.message)
+            raise
+        finally:
+            span.end()
 
     # ------------------------------------------------------------------ outputs
 
@@ -134,6 +154,7 @@ class Generation:
                 last_output = now
             if isinstance(item, ErrorInfo):
                 remaining -= 1
+                self.error = item.message
                 self.gateway.metrics.finished("error", now - self.arrival)
             else:
                 self._observe(stream, item, now)
@@ -147,6 +168,8 @@ class Generation:
             last = self._last_token_time.get(stream.index)
             if last is None:
                 metrics.time_to_first_token.observe(now - self.arrival)
+                if self.first_token_at is None:
+                    self.first_token_at = now
             else:
                 metrics.inter_token_latency.observe(now - last)
             self._last_token_time[stream.index] = now
@@ -180,6 +203,8 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        if self.trace is not None:
+            self.trace.finish(self, self.error, self.error_status if self.error else 200)
         to_abort = []
         for s in self.streams:
             self.gateway.release(s)

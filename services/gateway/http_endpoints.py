@@ -21,6 +21,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from shared import tracing
 from shared.protocol import ErrorInfo
 
 from .errors import ApiError, error_body, error_response, json_response
@@ -29,6 +30,7 @@ from .json_body import ClientGone, read_json
 from .lora_routes import with_lora_adapter
 from .openai_requests import GenerationRequest, parse_chat, parse_completion
 from .openai_responses import ChoiceResult, ResponseFormat, response_format
+from .request_trace import RequestTrace
 from .tool_choice import require_tool_parser
 from .bus_client import GatewayService
 
@@ -94,29 +96,45 @@ class GenerationEndpoint:
         self.id_prefix = "chatcmpl" if kind == "chat" else "cmpl"
 
     async def endpoint(self, request: Request) -> Response:
-        """The Starlette endpoint: every failure becomes an OpenAI error answer."""
+        """The Starlette endpoint: every failure becomes an OpenAI error answer. Traced
+        (tracing on): the request's spans end with the generation, or here if none began."""
+        process_tracing = tracing.current()
+        trace = RequestTrace(process_tracing, request, self.kind) if process_tracing is not None else None
         try:
-            return await self.handle(request)
+            return await self.handle(request, trace)
         except ApiError as e:
+            if trace is not None:
+                trace.finish(None, e.info.message, e.info.status)
             return error_response(e.info)
         except ClientGone:
+            if trace is not None:
+                trace.finish(None, "client gone", CLIENT_CLOSED)
             return Response(status_code=CLIENT_CLOSED)
+        except BaseException as e:
+            if trace is not None:
+                trace.finish(None, repr(e), 500)
+            raise
 
-    async def handle(self, request: Request) -> Response:
+    async def handle(self, request: Request, trace: RequestTrace | None = None) -> Response:
         body = await read_json(request, self.gateway.config.max_request_body_bytes)
         config = self.gateway.config
         parsed = with_lora_adapter(self.gateway, body, self.parse)
         if parsed.tool_calling is not None:
             calling = require_tool_parser(parsed.tool_calling, config.enable_auto_tool_choice, config.tool_call_parser)
             parsed = dataclasses.replace(parsed, tool_calling=calling)
-        generation = Generation(self.gateway, parsed, f"{self.id_prefix}-{uuid.uuid4().hex}")
+        request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        if trace is not None:
+            trace.parsed(request_id, parsed.model, parsed.stream, parsed.n, parsed.sampling_params)
+        generation = Generation(self.gateway, parsed, request_id, trace)
         fmt = response_format(self.kind, generation.request_id, generation.created, parsed)
         try:
             await until_disconnected(request, generation.start())
             if parsed.stream:
                 # From here the response owns the generation and closes it when done.
                 return GenerationStream(self.stream(generation, fmt), on_close=generation.close)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, ApiError):
+                generation.error, generation.error_status = e.info.message, e.info.status
             generation.close()
             raise
         try:

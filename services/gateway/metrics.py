@@ -11,7 +11,8 @@ replica) publish their counters (``RouterStats`` on ``llm.router.stats``): decis
 reason, and per engine the KV event gaps they saw and the replays and dumps they asked
 for, summed over the routers heard from lately. Token counts and latencies
 (TTFT, inter-token, end-to-end) and finished requests are measured here, at the
-gateway, per engine request.
+gateway, per engine request. With them, what every service exports
+(``shared/service_metrics.py``: ``natsllm:service_info``, process figures).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily
 
+from shared.engine_metrics import engine_families
 from shared.protocol import EngineStats, RouterStats
 
 ENGINE_STATS_TTL = 10.0
@@ -105,148 +107,14 @@ class _RouterCollector:
 
 class _EngineCollector:
     """Sums the live engines' stats at scrape time, so gauges are never staler than
-    the latest message."""
-
-    GAUGES = (
-        ("num_requests_running", "Number of requests in model execution batches."),
-        ("num_requests_waiting", "Number of requests waiting to be processed."),
-        ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
-        ("num_requests_waiting_for_remote_kv", "P/D: requests whose prompt KV a decode engine is pulling."),
-    )
-    # One series per engine (label ``engine``), as vLLM's.
-    PER_ENGINE_COUNTERS = (
-        ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
-        ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
-    )
-    COUNTERS = (
-        ("num_preemptions", "num_preemptions", "Cumulative number of preemptions from the engine."),
-        ("spec_decode_num_drafts", "spec_decode_num_drafts", "Number of spec decoding drafts."),
-        ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Number of draft tokens."),
-        ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Number of accepted tokens."),
-        ("kv_transfer_bytes", "kv_transfer_bytes", "P/D: KV cache bytes decode engines pulled."),
-        ("kv_transfer_seconds", "kv_transfer_seconds", "P/D: seconds from hand-off to loaded KV, summed."),
-        ("kv_transfer_requests", "kv_transfer_requests", "P/D: requests whose prompt KV was loaded."),
-        ("kv_transfer_failures", "kv_transfer_failures", "P/D: KV loads that failed or timed out."),
-        ("kv_transfer_fallbacks", "kv_transfer_fallbacks", "P/D: prompts recomputed instead of loaded."),
-        ("external_prefix_cache_queries", "external_prefix_cache_queries",
-         "External prefix cache queries from the KV connector (the KV tiers), in terms of number of queried tokens."),
-        ("external_prefix_cache_hits", "external_prefix_cache_hits",
-         "External prefix cache hits from the KV connector (the KV tiers), in terms of number of cached tokens."),
-        ("kv_offload_stores_skipped", "kv_offload_stores_skipped",
-         "KV tiers: stores not done (the host tier full of pinned units, the disk full or failing)."),
-        ("kv_offload_load_failures", "kv_offload_load_failures",
-         "KV tiers: loads that failed or timed out (the requests recomputed those tokens)."),
-        ("kv_offload_corrupt_files", "kv_offload_corrupt_files",
-         "KV tiers: unit files found corrupt or truncated (deleted, never loaded)."),
-    )
-    OFFLOAD_GAUGES = (
-        ("kv_offload_cpu_cache_usage_perc", "KV tiers: fraction of the host tier's units in use (1 = full)."),
-        ("kv_offload_disk_bytes_used", "KV tiers: bytes the disk tier's files take (this model's namespace)."),
-        ("kv_offload_disk_bytes_limit", "KV tiers: bytes the disk tier may take (--kv-offloading-disk-size)."),
-    )
-    # vLLM's labelled counters: (name, EngineStats dict field, label, doc).
-    LABELLED_COUNTERS = (
-        ("kv_offload_tiering_block_queries", "kv_offload_block_queries", "tier",
-         "KV tiers: blocks looked up past the device prefix cache, by tier (CPU: host memory, DISK)."),
-        ("kv_offload_tiering_block_hits", "kv_offload_block_hits", "tier", "KV tiers: blocks found, by tier."),
-        ("kv_offload_total_bytes", "kv_offload_bytes", "transfer_type",
-         "KV tiers: bytes moved, by transfer type (GPU is the engine's paged KV cache, on a CPU too)."),
-        ("kv_offload_total_time", "kv_offload_seconds", "transfer_type",
-         "KV tiers: seconds spent moving them, by transfer type."),
-    )
+    the latest message (``shared/engine_metrics.py``)."""
 
     def __init__(self, store: EngineStatsStore, model_name: str) -> None:
         self.store = store
         self.model_name = model_name
 
     def collect(self):
-        engines = self.store.current()
-        for field, doc in self.GAUGES:
-            gauge = GaugeMetricFamily(f"natsllm:{field}", doc, labels=["model_name"])
-            gauge.add_metric([self.model_name], float(sum(getattr(s, field) for s in engines)))
-            yield gauge
-        for name, field, doc in self.COUNTERS:
-            counter = CounterMetricFamily(f"natsllm:{name}", doc, labels=["model_name"])
-            counter.add_metric([self.model_name], float(sum(getattr(s, field) for s in engines)))
-            yield counter
-        for field, doc in self.PER_ENGINE_COUNTERS:
-            counter = CounterMetricFamily(f"natsllm:{field}", doc, labels=["model_name", "engine"])
-            for stats in sorted(engines, key=lambda s: s.engine_id):
-                counter.add_metric([self.model_name, stats.engine_id], float(getattr(stats, field)))
-            yield counter
-        yield from self._prompt_token_sources(engines)
-        yield from self._offloading(engines)
-        yield self._accepted_per_position(engines)
-        engines_gauge = GaugeMetricFamily("natsllm:num_engines", "Engines heard from recently.", labels=["model_name"])
-        engines_gauge.add_metric([self.model_name], float(len(engines)))
-        yield engines_gauge
-        lora_engines = [s for s in engines if s.max_lora]
-        if lora_engines:
-            yield self._lora_requests_info(lora_engines)
-
-    @staticmethod
-    def _lora_requests_info(engines: list[EngineStats]) -> GaugeMetricFamily:
-        """vLLM's info gauge: the adapters as comma-separated label values (of all engines),
-        the value the time of the latest stats."""
-        gauge = GaugeMetricFamily("natsllm:lora_requests_info", "Running stats on lora requests.",
-                                  labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-        waiting = sorted({name for s in engines for name in s.waiting_lora_adapters})
-        running = sorted({name for s in engines for name in s.running_lora_adapters})
-        gauge.add_metric([str(max(s.max_lora for s in engines)), ",".join(waiting), ",".join(running)],
-                         max(s.timestamp for s in engines))
-        return gauge
-
-    def _prompt_token_sources(self, engines: list[EngineStats]):
-        """vLLM's prompt_tokens_by_source and prompt_tokens_cached (the prefix cache's hits and
-        what a KV connector loaded: the tiers)."""
-        sources = {source: sum(getattr(s, f"prompt_tokens_{source}") for s in engines)
-                   for source in ("local_compute", "local_cache_hit", "external_kv_transfer")}
-        by_source = CounterMetricFamily("natsllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
-                                        labels=["model_name", "source"])
-        for source, count in sources.items():
-            by_source.add_metric([self.model_name, source], float(count))
-        yield by_source
-        cached = CounterMetricFamily("natsllm:prompt_tokens_cached",
-                                     "Number of cached prompt tokens (local prefix cache and KV connector).",
-                                     labels=["model_name"])
-        cached.add_metric([self.model_name], float(sources["local_cache_hit"] + sources["external_kv_transfer"]))
-        yield cached
-
-    def _offloading(self, engines: list[EngineStats]):
-        """The KV tiers' gauges and labelled counters (absent when no engine has tiers)."""
-        engines = [s for s in engines if s.kv_offload_block_queries]
-        if not engines:
-            return
-        for field, doc in self.OFFLOAD_GAUGES:
-            gauge = GaugeMetricFamily(f"natsllm:{field}", doc, labels=["model_name"])
-            values = [getattr(s, field) for s in engines]
-            # Host usage is a fraction per engine: their mean. Engines of one model share one disk
-            # folder (the same namespace), so its bytes are the largest any engine reports.
-            value = sum(values) / len(values) if field.endswith("_perc") else max(values)
-            gauge.add_metric([self.model_name], float(value))
-            yield gauge
-        for name, field, label, doc in self.LABELLED_COUNTERS:
-            counter = CounterMetricFamily(f"natsllm:{name}", doc, labels=["model_name", label])
-            totals: dict[str, float] = {}
-            for stats in engines:
-                for key, value in getattr(stats, field).items():
-                    totals[key] = totals.get(key, 0.0) + value
-            for key, value in sorted(totals.items()):
-                counter.add_metric([self.model_name, key], float(value))
-            yield counter
-
-    def _accepted_per_position(self, engines: list[EngineStats]) -> CounterMetricFamily:
-        counter = CounterMetricFamily("natsllm:spec_decode_num_accepted_tokens_per_pos",
-                                      "Accepted tokens per draft's positions.", labels=["model_name", "position"])
-        totals: list[int] = []
-        for stats in engines:
-            per_pos = stats.spec_decode_num_accepted_tokens_per_pos
-            totals.extend([0] * (len(per_pos) - len(totals)))
-            for pos, count in enumerate(per_pos):
-                totals[pos] += count
-        for pos, count in enumerate(totals):
-            counter.add_metric([self.model_name, str(pos)], float(count))
-        return counter
+        yield from engine_families(self.store.current(), {"model_name": self.model_name}, per_engine=False)
 
 
 class _RestartsCollector:
@@ -264,11 +132,12 @@ class _RestartsCollector:
 
 
 class GatewayMetrics:
-    """The gateway's own registry; ``render()`` is the body of ``GET /metrics``."""
+    """The gateway's registry (``registry``: the service's own, ``shared/service_metrics.py``,
+    with the gateway's families added); ``render()`` is the body of ``GET /metrics``."""
 
     def __init__(self, model_name: str, engine_stats: EngineStatsStore,
-                 router_stats: RouterStatsStore | None = None) -> None:
-        self.registry = CollectorRegistry()
+                 router_stats: RouterStatsStore | None = None, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter("natsllm:prompt_tokens", "Number of prefill tokens processed.",

@@ -10,7 +10,9 @@ to give up; stopping the stack, or killing the launcher, leaves nothing running.
 with one user per service role and one for the gateway (fresh passwords per run), each
 service gets its user's credentials in its environment; the gateway's user name is its
 id (``GATEWAY_ID``). Extra flags go to the services that take them
-(``service_flags``).
+(``service_flags``). Each service process has its own status file (``HEARTBEAT_FILE``
+in ``status_dir``): ``progress`` reads what each is doing while the stack starts, and
+``status()`` what each said last (its metrics port, among the rest).
 
 ``data_parallel_size`` engines (vLLM's ``--data-parallel-size``), each its own scheduler and
 ``tensor_parallel_size`` worker ranks with its own engine id; with P/D, each prefill and each
@@ -27,6 +29,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,7 +37,9 @@ from pathlib import Path
 
 from services.launch.nats_cluster import NatsCluster
 from services.launch.nats_server import NatsServer, free_port
+from services.launch.progress import StartupProgress
 from services.launch.supervisor import CrashLoopBudget, Supervisor
+from shared import healthcheck
 from shared.bus import flush_in_order, publish
 from shared.bus_auth import gateway_user
 from shared.config import KV_CONSUMER, KV_PRODUCER, ConfigError, kv_transfer_config_json
@@ -158,6 +163,8 @@ class Stack:
             raise ConfigError(f"--nats-cluster must be at least 1, got {config.nats_cluster}")
         self.nats: NatsServer | NatsCluster | None = None
         self.supervisor = Supervisor(crash_loop=config.crash_loop)
+        self.status_dir = tempfile.mkdtemp(prefix="natsllm-status-")
+        self.progress = StartupProgress({})
         self._supervising: threading.Thread | None = None
         self._stopping = threading.Event()
 
@@ -184,8 +191,14 @@ class Stack:
         if role in self.config.without:
             return None
         log = os.path.join(self.config.log_dir, f"{name}.log") if self.config.log_dir is not None else None
-        return self.supervisor.start(name, [sys.executable, "-m", module, *args], {**self._env(role), **(env or {})},
-                                     str(ROOT), log)
+        env = {**self._env(role), **(env or {})}
+        env["HEARTBEAT_FILE"] = self.progress.status_files[name] = os.path.join(self.status_dir, f"{name}.json")
+        return self.supervisor.start(name, [sys.executable, "-m", module, *args], env, str(ROOT), log)
+
+    def status(self, name: str) -> dict:
+        """What service process ``name`` last wrote to its status file ({} if nothing)."""
+        path = self.progress.status_files.get(name)
+        return healthcheck.read(path) if path else {}
 
     def restart_service(self, name: str) -> subprocess.Popen:
         """Kill a service (if running) and start it again with its first arguments."""
@@ -248,14 +261,17 @@ class Stack:
         self.start_service(f"{prefix}scheduler", "services.scheduler",
                            [*model, *tp, *role, *events, *extra["scheduler"]])
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
+    def wait_ready(self, timeout: float = 300.0, show=None) -> None:
         """Until /health says the gateway reaches a tokenizer and the engine is ready. A
         service that dies meanwhile is restarted as at any time; one in a crash loop is a
-        start-up error."""
+        start-up error. ``show(line)``: called with each service's progress."""
         import urllib.request
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if show is not None:
+                for line in self.progress.changes():
+                    show(line)
             looping = self.crash_loops()
             if looping:
                 raise RuntimeError(f"crash loop during start-up: {'; '.join(looping.values())}")
@@ -266,7 +282,7 @@ class Stack:
             except OSError:
                 pass
             time.sleep(0.3)
-        raise TimeoutError(f"stack not ready after {timeout}s")
+        raise TimeoutError(f"stack not ready after {timeout}s; not serving: {', '.join(self.progress.waiting())}")
 
     def engine_ready(self) -> bool:
         """The scheduler answers its health ping with ready=True once its workers are up;
@@ -370,6 +386,7 @@ class Stack:
         self.supervisor.stop(timeout, spare=frozenset(self.nats.names if self.nats is not None else ()))
         if self.nats is not None:
             self.nats.stop()
+        shutil.rmtree(self.status_dir, ignore_errors=True)
 
     def __enter__(self) -> "Stack":
         self.start()

@@ -1,7 +1,7 @@
 """``python -m services.scheduler``: one engine's scheduler on the bus."""
 
 from shared.bus import run_service, setup_logging
-from shared.cli import add_config_flags, base_parser, config_from_args
+from shared.cli import add_config_flags, base_parser, begin_service, config_from_args, metrics_server_config
 from shared.config import (
     CacheConfig,
     EngineServiceConfig,
@@ -29,6 +29,7 @@ def main() -> None:
 
     args = build_parser().parse_args()
     setup_logging(args.log_level)
+    begin_service(args, "scheduler")
     engine = config_from_args(EngineServiceConfig, args)
     service = SchedulerService(
         engine.engine_id,
@@ -43,7 +44,7 @@ def main() -> None:
         kv_offload_config=config_from_args(KVOffloadConfig, args),
         kv_events_config=config_from_args(KVEventsConfig, args),
     )
-    run_service(service)
+    run_service(service, metrics_server_config(args))
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 # and how many it tries before decoding the request itself.
 HANDOFF_TIMEOUT = 2.0
 HANDOFF_ATTEMPTS = 2
+LOCAL = "local"  # a hand-off no decode engine took: decoded on the prefill engine
 
 
 class HandoffSender:
@@ -63,6 +64,8 @@ class HandoffSender:
         self.engine_id = engine_id
         self.incarnation = incarnation
         self.router = router
+        # Requests handed to each decode engine (LOCAL: none took it): natsllm:handoffs_total.
+        self.decisions: dict[str, int] = {}
         self._recovery = recovery
         self._intake = intake
         self._outputs = outputs
@@ -103,6 +106,7 @@ class HandoffSender:
                 continue
             logger.warning("engine %s: no decode engine took %s; decoding it here", self.engine_id,
                            request.request_id)
+            self.decisions[LOCAL] = self.decisions.get(LOCAL, 0) + 1
             scheduler.decode_locally(request)
             self._wake()
         await self._outputs.publish(list(outputs.values()))
@@ -121,6 +125,8 @@ class HandoffSender:
             kv_transfer_params=params,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
+        traces = self._intake.traces
+        headers = traces.headers(request.request_id) if traces is not None else None
         tried: set[str] = set()
         for _ in range(HANDOFF_ATTEMPTS):
             route = self.router.route(handoff.request, exclude=frozenset(tried))
@@ -129,13 +135,15 @@ class HandoffSender:
             engine_id = route.engine_id
             tried.add(engine_id)
             try:
-                reply = await self._request(KV_HANDOFF_CHANNEL, handoff, engine_id, timeout=HANDOFF_TIMEOUT)
+                reply = await self._request(KV_HANDOFF_CHANNEL, handoff, engine_id, timeout=HANDOFF_TIMEOUT,
+                                            headers=headers)
             except Exception as e:  # no responder, timeout, a bad answer: the next engine
                 logger.warning("engine %s: hand-off of %s to %s failed: %r", self.engine_id, request.request_id,
                                engine_id, e)
                 continue
             self.router.answered(route, reply.admission if reply.accepted else 0)
             if reply.accepted:
+                self.decisions[engine_id] = self.decisions.get(engine_id, 0) + 1
                 output.owner_engine_id, output.owner_incarnation = reply.engine_id, reply.incarnation
                 return True
             logger.warning("engine %s: %s refused %s: %s", self.engine_id, engine_id, request.request_id, reply.error)
@@ -178,6 +186,8 @@ class HandoffReceiver:
             return request
 
         queued, error = self._intake.admit(handoff.request.request_id, handoff.request.gateway_id, make_request)
+        if queued and self._intake.traces is not None:
+            self._intake.traces.arrived(handoff.request, msg.headers, handed_in=True)
         message = "" if error is None else error.message
         await respond(msg, KV_HANDOFF_CHANNEL, KVHandoffReply(error is None, message, self.engine_id, self.incarnation,
                                                               self._intake.num_admitted if queued else 0))
@@ -189,6 +199,8 @@ class HandoffReceiver:
         if scheduler is None or done.incarnation != self.incarnation:
             return
         scheduler.update_from_kv_loads(done.finished, done.failed, done.kv_bytes)
+        if self._intake.traces is not None:
+            self._intake.traces.kv_loaded(done.finished)
         self.send_releases(scheduler)
         self._wake()
 

@@ -34,6 +34,7 @@ from shared.protocol import (
 from .outputs import OutputPublisher
 from .recovery import WorkerRecovery
 from .request import Request
+from .request_traces import RequestTraces
 from .scheduler import RequestRejected
 from .stats import EngineCounters
 from .stop_strings_broadcast import StopStringsBroadcast
@@ -50,7 +51,7 @@ class Intake:
     def __init__(self, engine_id: str, incarnation: str, block_size: int, max_waiting_requests: int,
                  hands_off: bool, recovery: WorkerRecovery, outputs: OutputPublisher,
                  stops: StopStringsBroadcast, counters: EngineCounters, is_ready: Callable[[], bool],
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], traces: RequestTraces | None = None) -> None:
         self.engine_id = engine_id
         self.incarnation = incarnation
         self.block_size = block_size
@@ -62,6 +63,7 @@ class Intake:
         self._counters = counters
         self._is_ready = is_ready
         self._wake = wake
+        self.traces = traces
         self.early_aborts: dict[tuple[str, str], float] = {}  # (gateway id, request id) -> when
         # Requests admitted (new and handed off): routers count what they sent until the
         # engine's stats count it (EngineStats.num_requests_admitted).
@@ -107,6 +109,8 @@ class Intake:
         if queued:
             self._stops.accepted(request.request_id, request.sampling_params)
             self._counters.prompt_tokens_total += len(request.prompt_token_ids)
+            if self.traces is not None:
+                self.traces.arrived(request, msg.headers)
         reply = EngineRequestReply(request.request_id, error, engine_id=self.engine_id, incarnation=self.incarnation,
                                    admission=self.num_admitted if queued else 0)
         await respond(msg, ENGINE_REQUESTS_CHANNEL, reply)

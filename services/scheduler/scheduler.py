@@ -210,6 +210,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_finished_to_send(self) -> bool:
+        """Requests that left since the last step, which the workers still hold (the next
+        step's ``finished_req_ids``)."""
+        return bool(self._finished_req_ids)
+
     def has_connector_work(self) -> bool:
         """Loads or holds whose deadlines ``schedule()`` must check now and then."""
         return self.is_loading_remote_kv() or (self.connector is not None and bool(self.connector.holds))

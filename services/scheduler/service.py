@@ -17,6 +17,7 @@ objects it calls:
                                aborts and resends
     stop_strings_broadcast.py  stop strings to every detokenizer, and their queries
     outputs.py                 step outputs and error outputs to the detokenizers
+    request_traces.py          the spans of traced requests (when tracing is on)
     handoff.py                 P/D hand-off, prefill side and decode side
     stats.py                   the EngineStats message
     kv_events.py               KV cache events on the bus, their replays and dumps
@@ -45,6 +46,7 @@ from nats.aio.msg import Msg
 from services.router.bus import RouterOnBus
 from services.router.loads import takes_handoffs
 from services.router.router import Router
+from shared import tracing
 from shared.aio import wait_for
 from shared.bus import Service, respond
 from shared.config import CacheConfig, KVOffloadConfig, KVTransferConfig, LoRAConfig, SchedulerConfig
@@ -81,7 +83,9 @@ from .lost_steps import LostStepWatch
 from .kv_offload.connector import OffloadingConnectorScheduler
 from .outputs import OutputPublisher
 from .recovery import WorkerRecovery
+from .request_traces import RequestTraces
 from .scheduler import Scheduler
+from .metrics import scheduler_families
 from .stats import EngineCounters
 from .stop_strings_broadcast import StopStringsBroadcast
 from .workers import WorkerGroup
@@ -104,6 +108,8 @@ class _SentStep:
     # When the result of the step ahead of it arrived (0: nothing was ahead when sent).
     previous_result_at: float = 0.0
     result_at: float = 0.0
+    # time.time_ns() when sent, taken only while traced requests run (request_traces.py).
+    sent_ns: int = 0
 
 
 class SchedulerService(Service):
@@ -147,18 +153,22 @@ class SchedulerService(Service):
         self.profile = StepProfile() if profile else None
         self._loop_task: asyncio.Task | None = None
         self._wait_log = WaitLog(logger, f"engine {engine_id}")
+        self.num_steps = 0
+        self.last_stats = None  # the EngineStats last published (what /metrics shows)
+        process_tracing = tracing.current()
+        self.traces = RequestTraces(process_tracing, engine_id) if process_tracing is not None else None
 
         wake = self._work.set
         self.workers = WorkerGroup(self.world_size, self.cache_config.block_size, self.worker_timeout)
         self.counters = EngineCounters(engine_id)
         self.stops = StopStringsBroadcast(engine_id, self.publish, lambda request_id: self.recovery.stop_strings(
             request_id))
-        self.outputs = OutputPublisher(engine_id, self.publish, self.spawn, self.stops)
+        self.outputs = OutputPublisher(engine_id, self.publish, self.spawn, self.stops, self.traces)
         self.recovery = WorkerRecovery(engine_id, self.workers, self._make_scheduler, self.outputs, self.publish,
                                        self.spawn, self._cancel_steps, wake)
         self.intake = Intake(engine_id, self.incarnation, cache_config.block_size,
                              service_config.max_waiting_requests, kv_transfer_config.hands_off, self.recovery,
-                             self.outputs, self.stops, self.counters, lambda: self.ready, wake)
+                             self.outputs, self.stops, self.counters, lambda: self.ready, wake, self.traces)
         # P/D, prefill side: the decode engine of each hand-off (kv: prefix and load).
         self.decode_router = Router(eligible=takes_handoffs)
         self.handoff_sender = HandoffSender(engine_id, self.incarnation, self.recovery, self.intake, self.outputs,
@@ -192,11 +202,25 @@ class SchedulerService(Service):
     def info(self) -> dict:
         info = {"engine_id": self.engine_id, "ready": self.ready, "num_stop_queries": self.stops.num_queries,
                 "num_kv_poll_steps": self.num_kv_poll_steps, "num_lost_steps": self.num_lost_steps,
-                "steps_in_flight": self.lost_steps.in_flight()}
+                "steps_in_flight": self.lost_steps.in_flight(), "num_steps": self.num_steps}
         if self.kv_events is not None:
             info.update(kv_events_seq=self.kv_events.seq, kv_events_replays=self.kv_events.num_replays,
                         kv_events_dumps=self.kv_events.num_dumps)
+        if self.last_stats is not None:
+            stats = self.last_stats
+            info.update(num_requests_running=stats.num_requests_running,
+                        num_requests_waiting=stats.num_requests_waiting,
+                        kv_cache_usage_perc=round(stats.kv_cache_usage_perc, 4))
         return info
+
+    def phase(self) -> str:
+        if self.ready:
+            return "serving"
+        missing = self.workers.world_size - len(self.workers.members)
+        return f"waiting for {missing} of its {self.workers.world_size} worker rank(s)"
+
+    def metric_families(self):
+        return scheduler_families(self)
 
     async def setup(self) -> None:
         engine = self.engine_id
@@ -374,6 +398,10 @@ class SchedulerService(Service):
         if not scheduler.step_worth_sending(step):
             self.num_kv_poll_steps += 1
         self._last_step_sent = time.monotonic()
+        sent_ns = 0
+        if self.traces is not None and self.traces.requests:
+            sent_ns = time.time_ns()
+            self.traces.mark_new(step)
         future = asyncio.get_running_loop().create_future()
         self._pending_steps[step.step_id] = future
         data = STEP_CHANNEL.encode(step)
@@ -383,7 +411,7 @@ class SchedulerService(Service):
         await self.stops.send()
         self.lost_steps.sent(step.step_id, time.monotonic())
         await self.nc.publish(STEP_CHANNEL.subject(self.engine_id), data)
-        return _SentStep(step, future, clock)
+        return _SentStep(step, future, clock, sent_ns=sent_ns)
 
     async def _finish_step(self, scheduler: Scheduler, sent: _SentStep) -> None:
         step, clock = sent.step, sent.clock
@@ -413,6 +441,10 @@ class SchedulerService(Service):
         outputs = scheduler.update_from_output(step, result)
         clock.lap("update")
         await self._flush_kv_events()
+        self.num_steps += 1
+        if self.traces is not None and self.traces.requests:
+            self.traces.step_done(step, sent.sent_ns, result)
+            self.traces.kv_loaded(result.finished_recving)
         self.counters.generation_tokens_total += sum(len(o.new_token_ids) for o in outputs)
         outputs = self.handoff_sender.start(scheduler, outputs)
         self.handoff_receiver.send_releases(scheduler)
@@ -425,7 +457,9 @@ class SchedulerService(Service):
         if self.profile is not None:
             num_reqs = len(step.scheduled_req_ids)
             self.profile.end_step(num_reqs, clock.durations, result.timings, result_decode, more_work)
-        if more_work:
+        if more_work or (self.traces is not None and scheduler.has_finished_to_send()):
+            # Tracing: a step with only finished_req_ids tells the workers at once that the
+            # last requests left, and they end those requests' spans.
             self._work.set()  # the result may have made requests runnable (loads that ended)
         else:
             self._work.clear()
@@ -446,6 +480,10 @@ class SchedulerService(Service):
             await self._flush_kv_events()
             stats = self.counters.message(self.ready, self.incarnation, self.scheduler, self.intake.num_admitted,
                                           self.kv_events.seq if self.kv_events is not None else 0)
+            self.last_stats = stats
             await self.publish(ENGINE_STATS_CHANNEL, stats)
+            if self.traces is not None and self.traces.requests:
+                scheduler = self.scheduler
+                self.traces.forget_gone(lambda req_id: scheduler is not None and req_id in scheduler.requests)
             self.counters.log(self.scheduler)
             await asyncio.sleep(min(self.stats_interval, self.worker_timeout / 3))

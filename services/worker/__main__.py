@@ -8,7 +8,7 @@ from .onednn_caches import bound_onednn_caches
 bound_onednn_caches()  # before anything imports torch
 
 from shared.bus import run_service, setup_logging  # noqa: E402
-from shared.cli import base_parser, config_from_args  # noqa: E402
+from shared.cli import base_parser, begin_service, config_from_args, metrics_server_config  # noqa: E402
 from shared.config import (  # noqa: E402
     CacheConfig,
     EngineServiceConfig,
@@ -34,6 +34,7 @@ def build_parser():
 def main() -> None:
     args = build_parser().parse_args()
     setup_logging(args.log_level)
+    begin_service(args, "worker")
     run_config = config_from_args(ModelRunConfig, args)
     apply_omp_wait_policy(run_config.omp_wait_policy)  # before torch is imported
     apply_cpu_binding(run_config.cpu_omp_threads_bind, config_from_args(ParallelConfig, args).rank)
@@ -53,7 +54,7 @@ def main() -> None:
         kv_transfer_config=config_from_args(KVTransferConfig, args),
         kv_offload_config=config_from_args(KVOffloadConfig, args),
     )
-    code = run_service(service)
+    code = run_service(service, metrics_server_config(args))
     # A forward thread may be stuck in a collective with a dead peer (or the bus may be
     # gone): never wait for it, whatever ended the service.
     logging.shutdown()

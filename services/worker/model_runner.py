@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kernels import AttentionMetadata, get_kernel_ops
+from shared import startup
 from shared.config import (
     CacheConfig,
     ConfigError,
@@ -124,6 +125,7 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.device,
                                                      run_config.dtype, self.keep_quantized)
         # Each rank reads only its rows / columns of the sharded tensors.
+        startup.phase(f"loading weights of {self.model_path}")
         self.model = self._load_model(self.model_path, self.model_config, self.tp)
         # KV cache groups (shared/kv_cache_groups.py): their windows, for the scheduler.
         self.kv_layout = self.model.kv_layout
@@ -138,7 +140,9 @@ class ModelRunner:
         if speculative is not None and speculative.method == "draft_model":
             self.draft_model = self._load_draft_model(speculative)
 
+        startup.phase("profiling memory: sizing the KV cache")
         self.num_blocks = self._num_kv_blocks()
+        startup.phase(f"allocating {self.num_blocks} KV cache blocks")
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.layer_kv_caches = layer_kv_caches(self.kv_caches, self.kv_layout)
         if self.draft_model is not None:

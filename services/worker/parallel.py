@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shared import startup
 from shared.config import ConfigError, ParallelConfig
 from shared.model_config import ModelConfig
 
@@ -106,6 +107,7 @@ def init_distributed(
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     logger.info("rank %d of %d: joining %s process group at %s", rank, world_size, backend, init_method)
+    startup.phase(f"joining the tensor-parallel group ({world_size} ranks) at {init_method}")
     dist.init_process_group(
         backend=backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout
     )

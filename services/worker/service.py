@@ -19,9 +19,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-
 from nats.aio.msg import Msg
 
+from shared import tracing
 from shared.bus import Service, flush_in_order
 from shared.config import (
     CacheConfig,
@@ -52,8 +52,10 @@ from .kv_offload.build import build_offloading_worker
 from .kv_offload.connector import OffloadingConnectorWorker
 from .kv_transfer.connector import KVConnectorWorker
 from .kv_transfer.load_reports import LoadReports
+from .metrics import step_seconds, worker_families
 from .model_runner import ModelRunner, resolve_device
 from .parallel import init_distributed
+from .request_traces import WorkerTraces
 from .step_order import StepOrder
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,9 @@ class WorkerService(Service):
         super().__init__(nats_url)
         self.engine_id = engine_id
         self.profile = profile
+        # --collect-detailed-traces: each step's phases are timed for the request spans.
+        process_tracing = tracing.current()
+        self.timed_steps = profile or (process_tracing is not None and process_tracing.detailed)
         self.world_size = parallel_config.tensor_parallel_size
         self.peer_timeout = peer_timeout
         self._peers: dict[int, str] = {}
@@ -112,6 +117,9 @@ class WorkerService(Service):
         self._heap_trimmed = False
         self.num_steps = 0
         self.num_sampled_tokens = 0
+        self.step_seconds = step_seconds(self.metrics_registry, engine_id, self.rank)
+        # Tracing on: the spans of traced requests' steps on this rank.
+        self.traces = WorkerTraces(process_tracing, engine_id, self.rank) if process_tracing is not None else None
         # Both KV connectors report the ends of their loads through one LoadReports.
         faults = KVTransferFaults.from_env()
         self.load_reports: LoadReports | None = None
@@ -139,6 +147,9 @@ class WorkerService(Service):
         return {"engine_id": self.engine_id, "rank": self.rank, "num_steps": self.num_steps,
                 "num_sampled_tokens": self.num_sampled_tokens, "last_step_id": self.steps.last_step_id,
                 "running_step_id": self.steps.running_step_id}
+
+    def metric_families(self):
+        return worker_families(self)
 
     def ready_message(self) -> WorkerReady:
         return WorkerReady(
@@ -212,7 +223,7 @@ class WorkerService(Service):
             await loop.run_in_executor(self._executor, self.runner.lora.unpin, name)
 
     async def _on_step(self, msg: Msg) -> None:
-        clock = PhaseClock(self._sync) if self.profile else NULL_CLOCK
+        clock = PhaseClock(self._sync) if self.timed_steps else NULL_CLOCK
         scheduler_output = STEP_CHANNEL.decode(msg.data)
         clock.lap("unpack")
         # A step of an earlier scheduler incarnation (delivered late, or from a scheduler
@@ -238,18 +249,26 @@ class WorkerService(Service):
         # (one thread: steps run in arrival order), so it starts the moment that one ends
         # instead of after this loop has published that one's result and read this message.
         # The result is published by a task of its own, after the previous step's.
-        running = asyncio.get_running_loop().run_in_executor(self._executor, self._run_step, scheduler_output, clock,
-                                                             stores)
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self._executor, self._run_step, scheduler_output, clock, loop, stores)
         self._step_in_flight = self.spawn(self._finish_step(scheduler_output, running, clock, self._step_in_flight))
 
-    def _run_step(self, scheduler_output, clock, stores: Future | None = None) -> ModelRunnerOutput:
+    def _run_step(self, scheduler_output, clock, loop, stores: Future | None = None) -> ModelRunnerOutput:
         """On the forward thread: the step's phases count from when it starts there, not
-        from when it was queued behind another. ``stores``: the tiers' copies of blocks
-        this step may overwrite, waited for first."""
+        from when it was queued behind another (its time on the worker, too; and, tracing,
+        its traced requests' spans: noted on the event loop, in the steps' order).
+        ``stores``: the tiers' copies of blocks this step may overwrite, waited for first."""
         if stores is not None:
             stores.result()
-        clock.starts_no_earlier_than(time.perf_counter())
-        return self.runner.execute_model(scheduler_output, clock)
+        started = time.perf_counter()
+        started_ns = time.time_ns() if self.traces is not None else 0
+        clock.starts_no_earlier_than(started)
+        try:
+            return self.runner.execute_model(scheduler_output, clock)
+        finally:
+            self.step_seconds.observe(time.perf_counter() - started)
+            if self.traces is not None:
+                loop.call_soon_threadsafe(self.traces.step_ran, scheduler_output, started_ns, time.time_ns())
 
     async def _finish_step(self, scheduler_output, running: asyncio.Future, clock, previous: asyncio.Task | None) -> None:
         """Publish one step's result (rank 0), once the step before it has published its own."""
@@ -264,7 +283,7 @@ class WorkerService(Service):
             await asyncio.wait([previous])
         try:
             output = await running
-            if self.profile:
+            if self.timed_steps:
                 output.timings = [clock.durations.get(phase, 0.0) for phase in WORKER_PHASES]
         except Exception as e:
             logger.exception("engine %s rank %d: step %d failed", self.engine_id, self.rank, scheduler_output.step_id)

@@ -213,6 +213,9 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # decode engine): the gateway watches this one from now on.
     owner_engine_id: str = ""
     owner_incarnation: str = ""
+    # Tracing (shared/tracing.py): the W3C traceparent of the request's engine span, on its
+    # first and its last output only (the detokenizer's spans join the trace).
+    trace_context: str = ""
 
 
 class EngineOutputBatch(msgspec.Struct, array_like=True, gc=False):

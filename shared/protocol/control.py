@@ -5,6 +5,7 @@
     scheduler -> anyone: EngineStats, every second
     anyone -> a service: ping -> Pong
     launcher -> gateways: ServiceRestarts
+    every service -> gateways: ServiceStatus, every heartbeat (the fleet on /dashboard)
     gateway -> gateways and workers: LoRAAdapters loaded and unloaded
 """
 
@@ -23,6 +24,9 @@ SERVICE_RESTARTS = f"{SUBJECT_PREFIX}.launcher.restarts"
 # LoRA adapters loaded / unloaded at runtime: a gateway broadcasts each change to every
 # gateway (their registries) and worker (which reads a loaded adapter ahead); a starting
 # gateway asks the others for their adapters (request/reply).
+# Every service replica says what it is and does, every heartbeat (no queue group: the
+# gateways' /dashboard lists every replica).
+SERVICE_STATUS = f"{SUBJECT_PREFIX}.status"
 LORA_ADAPTERS = f"{SUBJECT_PREFIX}.lora.adapters"
 LORA_LIST = f"{SUBJECT_PREFIX}.lora.list"
 
@@ -133,6 +137,21 @@ class ServiceRestarts(msgspec.Struct, omit_defaults=True):
     counts: dict[str, int]
 
 
+class ServiceStatus(msgspec.Struct, omit_defaults=True):
+    """every service replica -> gateways on ``llm.status.<service>``, every heartbeat: its
+    name and instance, what it is doing (``phase``: "serving", or what it waits for), its
+    counters (``Service.info()``, what a ping answers) and where its Prometheus metrics are
+    (``metrics_port``: 0 for none; a gateway's are on its HTTP port)."""
+
+    service: str
+    instance_id: str
+    phase: str = "serving"
+    info: dict = {}
+    metrics_port: int = 0
+    started_at: float = 0.0  # time.time() when the process started
+    host: str = ""  # the host name the process runs on
+
+
 class LoRAAdapters(msgspec.Struct, omit_defaults=True):
     """gateway -> every gateway and worker on ``LORA_ADAPTERS``: adapters loaded and names
     unloaded (idempotent: applying it twice changes nothing); also a gateway's answer on
@@ -158,6 +177,7 @@ WORKER_RETIRE = Codec(WorkerRetire)
 SERVICE_RESTARTS_MSG = Codec(ServiceRestarts)
 LORA_ADAPTERS_MSG = Codec(LoRAAdapters)
 PONG = Codec(Pong)
+SERVICE_STATUS_MSG = Codec(ServiceStatus)
 
 ENGINE_STATS_CHANNEL = Channel(ENGINE_STATS, ENGINE_STATS_MSG)
 # Every replica of service ``{}`` answers health pings here (queue group).
@@ -171,11 +191,14 @@ WORKER_RETIRE_CHANNEL = Channel(f"{SUBJECT_PREFIX}.engine.{{}}.retire", WORKER_R
 # The scheduler answers with its step profile summary (JSON, asked in JSON) when profiling.
 PROFILE_CHANNEL = Channel(f"{SUBJECT_PREFIX}.engine.{{}}.profile", RAW, RAW)
 SERVICE_RESTARTS_CHANNEL = Channel(SERVICE_RESTARTS, SERVICE_RESTARTS_MSG)
+# Every replica of service ``{}`` says what it does (gateways read ``subject("*")``).
+SERVICE_STATUS_CHANNEL = Channel(f"{SERVICE_STATUS}.{{}}", SERVICE_STATUS_MSG)
 LORA_ADAPTERS_CHANNEL = Channel(LORA_ADAPTERS, LORA_ADAPTERS_MSG)
 # A gateway's answer: ``loaded`` only, all it serves.
 LORA_LIST_CHANNEL = Channel(LORA_LIST, RAW, LORA_ADAPTERS_MSG)
 
 ping_subject = PING_CHANNEL.subject
+service_status_subject = SERVICE_STATUS_CHANNEL.subject
 engine_ready_subject = WORKER_READY_CHANNEL.subject
 engine_hello_subject = WORKER_HELLO_CHANNEL.subject
 engine_retire_subject = WORKER_RETIRE_CHANNEL.subject

@@ -31,6 +31,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     output_token_ids: list[int] = []
     # Sent once with the request: each worker keeps it in the request's state.
     lora_request: LoRARequest | None = None
+    # Tracing on and the request traced: the W3C traceparent of its engine span, under
+    # which the workers make theirs (services/worker/request_traces.py); else "" (omitted).
+    trace_context: str = ""
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -34,11 +34,12 @@ SHARED_CORES_WAIT = ["--omp-wait-policy", "passive"]
 
 
 @contextlib.contextmanager
-def running_stack(config: StackConfig, timeout: float = 240):
+def running_stack(config: StackConfig, timeout: float = 240, show=None):
     """Start the stack (its workers in float32 with dequantized weights unless
     ``config.args`` name a dtype / a quantization; with the passive OpenMP wait policy when
-    there is more than one worker, unless they name one), wait until the engine is ready, stop it
-    afterwards; any traceback in a service's log is printed (pytest shows it for a failed test)."""
+    there is more than one worker, unless they name one), wait until the engine is ready (``show``:
+    called with each line of start-up progress meanwhile), stop it afterwards; any traceback in a
+    service's log is printed (pytest shows it for a failed test)."""
     if "--dtype" not in config.args:
         config = dataclasses.replace(config, args=[*EXACT_DTYPE, *config.args])
     if "--quantization" not in config.args:
@@ -48,7 +49,7 @@ def running_stack(config: StackConfig, timeout: float = 240):
     stack = Stack(config)
     stack.start()
     try:
-        stack.wait_ready(timeout=timeout)
+        stack.wait_ready(timeout=timeout, show=show)
         yield stack
     finally:
         stack.stop()

@@ -2,8 +2,8 @@
 processes of the stack are killed. A short run here (a minute of chaos, 2-4 kills), the
 full 10 minutes marked slow. Either way: nothing hung, every greedy text completed equals
 the fault-free run's, the engine ends with no request and no KV block, the launcher
-stops cleanly, and every failure follows a kill (which ones, and why, is printed: the
-scheduler's death still fails its requests, docs/RELIABILITY.md).
+stops cleanly, and every failure follows a kill (which ones, and why, is printed: a
+gateway's death drops its clients' connections, docs/RELIABILITY.md).
 """
 
 from __future__ import annotations

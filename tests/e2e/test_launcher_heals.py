@@ -11,9 +11,10 @@ launcher stops everything and exits with status 1, naming the service and the bu
 
 Then the issue's fault run, in the default configuration (bfloat16, int4/int8 weights):
 ``scripts/serve --tokenizers 2 --detokenizers 2`` under 16 concurrent greedy streams, a
-detokenizer, a tokenizer and the worker killed in turn mid-stream: every stream completes
-with the text of the fault-free run (the launcher heals; batch invariance keeps the text
-whatever the batches of the disturbed run).
+detokenizer, a tokenizer, the worker and the scheduler killed in turn mid-stream: every
+stream completes with the text of the fault-free run (the launcher heals; a dead
+scheduler's requests resume on its restart, services/gateway/resume.py; batch invariance
+keeps the text whatever the batches of the disturbed run).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def test_the_fault_run_of_the_issue_costs_no_text_in_the_default_configuration(t
         stack.wait_ready()
         undisturbed = asyncio.run(streams(stack))
         assert all(isinstance(text, str) and text for text in undisturbed), undisturbed
-        for victim in ("detokenizer", "tokenizer", "worker-0"):
+        for victim in ("detokenizer", "tokenizer", "worker-0", "scheduler"):
             assert asyncio.run(streams(stack, victim)) == undisturbed, f"after killing a {victim}"
             gauges = wait_idle(stack)
             assert gauges.get("natsllm:num_engines", 0) >= 1 and not any(

@@ -134,6 +134,7 @@ class FakeEngine(Service):
     def __init__(self, nats_url: str) -> None:
         super().__init__(nats_url)
         self.prompts: list[TokenizeRequest] = []
+        self.prompt_headers: list[dict | None] = []  # each tokenize request's NATS headers
         self.requests: list[Sample] = []
         self.aborted: list[str] = []
         self._changed = asyncio.Condition()
@@ -192,6 +193,7 @@ class FakeEngine(Service):
                 await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(error=e.error)))
                 return
         self.prompts.append(request)
+        self.prompt_headers.append(msg.headers)
         if request.resumed:
             samples = [Sample(request_id, request.sampling_params.for_choice(r.choice), request, r.output_token_ids)
                        for request_id, r in zip(request.request_ids, request.resumed)]

@@ -1,4 +1,5 @@
-"""scripts/bench_serving.py without a server: SSE parsing, payloads, metrics, one streamed request."""
+"""scripts/bench_serving.py and the harness's streaming client (scripts/bench/client.py) without a
+server: SSE parsing, payloads, metrics, one streamed request."""
 
 from __future__ import annotations
 
@@ -8,20 +9,18 @@ import math
 import httpx
 import pytest
 
-from bench_common import SampleRequest
-from bench_serving import (
+from bench.client import (
     RequestResult,
     arrival_times,
-    build_payload,
     chunk_text,
     compute_metrics,
     format_table,
-    nan_to_none,
-    parse_args,
     parse_sse_line,
-    request_model,
     send_request,
 )
+from bench.corpus import SampleRequest
+from bench.stats import nan_to_none
+from bench_serving import build_payload, parse_args, request_model
 
 
 def test_parse_sse_line():

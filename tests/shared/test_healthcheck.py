@@ -89,7 +89,51 @@ def test_the_file_holds_what_a_ping_answers_and_show_prints_it(tmp_path):
         check = subprocess.run([sys.executable, "-m", "shared.healthcheck", "--show"], env=env, cwd=ROOT,
                                capture_output=True, text=True, timeout=60)
         assert check.returncode == 0, check.stderr
-        assert json.loads(check.stdout) == {"service": "idle", "instance_id": service.instance_id, "num_requests": 3}
+        status = json.loads(check.stdout)
+        assert status.pop("started_at") > 0 and isinstance(status.pop("history"), list)
+        assert status == {"service": "idle", "instance_id": service.instance_id, "phase": "serving",
+                          "metrics_port": 0, "num_requests": 3}
+
+
+def test_a_starting_service_is_not_healthy_yet(tmp_path, monkeypatch):
+    """Its start-up phases (shared/startup.py) are written before it is on the bus: fresh,
+    but the check says starting, and names the phase."""
+    from shared import startup
+
+    path = tmp_path / "heartbeat"
+    monkeypatch.setenv("HEARTBEAT_FILE", str(path))
+    monkeypatch.setattr(startup, "_service", None)
+    monkeypatch.setattr(startup, "_history", [])
+    startup.begin("worker")
+    startup.phase("loading weights of m.gguf")
+    startup.on_the_bus()
+    startup.phase("compiling CPU kernel rms_norm")  # after start-up: only logged
+    status = healthcheck.read(str(path))
+    assert status["phase"] == "loading weights of m.gguf" and status["starting"]
+    assert [what for what, _ in status["history"]] == ["starting the process", "loading weights of m.gguf"]
+    env = {**os.environ, "HEARTBEAT_FILE": str(path), "PYTHONPATH": str(ROOT)}
+    check = subprocess.run([sys.executable, "-m", "shared.healthcheck"], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 1 and "starting: loading weights of m.gguf" in check.stderr
+
+
+def test_each_heartbeat_also_says_on_the_bus_what_the_service_is_and_does(tmp_path):
+    import nats
+
+    from shared.protocol import SERVICE_STATUS_CHANNEL
+
+    async def first_status(url: str):
+        nc = await nats.connect(url)
+        try:
+            sub = await nc.subscribe(SERVICE_STATUS_CHANNEL.subject("*"))
+            return SERVICE_STATUS_CHANNEL.decode((await sub.next_msg(timeout=10)).data), sub
+        finally:
+            await nc.close()
+
+    with NatsServer() as server, service_in_thread(server.url, str(tmp_path / "heartbeat")) as (service, _):
+        status, _ = asyncio.run(first_status(server.url))
+    assert (status.service, status.instance_id, status.phase) == ("idle", service.instance_id, "serving")
+    assert status.info == {"num_requests": 3} and status.started_at > 0 and status.host
 
 
 def test_stale_while_the_event_loop_is_blocked(tmp_path):

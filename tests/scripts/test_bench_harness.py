@@ -1,29 +1,20 @@
-"""Pure logic of scripts/bench_common.py: dataset, lengths, statistics, targets, ratios."""
+"""Pure logic of the benchmark harness (scripts/bench/): corpus, lengths, statistics, targets,
+ratios, the machine's description."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
 import pytest
 
-from bench_common import (
-    PARAGRAPHS,
-    best_of_configurations,
-    check_loopback_url,
-    check_targets,
-    compare_peers,
-    describe_cpu,
-    draw_lengths,
-    format_peer_table,
-    from_vllm_bench,
-    load_sentences,
-    make_dataset,
-    percentile,
-    split_sentences,
-    summarize,
-    text_of_tokens,
-)
+from bench.client import check_loopback_url
+from bench.corpus import PARAGRAPHS, draw_lengths, load_sentences, make_dataset, split_sentences, text_of_tokens
+from bench.peers import (best_of_configurations, check_targets, compare_peers, format_peer_table, from_vllm_bench,
+                         load_serving_results)
+from bench.record import describe_cpu
+from bench.stats import percentile, summarize
 
 
 class WordTokenizer:
@@ -204,10 +195,19 @@ def test_a_run_where_every_request_failed_compares_as_missing():
     assert all(line.startswith("MISSED") for line in check_targets([row]))
 
 
-def test_a_vllm_bench_result_reads_as_ours():
-    record = {"max_concurrency": 8, "num_prompts": 16, "output_throughput": 190.5, "median_ttft_ms": 700.0,
+def test_a_vllm_bench_result_reads_as_ours(tmp_path):
+    result = {"max_concurrency": 8, "num_prompts": 16, "output_throughput": 190.5, "median_ttft_ms": 700.0,
               "mean_ttft_ms": 710.0, "median_tpot_ms": 31.0, "mean_tpot_ms": 32.0, "failed": 0, "completed": 16}
-    converted = from_vllm_bench(record, "vllm-cpu-bfloat16")
-    assert converted["label"] == "vllm-cpu-bfloat16" and converted["config"]["max_concurrency"] == 8
-    metrics = converted["metrics"]
+    converted = from_vllm_bench(result, "vllm-cpu-bfloat16")
+    (tmp_path / "vllm-cpu-bfloat16-c8.json").write_text(json.dumps(converted))
+    [[label, by_concurrency]] = load_serving_results(str(tmp_path)).items()
+    assert label == "vllm-cpu-bfloat16" and list(by_concurrency) == [8]
+    metrics = by_concurrency[8]
     assert (metrics["output_throughput"], metrics["ttft_ms"]["median"], metrics["tpot_ms"]["median"]) == (190.5, 700.0, 31.0)
+
+
+def test_scripts_written_before_the_harness_still_find_their_names():
+    import bench_common
+
+    assert bench_common.describe_cpu is describe_cpu and bench_common.summarize is summarize
+    assert all(hasattr(bench_common, name) for name in bench_common.__all__)

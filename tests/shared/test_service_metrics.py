@@ -1,0 +1,45 @@
+"""Every service's metrics port (shared/service_metrics.py), as Prometheus scrapes it."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from shared.bus import Service
+from shared.config import ConfigError
+from shared.service_metrics import MetricsServer, MetricsServerConfig
+
+# What Prometheus 2.x sends: it prefers OpenMetrics.
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+                     "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+class Tokenizer(Service):
+    name = "tokenizer"
+
+
+def test_the_names_keep_their_colons_for_a_scraper_that_asks_for_openmetrics():
+    service = Tokenizer()
+    server = MetricsServer(service.metrics_registry, MetricsServerConfig())
+    try:
+        response = httpx.get(f"http://127.0.0.1:{server.port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT})
+    finally:
+        server.close()
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert (f'natsllm:service_info{{instance_id="{service.instance_id}",phase="serving",service="tokenizer"}} 1.0'
+            in response.text)
+    assert 'natsllm:handler_errors_total{service="tokenizer"} 0.0' in response.text
+    assert "process_cpu_seconds_total" in response.text
+
+
+def test_no_port_with_minus_one_and_bad_ports_refused():
+    registry = Tokenizer().metrics_registry
+    assert MetricsServer(registry, MetricsServerConfig(metrics_port=-1)).port == 0
+    with pytest.raises(ConfigError, match="metrics_port"):
+        MetricsServerConfig(metrics_port=70000)
+    first = MetricsServer(registry, MetricsServerConfig())
+    try:
+        with pytest.raises(ConfigError, match=f"cannot serve metrics on 127.0.0.1:{first.port}"):
+            MetricsServer(registry, MetricsServerConfig(metrics_port=first.port))
+    finally:
+        first.close()
