@@ -96,6 +96,7 @@ async def profile_batch(nc, batch: int, steps: int, prompt_len: int, sampling: d
 
 ECHO = """
 import asyncio, sys, nats
+from shared.bus import flush_in_order
 async def main():
     nc = await nats.connect(sys.argv[1])
     async def echo(msg):

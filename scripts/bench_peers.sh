@@ -33,7 +33,8 @@
 # llama.cpp's chain of temperature 0.8, top-k 40, top-p 0.95, min-p 0.05); "greedy" sends
 # temperature 0. Clients (--clients): "ours" is scripts/bench_serving.py; "vllm" is vLLM's
 # own `bench serve` (random prompts of --input-len tokens, --ignore-eos), run from the vLLM
-# venv (so it is installed for either), its results converted to bench_serving's form.
+# venv (so it is installed for either), its results converted to bench_serving's form; it is
+# told the model's name (asked, it reads a "root" field that llama-server's /v1/models lacks).
 # Every run has prompts of its own (a seed per run): no server answers from a prefix cache
 # filled by an earlier run.
 # One server at a time runs (so they never share the cores): for each server it starts
@@ -89,7 +90,7 @@ while [ $# -gt 0 ]; do
     --ours-args) OURS_ARGS=$2; shift 2 ;;
     --ours-dtype) OURS_ARGS="$OURS_ARGS --dtype $2"; shift 2 ;;
     --vllm-dtypes) VLLM_DTYPES=$2; shift 2 ;;
-    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,47p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -264,7 +265,7 @@ parser = FlexibleArgumentParser()
 add_cli_args(parser)
 main(parser.parse_args(sys.argv[1:]))
 ' --backend openai --base-url "http://127.0.0.1:$port" --endpoint /v1/completions \
-      --tokenizer "$HF_FOLDER" --dataset-name random \
+      --model "$MODEL_NAME" --served-model-name "$MODEL_NAME" --tokenizer "$HF_FOLDER" --dataset-name random \
       --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --num-prompts "$n" \
       --max-concurrency "$c" --ignore-eos --seed "$seed" --num-warmups 1 "${sampling_args[@]}" \
       --disable-tqdm --save-result --result-dir "$(dirname "$raw")" --result-filename "$(basename "$raw")" \

@@ -76,7 +76,7 @@ def test_requests_are_prepared_as_the_tokenizer_service_does():
     refused prompt leaves nothing queued. No model needed: a stand-in worker."""
     model_config = SimpleNamespace(vocab_size=100, eos_token_ids=[2, 7])
     engine = Engine(worker=SimpleNamespace(num_blocks=8, max_model_len=64, model_config=model_config,
-                                          use_speculative=lambda config: None))
+                                          kv_sliding_windows=[0], use_speculative=lambda config: None))
     request = engine.scheduler.requests[engine.add_request([1, 2, 3], SamplingParams(stop_token_ids=[5]))]
     assert request.eos_token_id == 2 and request.sampling_params.stop_token_ids == [5, 7]
     ignoring = engine.scheduler.requests[engine.add_request([1], SamplingParams(ignore_eos=True, max_tokens=0))]
