@@ -117,6 +117,7 @@ def summary(load: dict, admitted: dict[str, int], window: int) -> dict:
         "requests_per_engine": admitted,
         "busiest_over_least_busy": shares[-1] / shares[0] if shares and shares[0] else float("inf"),
         "hit_rate_windows": [hit_rate(results[i:i + window]) for i in range(0, len(results), window)],
+        "cached_tokens": [r["cached_tokens"] for r in results],  # per request, in the load's order
     }
 
 
@@ -139,6 +140,16 @@ async def admissions(stack: Stack) -> dict[str, int]:
     return latest
 
 
+def router_decisions(base_url: str) -> dict[str, float]:
+    """The routers' decisions so far by reason (the gateway's /metrics, summed over routers)."""
+    decisions: dict[str, float] = {}
+    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("natsllm:router_decisions_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            decisions[reason] = decisions.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return decisions
+
+
 def run(label: str, loads: dict[str, list[list[int]]], args, mode: str = "kv", dp: int = 2, blocks: int = 0,
         fault: bool = False) -> dict:
     env = {FAULTS_ENV: "drop=0.01,seed=1"} if fault else {}
@@ -153,7 +164,7 @@ def run(label: str, loads: dict[str, list[list[int]]], args, mode: str = "kv", d
         warm = [[1000 + i] * 64 for i in range(4)]
         asyncio.run(run_load(stack.base_url, warm, f"warm-{label}", args))
         for name, prompts in loads.items():
-            before = asyncio.run(admissions(stack))
+            before, decided = asyncio.run(admissions(stack)), router_decisions(stack.base_url)
             # The router's restart: tokenizer-0 is killed (-9); the launcher starts it again.
             kill = (lambda: stack.supervisor.kill("tokenizer-0")) if fault else None
             load = asyncio.run(run_load(stack.base_url, prompts, f"{label}-{name}", args, kill))
@@ -161,9 +172,11 @@ def run(label: str, loads: dict[str, list[list[int]]], args, mode: str = "kv", d
             after = asyncio.run(admissions(stack))
             out[name] = summary(load, {e: after[e] - before.get(e, 0) for e in after}, args.window)
             r = out[name]
+            r["router_decisions"] = {k: v - decided.get(k, 0.0) for k, v in router_decisions(stack.base_url).items()
+                                     if v - decided.get(k, 0.0) > 0}
             print(f"{label:14s} {name:14s} hit {r['hit_rate']:.3f}  TTFT p50 {r['ttft_p50'] * 1000:7.1f} ms  "
                   f"p90 {r['ttft_p90'] * 1000:7.1f} ms  {r['throughput']:6.1f} tok/s  "
-                  f"requests {r['requests_per_engine']}", flush=True)
+                  f"requests {r['requests_per_engine']}  decisions {r['router_decisions']}", flush=True)
     finally:
         stack.stop()
     return out
@@ -245,9 +258,11 @@ def main() -> int:
                                   tokenizer.decode)[1]
 
         loads[name] = makers[name](rng, prompt, args)
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     print(f"CPU: {describe_cpu()}", flush=True)
     results = {}
-    for mode in args.policies.split(","):
+    for mode in filter(None, args.policies.split(",")):  # "": only --reference / --fault runs
         results[mode] = run(mode, loads, args, mode)
     if args.reference and "shared-prefix" in loads:
         results["reference"] = run("reference", {"shared-prefix": loads["shared-prefix"]}, args, dp=1,

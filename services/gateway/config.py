@@ -51,8 +51,7 @@ class GatewayConfig:
         0.0, "a stream that got no token for this many seconds ends with 504 (0: only --request-timeout)")
     enable_prompt_tokens_details: bool = setting(
         True, "usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix cache or the KV "
-              "tiers) in responses; "
-              "vLLM's flag, on here unless --no-enable-prompt-tokens-details")
+              "tiers) in responses; vLLM's flag, on here unless --no-enable-prompt-tokens-details")
     enable_auto_tool_choice: bool = setting(
         False, 'tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)')
     tool_call_parser: str = setting(
