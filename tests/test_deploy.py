@@ -157,6 +157,11 @@ def test_dockerfile_copies_what_the_services_import():
     # The build context is what the Dockerfile copies (no .env, no .git).
     ignore = (ROOT / ".dockerignore").read_text().split()
     assert ignore[ignore.index("*") + 1:] and ".env" not in ignore and "!.env" not in ignore
+    # ... and everything it copies is let in (a COPY of an ignored path fails the build).
+    let_in = [line[1:].rstrip("/") for line in ignore if line.startswith("!")]
+    for source in re.findall(r"^COPY\s+(?!--from)(?:--\S+\s+)*(\S+)\s", (ROOT / "Dockerfile").read_text(), re.M):
+        source = source.rstrip("/")
+        assert any(source == p or source.startswith(p + "/") for p in let_in), f"COPY {source}: not in the build context"
 
 
 def test_every_compose_image_is_a_stage_of_the_dockerfile_and_runs_unprivileged():
