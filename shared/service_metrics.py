@@ -19,6 +19,7 @@ metrics; docker/grafana/ holds a dashboard over them.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from dataclasses import dataclass
@@ -39,10 +40,22 @@ class MetricsServerConfig:
     metrics_port: int = setting(0, "serve Prometheus metrics on this port (0: any free port, told in the service's "
                                    "status; -1: none)")
     metrics_host: str = setting("127.0.0.1", "address the metrics port listens on (0.0.0.0 in docker)")
+    # Replicas of one service sharing a network namespace (compose's --scale on the host's
+    # network) cannot all have one port: each takes the first free one of the span.
+    metrics_port_span: int = setting(
+        1, "ports tried from --metrics-port on, the first free one taken (replicas on one host's network)")
 
     def __post_init__(self) -> None:
         if not NO_METRICS_PORT <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be -1 (none) or in [0, 65535], got {self.metrics_port}")
+        if not 1 <= self.metrics_port_span or self.metrics_port + self.metrics_port_span > 65536:
+            raise ConfigError(f"metrics_port_span must be >= 1 and end below 65536, got {self.metrics_port_span}")
+
+    def ports(self) -> list[int]:
+        """The ports to try, in order (0: one, any free port)."""
+        if self.metrics_port == 0:
+            return [0]
+        return list(range(self.metrics_port, self.metrics_port + self.metrics_port_span))
 
 
 def counter(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> CounterMetricFamily:
@@ -110,11 +123,17 @@ class MetricsServer:
             def log_message(self, *args) -> None:
                 pass
 
-        try:
-            self._server = ThreadingHTTPServer((config.metrics_host, config.metrics_port), Handler)
-        except OSError as e:
-            raise ConfigError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: "
-                              f"{e.strerror or e} (--metrics-port)") from None
+        ports = config.ports()
+        for port in ports:
+            try:
+                self._server = ThreadingHTTPServer((config.metrics_host, port), Handler)
+                break
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE and port != ports[-1]:
+                    continue
+                span = f"{port}" if len(ports) == 1 else f"{ports[0]}..{ports[-1]}"
+                raise ConfigError(f"cannot serve metrics on {config.metrics_host}:{span}: "
+                                  f"{e.strerror or e} (--metrics-port, --metrics-port-span)") from None
         self._server.daemon_threads = True
         self.port = self._server.server_port
         threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True).start()

@@ -160,9 +160,10 @@ def test_prometheus_scrapes_every_service_where_it_serves_its_metrics():
         if role is None:
             continue
         env = host[name]["environment"]
-        port = env["PORT"] if role == "gateway" else env["METRICS_PORT"]
-        assert f"127.0.0.1:{port}" in targets[role], name
-        ports.append(port)
+        port = int(env["PORT"] if role == "gateway" else env["METRICS_PORT"])
+        span = range(port, port + int(env.get("METRICS_PORT_SPAN", 1)))  # a scaled service's replicas
+        assert all(f"127.0.0.1:{p}" in targets[role] for p in span), name
+        ports += span
     assert len(ports) == len(set(ports)), "two services share a metrics port on the host's network"
     assert host["prometheus"]["environment"]["PROMETHEUS_CONFIG"] == "/etc/natsllm/prometheus.host.yml"
 

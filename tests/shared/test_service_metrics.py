@@ -43,3 +43,20 @@ def test_no_port_with_minus_one_and_bad_ports_refused():
             MetricsServer(registry, MetricsServerConfig(metrics_port=first.port))
     finally:
         first.close()
+
+
+def test_replicas_on_one_network_take_the_next_free_port_of_the_span():
+    registry = Tokenizer().metrics_registry
+    first = MetricsServer(registry, MetricsServerConfig())
+    servers = [first]
+    try:
+        span = MetricsServerConfig(metrics_port=first.port, metrics_port_span=3)
+        servers += [MetricsServer(registry, span) for _ in range(2)]
+        assert [s.port for s in servers] == [first.port, first.port + 1, first.port + 2]
+        with pytest.raises(ConfigError, match=f"cannot serve metrics on 127.0.0.1:{first.port}..{first.port + 2}"):
+            MetricsServer(registry, span)
+    finally:
+        for server in servers:
+            server.close()
+    with pytest.raises(ConfigError, match="metrics_port_span"):
+        MetricsServerConfig(metrics_port=9100, metrics_port_span=0)
