@@ -55,7 +55,7 @@ class _Bus:
     def spawn(self, coro):
         return asyncio.get_running_loop().create_task(coro)
 
-    async def publish(self, subject, data):
+    async def publish(self, subject, data, headers=None):
         self.published.append((subject, KV_LOADS_DONE.decode(data)))
 
     async def subscribe(self, subject, handler):
