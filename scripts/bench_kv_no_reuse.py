@@ -1,7 +1,8 @@
 """A workload with no reuse: every prompt distinct, a pool small enough that every new
 prompt evicts (so with the tiers on every evicted block is stored, and with the disk tier
 every finished request is written through), no hit ever. Output throughput with the tiers
-off and on, the configurations alternated twice so a drift of the machine shows.
+off and on, the configurations run in turn (ABC, then CBA, so a drift of the machine weighs
+on each alike).
 
     .venv/bin/python scripts/bench_kv_no_reuse.py [--requests 24] [--concurrency 4] [--prompt-tokens 400]
 """
@@ -51,7 +52,9 @@ def main() -> int:
         for repeat in range(args.repeats):
             # New prompts each repeat: nothing is on disk from an earlier one.
             prompts = documents(args.requests, args.prompt_tokens, seed=100 + repeat)
-            for name, extra in configs.items():
+            # ABC then CBA: a drift of the machine weighs on every configuration alike.
+            order = list(configs.items()) if repeat % 2 == 0 else list(reversed(configs.items()))
+            for name, extra in order:
                 rate, values = run(pool + extra, prompts, args.output_tokens, args.concurrency)
                 stored = metric(values, "natsllm:kv_offload_total_bytes_total", transfer_type="GPU_to_CPU")
                 filed = metric(values, "natsllm:kv_offload_total_bytes_total", transfer_type="GPU_to_DISK")

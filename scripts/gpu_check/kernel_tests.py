@@ -24,7 +24,10 @@ from gpu_check.step import ROOT, StepContext, require_cuda
 
 # Every file that holds a test marked cuda (tests/scripts/test_gpu_check.py keeps this true);
 # only these are collected: other test modules import packages a GPU machine may lack.
-CUDA_TEST_PATHS = ("tests/kernels", "tests/worker/test_kv_transfer.py")
+CUDA_TEST_PATHS = (
+    "tests/kernels", "tests/worker/test_kv_transfer.py",
+    "tests/worker/test_kv_offload_worker.py",
+)
 MAX_XDIST_WORKERS = 8
 OUTPUT_TAIL_LINES = 40
 

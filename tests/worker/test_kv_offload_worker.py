@@ -125,14 +125,18 @@ def test_the_namespace_changes_with_everything_the_bytes_depend_on(tmp_path):
 # ---------------------------------------------------------------------------- the connector
 
 
-def _caches(num_blocks=12, seed=0):
-    caches = allocate_kv_caches(num_blocks, 4, 2, 8, 3, torch.float32, torch.device("cpu"))
+# The GPU's copy path (pinned host slots, a side stream: ``CudaUnitCopier``) where there is one.
+ON_CUDA_OR_SKIPPED = pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU path needs CUDA")])
+
+
+def _caches(num_blocks=12, seed=0, device="cpu"):
+    caches = allocate_kv_caches(num_blocks, 4, 2, 8, 3, torch.float32, torch.device(device))
     generator = torch.Generator().manual_seed(seed)
     for k, v in caches:
         k.copy_(torch.randn(k.shape, generator=generator))
         v.copy_(torch.randn(v.shape, generator=generator))
     return caches
-
 
 
 def _worker(caches, tmp_path=None, slots=4, faults=KVTransferFaults()):
@@ -154,8 +158,9 @@ def _wait_for_loads(reports, count, timeout=10.0):
     return finished, failed
 
 
-def test_blocks_stored_to_host_slots_load_back_into_other_blocks_exactly():
-    src = _caches()
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA_OR_SKIPPED])
+def test_blocks_stored_to_host_slots_load_back_into_other_blocks_exactly(device):
+    src = _caches(device=device)
     worker, reports = _worker(src)
     worker.apply(True, KVConnectorMetadata(offload_stores=[KVOffloadStore([7, 3], slot=1)])).result()
     for k, v in src:  # the pool reuses those blocks
@@ -164,7 +169,7 @@ def test_blocks_stored_to_host_slots_load_back_into_other_blocks_exactly():
     load = KVOffloadLoad("r", [KVOffloadSegment([10], offset=1, slot=1), KVOffloadSegment([0], offset=0, slot=1)])
     worker.apply(False, KVConnectorMetadata(offload_loads=[load]))
     assert _wait_for_loads(reports, 1) == (["r"], [])
-    expected = _caches()
+    expected = _caches(device=device)
     for (k, v), (ek, ev) in zip(src, expected):
         assert torch.equal(k[10], ek[3]) and torch.equal(v[10], ev[3])
         assert torch.equal(k[0], ek[7]) and torch.equal(v[0], ev[7])
@@ -175,8 +180,9 @@ def test_blocks_stored_to_host_slots_load_back_into_other_blocks_exactly():
     assert worker.take_counters().bytes == [0] * len(KV_OFFLOAD_TRANSFERS)
 
 
-def test_a_spill_takes_the_slot_before_the_same_steps_store_refills_it(tmp_path):
-    src = _caches()
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA_OR_SKIPPED])
+def test_a_spill_takes_the_slot_before_the_same_steps_store_refills_it(tmp_path, device):
+    src = _caches(device=device)
     worker, reports = _worker(src, tmp_path, slots=1)
     worker.apply(True, KVConnectorMetadata(offload_stores=[KVOffloadStore([1, 2], slot=0)])).result()
     meta = KVConnectorMetadata(offload_spills=[KVOffloadSpill(0, [FIRST, KEY])],
@@ -187,7 +193,7 @@ def test_a_spill_takes_the_slot_before_the_same_steps_store_refills_it(tmp_path)
                                KVOffloadSegment([11], 0, disk_key=OTHER, unit_blocks=1)])
     worker.apply(False, KVConnectorMetadata(offload_loads=[load]))
     assert _wait_for_loads(reports, 1) == (["r"], [])
-    for (k, _), (ek, _) in zip(src, _caches()):
+    for (k, _), (ek, _) in zip(src, _caches(device=device)):
         assert torch.equal(k[[8, 9, 11]], ek[[1, 2, 5]])
     counters = worker.take_counters()
     assert counters.bytes[KV_OFFLOAD_TRANSFERS.index("CPU_to_DISK")] > 0
@@ -224,8 +230,9 @@ def test_a_cancelled_load_never_writes_and_is_not_reported():
     assert torch.equal(src[0][0][6], before)
 
 
-def test_host_slots_hold_exactly_what_a_unit_file_holds():
-    src = _caches()
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA_OR_SKIPPED])
+def test_host_slots_hold_exactly_what_a_unit_file_holds(device):
+    src = _caches(device=device)
     worker, _ = _worker(src)
     worker.apply(True, KVConnectorMetadata(offload_stores=[KVOffloadStore([2, 9], slot=3)])).result()
     slot = np.asarray(worker.copier.to_bytes(worker.copier.host_view(worker.slots, 3, 2)))
