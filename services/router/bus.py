@@ -101,16 +101,18 @@ class RouterOnBus:
                                                timeout=SYNC_TIMEOUT)
             if first.error:
                 raise RuntimeError(first.error)
-            hashes = list(first.block_hashes)
-            while len(hashes) < first.total:
+            by_medium = {first.medium: list(first.block_hashes)}
+            received = len(first.block_hashes)
+            while received < first.total:
                 page = await self.service.request(KV_CACHE_DUMP_CHANNEL,
-                                                  KVCacheDumpRequest(first.snapshot, len(hashes)), engine_id,
+                                                  KVCacheDumpRequest(first.snapshot, received), engine_id,
                                                   timeout=SYNC_TIMEOUT)
                 if page.error or not page.block_hashes:
                     break
-                hashes.extend(page.block_hashes)
-            if len(hashes) >= first.total:
-                return first.incarnation, first.seq, {first.medium: hashes}
+                by_medium.setdefault(page.medium, []).extend(page.block_hashes)
+                received += len(page.block_hashes)
+            if received >= first.total:
+                return first.incarnation, first.seq, by_medium
         raise RuntimeError(f"no whole dump in {DUMP_ATTEMPTS} attempts")
 
     async def _stats_loop(self) -> None:

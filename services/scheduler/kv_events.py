@@ -12,8 +12,9 @@ calls ``flush`` after scheduling and after each result, and the stats loop once 
 pending events become one ``KVEventBatch`` with the next sequence number of this scheduler
 incarnation, kept in a ring of the last ``buffer_steps`` batches and published on
 ``llm.kv_events.<engine>``. A consumer that missed batches asks for them again (``replay``);
-when they left the ring it asks for the block pool's hashes (``dump``: a snapshot taken at
-one sequence number, served in pages that each fit a bus message).
+when they left the ring it asks for the block pool's hashes and the host tier's (``dump``: a
+snapshot taken at one sequence number, served in pages that each fit a bus message and hold
+one medium's hashes).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from shared.kv_event_faults import KVEventFaults
 from shared.protocol import (
     KV_EVENTS_CHANNEL,
+    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -90,7 +92,8 @@ class KVEventsPublisher:
     scheduler's block pool (None while the engine has none)."""
 
     def __init__(self, engine_id: str, incarnation: str, block_size: int, buffer_steps: int, publish,
-                 pool: Callable[[], BlockPool | None], faults: KVEventFaults | None = None) -> None:
+                 pool: Callable[[], BlockPool | None], faults: KVEventFaults | None = None,
+                 host_hashes: Callable[[], list[bytes]] | None = None) -> None:
         self.engine_id = engine_id
         self.incarnation = incarnation
         self.block_size = block_size
@@ -102,8 +105,10 @@ class KVEventsPublisher:
         self._ring: deque[KVEventBatch] = deque(maxlen=buffer_steps)
         self._publish = publish
         self._pool = pool
+        self._host_hashes = host_hashes or list
         self._faults = faults or KVEventFaults()
-        self._snapshots: OrderedDict[str, tuple[float, int, list[bytes]]] = OrderedDict()
+        # snapshot -> (taken, seq, the device pool's hashes then the host tier's, how many are the pool's)
+        self._snapshots: OrderedDict[str, tuple[float, int, list[bytes], int]] = OrderedDict()
 
     def new_recorder(self) -> KVEventRecorder:
         """The recorder of a new scheduler's (empty) block pool; the last one's is dropped."""
@@ -141,24 +146,29 @@ class KVEventsPublisher:
     def dump(self, request: KVCacheDumpRequest) -> KVCacheDump:
         """A page of the cached block hashes of one snapshot (a new one for ``snapshot`` "")."""
         now = time.monotonic()
-        for key in [k for k, (taken, _, _) in self._snapshots.items() if now - taken > DUMP_SNAPSHOT_TTL]:
+        for key in [k for k, (taken, *_) in self._snapshots.items() if now - taken > DUMP_SNAPSHOT_TTL]:
             del self._snapshots[key]
         if not request.snapshot:
             self.num_dumps += 1
             pool = self._pool()
             hashes = pool.announced_hashes() if pool is not None else []
+            num_device = len(hashes)
+            hashes += self._host_hashes()
             snapshot = uuid.uuid4().hex[:12]
-            self._snapshots[snapshot] = (now, self.seq, hashes)
+            self._snapshots[snapshot] = (now, self.seq, hashes, num_device)
             while len(self._snapshots) > DUMP_SNAPSHOTS:
                 self._snapshots.popitem(last=False)
-            logger.info("engine %s: dump of %d cached block hashes at KV event %d", self.engine_id, len(hashes),
-                        self.seq)
+            logger.info("engine %s: dump of %d cached block hashes (%d in the host tier) at KV event %d",
+                        self.engine_id, len(hashes), len(hashes) - num_device, self.seq)
         else:
             snapshot = request.snapshot
         if snapshot not in self._snapshots:
             return KVCacheDump(self.engine_id, self.incarnation, error="the snapshot is gone: ask again from the start")
-        _, seq, hashes = self._snapshots[snapshot]
-        page = hashes[request.offset:request.offset + DUMP_PAGE_BLOCKS]
+        _, seq, hashes, num_device = self._snapshots[snapshot]
+        # A page holds one medium's hashes: the pool's first, then the host tier's.
+        on_device = request.offset < num_device
+        end = min(request.offset + DUMP_PAGE_BLOCKS, num_device if on_device else len(hashes))
         return KVCacheDump(self.engine_id, self.incarnation, seq=seq, snapshot=snapshot, offset=request.offset,
-                           total=len(hashes), block_size=self.block_size, medium=self.recorder.medium,
-                           block_hashes=page)
+                           total=len(hashes), block_size=self.block_size,
+                           medium=self.recorder.medium if on_device else MEDIUM_CPU,
+                           block_hashes=hashes[request.offset:end])

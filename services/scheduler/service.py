@@ -180,7 +180,7 @@ class SchedulerService(Service):
             self.kv_events = KVEventsPublisher(
                 engine_id, self.incarnation, cache_config.block_size, kv_events_config.buffer_steps, self.publish,
                 lambda: self.scheduler.kv_cache_manager.block_pool if self.scheduler is not None else None,
-                KVEventFaults.from_env())
+                KVEventFaults.from_env(), self._host_tier_hashes)
         if scheduler_config.speculative is not None and scheduler_config.async_scheduling:
             logger.info("engine %s: speculative decoding (%s) turns async scheduling off", engine_id,
                         scheduler_config.speculative.method)
@@ -278,6 +278,11 @@ class SchedulerService(Service):
             return None
         return OffloadingConnectorScheduler(self.kv_offload_config, self.cache_config.block_size, infos,
                                             self.cache_config.enable_prefix_caching)
+
+    def _host_tier_hashes(self) -> list[bytes]:
+        """The blocks the host tier holds (a KV events dump gives them as medium CPU)."""
+        offload = self.scheduler.offload if self.scheduler is not None else None
+        return offload.host.block_hashes() if offload is not None and offload.host is not None else []
 
     def _cancel_steps(self) -> None:
         for future in self._pending_steps.values():

@@ -102,7 +102,8 @@ class KVCacheDump(msgspec.Struct, omit_defaults=True):
     """scheduler -> router: hashes ``offset ..`` of the ``total`` cached blocks of one
     snapshot, taken after batch ``seq`` of ``incarnation`` (apply the batches after it).
     ``snapshot`` "" (and ``error``): the snapshot is gone or the engine has no scheduler;
-    ask again from the start."""
+    ask again from the start. A page holds one ``medium``'s hashes: the device pool's come
+    first, then the host tier's (``CPU``)."""
 
     engine_id: str
     incarnation: str

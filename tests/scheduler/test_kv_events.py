@@ -18,6 +18,7 @@ from shared.config import CacheConfig, ConfigError, SchedulerConfig
 from shared.kv_event_faults import KVEventFaults
 from shared.protocol import (
     KV_EVENT_BATCH,
+    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -186,3 +187,41 @@ def test_kv_events_config_takes_vllms_keys(text, enabled):
 def test_kv_events_config_refuses_what_it_cannot_honour(text, word):
     with pytest.raises(ConfigError, match=word):
         KVEventsConfig(text)
+
+
+def test_a_dump_gives_the_host_tiers_blocks_after_the_pools_in_pages_of_one_medium():
+    pool = BlockPool(DUMP_PAGE_BLOCKS + 10)
+    host = [bytes([200, i]) * 16 for i in range(3)]
+    publisher = KVEventsPublisher("e1", "inc", BS, buffer_steps=3, publish=None, pool=lambda: pool,
+                                  host_hashes=lambda: list(host))
+    pool.kv_events = publisher.new_recorder()
+    for i in range(DUMP_PAGE_BLOCKS + 2):
+        pool.cache_full_block(pool.get_new_blocks(1)[0], i.to_bytes(32, "little"))
+    pages = [publisher.dump(KVCacheDumpRequest())]
+    while sum(len(p.block_hashes) for p in pages) < pages[0].total:
+        pages.append(publisher.dump(KVCacheDumpRequest(pages[0].snapshot, sum(len(p.block_hashes) for p in pages))))
+    assert [(p.medium, len(p.block_hashes)) for p in pages] == [
+        (MEDIUM_GPU, DUMP_PAGE_BLOCKS), (MEDIUM_GPU, 2), (MEDIUM_CPU, 3)]
+    assert pages[0].total == DUMP_PAGE_BLOCKS + 5 and pages[2].block_hashes == host
+    assert set(pages[0].block_hashes + pages[1].block_hashes) == set(pool.announced_hashes())
+
+
+def test_a_router_rebuilds_both_media_from_a_dump():
+    from services.router.bus import RouterOnBus
+
+    pool = BlockPool(DUMP_PAGE_BLOCKS + 10)
+    host = [bytes([200, i]) * 16 for i in range(3)]
+    publisher = KVEventsPublisher("e1", "inc", BS, buffer_steps=3, publish=None, pool=lambda: pool,
+                                  host_hashes=lambda: list(host))
+    pool.kv_events = publisher.new_recorder()
+    for i in range(DUMP_PAGE_BLOCKS + 2):
+        pool.cache_full_block(pool.get_new_blocks(1)[0], i.to_bytes(32, "little"))
+
+    class Engine:  # the bus, answering as the scheduler service does
+        async def request(self, channel, message, engine_id, timeout):
+            assert engine_id == "e1"
+            return publisher.dump(message)
+
+    incarnation, seq, by_medium = asyncio.run(RouterOnBus(Engine(), router=None, publish_stats=False)._dump("e1"))
+    assert incarnation == "inc" and set(by_medium) == {MEDIUM_GPU, MEDIUM_CPU}
+    assert set(by_medium[MEDIUM_GPU]) == set(pool.announced_hashes()) and by_medium[MEDIUM_CPU] == host

@@ -95,5 +95,9 @@ class HostIndex:
             unit.fresh = False
         self._fresh.clear()
 
+    def block_hashes(self) -> list[bytes]:
+        """Every block the tier holds (a KV events dump)."""
+        return list(self._by_block)
+
     def usage(self) -> float:
         return len(self.units) / self.num_slots if self.num_slots else 0.0
