@@ -232,12 +232,14 @@ class WorkerService(Service):
         if not self.steps.take(scheduler_output):
             return
         reset, meta = scheduler_output.reset_state, scheduler_output.kv_connector_metadata
-        serial = self.kv_connector is not None or self.kv_offload is not None or self.world_size > 1
+        offload_work = self.kv_offload is not None and (reset or (meta is not None and not meta.is_empty()))
+        serial = self.kv_connector is not None or offload_work or self.world_size > 1
         if serial and self._step_in_flight is not None:
             # One step at a time: the connectors act between steps (P/D's learns what to stop;
             # the tiers' stores read blocks that the last step wrote and this one may
             # overwrite), and under TP a failed step must not leave the next one waiting in a
-            # collective.
+            # collective. A step the tiers have nothing for (most: they store on eviction)
+            # is queued behind the running one, as without them.
             await asyncio.wait([self._step_in_flight])
         if self.load_reports is not None:
             self.load_reports.step_started(scheduler_output.incarnation, reset)
