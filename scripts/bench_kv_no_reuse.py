@@ -2,7 +2,8 @@
 prompt evicts (so with the tiers on every evicted block is stored, and with the disk tier
 every finished request is written through), no hit ever. Output throughput with the tiers
 off and on, the configurations run in turn (ABC, then CBA, so a drift of the machine weighs
-on each alike).
+on each alike), and the CPU seconds every process of the stack spent per 1,000 output tokens
+(what the tiers cost the machine, less sensitive than throughput to a neighbour's load).
 
     .venv/bin/python scripts/bench_kv_no_reuse.py [--requests 24] [--concurrency 4] [--prompt-tokens 400]
 """
@@ -19,19 +20,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench.engines import cpu_seconds  # noqa: E402
 from kv_tiers_bench import complete, documents, header, metric, metrics, serving, summary  # noqa: E402
 
 
-def run(args: list[str], prompts: list[list[int]], output_tokens: int, concurrency: int) -> tuple[float, dict]:
-    """Output tokens per second over the whole run, and /metrics at its end."""
+def run(args: list[str], prompts: list[list[int]], output_tokens: int,
+        concurrency: int) -> tuple[float, float, dict]:
+    """Output tokens per second over the whole run, the stack's CPU seconds per 1,000 output
+    tokens, and /metrics at its end."""
     with serving(args) as stack:
-        start = time.perf_counter()
+        cpu_before, start = cpu_seconds(stack), time.perf_counter()
         with ThreadPoolExecutor(concurrency) as pool:
             timed = list(pool.map(lambda p: complete(stack.base_url, p, output_tokens), prompts))
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, cpu_seconds(stack) - cpu_before
         values = metrics(stack.base_url)
     assert all(t.cached_tokens == 0 for t in timed), "a prompt was reused"
-    return sum(t.output_tokens for t in timed) / seconds, values
+    output_tokens = sum(t.output_tokens for t in timed)
+    return output_tokens / seconds, 1000 * cpu / output_tokens, values
 
 
 def main() -> int:
@@ -46,6 +51,7 @@ def main() -> int:
     header("KV tiers: no reuse (every block stored, never loaded)")
     pool = ["--num-gpu-blocks", str(args.pool_blocks)]
     throughput: dict[str, list[float]] = {"off": [], "host": [], "host+disk": []}
+    cpu_per_1k: dict[str, list[float]] = {name: [] for name in throughput}
     with tempfile.TemporaryDirectory() as folder:
         configs = {"off": [], "host": ["--kv-offloading-size", "1"],
                    "host+disk": ["--kv-offloading-size", "1", "--kv-offloading-path", folder]}
@@ -55,19 +61,24 @@ def main() -> int:
             # ABC then CBA: a drift of the machine weighs on every configuration alike.
             order = list(configs.items()) if repeat % 2 == 0 else list(reversed(configs.items()))
             for name, extra in order:
-                rate, values = run(pool + extra, prompts, args.output_tokens, args.concurrency)
+                rate, cpu, values = run(pool + extra, prompts, args.output_tokens, args.concurrency)
                 stored = metric(values, "natsllm:kv_offload_total_bytes_total", transfer_type="GPU_to_CPU")
                 filed = metric(values, "natsllm:kv_offload_total_bytes_total", transfer_type="GPU_to_DISK")
                 throughput[name].append(rate)
-                print(f"repeat {repeat + 1}, tiers {name}: {rate:.1f} output tok/s (stored {stored / 2**20:.0f} MiB "
-                      f"to host, {filed / 2**20:.0f} MiB to disk)", flush=True)
+                cpu_per_1k[name].append(cpu)
+                print(f"repeat {repeat + 1}, tiers {name}: {rate:.1f} output tok/s, {cpu:.2f} CPU s per 1k tokens "
+                      f"(stored {stored / 2**20:.0f} MiB to host, {filed / 2**20:.0f} MiB to disk)", flush=True)
     medians = {name: statistics.median(rates) for name, rates in throughput.items()}
     ratios = {name: medians[name] / medians["off"] for name in medians}
+    cpu_medians = {name: statistics.median(values) for name, values in cpu_per_1k.items()}
+    cpu_ratios = {name: cpu_medians[name] / cpu_medians["off"] for name in cpu_medians}
     for name in ("host", "host+disk"):
-        print(f"tiers {name} / off: {ratios[name]:.3f}x output throughput", flush=True)
+        print(f"tiers {name} / off: {ratios[name]:.3f}x output throughput, {cpu_ratios[name]:.3f}x CPU seconds "
+              f"per output token", flush=True)
     summary({"requests": args.requests, "concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens,
              "output_tokens": args.output_tokens, "pool_blocks": args.pool_blocks,
-             "output_tok_s": throughput, "median_ratio_to_off": ratios})
+             "output_tok_s": throughput, "median_ratio_to_off": ratios,
+             "cpu_s_per_1k_tokens": cpu_per_1k, "cpu_median_ratio_to_off": cpu_ratios})
     return 0
 
 
