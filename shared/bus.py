@@ -37,7 +37,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
-from shared import healthcheck, startup, tracing
+from shared import aio, healthcheck, startup, tracing
 from shared.bus_auth import connect_credentials
 from shared.protocol import PING_CHANNEL, SERVICE_STATUS_CHANNEL, Channel, Pong, ServiceStatus
 from shared.service_metrics import MetricsServer, MetricsServerConfig, new_registry
@@ -294,7 +294,7 @@ def run_service(service: Service, metrics_config: MetricsServerConfig | None = N
     code for the process. Spans still queued are sent before it returns."""
     service.metrics_config = metrics_config
     try:
-        asyncio.run(service.run())
+        aio.run(service.run())
     finally:
         tracing.shutdown()
     return service.exit_code

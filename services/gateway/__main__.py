@@ -1,10 +1,9 @@
 """``python -m services.gateway``: the OpenAI-compatible HTTP front on the bus."""
 
-import asyncio
 import logging
 import sys
 
-from shared import tracing
+from shared import aio, tracing
 from shared.bus import setup_logging
 from shared.cli import add_config_flags, add_flag, base_parser, begin_service, config_from_args
 
@@ -48,7 +47,7 @@ def main() -> None:
     begin_service(args, "gateway")
     server = GatewayServer(build_config(args), nats_url=args.nats_url)
     try:
-        asyncio.run(server.run())
+        aio.run(server.run())
     except ServeError as e:
         logger.error("%s", e)
         sys.exit(1)

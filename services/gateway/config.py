@@ -49,6 +49,9 @@ class GatewayConfig:
         60.0, "seconds a lost engine's request may look for an engine to go on (then 503, engine_lost)")
     stream_idle_timeout: float = setting(
         0.0, "a stream that got no token for this many seconds ends with 504 (0: only --request-timeout)")
+    stream_interval: int = setting(
+        1, "streamed responses: a choice's tokens are sent in chunks of this many (its first and last at once; "
+           "services/gateway/stream_interval.py); 1: each step's tokens as they come. vLLM's flag")
     enable_prompt_tokens_details: bool = setting(
         True, "usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix cache or the KV "
               "tiers) in responses; vLLM's flag, on here unless --no-enable-prompt-tokens-details")
@@ -64,6 +67,8 @@ class GatewayConfig:
             raise ConfigError("enable_auto_tool_choice needs a tool_call_parser")
         if self.stream_idle_timeout < 0:
             raise ConfigError(f"stream_idle_timeout must be >= 0 seconds, got {self.stream_idle_timeout}")
+        if self.stream_interval < 1:
+            raise ConfigError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if not self.served_model_names or not all(self.served_model_names):
             raise ConfigError(f"served_model_names must be non-empty names, got {self.served_model_names!r}")
         if not 0 <= self.port < 65536:

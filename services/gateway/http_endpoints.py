@@ -31,6 +31,7 @@ from .lora_routes import with_lora_adapter
 from .openai_requests import GenerationRequest, parse_chat, parse_completion
 from .openai_responses import ChoiceResult, ResponseFormat, response_format
 from .request_trace import RequestTrace
+from .stream_interval import ChunkInterval
 from .tool_choice import require_tool_parser
 from .bus_client import GatewayService
 
@@ -145,12 +146,19 @@ class GenerationEndpoint:
     async def stream(self, generation: Generation, fmt: ResponseFormat) -> AsyncIterator[bytes]:
         for chunk in fmt.opening():
             yield sse(chunk)
+        # Tokens per chunk: the request's stream_interval, at least the server's.
+        interval = ChunkInterval(max(generation.request.stream_interval, self.gateway.config.stream_interval))
         async for stream, item in generation.events():
             if isinstance(item, ErrorInfo):
+                for index, held in interval.flush():  # what the client would have had by now
+                    chunk = fmt.chunk(index, held)
+                    if chunk is not None:
+                        yield sse(chunk)
                 logger.warning("%s: ended with an error: %s", stream.request_id, item.message)
                 yield sse(error_body(item))
                 break
-            chunk = fmt.chunk(stream.index, item)
+            delta = interval.add(stream.index, item)
+            chunk = None if delta is None else fmt.chunk(stream.index, delta)
             if chunk is not None:
                 yield sse(chunk)
         else:

@@ -60,6 +60,7 @@ class GenerationRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    stream_interval: int = 1  # tokens per streamed chunk asked for (the server's --stream-interval may raise it)
     logprobs: bool = False
     add_generation_prompt: bool = True
     cache_salt: str = ""
@@ -243,8 +244,8 @@ def _inert_text(inert: tuple) -> str:
 
 
 def _common(f: Fields) -> dict:
-    """Settings shared by chat and completions: n, stream, stream_options, user; refuses
-    the fields we cannot honour."""
+    """Settings shared by chat and completions: n, stream, stream_options, stream_interval,
+    user; refuses the fields we cannot honour."""
     n = f.int("n", 1, minimum=1)
     if n > MAX_N:
         raise invalid(f"n must be at most {MAX_N}, got {n}", param="n")
@@ -262,7 +263,8 @@ def _common(f: Fields) -> dict:
             raise invalid("stream_options must be an object", param="stream_options")
         include_usage = Fields(options).bool("include_usage", False)
     f.str("user", "")
-    return {"n": n, "stream": stream, "include_usage": include_usage, "cache_salt": f.str("cache_salt", ""),
+    return {"n": n, "stream": stream, "include_usage": include_usage,
+            "stream_interval": f.int("stream_interval", 1, minimum=1), "cache_salt": f.str("cache_salt", ""),
             "prompt_logprobs": f.has("prompt_logprobs")}
 
 

@@ -1,10 +1,28 @@
-"""shared.aio.wait_for keeps a cancellation that races the awaited result."""
+"""shared.aio: wait_for keeps a cancellation that races the awaited result; run takes
+uvloop's loop when it is installed, asyncio's otherwise."""
 
 import asyncio
+import importlib.util
+import sys
 
 import pytest
 
-from shared.aio import wait_for
+from shared.aio import run, wait_for
+
+
+async def _loop_module() -> str:
+    await asyncio.sleep(0)
+    return type(asyncio.get_running_loop()).__module__
+
+
+@pytest.mark.skipif(importlib.util.find_spec("uvloop") is None, reason="uvloop is not installed")
+def test_run_takes_uvloop_when_installed():
+    assert run(_loop_module()).startswith("uvloop")
+
+
+def test_run_takes_asyncio_without_uvloop(monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # an import of it fails
+    assert run(_loop_module()).startswith("asyncio")
 
 
 async def test_a_cancel_racing_the_result_is_not_lost():
