@@ -31,6 +31,8 @@ WHEELS = {
     "gguf": "0.19.0",
     "starlette": "1.10.0",
     "uvicorn": "0.54.0",
+    "uvloop": "0.23.0",
+    "httptools": "0.9.0",
     "prometheus-client": "0.26.0",
     "xgrammar": "0.2.8",
     "apache-tvm-ffi": "0.1.15.post2",
@@ -43,7 +45,8 @@ WHEELS = {
 # The project's dependencies (pyproject.toml) that the GPU machines already hold.
 ON_THE_MACHINE = {"torch", "numpy", "tokenizers", "jinja2", "safetensors", "triton"}
 # What the check imports after the install, to prove it worked.
-MODULES = ("msgspec", "nats", "gguf", "starlette", "uvicorn", "prometheus_client", "pydantic", "xgrammar")
+MODULES = ("msgspec", "nats", "gguf", "starlette", "uvicorn", "uvloop", "httptools", "prometheus_client", "pydantic",
+           "xgrammar")
 # The GPU machines' interpreter and the platform tags pip matches (exactly) for it.
 PYTHON_VERSION = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
