@@ -19,7 +19,8 @@ under ``scripts/bench_serving.py``'s load (its corpus, equal output lengths):
 Each round is followed by ``--settle`` seconds (both settings alike) so the batch span
 processors' last export (every 5 s by default, ``OTEL_BSP_SCHEDULE_DELAY``) falls in the
 round that made the spans. Per round: output tok/s, the stack's CPU seconds (every
-process, by process) and output tokens per CPU-second; per pair of adjacent rounds the
+process, by process; and this process's: the load's client and the OTLP receiver) and
+output tokens per CPU-second of the stack; per pair of adjacent rounds the
 on/off ratios, summed up as their mean with a 95% confidence interval. Each stack's idle
 CPU over ``--idle-seconds`` after it is ready shows what tracing costs when nothing is
 traced (the SDK loaded, the exporters' threads waiting). ``--with-record PATH`` adds the
@@ -61,15 +62,15 @@ def idle_cpu(running, seconds: float) -> dict[str, float]:
 
 def one_round(running, receiver: OtlpReceiver, args, traced: bool, traceparent: str, warmup: bool = True) -> dict:
     """One load of ``--num-prompts`` requests and ``--settle`` seconds after it."""
-    spans_before = len(receiver.spans())
-    cpu_before = cpu_seconds_by_process(running)
+    spans_before = receiver.span_count
+    cpu_before, own_before = cpu_seconds_by_process(running), time.process_time()
     label = f"tracing {'on' if traced else 'off'}"
     load = ["--base-url", running.base_url, "--num-prompts", str(args.num_prompts),
             "--max-concurrency", str(args.max_concurrency), "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--label", label, "--traceparent", traceparent, "--quiet"]
     metrics = bench_serving.run(bench_serving.parse_args(load + ([] if warmup else ["--no-warmup"])))
     time.sleep(args.settle)
-    cpu_after = cpu_seconds_by_process(running)
+    cpu_after, own = cpu_seconds_by_process(running), time.process_time() - own_before
     cpu = {name: cpu_after[name] - cpu_before.get(name, 0.0) for name in cpu_after}
     total = sum(cpu.values())
     output_tokens = metrics["completed"] * args.output_len
@@ -77,7 +78,8 @@ def one_round(running, receiver: OtlpReceiver, args, traced: bool, traceparent: 
             "output_tok_per_cpu_s": output_tokens / total if total else None, "stack_cpu_s": total,
             "cpu_s_by_process": cpu, "ttft_median_ms": metrics["ttft_ms"]["median"],
             "tpot_median_ms": metrics["tpot_ms"]["median"], "completed": metrics["completed"],
-            "failed": metrics["failed"], "spans": len(receiver.spans()) - spans_before}
+            "failed": metrics["failed"], "spans": receiver.span_count - spans_before,
+            "client_and_receiver_cpu_s": own}
 
 
 def abba(pairs: int) -> list[bool]:
@@ -138,7 +140,9 @@ def cpu_ms_per_token(runs: list[dict], traced: bool, args) -> dict[str, float]:
     chosen = [r for r in runs if r["traced"] == traced]
     tokens = sum(r["completed"] for r in chosen) * args.output_len
     names = sorted({name for r in chosen for name in r["cpu_s_by_process"]})
-    return {name: 1000 * sum(r["cpu_s_by_process"].get(name, 0.0) for r in chosen) / tokens for name in names}
+    per_token = {name: 1000 * sum(r["cpu_s_by_process"].get(name, 0.0) for r in chosen) / tokens for name in names}
+    per_token["(this process: client, OTLP receiver)"] = 1000 * sum(r["client_and_receiver_cpu_s"] for r in chosen) / tokens
+    return per_token
 
 
 def summary(runs: list[dict], args) -> tuple[dict, str]:
