@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/bench_tracing.py [--mode requests|stacks] [--rounds 10]
         [--max-concurrency 32] [--num-prompts 96] [--input-len 128] [--output-len 64]
-        [--protocol grpc] [--settle 6] [--idle-seconds 15] [--with-record PATH] [--record]
+        [--protocol grpc] [--settle 6] [--idle-seconds 15] [--time-budget SECONDS]
+        [--with-record PATH] [--record]
 
 Two ways, each with the stack of ``scripts/serve`` (``--max-num-seqs`` = the concurrency)
 under ``scripts/bench_serving.py``'s load (its corpus, equal output lengths):
@@ -97,20 +98,43 @@ def per_request(receiver: OtlpReceiver, args) -> tuple[list[dict], dict]:
         print(f"idle, tracing on: {sum(idle.values()):.4f} CPU-s/s", flush=True)
         one_round(running, receiver, args, True, "sampled")  # warm-up, not counted
         runs = []
-        for traced in abba(args.rounds):
+        budget = Budget(args.time_budget, args.started)
+        for i, traced in enumerate(abba(args.rounds)):
+            if i % 2 == 0 and not budget.allows_two_more():
+                break
             runs.append(one_round(running, receiver, args, traced, "sampled" if traced else "unsampled",
                                   warmup=False))
+            budget.one_done()
             print(brief(runs[-1]), flush=True)
     return runs, {"tracing on, nothing traced": idle}
 
 
+class Budget:
+    """``--time-budget``: a pair is begun only when two more runs as long as the longest
+    so far still fit (0: no budget)."""
+
+    def __init__(self, seconds: float, started: float) -> None:
+        self.seconds, self.started, self.last, self.longest = seconds, started, time.monotonic(), 0.0
+
+    def allows_two_more(self) -> bool:
+        return not self.seconds or time.monotonic() + 2 * self.longest <= self.started + self.seconds
+
+    def one_done(self) -> None:
+        now = time.monotonic()
+        self.longest, self.last = max(self.longest, now - self.last), now
+
+
 def per_stack(receiver: OtlpReceiver, args) -> tuple[list[dict], dict]:
     runs, idle = [], {"tracing off": [], "tracing on, nothing traced": []}
-    for traced in abba(args.rounds):
+    budget = Budget(args.time_budget, args.started)
+    for i, traced in enumerate(abba(args.rounds)):
+        if i % 2 == 0 and not budget.allows_two_more():
+            break
         flags, env = stack_flags(traced, receiver, args)
         with stack(flags, env=env, log_dir=args.log_dir) as running:
             idle["tracing on, nothing traced" if traced else "tracing off"].append(idle_cpu(running, args.idle_seconds))
             runs.append(one_round(running, receiver, args, traced, "none"))
+        budget.one_done()
         print(brief(runs[-1]), flush=True)
     return runs, idle
 
@@ -188,10 +212,13 @@ def main(argv=None) -> int:
     parser.add_argument("--settle", type=float, default=6.0,
                         help="seconds after each round (the batch span processors' last export)")
     parser.add_argument("--idle-seconds", type=float, default=15.0, help="each stack's idle CPU, measured once ready")
+    parser.add_argument("--time-budget", type=float, default=0.0,
+                        help="seconds: begin no pair that would not end within them (0: every --rounds pair)")
     parser.add_argument("--with-record", default=None, help="a record of the other mode to join to this one's")
     parser.add_argument("--log-dir", default=None)
     record.add_arguments(parser)
     args = parser.parse_args(argv)
+    args.started = time.monotonic()
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     with OtlpReceiver("grpc" if args.protocol == "grpc" else "http") as receiver:
@@ -212,7 +239,8 @@ def main(argv=None) -> int:
         other = json.loads(Path(args.with_record).read_text())
         table += other["results"]["table"]
         targets += other["results"]["targets"]
-    config = {k: v for k, v in vars(args).items() if k not in ("record", "result_file", "log_dir", "with_record")}
+    config = {k: v for k, v in vars(args).items()
+              if k not in ("record", "result_file", "log_dir", "with_record", "started")}
     record.save(record.Record("tracing", "tracing-cost", config=config, results={
         "table": table, "targets": targets, "runs": runs, "idle_cpu_s_per_s": idle, "idle_total": idle_total,
         "cpu_ms_per_token_by_process": cpu_by_process, "joined": other}), args)
