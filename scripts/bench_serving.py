@@ -34,7 +34,7 @@ import os
 from dataclasses import asdict
 
 from bench import record
-from bench.client import check_loopback_url, compute_metrics, format_table, run_load, served_model
+from bench.client import check_loopback_url, compute_metrics, format_table, new_traceparent, run_load, served_model
 from bench.corpus import SampleRequest, default_encoder, make_dataset
 
 
@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds for one request")
     p.add_argument("--wait-for-server", type=float, default=0.0, help="retry the warm-up request this many seconds")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--traceparent", choices=("none", "sampled", "unsampled"), default="none",
+                   help="send each request a W3C traceparent of a new trace, sampled or not (a tracing server "
+                        "with a parent-based sampler traces only the sampled ones)")
     p.add_argument("--question", default="serving", help="the summary table the record feeds (with --record)")
     p.add_argument("--quiet", action="store_true")
     record.add_arguments(p)
@@ -145,7 +148,9 @@ def run(args: argparse.Namespace) -> dict:
     results, duration = asyncio.run(run_load(
         url, args.endpoint, bodies, prompt_lens, max_concurrency=args.max_concurrency,
         request_rate=args.request_rate, seed=args.seed, timeout=args.timeout, request_timeout=args.request_timeout,
-        api_key=args.api_key, warmup=warmup, wait_for_server=args.wait_for_server))
+        api_key=args.api_key, warmup=warmup, wait_for_server=args.wait_for_server,
+        request_headers=None if args.traceparent == "none" else
+        lambda i: {"traceparent": new_traceparent(args.traceparent == "sampled")}))
     metrics = compute_metrics(results, duration)
     print(format_table(metrics, args.label))
     config = dict(vars(args))

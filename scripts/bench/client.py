@@ -73,14 +73,15 @@ def parse_sse_line(line: str) -> dict | str | None:
 
 
 async def send_request(client, url: str, endpoint: str, body: dict, prompt_len: int, timeout: float,
-                       first_text: asyncio.Event | None = None) -> RequestResult:
-    """Stream one request and time it (``first_text``, if given, is set at its first text)."""
+                       first_text: asyncio.Event | None = None, headers: dict | None = None) -> RequestResult:
+    """Stream one request and time it (``first_text``, if given, is set at its first text;
+    ``headers``: HTTP headers of this request's own)."""
     result = RequestResult(prompt_len=prompt_len, output_len_requested=body.get("max_tokens", 0))
     result.start = start = time.perf_counter()
     last = start
     try:
         async with asyncio.timeout(timeout):
-            async with client.stream("POST", url, json=body) as resp:
+            async with client.stream("POST", url, json=body, headers=headers) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")
                     result.error = f"HTTP {resp.status_code}: {text[:300]}"
@@ -126,6 +127,12 @@ async def send_request(client, url: str, endpoint: str, body: dict, prompt_len: 
     return result
 
 
+def new_traceparent(sampled: bool) -> str:
+    """A W3C ``traceparent`` of a new trace whose client span is sampled (flag 01) or not
+    (00: a parent-based sampler at the server records nothing of the request)."""
+    return f"00-{random.getrandbits(128):032x}-{random.getrandbits(64) or 1:016x}-{'01' if sampled else '00'}"
+
+
 # --------------------------------------------------------------------------- a run
 
 
@@ -146,9 +153,11 @@ def arrival_times(n: int, request_rate: float, seed: int) -> list[float]:
 async def run_load(url: str, endpoint: str, bodies: list[dict], prompt_lens: list[int], *,
                    max_concurrency: int = 0, request_rate: float = math.inf, seed: int = 0,
                    timeout: float = 600.0, request_timeout: float = 300.0, api_key: str = "",
-                   warmup: list[dict] = (), wait_for_server: float = 0.0) -> tuple[list[RequestResult], float]:
+                   warmup: list[dict] = (), wait_for_server: float = 0.0,
+                   request_headers=None) -> tuple[list[RequestResult], float]:
     """Send ``bodies`` to ``url`` (at most ``max_concurrency`` at once, 0: no cap; arrivals a
-    Poisson process at ``request_rate``), after the ``warmup`` requests; the whole run is
+    Poisson process at ``request_rate``; ``request_headers(i)``, if given: request ``i``'s
+    own HTTP headers), after the ``warmup`` requests; the whole run is
     bounded by ``timeout`` (requests not finished count as failures). Returns every
     request's result and the run's duration (to the last successful end)."""
     import httpx
@@ -165,10 +174,13 @@ async def run_load(url: str, endpoint: str, bodies: list[dict], prompt_lens: lis
         offsets = arrival_times(n, request_rate, seed)
 
         async def one(i: int) -> RequestResult:
+            headers = request_headers(i) if request_headers is not None else None
             if semaphore is None:
-                return await send_request(client, url, endpoint, bodies[i], prompt_lens[i], request_timeout)
+                return await send_request(client, url, endpoint, bodies[i], prompt_lens[i], request_timeout,
+                                          headers=headers)
             async with semaphore:
-                return await send_request(client, url, endpoint, bodies[i], prompt_lens[i], request_timeout)
+                return await send_request(client, url, endpoint, bodies[i], prompt_lens[i], request_timeout,
+                                          headers=headers)
 
         t0 = time.perf_counter()
         deadline = t0 + timeout

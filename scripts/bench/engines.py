@@ -60,13 +60,19 @@ def stack(flags: list[str] = (), timeout: float = 300.0, **config):
         running.stop()
 
 
-def cpu_seconds(running) -> float:
-    """User + system CPU seconds of every process of a running ``Stack`` (nats-server too)."""
-    total = 0.0
-    for child in running.supervisor.children.values():
+def cpu_seconds_by_process(running) -> dict[str, float]:
+    """User + system CPU seconds of each process of a running ``Stack`` (by its name in
+    the supervisor: ``gateway``, ``worker-0``..., ``nats-server``)."""
+    seconds = {}
+    for name, child in running.supervisor.children.items():
         try:
             fields = open(f"/proc/{child.process.pid}/stat").read().rsplit(")", 1)[1].split()
         except (OSError, AttributeError):
             continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+        seconds[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
+def cpu_seconds(running) -> float:
+    """User + system CPU seconds of every process of a running ``Stack`` (nats-server too)."""
+    return sum(cpu_seconds_by_process(running).values())

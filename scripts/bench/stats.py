@@ -38,6 +38,25 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+# Student's t, two-sided 95%, by degrees of freedom (1..30; the normal's 1.96 beyond).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def mean_ci95(values: Sequence[float]) -> tuple[float, float, float]:
+    """The mean of ``values`` and its two-sided 95% confidence interval (Student's t, the
+    values taken as independent draws): (mean, low, high); NaN bounds under two values."""
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    mean = sum(values) / n
+    if n < 2:
+        return mean, math.nan, math.nan
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
 def ratio(a: float | None, b: float | None) -> float:
     """a / b, NaN when either is missing, NaN or b is 0."""
     if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:

@@ -53,8 +53,10 @@ QUESTIONS = (
              "The in-process engine against transformers' `generate` on the same prompts and weights, "
              "32 prompts of 128 tokens, 128 output tokens, greedy."),
     Question("tracing-cost", "What tracing costs",
-             "Output tokens/s of the stack at concurrency 32 with tracing off and with every request traced "
-             "to a local OTLP receiver (target: at most 3% less)."),
+             "Output tokens/s of the stack at concurrency 32 (to a local OTLP receiver): in one stack started "
+             "with tracing, requests traced against requests not traced (W3C traceparent sampled or not); and "
+             "stacks started with tracing (every request traced) against without. Each on/off ratio is the mean "
+             "of ABBA pairs of runs with its 95% interval (target: at most 3% less)."),
     Question("step-overhead", "Per-step overhead through the bus",
              "A decode step's time outside the forward pass and sampling, scheduler and worker on the real bus."),
     Question("prefix-cache", "Prefix cache",

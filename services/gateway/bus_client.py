@@ -211,6 +211,7 @@ class GatewayService(Service):
             raise shutting_down()
         for stream in streams:
             self.streams[stream.request_id] = stream
+            stream.trace_headers = headers
         name = request.request_ids[0]
         try:
             reply, request = await self._ask_tokenizer(streams, request, headers)

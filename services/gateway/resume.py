@@ -26,6 +26,10 @@ Nothing is taken twice or lost:
   greedy text is the fault-free run's, a seeded request's too (except with speculative
   decoding, whose draws depend on its drafts); an unseeded random one goes on from what
   its client saw, which stays one coherent sample.
+
+A traced request's resume goes with the W3C headers of its first tokenize request
+(``RequestStream.trace_headers``): the spans of the engine that takes it over join the
+request's trace.
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ class Resumer:
                 stream.prompt_request, request_ids=[new_id],
                 resumed=[ResumedSample(stream.choice, list(stream.output_token_ids))])
             try:
-                reply = await gateway.request(TOKENIZE_CHANNEL, request, timeout=config.tokenize_timeout)
+                reply = await gateway.request(TOKENIZE_CHANNEL, request, timeout=config.tokenize_timeout,
+                                              headers=stream.trace_headers)
             except (NatsError, asyncio.TimeoutError) as e:
                 problem = f"no tokenizer answer ({type(e).__name__})"
             else:

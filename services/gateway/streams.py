@@ -37,7 +37,7 @@ class RequestStream:
         "request_id", "index", "prompt_index", "next_offset", "finished", "engine_done", "finish_reason",
         "num_prompt_tokens", "num_cached_tokens", "engine_id", "incarnation", "accepted_at", "gap_since", "last_delta_at",
         "_pending", "_sink", "first_request_id", "attempt", "num_resumes", "output_token_ids", "prompt_request",
-        "choice",
+        "choice", "trace_headers",
     )
 
     def __init__(self, request_id: str, index: int, prompt_index: int, sink: asyncio.Queue) -> None:
@@ -62,13 +62,15 @@ class RequestStream:
         # Resuming on another engine: the id it was first sent under and the attempt
         # (its id is "<first id>.r<attempt>" after the first), resumes so far, the token
         # ids written (None once a delta came without them: it cannot be resumed), and
-        # its prompt's TokenizeRequest and which of its samples it is.
+        # its prompt's TokenizeRequest and which of its samples it is, and (traced) the
+        # W3C headers its tokenize request went with: a resume stays in the same trace.
         self.first_request_id = request_id
         self.attempt = 0
         self.num_resumes = 0
         self.output_token_ids: list[int] | None = []
         self.prompt_request: TokenizeRequest | None = None
         self.choice = 0
+        self.trace_headers: dict[str, str] | None = None
 
     @property
     def num_output_tokens(self) -> int:

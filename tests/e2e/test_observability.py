@@ -135,6 +135,23 @@ def test_one_streamed_chat_request_is_one_trace_across_the_services(observed):
     assert engine.attributes[Attr.REQUEST_ID].startswith(root.attributes[Attr.REQUEST_ID])
 
 
+def test_a_request_its_client_does_not_sample_is_traced_by_no_service(observed):
+    """A ``traceparent`` with the sampled flag 00: the parent-based sampler (the SDK's default,
+    or OTEL_TRACES_SAMPLER's parentbased_*) records nothing anywhere; the same request sampled
+    right after is traced, so the first one's spans would have arrived before its own."""
+    stack, receiver, _ = observed
+    unsampled_id, sampled_id = "5" * 32, "6" * 32
+    asyncio.run(stream_chat(stack.base_url, {**AUTH, "traceparent": f"00-{unsampled_id}-{CLIENT_SPAN_ID}-00"}))
+    asyncio.run(stream_chat(stack.base_url, {**AUTH, "traceparent": f"00-{sampled_id}-{CLIENT_SPAN_ID}-01"}))
+
+    def sampled_complete():
+        names = Counter(s.name for s in receiver.spans() if s.trace_id == sampled_id)
+        return names["detokenize"] == 2 and names["stream out"] == 1 and names["worker decode"] == 1
+
+    wait_until(sampled_complete, 30, "the sampled request's spans did not all arrive")
+    assert [s for s in receiver.spans() if s.trace_id == unsampled_id] == []
+
+
 def metrics_text(url: str, headers: dict | None = None) -> str:
     response = httpx.get(url, headers=headers or {}, timeout=10)
     assert response.status_code == 200, (url, response.status_code)

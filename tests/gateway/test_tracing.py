@@ -86,3 +86,28 @@ async def test_tracing_off_makes_no_span_and_sends_no_header(nats_server, fake):
     assert "data: [DONE]" in text
     assert spans.get_finished_spans() == ()
     assert fake.prompt_headers[-1] is None
+
+
+async def test_a_resumed_request_stays_in_its_trace(nats_server, fake, exporter):
+    """The engine holding a traced request restarts: its resume's tokenize request carries
+    the same trace context as the first (services/gateway/resume.py)."""
+    async def restart_soon():
+        await fake.wait_for(lambda: fake.requests_with("restart"))
+        fake.incarnation = "fake-traced-2"
+        await fake.announce()
+
+    async with GatewayServer(gateway_config(), nats_url=nats_server.url) as server:
+        await until_engine_ready(server)
+        task = server.gateway.spawn(restart_soon())
+        body = {"model": MODEL, "prompt": "HANG restart", "stream": True}
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
+            async with http.stream("POST", "/v1/completions", json=body, headers={"traceparent": TRACEPARENT}) as r:
+                text = (await r.aread()).decode()
+        await task
+    assert "data: [DONE]" in text and '"error"' not in text
+    first, resumed = fake.requests_with("restart")
+    assert resumed.request_id == first.request_id + ".r1"
+    *_, first_headers, resumed_headers = fake.prompt_headers
+    tokenize = next(s for s in exporter.get_finished_spans() if s.name == "tokenize")
+    assert first_headers["traceparent"] == f"00-{CLIENT_TRACE_ID}-{format(tokenize.context.span_id, '016x')}-01"
+    assert resumed_headers["traceparent"] == first_headers["traceparent"]

@@ -9,12 +9,12 @@ import random
 
 import pytest
 
-from bench.client import check_loopback_url
+from bench.client import check_loopback_url, new_traceparent
 from bench.corpus import PARAGRAPHS, draw_lengths, load_sentences, make_dataset, split_sentences, text_of_tokens
 from bench.peers import (best_of_configurations, check_targets, compare_peers, format_peer_table, from_vllm_bench,
                          load_serving_results)
 from bench.record import describe_cpu
-from bench.stats import percentile, summarize
+from bench.stats import mean_ci95, percentile, summarize
 
 
 class WordTokenizer:
@@ -114,6 +114,22 @@ def test_summarize():
     assert s["p99"] == pytest.approx(3.97) and s["std"] == pytest.approx(math.sqrt(1.25))
     empty = summarize([])
     assert math.isnan(empty["mean"]) and math.isnan(empty["p99"])
+
+
+def test_mean_ci95_is_students_t_interval():
+    mean, low, high = mean_ci95([1.0, 2.0, 3.0, 4.0])
+    # sd 1.291, standard error 0.645, t(0.975, 3 dof) = 3.182
+    assert mean == 2.5 and low == pytest.approx(2.5 - 2.054, abs=1e-3) and high == pytest.approx(2.5 + 2.054, abs=1e-3)
+    assert math.isnan(mean_ci95([1.0])[1]) and math.isnan(mean_ci95([])[0])
+    many = mean_ci95([float(i % 2) for i in range(100)])  # past the table: the normal's 1.96
+    assert many[2] - many[0] == pytest.approx(1.96 * 0.5025 / 10, rel=1e-3)
+
+
+def test_new_traceparent_is_a_new_w3c_trace_sampled_or_not():
+    sampled, unsampled = new_traceparent(True), new_traceparent(False)
+    version, trace_id, span_id, flags = sampled.split("-")
+    assert (version, len(trace_id), len(span_id), flags) == ("00", 32, 16, "01")
+    assert unsampled.endswith("-00") and unsampled.split("-")[1] != trace_id
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:1/v1", "http://127.5.6.7", "http://[::1]:80"])

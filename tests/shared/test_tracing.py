@@ -75,3 +75,14 @@ def test_an_unsampled_parent_makes_no_recording_span(monkeypatch, restore_tracin
     process = tracing.Tracing(TracerProvider().get_tracer("t"))
     unsampled = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"}
     assert not process.start("x", process.context_from(unsampled)).is_recording()
+
+
+def test_the_standard_sampler_variables_are_honoured(monkeypatch, restore_tracing):
+    """OTEL_TRACES_SAMPLER[_ARG] choose the sampler (the SDK's default: parentbased_always_on)."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    process = tracing.configure(TracingConfig(otlp_traces_endpoint="http://127.0.0.1:9"), "gateway")
+    assert not process.start("root", None).is_recording()
+    sampled = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    assert process.start("child", process.context_from(sampled)).is_recording()  # the client's choice wins
+    process.provider.shutdown()
