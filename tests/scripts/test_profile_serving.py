@@ -30,7 +30,7 @@ def test_samples_go_to_their_part_of_the_step(tmp_path):
     assert read_py_spy(raw) == {
         "weight products (oneDNN)": 50,
         "logits (LM head)": 7,
-        "attention, decode (C kernel)": 11,
+        "attention, per token (C decode kernel)": 11,
         "attention, prefill (padded SDPA)": 5,
         "RMSNorm, rotary + KV write, SiLU (C kernels)": 3,
         "model glue (embedding, module calls, splits)": 2,
