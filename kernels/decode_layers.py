@@ -57,7 +57,7 @@ class _Scratch(ctypes.Structure):
 @kernel_binding
 def _driver():
     return bind("decode_layers", "decode_layers_bf16",
-                [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I], ctypes.c_int)
+                [_P, _P, _P, _I, _P, _P, _I, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I], ctypes.c_int)
 
 
 def _address(fn) -> int | None:
@@ -126,11 +126,15 @@ def _fits(shape: DecoderShape, layer: LayerWeights) -> bool:
 
 class DecodeLayers:
     """All ``layers`` for one token per call (``run``); build with ``DecodeLayers.build``,
-    which returns None where the driver cannot take these tensors."""
+    which returns None where the driver cannot take these tensors. ``embedding``: the token
+    embedding's table where it is kept as tiles ``[vocab, hidden]`` (the driver then looks
+    the token up itself, as ``services/worker/linear.py`` ``quantized_embedding`` does),
+    else None."""
 
     def __init__(self, shape: DecoderShape, layers: list[LayerWeights], final_norm: torch.Tensor,
-                 cos_sin: torch.Tensor, window: int | None) -> None:
+                 cos_sin: torch.Tensor, window: int | None, embedding: WeightTiles | None = None) -> None:
         self.shape, self.layers, self.final_norm, self.cos_sin = shape, layers, final_norm, cos_sin
+        self.embedding = embedding
         cache = layers[0].key_cache
         self._shape = _Shape(shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.intermediate,
                              cache.shape[1], window or 0, shape.eps, shape.scale, cos_sin.data_ptr(),
@@ -151,39 +155,48 @@ class DecodeLayers:
         self._kernels = _entry_points()
         self._driver = _driver()
         self._args = (ctypes.byref(self._kernels), ctypes.byref(self._shape), self._layers, len(layers),
-                      final_norm.data_ptr())
+                      final_norm.data_ptr(), None if embedding is None else embedding.tiles.data_ptr(),
+                      0 if embedding is None else embedding.bits, 0 if embedding is None else embedding.n)
 
     @staticmethod
     def build(shape: DecoderShape, layers: list[LayerWeights], final_norm: torch.Tensor, cos_sin: torch.Tensor,
-              window: int | None = None) -> DecodeLayers | None:
+              window: int | None = None, embedding: WeightTiles | None = None) -> DecodeLayers | None:
+        if embedding is not None and not (embedding.shape[1] == shape.hidden and embedding.tiles.is_contiguous()):
+            return None
         if not (available() and layers and all(_fits(shape, layer) for layer in layers)
                 and final_norm.dtype == torch.bfloat16 and final_norm.shape == (shape.hidden,)
                 and final_norm.is_contiguous() and cos_sin.dtype == torch.float32 and cos_sin.stride(1) == 1
                 and shape.head_dim % 2 == 0 and shape.num_heads % shape.num_kv_heads == 0
                 and len({(l.key_cache.shape[0], l.key_cache.shape[1]) for l in layers}) == 1):
             return None
-        return DecodeLayers(shape, layers, final_norm, cos_sin, window)
+        return DecodeLayers(shape, layers, final_norm, cos_sin, window, embedding)
 
-    def takes(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> bool:
+    def takes(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> bool:
         """Whether a step's inputs are one token this driver can run."""
-        return (x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.is_contiguous()
+        return (token_ids.shape == (1,) and token_ids.dtype == torch.int64
                 and positions.dtype == attn.slot_mapping.dtype == torch.int64
                 and attn.block_tables.dtype == attn.seq_lens.dtype == torch.int32
                 and attn.block_tables.stride(-1) == 1 and attn.seq_lens.shape[0] == 1
                 and attn.max_query_len == 1 and (attn.sliding_window or 0) == self._shape.window)
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor | None:
-        """The final norm of the last layer's output for the token ``x`` (bfloat16 ``[1,
-        hidden]``, its embedding, used as scratch), or None when the attention kernel
-        declined the shapes (nothing but KV rows the per-kernel path writes alike was
-        written: it can run the step instead)."""
+    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+            x: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The final norm of the last layer's output for the token ``token_ids[0]``, whose
+        embedding ``x`` (bfloat16 ``[1, hidden]``, used as scratch) is given where the
+        driver has no ``embedding``; or None when the attention kernel declined the shapes
+        (nothing but KV rows the per-kernel path writes alike was written: it can run the
+        step instead)."""
+        if x is None:
+            x = torch.empty(1, self.shape.hidden, dtype=torch.bfloat16)
         out = torch.empty_like(x)
-        status = self._driver(*self._args, x.data_ptr(), out.data_ptr(), positions.data_ptr(),
+        status = self._driver(*self._args, token_ids.data_ptr(), x.data_ptr(), out.data_ptr(), positions.data_ptr(),
                               attn.slot_mapping.data_ptr(), attn.block_tables.data_ptr(), attn.seq_lens.data_ptr(),
                               ctypes.byref(self._scratch), torch.get_num_threads())
         if status == 0:
             return out
         layer, what = divmod(status, 16)
+        if status == 6:
+            raise IndexError(f"embedding: token {int(token_ids[0])} is outside the vocabulary's {self.embedding.n} rows")
         if what == 2:
             raise IndexError(f"rotary embedding: a position is outside the table's {self.cos_sin.shape[0]} rows")
         if what == 3:

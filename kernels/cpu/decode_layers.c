@@ -83,19 +83,53 @@ static int product(const Kernels *k, const Scratch *s, const uint16_t *x, int K,
     return 0;
 }
 
-/* x: the embedded token (bfloat16 [hidden]), used as the residual stream in place;
+/* Row `row` of a weight repacked into tiles (kernels/int8_activations.py repack_tiles; K
+ * values a row) dequantized to bfloat16, as kernels/linear.py quantized_embedding does
+ * it: int4 q * scale + offset, int8 q * scale, in float32 (no fused multiply-add: this
+ * file is built with -ffp-contract=off), rounded once. */
+static void tiles_row(const uint8_t *tiles, int bits, int K, int64_t row, uint16_t *out) {
+    const int nb = K / 32, dwords = bits == 4 ? 4 : 8;
+    const int64_t block_bytes = dwords * 64 + (bits == 4 ? 128 : 64);
+    const int lane = (int)(row % 16);
+    const uint8_t *tile = tiles + (row / 16) * nb * block_bytes;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *block = tile + b * block_bytes;
+        float scale, offset = 0.0f;
+        memcpy(&scale, block + dwords * 64 + lane * 4, 4);
+        if (bits == 4) memcpy(&offset, block + dwords * 64 + 64 + lane * 4, 4);
+        uint16_t *o = out + b * 32;
+        for (int j = 0; j < dwords * 4; j++) {
+            const uint8_t byte = block[(j / 4) * 64 + lane * 4 + j % 4];
+            if (bits == 4) {
+                o[j] = f32_to_bf16((float)(byte & 15) * scale + offset);
+                o[16 + j] = f32_to_bf16((float)(byte >> 4) * scale + offset);
+            } else {
+                o[j] = f32_to_bf16((float)(int8_t)byte * scale);
+            }
+        }
+    }
+}
+
+/* embedding: the token's table as tiles (its `embedding_rows` rows), or NULL when x holds
+ * the embedded token already; token: its id.
+ * x: the embedded token (bfloat16 [hidden]), used as the residual stream in place;
  * hidden_out: the final norm of the last layer's output. Returns 0; else the failing
  * layer * 16 + what failed: 1 a product (no memory), 2 a position outside the rotary
  * table, 3 a slot outside the cache, 4 attention shapes its kernel does not take, 5
- * attention out of memory. Layers before the failing one have written their KV rows
+ * attention out of memory; 6: the token is outside the embedding. Layers before the failing one have written their KV rows
  * (the same rows the per-kernel path writes). */
 int decode_layers_bf16(const Kernels *k, const Shape *m, const Layer *layers, int num_layers,
-                       const uint16_t *final_norm, uint16_t *x, uint16_t *hidden_out, const int64_t *position,
+                       const uint16_t *final_norm, const uint8_t *embedding, int embedding_bits,
+                       int64_t embedding_rows, const int64_t *token, uint16_t *x, uint16_t *hidden_out, const int64_t *position,
                        const int64_t *slot, const int32_t *block_table, const int32_t *seq_len, const Scratch *s,
                        int num_threads) {
     const int H = m->hidden, q_size = m->num_heads * m->head_dim, kv_size = m->num_kv_heads * m->head_dim;
     const int qkv_size = q_size + 2 * kv_size, I = m->intermediate;
     uint16_t *residual = x; /* the first layer's input is its residual, unnormed sum */
+    if (embedding) {
+        if (*token < 0 || *token >= embedding_rows) return 6;
+        tiles_row(embedding, embedding_bits, H, *token, x);
+    }
     for (int i = 0; i < num_layers; i++) {
         const Layer *l = layers + i;
         const int fail = i * 16;

@@ -10,6 +10,7 @@ import torch
 from kernels import decode_layers as dl
 from kernels import int8_activations as ia
 from kernels.rotary import compute_cos_sin_cache
+from services.worker.linear import quantized_embedding
 
 # SmolLM2's head layout, smaller widths (multiples of the products' 32-value blocks).
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, BLOCK, BLOCKS = 192, 6, 2, 32, 320, 3, 16, 12
@@ -25,6 +26,9 @@ def tiles(n, k, bits, gen):
     return ia.repack_tiles(q, (torch.rand(n, k // 32, generator=gen) / 600).half().float())
 
 
+VOCAB = 40
+
+
 def model(bits, seed=0):
     gen = torch.Generator().manual_seed(seed)
     shape = dl.DecoderShape(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, 1e-5, HEAD_DIM ** -0.5)
@@ -34,7 +38,7 @@ def model(bits, seed=0):
     layers = [dl.LayerWeights(norm(), norm(), tiles(q + 2 * kv, HIDDEN, bits, gen), tiles(HIDDEN, q, bits, gen),
                               tiles(2 * INTER, HIDDEN, bits, gen), tiles(HIDDEN, INTER, bits, gen), cache(), cache())
               for _ in range(LAYERS)]
-    return shape, layers, norm(), compute_cos_sin_cache(HEAD_DIM, 1024, 10000.0)
+    return shape, layers, norm(), compute_cos_sin_cache(HEAD_DIM, 1024, 10000.0), tiles(VOCAB, HIDDEN, bits, gen)
 
 
 def copy(layers):
@@ -50,42 +54,48 @@ def step(position, block_table, window=None):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("window", [None, 40])
-def test_driver_equals_the_kernels_one_by_one_and_is_near_the_reference(cpu_isa, bits, window):
+@pytest.mark.parametrize("lookup", [True, False], ids=["embedding in C", "embedding given"])
+def test_driver_equals_the_kernels_one_by_one_and_is_near_the_reference(cpu_isa, bits, window, lookup):
     if not dl.available():
         pytest.skip("the C kernels are not built")
-    shape, layers, final_norm, cos_sin = model(bits)
+    shape, layers, final_norm, cos_sin, table = model(bits)
     mine, theirs, reference = layers, copy(layers), copy(layers)
-    driver = dl.DecodeLayers.build(shape, mine, final_norm, cos_sin, window)
+    driver = dl.DecodeLayers.build(shape, mine, final_norm, cos_sin, window, table if lookup else None)
     assert driver is not None
     block_table = torch.tensor([7, 2, 9, 0, 11, 4], dtype=torch.int32)
-    gen = torch.Generator().manual_seed(1)
-    for position in (0, 37, 63, 90):  # a first token, inside and at the end of blocks
-        x = torch.randn(1, HIDDEN, generator=gen).to(torch.bfloat16)
+    for position, token in ((0, 0), (37, 17), (63, 39), (90, 5)):  # a first token, inside and at the end of blocks
+        token_ids = torch.tensor([token])
+        x = quantized_embedding(table, token_ids, torch.bfloat16)
         slot, positions, attn = step(position, block_table, window)
-        assert driver.takes(x, positions, attn)
-        got = driver.run(x.clone(), positions, attn)
+        assert driver.takes(token_ids, positions, attn)
+        got = driver.run(token_ids, positions, attn, None if lookup else x.clone())
         want = dl.decode_layers_per_kernel(shape, theirs, final_norm, cos_sin, x, position, slot, block_table, window)
         ref = dl.decode_layers_ref(shape, reference, final_norm, cos_sin, x, position, slot, block_table, window)
         assert got.dtype == torch.bfloat16 and torch.equal(got, want), (got.float() - want.float()).abs().max()
         for a, b in zip(mine, theirs):
             assert torch.equal(a.key_cache, b.key_cache) and torch.equal(a.value_cache, b.value_cache)
-        # Three layers of bfloat16 roundings and int8 activations apart: a few bfloat16 ulps.
-        assert torch.allclose(got.float(), ref.float(), rtol=5e-2, atol=5e-2), (got.float() - ref.float()).abs().max()
+        # Three layers of bfloat16 roundings apart (the references round where the kernels
+        # do, but sum in other orders; a last-bit difference moves an int8 activation): a
+        # few percent of the hidden state's norm (up to 4% seen).
+        error = (got.float() - ref.float()).norm() / ref.float().norm()
+        assert error < 0.08, error
 
 
 def test_driver_reports_a_slot_outside_the_cache(cpu_isa):
     if not dl.available():
         pytest.skip("the C kernels are not built")
-    shape, layers, final_norm, cos_sin = model(4)
-    driver = dl.DecodeLayers.build(shape, layers, final_norm, cos_sin)
+    shape, layers, final_norm, cos_sin, table = model(4)
+    driver = dl.DecodeLayers.build(shape, layers, final_norm, cos_sin, embedding=table)
     _, positions, attn = step(5, torch.tensor([3], dtype=torch.int32))
+    with pytest.raises(IndexError, match="vocabulary"):
+        driver.run(torch.tensor([VOCAB]), positions, attn)
     attn.slot_mapping = torch.tensor([BLOCKS * BLOCK])
     with pytest.raises(IndexError, match="slot"):
-        driver.run(torch.zeros(1, HIDDEN, dtype=torch.bfloat16), positions, attn)
+        driver.run(torch.tensor([1]), positions, attn)
 
 
 def test_build_refuses_what_the_driver_does_not_run():
-    shape, layers, final_norm, cos_sin = model(4)
+    shape, layers, final_norm, cos_sin, _ = model(4)
     f32 = [dl.LayerWeights(**{**vars(l), "key_cache": l.key_cache.float()}) for l in layers]
     assert dl.DecodeLayers.build(shape, f32, final_norm, cos_sin) is None
     narrow = dl.DecoderShape(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER + 32, 1e-5, 1.0)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kernels import AttentionMetadata, KernelOps, decode_layers
+from kernels.int8_activations import WeightTiles
 from shared.model_config import ModelConfig
 
 from ..layers.attention import PagedAttention
@@ -146,11 +147,12 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = LMHead(config, shard, tp, self.embed_tokens if config.tie_word_embeddings else None)
 
 
-    def one_token(self, x, positions, attn, kv_caches):
+    def one_token(self, input_ids, positions, attn, kv_caches):
         plan = self._one_token_plan(kv_caches)
-        if plan is None or not plan.takes(x, positions, attn[0]):
+        if plan is None or not plan.takes(input_ids, positions, attn[0]):
             return None
-        return plan.run(x, positions, attn[0])
+        x = None if plan.embedding is not None else self.embed_tokens(input_ids, torch.bfloat16)
+        return plan.run(input_ids, positions, attn[0], x)
 
     def _one_token_plan(self, kv_caches) -> decode_layers.DecodeLayers | None:
         """``kernels.decode_layers``'s driver over these caches, built on the first step
@@ -179,22 +181,24 @@ class LlamaForCausalLM(CausalLM):
         layers, products = [], []
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             attention, mlp = layer.self_attn, layer.mlp
-            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if (type(layer) is not LlamaDecoderLayer or type(mlp) is not GatedMLP or attention.q_norm is not None
                     or attention.qkv_proj.bias is not None or attention.attn.rotary is not self.layers[0].self_attn.attn.rotary
                     or any(norm.offset for norm in (layer.input_layernorm, layer.post_attention_layernorm))):
                 return None, []
+            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
             products += [(linear, linear.proj) for linear in linears]
             layers.append(decode_layers.LayerWeights(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                 *(linear.quantized for linear in linears), key_cache, value_cache))
         first = self.layers[0].self_attn
         shape = decode_layers.DecoderShape(config.hidden_size, first.attn.num_heads, first.attn.num_kv_heads,
-                                           first.head_dim, config.intermediate_size, first.eps, first.attn.scale)
+                                           first.head_dim, config.intermediate_size, config.rms_norm_eps, first.attn.scale)
         if self.norm.offset or len(layers) != len(self.layers):
             return None, []
+        table = self.embed_tokens.quantized
         plan = decode_layers.DecodeLayers.build(shape, layers, self.norm.weight, first.attn.rotary.cos_sin_cache,
-                                                self.kv_layout.groups[0].sliding_window)
+                                                self.kv_layout.groups[0].sliding_window,
+                                                table if isinstance(table, WeightTiles) else None)
         return plan, products
 
 
