@@ -35,6 +35,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # A sample's part of the step: the first part (in this order) with a marker in its stack.
 PARTS = (
     ("logits (LM head)", ("_logits",)),
+    ("decoder layers, one C call (a one-token step)", ("one_token",)),
     ("weight products (oneDNN)", ("prepacked_linear", "quantized_linear")),
     ("attention, decode (C kernel)", ("decode_attention_native",)),
     ("attention, prefill (padded SDPA)", ("_attend_group",)),
