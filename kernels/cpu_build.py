@@ -39,8 +39,9 @@ SOURCE_DIR = Path(__file__).parent / "cpu"
 # -fno-trapping-math lets GCC vectorize nearbyintf (vroundps), and with it fast_expf's loops
 # (softmax, SiLU); the values are the same, only FP exception flags are not kept.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
-# Per source: rotary must round every float32 product as PyTorch does (no fused multiply-add).
-EXTRA_CFLAGS = {"rotary": ("-ffp-contract=off",)}
+# Per source: rotary and decode_layers (its embedding rows) must round every float32 product
+# as PyTorch does (no fused multiply-add).
+EXTRA_CFLAGS = {"rotary": ("-ffp-contract=off",), "decode_layers": ("-ffp-contract=off",)}
 BUILD_TIMEOUT_S = 120
 # NATSLLM_CPU_ISA: what each value adds to -march=native ("native": the host's widest).
 ISA_CFLAGS = {"native": (), "avx2": ("-mno-avx512f",)}

@@ -42,6 +42,7 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # A sample's part of the step: the first part (in this order) with a marker in its stack.
 PARTS = (
     ("logits (LM head)", ("_logits", "compute_logits")),
+    ("decoder layers, one C call (a one-token step)", ("one_token",)),
     ("weight products (oneDNN)", ("prepacked_linear",)),
     ("weight products (int8 activations, C)", ("int8_activations.py",)),
     ("weight products (other)", ("quantized_linear", "dense_linear")),

@@ -74,12 +74,23 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: list[AttentionMetadata],
                 kv_caches) -> torch.Tensor:
+        if input_ids.shape[0] == 1:
+            hidden = self.one_token(input_ids, positions, attn, kv_caches)
+            if hidden is not None:
+                return hidden
         x = self.embed_tokens(input_ids, self.norm.weight.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, attn[layer.kv_group], kv_cache)
         x, _ = self.norm(x, residual)
         return x
+
+    def one_token(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: list[AttentionMetadata],
+                  kv_caches) -> torch.Tensor | None:
+        """``forward`` for a step of one token in one call, where the model has such a path
+        and it takes this step (the same result as the layers one by one, bit for bit);
+        else None."""
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> full logits ``[N, vocab]`` in float32."""

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import AttentionMetadata, KernelOps
+from kernels import AttentionMetadata, KernelOps, decode_layers
+from kernels.int8_activations import WeightTiles
 from shared.model_config import ModelConfig
 
 from ..layers.attention import PagedAttention
@@ -144,6 +145,61 @@ class LlamaForCausalLM(CausalLM):
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, "model.norm")
         self.lm_head = LMHead(config, shard, tp, self.embed_tokens if config.tie_word_embeddings else None)
+
+
+    def one_token(self, input_ids, positions, attn, kv_caches):
+        plan = self._one_token_plan(kv_caches)
+        if plan is None or not plan.takes(input_ids, positions, attn[0]):
+            return None
+        x = None if plan.embedding is not None else self.embed_tokens(input_ids, torch.bfloat16)
+        return plan.run(input_ids, positions, attn[0], x)
+
+    def _one_token_plan(self, kv_caches) -> decode_layers.DecodeLayers | None:
+        """``kernels.decode_layers``'s driver over these caches, built on the first step
+        that asks; None where the layers are not what it runs (or LoRA wraps a product)."""
+        cached = getattr(self, "_one_token", None)
+        if cached is None or cached[0] is not kv_caches:
+            cached = self._one_token = (kv_caches, *self._build_one_token_plan(kv_caches))
+        _, plan, products = cached
+        if plan is None or not all(layer.proj is proj for layer, proj in products):
+            return None
+        return plan
+
+    def _build_one_token_plan(self, kv_caches) -> tuple[decode_layers.DecodeLayers | None, list]:
+        """(the driver, each product layer with the product the driver stands in for)."""
+        from kernels import paged_attention_torch, rms_norm, rotary_write_kv, silu_and_mul
+
+        ops, config = self.ops, self.config
+        if not (decode_layers.available() and not self.tp.enabled and self.embed_tokens.scale is None
+                and len(self.kv_layout.groups) == 1 and config.hidden_act == "silu"
+                and ops.rms_norm in (rms_norm.rms_norm_cpu, rms_norm.rms_norm_cpu_c)
+                and ops.silu_and_mul in (silu_and_mul.silu_and_mul_cpu, silu_and_mul.silu_and_mul_cpu_c)
+                and ops.rotary_write_kv is rotary_write_kv.rotary_write_kv_cpu
+                and ops.paged_attention in (paged_attention_torch.paged_attention_cpu,
+                                            paged_attention_torch.paged_attention_cpu_batch_invariant)):
+            return None, []
+        layers, products = [], []
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            attention, mlp = layer.self_attn, layer.mlp
+            if (type(layer) is not LlamaDecoderLayer or type(mlp) is not GatedMLP or attention.q_norm is not None
+                    or attention.qkv_proj.bias is not None or attention.attn.rotary is not self.layers[0].self_attn.attn.rotary
+                    or any(norm.offset for norm in (layer.input_layernorm, layer.post_attention_layernorm))):
+                return None, []
+            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            products += [(linear, linear.proj) for linear in linears]
+            layers.append(decode_layers.LayerWeights(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                *(linear.quantized for linear in linears), key_cache, value_cache))
+        first = self.layers[0].self_attn
+        shape = decode_layers.DecoderShape(config.hidden_size, first.attn.num_heads, first.attn.num_kv_heads,
+                                           first.head_dim, config.intermediate_size, config.rms_norm_eps, first.attn.scale)
+        if self.norm.offset or len(layers) != len(self.layers):
+            return None, []
+        table = self.embed_tokens.quantized
+        plan = decode_layers.DecodeLayers.build(shape, layers, self.norm.weight, first.attn.rotary.cos_sin_cache,
+                                                self.kv_layout.groups[0].sliding_window,
+                                                table if isinstance(table, WeightTiles) else None)
+        return plan, products
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,160 @@
+/* Every decoder layer of a Llama-shaped model for one query token, in one call (see
+ * kernels/decode_layers.py).
+ *
+ * At batch 1 a layer is ten small kernels; called one by one from Python, their wrappers
+ * and the module calls around them cost about as much as their work. This runs the same
+ * kernels in the same order on the same rows, through pointers to the entry points the
+ * Python side binds (each library keeps its own build flags), with the conversions the
+ * Python side makes between them: a product's bfloat16 input widened to float32 (exact),
+ * its float32 output rounded to bfloat16 (round to nearest even, as PyTorch's `.to`). So
+ * the result is the per-kernel path's, bit for bit.
+ */
+#include <stdint.h>
+
+#include "bf16.h"
+#include "isa.h"
+
+/* The entry points, as kernels/cpu/{rms_norm,int8_activation_linear,rotary,
+ * paged_decode_attention,silu_and_mul}.c define them. */
+typedef void (*rms_norm_fn)(const uint16_t *x, int64_t x_stride, uint16_t *residual, int64_t residual_stride,
+                            const uint16_t *weight, uint16_t *out, int64_t out_stride, int rows, int hidden,
+                            float eps, int num_threads);
+typedef int (*linear_fn)(const float *x, int64_t x_stride, int M, int K, const uint8_t *tiles, int bits, int N,
+                         float *y, int64_t y_stride, int num_threads);
+typedef int (*rotary_write_kv_fn)(const int64_t *positions, int rows, uint16_t *q, int64_t q_stride, int num_q_heads,
+                                  uint16_t *k, int64_t k_stride, int num_k_heads, const float *cos_sin,
+                                  int64_t cos_sin_stride, int64_t cos_sin_rows, int head_dim, int num_threads,
+                                  const uint16_t *v, int64_t v_stride, uint16_t *key_cache, uint16_t *value_cache,
+                                  const int64_t *slots, int64_t num_slots);
+typedef int (*decode_attention_fn)(const uint16_t *query, int64_t query_row_stride, const uint16_t *key_cache,
+                                   const uint16_t *value_cache, const int32_t *block_tables,
+                                   int64_t block_table_stride, const int32_t *seq_lens, int num_requests,
+                                   int num_heads, int num_kv_heads, int head_dim, int block_size, int window,
+                                   float scale, uint16_t *out, int64_t out_row_stride, int num_threads);
+typedef void (*silu_and_mul_fn)(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t out_stride, int rows,
+                                int inter, int num_threads);
+
+/* Field order and types mirror kernels/decode_layers.py's ctypes structures. */
+typedef struct {
+    rms_norm_fn rms_norm;
+    linear_fn linear;
+    rotary_write_kv_fn rotary_write_kv;
+    decode_attention_fn decode_attention;
+    silu_and_mul_fn silu_and_mul;
+} Kernels;
+
+typedef struct {
+    int hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size, window;
+    float eps, scale;
+    const float *cos_sin;
+    int64_t cos_sin_stride, cos_sin_rows, num_slots;
+} Shape;
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm;
+    const uint8_t *qkv, *o, *gate_up, *down; /* repacked tiles (kernels/int8_activations.py) */
+    int qkv_bits, o_bits, gate_up_bits, down_bits;
+    uint16_t *key_cache, *value_cache;
+} Layer;
+
+/* Scratch rows, each at least as long as the model needs (kernels/decode_layers.py). */
+typedef struct {
+    uint16_t *normed, *qkv, *attn, *gate_up, *act;
+    float *wide, *product;
+} Scratch;
+
+static void widen(const uint16_t *x, float *out, int n) {
+#pragma omp simd
+    for (int i = 0; i < n; i++) out[i] = bf16_to_f32(x[i]);
+}
+
+static void narrow(const float *x, uint16_t *out, int n) {
+#pragma omp simd
+    for (int i = 0; i < n; i++) out[i] = f32_to_bf16(x[i]);
+}
+
+/* bfloat16 x[K] times a tiled weight [N, K] -> bfloat16 out[N], as
+ * kernels/int8_activations.py tiled_linear_cpu does it on a bfloat16 row. */
+static int product(const Kernels *k, const Scratch *s, const uint16_t *x, int K, const uint8_t *tiles, int bits,
+                   int N, uint16_t *out, int num_threads) {
+    widen(x, s->wide, K);
+    if (k->linear(s->wide, K, 1, K, tiles, bits, N, s->product, N, num_threads)) return -1;
+    narrow(s->product, out, N);
+    return 0;
+}
+
+/* Row `row` of a weight repacked into tiles (kernels/int8_activations.py repack_tiles; K
+ * values a row) dequantized to bfloat16, as kernels/linear.py quantized_embedding does
+ * it: int4 q * scale + offset, int8 q * scale, in float32 (no fused multiply-add: this
+ * file is built with -ffp-contract=off), rounded once. */
+static void tiles_row(const uint8_t *tiles, int bits, int K, int64_t row, uint16_t *out) {
+    const int nb = K / 32, dwords = bits == 4 ? 4 : 8;
+    const int64_t block_bytes = dwords * 64 + (bits == 4 ? 128 : 64);
+    const int lane = (int)(row % 16);
+    const uint8_t *tile = tiles + (row / 16) * nb * block_bytes;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *block = tile + b * block_bytes;
+        float scale, offset = 0.0f;
+        memcpy(&scale, block + dwords * 64 + lane * 4, 4);
+        if (bits == 4) memcpy(&offset, block + dwords * 64 + 64 + lane * 4, 4);
+        uint16_t *o = out + b * 32;
+        for (int j = 0; j < dwords * 4; j++) {
+            const uint8_t byte = block[(j / 4) * 64 + lane * 4 + j % 4];
+            if (bits == 4) {
+                o[j] = f32_to_bf16((float)(byte & 15) * scale + offset);
+                o[16 + j] = f32_to_bf16((float)(byte >> 4) * scale + offset);
+            } else {
+                o[j] = f32_to_bf16((float)(int8_t)byte * scale);
+            }
+        }
+    }
+}
+
+/* embedding: the token's table as tiles (its `embedding_rows` rows), or NULL when x holds
+ * the embedded token already; token: its id.
+ * x: the embedded token (bfloat16 [hidden]), used as the residual stream in place;
+ * hidden_out: the final norm of the last layer's output. Returns 0; else the failing
+ * layer * 16 + what failed: 1 a product (no memory), 2 a position outside the rotary
+ * table, 3 a slot outside the cache, 4 attention shapes its kernel does not take, 5
+ * attention out of memory; 6: the token is outside the embedding. Layers before the failing one have written their KV rows
+ * (the same rows the per-kernel path writes). */
+int decode_layers_bf16(const Kernels *k, const Shape *m, const Layer *layers, int num_layers,
+                       const uint16_t *final_norm, const uint8_t *embedding, int embedding_bits,
+                       int64_t embedding_rows, const int64_t *token, uint16_t *x, uint16_t *hidden_out, const int64_t *position,
+                       const int64_t *slot, const int32_t *block_table, const int32_t *seq_len, const Scratch *s,
+                       int num_threads) {
+    const int H = m->hidden, q_size = m->num_heads * m->head_dim, kv_size = m->num_kv_heads * m->head_dim;
+    const int qkv_size = q_size + 2 * kv_size, I = m->intermediate;
+    uint16_t *residual = x; /* the first layer's input is its residual, unnormed sum */
+    if (embedding) {
+        if (*token < 0 || *token >= embedding_rows) return 6;
+        tiles_row(embedding, embedding_bits, H, *token, x);
+    }
+    for (int i = 0; i < num_layers; i++) {
+        const Layer *l = layers + i;
+        const int fail = i * 16;
+        if (i == 0) k->rms_norm(x, H, NULL, 0, l->input_norm, s->normed, H, 1, H, m->eps, num_threads);
+        else k->rms_norm(s->act, H, residual, H, l->input_norm, s->normed, H, 1, H, m->eps, num_threads);
+        if (product(k, s, s->normed, H, l->qkv, l->qkv_bits, qkv_size, s->qkv, num_threads)) return fail + 1;
+        uint16_t *q = s->qkv, *kk = s->qkv + q_size, *v = s->qkv + q_size + kv_size;
+        const int rotated = k->rotary_write_kv(position, 1, q, qkv_size, m->num_heads, kk, qkv_size, m->num_kv_heads,
+                                               m->cos_sin, m->cos_sin_stride, m->cos_sin_rows, m->head_dim,
+                                               num_threads, v, qkv_size, l->key_cache, l->value_cache, slot,
+                                               m->num_slots);
+        if (rotated) return fail + 1 + rotated;
+        const int attended = k->decode_attention(q, qkv_size, l->key_cache, l->value_cache, block_table, 0, seq_len, 1,
+                                                 m->num_heads, m->num_kv_heads, m->head_dim, m->block_size, m->window,
+                                                 m->scale, s->attn, q_size, num_threads);
+        if (attended) return fail + 3 + attended;
+        /* o's output goes where the next norm reads it: act's first H values (act is free
+         * until the MLP). */
+        if (product(k, s, s->attn, q_size, l->o, l->o_bits, H, s->act, num_threads)) return fail + 1;
+        k->rms_norm(s->act, H, residual, H, l->post_norm, s->normed, H, 1, H, m->eps, num_threads);
+        if (product(k, s, s->normed, H, l->gate_up, l->gate_up_bits, 2 * I, s->gate_up, num_threads)) return fail + 1;
+        k->silu_and_mul(s->gate_up, 2 * I, s->act, I, 1, I, num_threads);
+        /* down's output overwrites act's first H values after its input is widened. */
+        if (product(k, s, s->act, I, l->down, l->down_bits, H, s->act, num_threads)) return fail + 1;
+    }
+    k->rms_norm(s->act, H, residual, H, final_norm, hidden_out, H, 1, H, m->eps, num_threads);
+    return 0;
+}

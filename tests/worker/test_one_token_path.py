@@ -1,0 +1,75 @@
+"""The default model's one-token path (``LlamaForCausalLM.one_token``: every layer in one C
+call, kernels/decode_layers.py) against its layers one by one: the same logits bit for bit
+at every decode step of a request alone, so which of the two runs a batch-1 step changes
+nothing (tests/e2e/test_batch_invariance.py compares batch 1 with larger batches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import decode_layers
+from services.engine import Engine
+from shared.config import CacheConfig, ModelRunConfig, SchedulerConfig
+from shared.protocol import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def default_worker(smollm_path):
+    from services.worker.model_runner import ModelRunner
+
+    return ModelRunner(ModelRunConfig(model=smollm_path, kernel_backend="torch"), CacheConfig(num_gpu_blocks=64),
+                       SchedulerConfig(max_num_seqs=4))
+
+
+def logits_per_step(worker, prompt, one_token: bool, monkeypatch) -> tuple[list[torch.Tensor], int]:
+    """Each step's logits of a 24-token greedy request alone, and how many steps the one-token
+    path ran."""
+    model = worker.model
+    steps, taken = [], []
+    compute_logits, own_path = model.compute_logits, model.one_token
+
+    def record(hidden):
+        logits = compute_logits(hidden)
+        steps.append(logits.clone())
+        return logits
+
+    def path(*args):
+        hidden = own_path(*args) if one_token else None
+        taken.append(hidden is not None)
+        return hidden
+
+    monkeypatch.setattr(model, "compute_logits", record)
+    monkeypatch.setattr(model, "one_token", path)
+    engine = Engine(cache_config=CacheConfig(num_gpu_blocks=worker.num_blocks),
+                    scheduler_config=SchedulerConfig(max_num_seqs=4), worker=worker)
+    engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    monkeypatch.undo()
+    return steps, sum(taken)
+
+
+def test_one_token_steps_give_the_layers_logits_bit_for_bit(default_worker, smollm_tokenizer, monkeypatch):
+    if not decode_layers.available():
+        pytest.skip("the C kernels are not built")
+    prompt = smollm_tokenizer.encode("The lighthouse keeper counted the ships that passed the harbour at night")
+    fast, taken = logits_per_step(default_worker, prompt, True, monkeypatch)
+    slow, not_taken = logits_per_step(default_worker, prompt, False, monkeypatch)
+    assert taken == 23 and not_taken == 0  # every decode step, not the prompt's
+    assert len(fast) == len(slow) == 24
+    for a, b in zip(fast, slow):
+        assert torch.equal(a, b)
+
+
+def test_a_lora_wrapped_product_turns_the_one_token_path_off(default_worker):
+    if not decode_layers.available():
+        pytest.skip("the C kernels are not built")
+    model = default_worker.model
+    assert model._one_token_plan(default_worker.layer_kv_caches) is not None
+    layer = model.layers[3].mlp.down_proj
+    plain = layer.proj
+    layer.proj = lambda x: plain(x)
+    try:
+        assert model._one_token_plan(default_worker.layer_kv_caches) is None
+    finally:
+        layer.proj = plain
+    assert model._one_token_plan(default_worker.layer_kv_caches) is not None
