@@ -189,7 +189,8 @@ def test_kv_events_config_refuses_what_it_cannot_honour(text, word):
         KVEventsConfig(text)
 
 
-def test_a_dump_gives_the_host_tiers_blocks_after_the_pools_in_pages_of_one_medium():
+def _pool_and_host_tier():
+    """A pool holding a page and two blocks, a host tier of three, and their publisher."""
     pool = BlockPool(DUMP_PAGE_BLOCKS + 10)
     host = [bytes([200, i]) * 16 for i in range(3)]
     publisher = KVEventsPublisher("e1", "inc", BS, buffer_steps=3, publish=None, pool=lambda: pool,
@@ -197,6 +198,11 @@ def test_a_dump_gives_the_host_tiers_blocks_after_the_pools_in_pages_of_one_medi
     pool.kv_events = publisher.new_recorder()
     for i in range(DUMP_PAGE_BLOCKS + 2):
         pool.cache_full_block(pool.get_new_blocks(1)[0], i.to_bytes(32, "little"))
+    return pool, host, publisher
+
+
+def test_a_dump_gives_the_host_tiers_blocks_after_the_pools_in_pages_of_one_medium():
+    pool, host, publisher = _pool_and_host_tier()
     pages = [publisher.dump(KVCacheDumpRequest())]
     while sum(len(p.block_hashes) for p in pages) < pages[0].total:
         pages.append(publisher.dump(KVCacheDumpRequest(pages[0].snapshot, sum(len(p.block_hashes) for p in pages))))
@@ -209,13 +215,7 @@ def test_a_dump_gives_the_host_tiers_blocks_after_the_pools_in_pages_of_one_medi
 def test_a_router_rebuilds_both_media_from_a_dump():
     from services.router.bus import RouterOnBus
 
-    pool = BlockPool(DUMP_PAGE_BLOCKS + 10)
-    host = [bytes([200, i]) * 16 for i in range(3)]
-    publisher = KVEventsPublisher("e1", "inc", BS, buffer_steps=3, publish=None, pool=lambda: pool,
-                                  host_hashes=lambda: list(host))
-    pool.kv_events = publisher.new_recorder()
-    for i in range(DUMP_PAGE_BLOCKS + 2):
-        pool.cache_full_block(pool.get_new_blocks(1)[0], i.to_bytes(32, "little"))
+    pool, host, publisher = _pool_and_host_tier()
 
     class Engine:  # the bus, answering as the scheduler service does
         async def request(self, channel, message, engine_id, timeout):
