@@ -146,7 +146,6 @@ class LlamaForCausalLM(CausalLM):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, "model.norm")
         self.lm_head = LMHead(config, shard, tp, self.embed_tokens if config.tie_word_embeddings else None)
 
-
     def one_token(self, input_ids, positions, attn, kv_caches):
         plan = self._one_token_plan(kv_caches)
         if plan is None or not plan.takes(input_ids, positions, attn[0]):
