@@ -50,8 +50,7 @@ class _Layer(ctypes.Structure):
 
 
 class _Scratch(ctypes.Structure):
-    _fields_ = [("normed", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P), ("act", _P), ("wide", _P),
-                ("product", _P)]
+    _fields_ = [("normed", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P), ("act", _P)]
 
 
 @kernel_binding
@@ -145,12 +144,10 @@ class DecodeLayers:
                    l.down.bits, l.key_cache.data_ptr(), l.value_cache.data_ptr()) for l in layers))
         q = shape.num_heads * shape.head_dim
         qkv = q + 2 * shape.num_kv_heads * shape.head_dim
-        widest = max(shape.hidden, q, shape.intermediate)
         bf16 = lambda n: torch.empty(n, dtype=torch.bfloat16)  # noqa: E731
         # act holds o's and down's outputs too ([hidden]) and the MLP's activation ([intermediate]).
         self._buffers = (bf16(shape.hidden), bf16(qkv), bf16(q), bf16(2 * shape.intermediate),
-                         bf16(max(shape.hidden, shape.intermediate)), torch.empty(widest),
-                         torch.empty(max(qkv, 2 * shape.intermediate, shape.hidden)))
+                         bf16(max(shape.hidden, shape.intermediate)))
         self._scratch = _Scratch(*(b.data_ptr() for b in self._buffers))
         self._kernels = _entry_points()
         self._driver = _driver()

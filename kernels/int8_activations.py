@@ -42,10 +42,10 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 @kernel_binding
 def _kernel(symbol: str):
     argtypes = {
-        "int4_linear_i8": [_P, _I64, _I, _I, _P, _P, _P, _I, _P, _I64, _I],
-        "int8_linear_i8": [_P, _I64, _I, _I, _P, _P, _I, _P, _I64, _I],
+        "int4_linear_i8": [_P, _I64, _I, _I, _I, _P, _P, _P, _I, _P, _I64, _I, _I],
+        "int8_linear_i8": [_P, _I64, _I, _I, _I, _P, _P, _I, _P, _I64, _I, _I],
         "quantize_activations": [_P, _I64, _I, _I, _P, _P, _P, _I],
-        "linear_i8_tiled": [_P, _I64, _I, _I, _P, _I, _I, _P, _I64, _I],
+        "linear_i8_tiled": [_P, _I64, _I, _I, _I, _P, _I, _I, _P, _I64, _I, _I],
         "tiled_block_bytes": [_I],
         "int8_products_use_vnni": [],
     }[symbol]
@@ -199,13 +199,19 @@ def quantize_activations_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _run(symbol: str, x: torch.Tensor, n: int, *weight: torch.Tensor | int) -> torch.Tensor:
-    rows = _rows(x)
+    """The kernel on ``x``'s rows as they are where it reads them (float32 or bfloat16 rows of
+    unit stride), its result in ``x``'s dtype where it writes that (float32 or bfloat16:
+    rounded once from the same float32 sums, as ``.to`` rounds), else through float32."""
+    bf16 = x.dtype == torch.bfloat16
+    rows = x if (bf16 or x.dtype == torch.float32) and x.stride(-1) == 1 else _rows(x)
+    x_bf16 = rows.dtype == torch.bfloat16
     m, k = rows.shape
-    y = torch.empty(m, n)
+    y = torch.empty(m, n, dtype=torch.bfloat16 if bf16 else torch.float32)
     args = [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in weight]
-    if _kernel(symbol)(rows.data_ptr(), rows.stride(0), m, k, *args, n, y.data_ptr(), n, torch.get_num_threads()):
+    if _kernel(symbol)(rows.data_ptr(), rows.stride(0), int(x_bf16), m, k, *args, n, y.data_ptr(), n, int(bf16),
+                       torch.get_num_threads()):
         raise MemoryError(f"{symbol}: no memory for the quantized activations or a thread's tile")
-    return y.to(x.dtype)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def int4_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

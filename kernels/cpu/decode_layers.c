@@ -4,10 +4,9 @@
  * At batch 1 a layer is ten small kernels; called one by one from Python, their wrappers
  * and the module calls around them cost about as much as their work. This runs the same
  * kernels in the same order on the same rows, through pointers to the entry points the
- * Python side binds (each library keeps its own build flags), with the conversions the
- * Python side makes between them: a product's bfloat16 input widened to float32 (exact),
- * its float32 output rounded to bfloat16 (round to nearest even, as PyTorch's `.to`). So
- * the result is the per-kernel path's, bit for bit.
+ * Python side binds (each library keeps its own build flags), every product taking and
+ * returning bfloat16 rows as the Python side's does. So the result is the per-kernel
+ * path's, bit for bit.
  */
 #include <stdint.h>
 
@@ -19,8 +18,8 @@
 typedef void (*rms_norm_fn)(const uint16_t *x, int64_t x_stride, uint16_t *residual, int64_t residual_stride,
                             const uint16_t *weight, uint16_t *out, int64_t out_stride, int rows, int hidden,
                             float eps, int num_threads);
-typedef int (*linear_fn)(const float *x, int64_t x_stride, int M, int K, const uint8_t *tiles, int bits, int N,
-                         float *y, int64_t y_stride, int num_threads);
+typedef int (*linear_fn)(const void *x, int64_t x_stride, int x_bf16, int M, int K, const uint8_t *tiles, int bits,
+                         int N, void *y, int64_t y_stride, int y_bf16, int num_threads);
 typedef int (*rotary_write_kv_fn)(const int64_t *positions, int rows, uint16_t *q, int64_t q_stride, int num_q_heads,
                                   uint16_t *k, int64_t k_stride, int num_k_heads, const float *cos_sin,
                                   int64_t cos_sin_stride, int64_t cos_sin_rows, int head_dim, int num_threads,
@@ -60,27 +59,13 @@ typedef struct {
 /* Scratch rows, each at least as long as the model needs (kernels/decode_layers.py). */
 typedef struct {
     uint16_t *normed, *qkv, *attn, *gate_up, *act;
-    float *wide, *product;
 } Scratch;
-
-static void widen(const uint16_t *x, float *out, int n) {
-#pragma omp simd
-    for (int i = 0; i < n; i++) out[i] = bf16_to_f32(x[i]);
-}
-
-static void narrow(const float *x, uint16_t *out, int n) {
-#pragma omp simd
-    for (int i = 0; i < n; i++) out[i] = f32_to_bf16(x[i]);
-}
 
 /* bfloat16 x[K] times a tiled weight [N, K] -> bfloat16 out[N], as
  * kernels/int8_activations.py tiled_linear_cpu does it on a bfloat16 row. */
-static int product(const Kernels *k, const Scratch *s, const uint16_t *x, int K, const uint8_t *tiles, int bits,
-                   int N, uint16_t *out, int num_threads) {
-    widen(x, s->wide, K);
-    if (k->linear(s->wide, K, 1, K, tiles, bits, N, s->product, N, num_threads)) return -1;
-    narrow(s->product, out, N);
-    return 0;
+static int product(const Kernels *k, const uint16_t *x, int K, const uint8_t *tiles, int bits, int N, uint16_t *out,
+                   int num_threads) {
+    return k->linear(x, K, 1, 1, K, tiles, bits, N, out, N, 1, num_threads);
 }
 
 /* Row `row` of a weight repacked into tiles (kernels/int8_activations.py repack_tiles; K
@@ -135,7 +120,7 @@ int decode_layers_bf16(const Kernels *k, const Shape *m, const Layer *layers, in
         const int fail = i * 16;
         if (i == 0) k->rms_norm(x, H, NULL, 0, l->input_norm, s->normed, H, 1, H, m->eps, num_threads);
         else k->rms_norm(s->act, H, residual, H, l->input_norm, s->normed, H, 1, H, m->eps, num_threads);
-        if (product(k, s, s->normed, H, l->qkv, l->qkv_bits, qkv_size, s->qkv, num_threads)) return fail + 1;
+        if (product(k, s->normed, H, l->qkv, l->qkv_bits, qkv_size, s->qkv, num_threads)) return fail + 1;
         uint16_t *q = s->qkv, *kk = s->qkv + q_size, *v = s->qkv + q_size + kv_size;
         const int rotated = k->rotary_write_kv(position, 1, q, qkv_size, m->num_heads, kk, qkv_size, m->num_kv_heads,
                                                m->cos_sin, m->cos_sin_stride, m->cos_sin_rows, m->head_dim,
@@ -148,12 +133,12 @@ int decode_layers_bf16(const Kernels *k, const Shape *m, const Layer *layers, in
         if (attended) return fail + 3 + attended;
         /* o's output goes where the next norm reads it: act's first H values (act is free
          * until the MLP). */
-        if (product(k, s, s->attn, q_size, l->o, l->o_bits, H, s->act, num_threads)) return fail + 1;
+        if (product(k, s->attn, q_size, l->o, l->o_bits, H, s->act, num_threads)) return fail + 1;
         k->rms_norm(s->act, H, residual, H, l->post_norm, s->normed, H, 1, H, m->eps, num_threads);
-        if (product(k, s, s->normed, H, l->gate_up, l->gate_up_bits, 2 * I, s->gate_up, num_threads)) return fail + 1;
+        if (product(k, s->normed, H, l->gate_up, l->gate_up_bits, 2 * I, s->gate_up, num_threads)) return fail + 1;
         k->silu_and_mul(s->gate_up, 2 * I, s->act, I, 1, I, num_threads);
-        /* down's output overwrites act's first H values after its input is widened. */
-        if (product(k, s, s->act, I, l->down, l->down_bits, H, s->act, num_threads)) return fail + 1;
+        /* down's output overwrites act's first H values after its input is quantized. */
+        if (product(k, s->act, I, l->down, l->down_bits, H, s->act, num_threads)) return fail + 1;
     }
     k->rms_norm(s->act, H, residual, H, final_norm, hidden_out, H, 1, H, m->eps, num_threads);
     return 0;

@@ -53,14 +53,33 @@
 
 /* ------------------------------------------------------------------ activations */
 
+/* Rows come as float32 or bfloat16 (x_bf16): a bfloat16 value widens to float32 exactly,
+ * so both give a row the same quantization. */
+#if WIDE
+static inline __attribute__((always_inline)) __m512 load16(const void *x, int x_bf16, int at) {
+    if (x_bf16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at))), 16));
+    return _mm512_loadu_ps((const float *)x + at);
+}
+#else
+static inline __attribute__((always_inline)) __m256 load8(const void *x, int x_bf16, int at) {
+    if (x_bf16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + at))), 16));
+    return _mm256_loadu_ps((const float *)x + at);
+}
+#endif
+
 /* One row's blocks: q (K int8), d and s (K / 32 floats each). The arithmetic is
  * quantize_activations_ref's, operation for operation: d = amax / 127, inv = 1 / d (0 for
  * an all-zero block), q = round-half-even(x * inv), s = d * sum(q). */
-static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
+static inline __attribute__((always_inline)) void quantize_row(const void *x, int x_bf16, int K, int8_t *q, float *d,
+                                                                float *s) {
     for (int b = 0; b < K / BLOCK; b++) {
-        const float *xb = x + BLOCK * b;
+        const int xb = BLOCK * b;
 #if WIDE
-        const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        const __m512 v0 = load16(x, x_bf16, xb), v1 = load16(x, x_bf16, xb + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
         const __m512 vinv = _mm512_set1_ps(inv);
@@ -72,7 +91,7 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
 #else
         const __m256 sign = _mm256_set1_ps(-0.0f);
         __m256 m = _mm256_setzero_ps();
-        for (int i = 0; i < BLOCK; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+        for (int i = 0; i < BLOCK; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, load8(x, x_bf16, xb + i)));
         float lanes[8];
         _mm256_storeu_ps(lanes, m);
         float amax = lanes[0];
@@ -81,7 +100,7 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
         int sum = 0;
         for (int i = 0; i < BLOCK; i += 8) {
             int32_t qi[8];
-            _mm256_storeu_si256((__m256i *)qi, _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i),
+            _mm256_storeu_si256((__m256i *)qi, _mm256_cvtps_epi32(_mm256_mul_ps(load8(x, x_bf16, xb + i),
                                                                                 _mm256_set1_ps(inv))));
             for (int j = 0; j < 8; j++) {
                 q[BLOCK * b + i + j] = (int8_t)qi[j];
@@ -94,13 +113,73 @@ static void quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
     }
 }
 
+/* Rows m0 .. m1 of x (float32, or bfloat16 where x_bf16); row m starts x_stride values in. */
+static void quantize_rows(const void *x, int64_t x_stride, int x_bf16, int m0, int m1, int K, int8_t *q, float *d,
+                          float *s) {
+    const size_t value_bytes = x_bf16 ? 2 : 4;
+    for (int m = m0; m < m1; m++) {
+        const void *row = (const char *)x + (size_t)m * x_stride * value_bytes;
+        int8_t *qm = q + (int64_t)m * K;
+        float *dm = d + (int64_t)m * (K / BLOCK), *sm = s + (int64_t)m * (K / BLOCK);
+        if (x_bf16) quantize_row(row, 1, K, qm, dm, sm);
+        else quantize_row(row, 0, K, qm, dm, sm);
+    }
+}
+
 void quantize_activations(const float *x, int64_t x_stride, int M, int K, int8_t *q, float *d, float *s,
                           int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int m = 0; m < M; m++)
-        quantize_row(x + m * x_stride, K, q + (int64_t)m * K, d + (int64_t)m * (K / BLOCK),
-                     s + (int64_t)m * (K / BLOCK));
+    for (int m = 0; m < M; m++) quantize_rows(x, x_stride, 0, m, m + 1, K, q, d, s);
 }
+
+/* ------------------------------------------------------------------ results */
+
+/* y row `row`, columns n0 .. n0+count (count <= 16 on AVX-512, <= 8 on AVX2): float32, or
+ * bfloat16 (y_bf16) rounded to nearest even as bf16.h's f32_to_bf16 (PyTorch's `.to`). */
+#if WIDE
+static inline __attribute__((always_inline)) void store_row(void *y, int64_t y_stride, int y_bf16, int64_t row,
+                                                             int n0, int count, __m512 v) {
+    const __mmask16 keep = (__mmask16)((1u << count) - 1);
+    if (!y_bf16) {
+        _mm512_mask_storeu_ps((float *)y + row * y_stride + n0, keep, v);
+        return;
+    }
+    const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
+                                 _mm512_and_si512(high, _mm512_set1_epi32(1)));
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), high, _mm512_set1_epi32(0x40));
+    const __m256i half = _mm512_cvtepi32_epi16(r);
+    uint16_t *at = (uint16_t *)y + row * y_stride + n0;
+    if (count == 16) {
+        _mm256_storeu_si256((__m256i *)at, half);
+    } else {
+        uint16_t out[16];
+        _mm256_storeu_si256((__m256i *)out, half);
+        memcpy(at, out, sizeof(uint16_t) * count);
+    }
+}
+#else
+static inline __attribute__((always_inline)) void store_row(void *y, int64_t y_stride, int y_bf16, int64_t row,
+                                                             int n0, int count, __m256 v) {
+    if (!y_bf16) {
+        float out[8];
+        _mm256_storeu_ps(out, v);
+        memcpy((float *)y + row * y_stride + n0, out, sizeof(float) * count);
+        return;
+    }
+    const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)),
+                                 _mm256_and_si256(high, _mm256_set1_epi32(1)));
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    uint16_t out[16];
+    _mm256_storeu_si256((__m256i *)out, packed);
+    memcpy((uint16_t *)y + row * y_stride + n0, out, sizeof(uint16_t) * count);
+}
+#endif
 
 /* ------------------------------------------------------------------ weight tiles */
 
@@ -264,8 +343,8 @@ static inline int block_bytes(enum layout layout) {
 /* y[m0 .. m0+mr, n0 .. n0+nt] from the tile's blocks. */
 static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf, int K, const int8_t *qa,
                                                              const float *da, const float *sa, int m0, int mr,
-                                                             int is_int8, enum layout layout, float *y,
-                                                             int64_t y_stride, int n0, int nt) {
+                                                             int is_int8, enum layout layout, void *y,
+                                                             int64_t y_stride, int y_bf16, int n0, int nt) {
     const int nb = K / BLOCK;
     const int vectors = layout == TILED4 ? PACKED_GROUPS : GROUPS;
 #if WIDE
@@ -303,8 +382,7 @@ static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf,
             acc[i] = _mm512_fmadd_ps(off, _mm512_set1_ps(sa[ab]), acc[i]);
         }
     }
-    const __mmask16 keep = (__mmask16)((1u << nt) - 1);
-    for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + (int64_t)(m0 + i) * y_stride + n0, keep, acc[i]);
+    for (int i = 0; i < mr; i++) store_row(y, y_stride, y_bf16, m0 + i, n0, nt, acc[i]);
 #else
     /* One half of the tile (8 columns, one ymm) at a time over every block, so MR rows
      * share each weight vector and its nibble split. int8 codes stay signed here: the
@@ -362,11 +440,7 @@ static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf,
             }
         }
         const int cols = nt - 8 * h < 8 ? nt - 8 * h : 8;
-        for (int i = 0; i < mr; i++) {
-            float out[8];
-            _mm256_storeu_ps(out, acc[i]);
-            memcpy(y + (int64_t)(m0 + i) * y_stride + n0 + 8 * h, out, sizeof(float) * cols);
-        }
+        for (int i = 0; i < mr; i++) store_row(y, y_stride, y_bf16, m0 + i, n0 + 8 * h, cols, acc[i]);
     }
 #endif
 }
@@ -378,8 +452,8 @@ static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf,
  * hardware prefetcher to run ahead of. */
 static inline __attribute__((always_inline)) void rows_over_tile(const uint8_t *buf, int K, const int8_t *qa,
                                                                   const float *da, const float *sa, int M,
-                                                                  int is_int8, enum layout layout, float *y,
-                                                                  int64_t y_stride, int n0, int nt,
+                                                                  int is_int8, enum layout layout, void *y,
+                                                                  int64_t y_stride, int y_bf16, int n0, int nt,
                                                                   const uint8_t *next, int64_t next_bytes) {
     const int64_t share = next ? (next_bytes / ((M + MR - 1) / MR) + 63) / 64 * 64 : 0;
     int64_t fetched = 0;
@@ -387,38 +461,43 @@ static inline __attribute__((always_inline)) void rows_over_tile(const uint8_t *
     for (; m0 + MR <= M; m0 += MR) {
         for (const int64_t end = fetched + share < next_bytes ? fetched + share : next_bytes; fetched < end; fetched += 64)
             __builtin_prefetch(next + fetched, 0, 1);
-        micro_tile(buf, K, qa, da, sa, m0, MR, is_int8, layout, y, y_stride, n0, nt);
+        micro_tile(buf, K, qa, da, sa, m0, MR, is_int8, layout, y, y_stride, y_bf16, n0, nt);
     }
     switch (M - m0) {
 #if MR > 4
-    case 7: micro_tile(buf, K, qa, da, sa, m0, 7, is_int8, layout, y, y_stride, n0, nt); break;
-    case 6: micro_tile(buf, K, qa, da, sa, m0, 6, is_int8, layout, y, y_stride, n0, nt); break;
-    case 5: micro_tile(buf, K, qa, da, sa, m0, 5, is_int8, layout, y, y_stride, n0, nt); break;
-    case 4: micro_tile(buf, K, qa, da, sa, m0, 4, is_int8, layout, y, y_stride, n0, nt); break;
+    case 7: micro_tile(buf, K, qa, da, sa, m0, 7, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
+    case 6: micro_tile(buf, K, qa, da, sa, m0, 6, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
+    case 5: micro_tile(buf, K, qa, da, sa, m0, 5, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
+    case 4: micro_tile(buf, K, qa, da, sa, m0, 4, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
 #endif
 #if MR > 2
-    case 3: micro_tile(buf, K, qa, da, sa, m0, 3, is_int8, layout, y, y_stride, n0, nt); break;
-    case 2: micro_tile(buf, K, qa, da, sa, m0, 2, is_int8, layout, y, y_stride, n0, nt); break;
+    case 3: micro_tile(buf, K, qa, da, sa, m0, 3, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
+    case 2: micro_tile(buf, K, qa, da, sa, m0, 2, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
 #endif
-    case 1: micro_tile(buf, K, qa, da, sa, m0, 1, is_int8, layout, y, y_stride, n0, nt); break;
+    case 1: micro_tile(buf, K, qa, da, sa, m0, 1, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
     default: break;
     }
 }
 
 /* Returns 0, -1 when memory could not be had (y is then incomplete). tiles: the weight
  * repacked as `layout` says (data, scales and offsets then unused), else (GATHERED) each
- * thread gathers its tiles from the row layout. */
-static int i8_linear(const float *x, int64_t x_stride, int M, int K, const void *data, const float *scales,
-                     const float *offsets, const uint8_t *tiles, enum layout layout, int N, float *y,
-                     int64_t y_stride, int num_threads) {
+ * thread gathers its tiles from the row layout. x: float32 rows, or bfloat16 (x_bf16); y:
+ * float32, or bfloat16 (y_bf16), rounded once from the same float32 sums. One parallel
+ * region: the rows' quantization, then (after its barrier) the tiles. */
+static int i8_linear(const void *x, int64_t x_stride, int x_bf16, int M, int K, const void *data, const float *scales,
+                     const float *offsets, const uint8_t *tiles, enum layout layout, int N, void *y,
+                     int64_t y_stride, int y_bf16, int num_threads) {
     const int nb = K / BLOCK;
     int8_t *qa = malloc((size_t)M * K);
     float *da = malloc(sizeof(float) * 2 * (size_t)M * nb);
     int failed = qa == NULL || da == NULL;
     float *sa = da + (int64_t)M * nb;
-    if (!failed) quantize_activations(x, x_stride, M, K, qa, da, sa, num_threads);
 #pragma omp parallel num_threads(num_threads) if (!failed)
     {
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int m = 0; m < M; m++) quantize_rows(x, x_stride, x_bf16, m, m + 1, K, qa, da, sa);
+        }
         uint8_t *buf = failed || tiles != NULL ? NULL : aligned_alloc(64, (size_t)TILE_BLOCK_BYTES * nb);
         if (buf == NULL && tiles == NULL) {
 #pragma omp atomic write
@@ -432,13 +511,14 @@ static int i8_linear(const float *x, int64_t x_stride, int M, int K, const void 
                 const uint8_t *tile = tiles + (int64_t)(n0 / TILE_N) * tile_bytes;
                 const uint8_t *next = n0 + TILE_N < N ? tile + tile_bytes : NULL;
                 if (failed) continue;
-                if (layout == TILED4) rows_over_tile(tile, K, qa, da, sa, M, 0, TILED4, y, y_stride, n0, nt, next, tile_bytes);
-                else rows_over_tile(tile, K, qa, da, sa, M, 1, TILED8, y, y_stride, n0, nt, next, tile_bytes);
+                if (layout == TILED4)
+                    rows_over_tile(tile, K, qa, da, sa, M, 0, TILED4, y, y_stride, y_bf16, n0, nt, next, tile_bytes);
+                else rows_over_tile(tile, K, qa, da, sa, M, 1, TILED8, y, y_stride, y_bf16, n0, nt, next, tile_bytes);
                 continue;
             }
             if (buf == NULL) continue;
             gather_tile(data, scales, offsets, N, K, n0, buf);
-            rows_over_tile(buf, K, qa, da, sa, M, offsets == NULL, GATHERED, y, y_stride, n0, nt, NULL, 0);
+            rows_over_tile(buf, K, qa, da, sa, M, offsets == NULL, GATHERED, y, y_stride, y_bf16, n0, nt, NULL, 0);
         }
         free(buf);
     }
@@ -447,22 +527,26 @@ static int i8_linear(const float *x, int64_t x_stride, int M, int K, const void 
     return failed ? -1 : 0;
 }
 
-int int4_linear_i8(const float *x, int64_t x_stride, int M, int K, const uint8_t *packed, const float *scales,
-                   const float *offsets, int N, float *y, int64_t y_stride, int num_threads) {
-    return i8_linear(x, x_stride, M, K, packed, scales, offsets, NULL, GATHERED, N, y, y_stride, num_threads);
+/* x_bf16 / y_bf16: the activations' and the result's type, 0 float32, 1 bfloat16. */
+int int4_linear_i8(const void *x, int64_t x_stride, int x_bf16, int M, int K, const uint8_t *packed,
+                   const float *scales, const float *offsets, int N, void *y, int64_t y_stride, int y_bf16,
+                   int num_threads) {
+    return i8_linear(x, x_stride, x_bf16, M, K, packed, scales, offsets, NULL, GATHERED, N, y, y_stride, y_bf16,
+                     num_threads);
 }
 
-int int8_linear_i8(const float *x, int64_t x_stride, int M, int K, const int8_t *q, const float *scales, int N,
-                   float *y, int64_t y_stride, int num_threads) {
-    return i8_linear(x, x_stride, M, K, q, scales, NULL, NULL, GATHERED, N, y, y_stride, num_threads);
+int int8_linear_i8(const void *x, int64_t x_stride, int x_bf16, int M, int K, const int8_t *q, const float *scales,
+                   int N, void *y, int64_t y_stride, int y_bf16, int num_threads) {
+    return i8_linear(x, x_stride, x_bf16, M, K, q, scales, NULL, NULL, GATHERED, N, y, y_stride, y_bf16,
+                     num_threads);
 }
 
 /* The products of a weight repacked at load (kernels/int8_activations.py repack_tiles):
  * bits 4 or 8. Returns 0, -1 (no memory). */
-int linear_i8_tiled(const float *x, int64_t x_stride, int M, int K, const uint8_t *tiles, int bits, int N, float *y,
-                    int64_t y_stride, int num_threads) {
-    return i8_linear(x, x_stride, M, K, NULL, NULL, NULL, tiles, bits == 4 ? TILED4 : TILED8, N, y, y_stride,
-                     num_threads);
+int linear_i8_tiled(const void *x, int64_t x_stride, int x_bf16, int M, int K, const uint8_t *tiles, int bits, int N,
+                    void *y, int64_t y_stride, int y_bf16, int num_threads) {
+    return i8_linear(x, x_stride, x_bf16, M, K, NULL, NULL, NULL, tiles, bits == 4 ? TILED4 : TILED8, N, y, y_stride,
+                     y_bf16, num_threads);
 }
 
 /* Bytes a block of a repacked tile takes for `bits` 4 or 8 (0 from a build without a

@@ -156,3 +156,42 @@ def test_cpu_products_of_repacked_tiles_match_the_reference_and_the_gather(m, n,
     got = ia.tiled_linear_cpu(x, ia.repack_tiles(*w))
     assert_close_to_reference(got, reference(x, *w), x, dense(*w))
     assert torch.equal(got, gathered(x, *w))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 19])
+@pytest.mark.parametrize("n", [16, 37])
+def test_bfloat16_rows_in_and_out_are_the_float32_products_rounded_once(m, n, bits, cpu_isa):
+    """bfloat16 rows go in as they are and the result comes out in bfloat16: the float32
+    product of the widened rows, rounded to nearest even as ``.to`` rounds, bit for bit
+    (repacked and gathered weights; rows of unit stride and strided ones)."""
+    k = 128
+    w = int4_weight(n, k, seed=m) if bits == 4 else int8_weight(n, k, seed=m)
+    gathered = ia.int4_linear_cpu if bits == 4 else ia.int8_linear_cpu
+    tiles = ia.repack_tiles(*w)
+    wide = activations(m, 2 * k, seed=m)
+    wide[:, 5] = 0.0078125 * 3  # values whose products land on rounding ties more often
+    for x in (wide[:, :k].to(torch.bfloat16).contiguous(), wide.to(torch.bfloat16)[:, k:]):
+        want = gathered(x.float(), *w).to(torch.bfloat16)
+        for got in (ia.tiled_linear_cpu(x, tiles), gathered(x, *w)):
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@needs_kernel
+def test_bfloat16_results_round_ties_to_even(cpu_isa):
+    """Products that are exact integers of 9 to 10 bits (every odd one a tie for bfloat16's
+    8 bits): rounded as PyTorch's ``.to`` rounds them."""
+    k, n = 64, 48
+    x = torch.ones(40, k)
+    x[:, 0] = x[:, 32] = 127  # each block's scale exactly 1: its codes are x
+    x[:, 1] = torch.arange(40) - 20.0
+    q = torch.randint(-4, 5, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    scales = torch.ones(n, k // 32)
+    exact = ia.int8_linear_cpu(x, q, scales)
+    assert torch.equal(exact, x @ q.float().T)
+    assert (exact.abs() > 256).sum() > 100 and (exact.remainder(2) == 1).sum() > 100
+    want = exact.to(torch.bfloat16).view(torch.int16)
+    for got in (ia.tiled_linear_cpu(x.bfloat16(), ia.repack_tiles(q, scales)), ia.int8_linear_cpu(x.bfloat16(), q, scales)):
+        assert torch.equal(got.view(torch.int16), want)
