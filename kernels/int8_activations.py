@@ -198,20 +198,27 @@ def quantize_activations_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q, d, s
 
 
-def _run(symbol: str, x: torch.Tensor, n: int, *weight: torch.Tensor | int) -> torch.Tensor:
+# The kernel's result types (y_type): float32, bfloat16, bfloat16 widened to float32.
+_Y_FLOAT32, _Y_BFLOAT16, _Y_BFLOAT16_AS_FLOAT32 = 0, 1, 2
+
+
+def _run(symbol: str, x: torch.Tensor, n: int, *weight: torch.Tensor | int, widened: bool = False) -> torch.Tensor:
     """The kernel on ``x``'s rows as they are where it reads them (float32 or bfloat16 rows of
-    unit stride), its result in ``x``'s dtype where it writes that (float32 or bfloat16:
-    rounded once from the same float32 sums, as ``.to`` rounds), else through float32."""
+    unit stride), its result in ``x``'s dtype (float32 or bfloat16: rounded once from the same
+    float32 sums, as ``.to`` rounds), or with ``widened`` that value as float32
+    (``.to(x.dtype).float()``, written so at once)."""
     bf16 = x.dtype == torch.bfloat16
     rows = x if (bf16 or x.dtype == torch.float32) and x.stride(-1) == 1 else _rows(x)
-    x_bf16 = rows.dtype == torch.bfloat16
     m, k = rows.shape
-    y = torch.empty(m, n, dtype=torch.bfloat16 if bf16 else torch.float32)
+    y_type = (_Y_BFLOAT16_AS_FLOAT32 if widened else _Y_BFLOAT16) if bf16 else _Y_FLOAT32
+    y = torch.empty(m, n, dtype=torch.bfloat16 if y_type == _Y_BFLOAT16 else torch.float32)
     args = [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in weight]
-    if _kernel(symbol)(rows.data_ptr(), rows.stride(0), int(x_bf16), m, k, *args, n, y.data_ptr(), n, int(bf16),
-                       torch.get_num_threads()):
+    if _kernel(symbol)(rows.data_ptr(), rows.stride(0), int(rows.dtype == torch.bfloat16), m, k, *args, n,
+                       y.data_ptr(), n, y_type, torch.get_num_threads()):
         raise MemoryError(f"{symbol}: no memory for the quantized activations or a thread's tile")
-    return y if y.dtype == x.dtype else y.to(x.dtype)
+    if bf16 or x.dtype == torch.float32:
+        return y
+    return y.to(x.dtype).float() if widened else y.to(x.dtype)
 
 
 def int4_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -228,8 +235,11 @@ def int8_linear_cpu(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> t
     return _run("int8_linear_i8", x, q.shape[0], q, scales)
 
 
-def tiled_linear_cpu(x: torch.Tensor, weight: WeightTiles) -> torch.Tensor:
-    """``x [M, K]`` (int8 per block) times the repacked weight, transposed -> ``[M, n]``."""
+def tiled_linear_cpu(x: torch.Tensor, weight: WeightTiles, *, widened: bool = False) -> torch.Tensor:
+    """``x [M, K]`` (int8 per block) times the repacked weight, transposed -> ``[M, n]`` in
+    ``x``'s dtype; ``widened``: that result as float32 (``.to(x.dtype).float()``, what the
+    LM head's logits are), written so at once."""
     if not tiles_available():
-        return tiled_linear_ref(x, weight)
-    return _run("linear_i8_tiled", x, weight.n, weight.tiles, weight.bits)
+        y = tiled_linear_ref(x, weight)
+        return y.float() if widened else y
+    return _run("linear_i8_tiled", x, weight.n, weight.tiles, weight.bits, widened=widened)

@@ -134,13 +134,16 @@ void quantize_activations(const float *x, int64_t x_stride, int M, int K, int8_t
 
 /* ------------------------------------------------------------------ results */
 
-/* y row `row`, columns n0 .. n0+count (count <= 16 on AVX-512, <= 8 on AVX2): float32, or
- * bfloat16 (y_bf16) rounded to nearest even as bf16.h's f32_to_bf16 (PyTorch's `.to`). */
+/* y row `row`, columns n0 .. n0+count (count <= 16 on AVX-512, <= 8 on AVX2), as y_type
+ * says: float32, bfloat16 rounded to nearest even as bf16.h's f32_to_bf16 (PyTorch's
+ * `.to`), or that bfloat16 value widened back to float32 (`.to(torch.bfloat16).float()`). */
+enum { Y_FLOAT32, Y_BFLOAT16, Y_BFLOAT16_AS_FLOAT32 };
+
 #if WIDE
-static inline __attribute__((always_inline)) void store_row(void *y, int64_t y_stride, int y_bf16, int64_t row,
+static inline __attribute__((always_inline)) void store_row(void *y, int64_t y_stride, int y_type, int64_t row,
                                                              int n0, int count, __m512 v) {
     const __mmask16 keep = (__mmask16)((1u << count) - 1);
-    if (!y_bf16) {
+    if (y_type == Y_FLOAT32) {
         _mm512_mask_storeu_ps((float *)y + row * y_stride + n0, keep, v);
         return;
     }
@@ -149,6 +152,10 @@ static inline __attribute__((always_inline)) void store_row(void *y, int64_t y_s
                                  _mm512_and_si512(high, _mm512_set1_epi32(1)));
     r = _mm512_srli_epi32(r, 16);
     r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), high, _mm512_set1_epi32(0x40));
+    if (y_type == Y_BFLOAT16_AS_FLOAT32) {
+        _mm512_mask_storeu_epi32((float *)y + row * y_stride + n0, keep, _mm512_slli_epi32(r, 16));
+        return;
+    }
     const __m256i half = _mm512_cvtepi32_epi16(r);
     uint16_t *at = (uint16_t *)y + row * y_stride + n0;
     if (count == 16) {
@@ -160,9 +167,9 @@ static inline __attribute__((always_inline)) void store_row(void *y, int64_t y_s
     }
 }
 #else
-static inline __attribute__((always_inline)) void store_row(void *y, int64_t y_stride, int y_bf16, int64_t row,
+static inline __attribute__((always_inline)) void store_row(void *y, int64_t y_stride, int y_type, int64_t row,
                                                              int n0, int count, __m256 v) {
-    if (!y_bf16) {
+    if (y_type == Y_FLOAT32) {
         float out[8];
         _mm256_storeu_ps(out, v);
         memcpy((float *)y + row * y_stride + n0, out, sizeof(float) * count);
@@ -174,6 +181,12 @@ static inline __attribute__((always_inline)) void store_row(void *y, int64_t y_s
     r = _mm256_srli_epi32(r, 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+    if (y_type == Y_BFLOAT16_AS_FLOAT32) {
+        int32_t out[8];
+        _mm256_storeu_si256((__m256i *)out, _mm256_slli_epi32(r, 16));
+        memcpy((float *)y + row * y_stride + n0, out, sizeof(float) * count);
+        return;
+    }
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
     uint16_t out[16];
     _mm256_storeu_si256((__m256i *)out, packed);
@@ -344,7 +357,7 @@ static inline int block_bytes(enum layout layout) {
 static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf, int K, const int8_t *qa,
                                                              const float *da, const float *sa, int m0, int mr,
                                                              int is_int8, enum layout layout, void *y,
-                                                             int64_t y_stride, int y_bf16, int n0, int nt) {
+                                                             int64_t y_stride, int y_type, int n0, int nt) {
     const int nb = K / BLOCK;
     const int vectors = layout == TILED4 ? PACKED_GROUPS : GROUPS;
 #if WIDE
@@ -382,7 +395,7 @@ static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf,
             acc[i] = _mm512_fmadd_ps(off, _mm512_set1_ps(sa[ab]), acc[i]);
         }
     }
-    for (int i = 0; i < mr; i++) store_row(y, y_stride, y_bf16, m0 + i, n0, nt, acc[i]);
+    for (int i = 0; i < mr; i++) store_row(y, y_stride, y_type, m0 + i, n0, nt, acc[i]);
 #else
     /* One half of the tile (8 columns, one ymm) at a time over every block, so MR rows
      * share each weight vector and its nibble split. int8 codes stay signed here: the
@@ -440,7 +453,7 @@ static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf,
             }
         }
         const int cols = nt - 8 * h < 8 ? nt - 8 * h : 8;
-        for (int i = 0; i < mr; i++) store_row(y, y_stride, y_bf16, m0 + i, n0 + 8 * h, cols, acc[i]);
+        for (int i = 0; i < mr; i++) store_row(y, y_stride, y_type, m0 + i, n0 + 8 * h, cols, acc[i]);
     }
 #endif
 }
@@ -453,7 +466,7 @@ static inline __attribute__((always_inline)) void micro_tile(const uint8_t *buf,
 static inline __attribute__((always_inline)) void rows_over_tile(const uint8_t *buf, int K, const int8_t *qa,
                                                                   const float *da, const float *sa, int M,
                                                                   int is_int8, enum layout layout, void *y,
-                                                                  int64_t y_stride, int y_bf16, int n0, int nt,
+                                                                  int64_t y_stride, int y_type, int n0, int nt,
                                                                   const uint8_t *next, int64_t next_bytes) {
     const int64_t share = next ? (next_bytes / ((M + MR - 1) / MR) + 63) / 64 * 64 : 0;
     int64_t fetched = 0;
@@ -461,32 +474,61 @@ static inline __attribute__((always_inline)) void rows_over_tile(const uint8_t *
     for (; m0 + MR <= M; m0 += MR) {
         for (const int64_t end = fetched + share < next_bytes ? fetched + share : next_bytes; fetched < end; fetched += 64)
             __builtin_prefetch(next + fetched, 0, 1);
-        micro_tile(buf, K, qa, da, sa, m0, MR, is_int8, layout, y, y_stride, y_bf16, n0, nt);
+        micro_tile(buf, K, qa, da, sa, m0, MR, is_int8, layout, y, y_stride, y_type, n0, nt);
     }
     switch (M - m0) {
 #if MR > 4
-    case 7: micro_tile(buf, K, qa, da, sa, m0, 7, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
-    case 6: micro_tile(buf, K, qa, da, sa, m0, 6, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
-    case 5: micro_tile(buf, K, qa, da, sa, m0, 5, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
-    case 4: micro_tile(buf, K, qa, da, sa, m0, 4, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
+    case 7: micro_tile(buf, K, qa, da, sa, m0, 7, is_int8, layout, y, y_stride, y_type, n0, nt); break;
+    case 6: micro_tile(buf, K, qa, da, sa, m0, 6, is_int8, layout, y, y_stride, y_type, n0, nt); break;
+    case 5: micro_tile(buf, K, qa, da, sa, m0, 5, is_int8, layout, y, y_stride, y_type, n0, nt); break;
+    case 4: micro_tile(buf, K, qa, da, sa, m0, 4, is_int8, layout, y, y_stride, y_type, n0, nt); break;
 #endif
 #if MR > 2
-    case 3: micro_tile(buf, K, qa, da, sa, m0, 3, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
-    case 2: micro_tile(buf, K, qa, da, sa, m0, 2, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
+    case 3: micro_tile(buf, K, qa, da, sa, m0, 3, is_int8, layout, y, y_stride, y_type, n0, nt); break;
+    case 2: micro_tile(buf, K, qa, da, sa, m0, 2, is_int8, layout, y, y_stride, y_type, n0, nt); break;
 #endif
-    case 1: micro_tile(buf, K, qa, da, sa, m0, 1, is_int8, layout, y, y_stride, y_bf16, n0, nt); break;
+    case 1: micro_tile(buf, K, qa, da, sa, m0, 1, is_int8, layout, y, y_stride, y_type, n0, nt); break;
     default: break;
     }
+}
+
+/* From this many activation rows a product hands out its tiles dynamically (each thread
+ * takes the next tile when done with its last): a tile is then milliseconds of work, and
+ * a thread that is preempted or slower (another process on its core) leaves its share to
+ * the others instead of making them wait at the barrier. Fewer rows keep the static split
+ * (a decode step's tiles are microseconds; each thread streams its own run of the weight,
+ * prefetching the next tile). Which thread computes a tile never changes its result. */
+#define DYNAMIC_MIN_ROWS 64
+
+/* Tile n0's columns of y for every row (tiles: repacked weight, else gathered into buf). */
+static inline __attribute__((always_inline)) void one_tile(const uint8_t *tiles, enum layout layout, const void *data,
+                                                           const float *scales, const float *offsets, uint8_t *buf,
+                                                           const int8_t *qa, const float *da, const float *sa, int M,
+                                                           int K, int N, int n0, void *y, int64_t y_stride,
+                                                           int y_type) {
+    const int nb = K / BLOCK;
+    const int nt = N - n0 < TILE_N ? N - n0 : TILE_N;
+    if (tiles != NULL) {
+        const int64_t tile_bytes = (int64_t)nb * block_bytes(layout);
+        const uint8_t *tile = tiles + (int64_t)(n0 / TILE_N) * tile_bytes;
+        const uint8_t *next = n0 + TILE_N < N ? tile + tile_bytes : NULL;
+        if (layout == TILED4)
+            rows_over_tile(tile, K, qa, da, sa, M, 0, TILED4, y, y_stride, y_type, n0, nt, next, tile_bytes);
+        else rows_over_tile(tile, K, qa, da, sa, M, 1, TILED8, y, y_stride, y_type, n0, nt, next, tile_bytes);
+        return;
+    }
+    gather_tile(data, scales, offsets, N, K, n0, buf);
+    rows_over_tile(buf, K, qa, da, sa, M, offsets == NULL, GATHERED, y, y_stride, y_type, n0, nt, NULL, 0);
 }
 
 /* Returns 0, -1 when memory could not be had (y is then incomplete). tiles: the weight
  * repacked as `layout` says (data, scales and offsets then unused), else (GATHERED) each
  * thread gathers its tiles from the row layout. x: float32 rows, or bfloat16 (x_bf16); y:
- * float32, or bfloat16 (y_bf16), rounded once from the same float32 sums. One parallel
+ * as y_type says (store_row), rounded at most once from the same float32 sums. One parallel
  * region: the rows' quantization, then (after its barrier) the tiles. */
 static int i8_linear(const void *x, int64_t x_stride, int x_bf16, int M, int K, const void *data, const float *scales,
                      const float *offsets, const uint8_t *tiles, enum layout layout, int N, void *y,
-                     int64_t y_stride, int y_bf16, int num_threads) {
+                     int64_t y_stride, int y_type, int num_threads) {
     const int nb = K / BLOCK;
     int8_t *qa = malloc((size_t)M * K);
     float *da = malloc(sizeof(float) * 2 * (size_t)M * nb);
@@ -499,26 +541,19 @@ static int i8_linear(const void *x, int64_t x_stride, int x_bf16, int M, int K, 
             for (int m = 0; m < M; m++) quantize_rows(x, x_stride, x_bf16, m, m + 1, K, qa, da, sa);
         }
         uint8_t *buf = failed || tiles != NULL ? NULL : aligned_alloc(64, (size_t)TILE_BLOCK_BYTES * nb);
-        if (buf == NULL && tiles == NULL) {
+        const int skip = failed || (buf == NULL && tiles == NULL);
+        if (skip) {
 #pragma omp atomic write
             failed = 1;
         }
+        if (M >= DYNAMIC_MIN_ROWS) {
+#pragma omp for schedule(dynamic, 1)
+            for (int n0 = 0; n0 < N; n0 += TILE_N)
+                if (!skip) one_tile(tiles, layout, data, scales, offsets, buf, qa, da, sa, M, K, N, n0, y, y_stride, y_type);
+        } else {
 #pragma omp for schedule(static)
-        for (int n0 = 0; n0 < N; n0 += TILE_N) {
-            const int nt = N - n0 < TILE_N ? N - n0 : TILE_N;
-            if (tiles != NULL) {
-                const int64_t tile_bytes = (int64_t)nb * block_bytes(layout);
-                const uint8_t *tile = tiles + (int64_t)(n0 / TILE_N) * tile_bytes;
-                const uint8_t *next = n0 + TILE_N < N ? tile + tile_bytes : NULL;
-                if (failed) continue;
-                if (layout == TILED4)
-                    rows_over_tile(tile, K, qa, da, sa, M, 0, TILED4, y, y_stride, y_bf16, n0, nt, next, tile_bytes);
-                else rows_over_tile(tile, K, qa, da, sa, M, 1, TILED8, y, y_stride, y_bf16, n0, nt, next, tile_bytes);
-                continue;
-            }
-            if (buf == NULL) continue;
-            gather_tile(data, scales, offsets, N, K, n0, buf);
-            rows_over_tile(buf, K, qa, da, sa, M, offsets == NULL, GATHERED, y, y_stride, y_bf16, n0, nt, NULL, 0);
+            for (int n0 = 0; n0 < N; n0 += TILE_N)
+                if (!skip) one_tile(tiles, layout, data, scales, offsets, buf, qa, da, sa, M, K, N, n0, y, y_stride, y_type);
         }
         free(buf);
     }
@@ -527,26 +562,26 @@ static int i8_linear(const void *x, int64_t x_stride, int x_bf16, int M, int K, 
     return failed ? -1 : 0;
 }
 
-/* x_bf16 / y_bf16: the activations' and the result's type, 0 float32, 1 bfloat16. */
+/* x_bf16: the activations' type, 0 float32, 1 bfloat16; y_type: the result's (store_row). */
 int int4_linear_i8(const void *x, int64_t x_stride, int x_bf16, int M, int K, const uint8_t *packed,
-                   const float *scales, const float *offsets, int N, void *y, int64_t y_stride, int y_bf16,
+                   const float *scales, const float *offsets, int N, void *y, int64_t y_stride, int y_type,
                    int num_threads) {
-    return i8_linear(x, x_stride, x_bf16, M, K, packed, scales, offsets, NULL, GATHERED, N, y, y_stride, y_bf16,
+    return i8_linear(x, x_stride, x_bf16, M, K, packed, scales, offsets, NULL, GATHERED, N, y, y_stride, y_type,
                      num_threads);
 }
 
 int int8_linear_i8(const void *x, int64_t x_stride, int x_bf16, int M, int K, const int8_t *q, const float *scales,
-                   int N, void *y, int64_t y_stride, int y_bf16, int num_threads) {
-    return i8_linear(x, x_stride, x_bf16, M, K, q, scales, NULL, NULL, GATHERED, N, y, y_stride, y_bf16,
+                   int N, void *y, int64_t y_stride, int y_type, int num_threads) {
+    return i8_linear(x, x_stride, x_bf16, M, K, q, scales, NULL, NULL, GATHERED, N, y, y_stride, y_type,
                      num_threads);
 }
 
 /* The products of a weight repacked at load (kernels/int8_activations.py repack_tiles):
  * bits 4 or 8. Returns 0, -1 (no memory). */
 int linear_i8_tiled(const void *x, int64_t x_stride, int x_bf16, int M, int K, const uint8_t *tiles, int bits, int N,
-                    void *y, int64_t y_stride, int y_bf16, int num_threads) {
+                    void *y, int64_t y_stride, int y_type, int num_threads) {
     return i8_linear(x, x_stride, x_bf16, M, K, NULL, NULL, NULL, tiles, bits == 4 ? TILED4 : TILED8, N, y, y_stride,
-                     y_bf16, num_threads);
+                     y_type, num_threads);
 }
 
 /* Bytes a block of a repacked tile takes for `bits` 4 or 8 (0 from a build without a

@@ -136,11 +136,20 @@ def cpu_layout(weight: QuantizedTensor) -> QuantizedTensor | WeightTiles:
 
 
 def quantized_linear(weight: QuantizedTensor | WeightTiles, bias: torch.Tensor | None = None,
-                     batch_invariant: bool = False) -> Linear:
+                     batch_invariant: bool = False, widened: bool = False) -> Linear:
     """``x @ W.T (+ bias)`` with ``W`` kept quantized, on ``weight``'s device: the C kernels
     on CPU (repacked tiles: the int8-activation kernel at every row count; else by row
     count, see INT8_ACTIVATIONS_MIN_ROWS, or with ``batch_invariant`` one kernel for every
-    row count), the Triton kernels on CUDA; the result in ``x``'s dtype."""
+    row count), the Triton kernels on CUDA; the result in ``x``'s dtype, or with
+    ``widened`` (no bias) that result as float32 (the LM head's logits: repacked tiles write
+    it so at once)."""
+    if widened:
+        if bias is not None:
+            raise ValueError("a widened product takes no bias")
+        if isinstance(weight, WeightTiles):
+            return lambda x: int8_activations.tiled_linear_cpu(x, weight, widened=True)
+        product = quantized_linear(weight, batch_invariant=batch_invariant)
+        return lambda x: product(x).float()
     if isinstance(weight, WeightTiles):
         kernel, args = int8_activations.tiled_linear_cpu, (weight,)
     elif weight.bits == 8:

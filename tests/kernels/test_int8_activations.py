@@ -140,11 +140,12 @@ def test_repacked_tiles_unpack_to_the_weight(n, bits):
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 33])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 33, 70])
 @pytest.mark.parametrize("n,k", [(7, 64), (577, 576), (66, 1536)])
 def test_cpu_products_of_repacked_tiles_match_the_reference_and_the_gather(m, n, k, bits, cpu_isa):
     """Both builds read the tiles (the same arithmetic as after their per-call gather: equal
-    bit for bit); VNNI products only in the AVX-512 build."""
+    bit for bit); VNNI products only in the AVX-512 build. 70 rows: tiles handed out
+    dynamically (DYNAMIC_MIN_ROWS), whose rows must be each row's alone too."""
     assert ia.tiles_available()
     if cpu_isa == "avx2":
         assert not ia.vnni_available()
@@ -153,9 +154,12 @@ def test_cpu_products_of_repacked_tiles_match_the_reference_and_the_gather(m, n,
         w, dense, reference, gathered = int4_weight(n, k, seed=m), ql.dequantize_int4_ref, ia.int4_linear_ref, ia.int4_linear_cpu
     else:
         w, dense, reference, gathered = int8_weight(n, k, seed=m), ql.dequantize_int8_ref, ia.int8_linear_ref, ia.int8_linear_cpu
-    got = ia.tiled_linear_cpu(x, ia.repack_tiles(*w))
+    tiles = ia.repack_tiles(*w)
+    got = ia.tiled_linear_cpu(x, tiles)
     assert_close_to_reference(got, reference(x, *w), x, dense(*w))
     assert torch.equal(got, gathered(x, *w))
+    if m == 70:  # each row as a product of that row alone gives it
+        assert all(torch.equal(got[i:i + 1], ia.tiled_linear_cpu(x[i:i + 1], tiles)) for i in (0, 37, 69))
 
 
 @needs_kernel
@@ -177,6 +181,8 @@ def test_bfloat16_rows_in_and_out_are_the_float32_products_rounded_once(m, n, bi
         for got in (ia.tiled_linear_cpu(x, tiles), gathered(x, *w)):
             assert got.dtype == torch.bfloat16
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        widened = ia.tiled_linear_cpu(x, tiles, widened=True)  # the LM head's logits
+        assert widened.dtype == torch.float32 and torch.equal(widened, want.float())
 
 
 @needs_kernel
@@ -193,5 +199,7 @@ def test_bfloat16_results_round_ties_to_even(cpu_isa):
     assert torch.equal(exact, x @ q.float().T)
     assert (exact.abs() > 256).sum() > 100 and (exact.remainder(2) == 1).sum() > 100
     want = exact.to(torch.bfloat16).view(torch.int16)
-    for got in (ia.tiled_linear_cpu(x.bfloat16(), ia.repack_tiles(q, scales)), ia.int8_linear_cpu(x.bfloat16(), q, scales)):
+    tiles = ia.repack_tiles(q, scales)
+    for got in (ia.tiled_linear_cpu(x.bfloat16(), tiles), ia.int8_linear_cpu(x.bfloat16(), q, scales),
+                ia.tiled_linear_cpu(x.bfloat16(), tiles, widened=True).bfloat16()):
         assert torch.equal(got.view(torch.int16), want)

@@ -104,3 +104,24 @@ def test_batch_invariant_quantized_products_give_a_row_the_same_bits_at_any_row_
     assert torch.equal(alone, together)
     for rows in (2, 3, 5, 9, 130):
         assert torch.equal(quantized_linear(weight, batch_invariant=True)(x[:rows]), alone[:rows])
+
+
+@pytest.mark.parametrize("repacked", [False, True])
+def test_widened_products_are_the_rounded_result_as_float32(repacked):
+    """The LM head's product (``widened``): ``.to(x.dtype).float()`` of the plain product,
+    bit for bit, whether the kernel writes it at once (repacked tiles) or not."""
+    gen = torch.Generator().manual_seed(3)
+    scales = torch.rand(40, 4, generator=gen) / 16
+    weight = QuantizedTensor(8, torch.randint(-128, 128, (40, 128), dtype=torch.int8, generator=gen), scales)
+    if repacked:
+        if not int8_activations.tiles_available():
+            pytest.skip("no repacked tiles without the C kernel's vector builds")
+        weight = worker_linear.cpu_layout(weight)
+        assert isinstance(weight, int8_activations.WeightTiles)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(5, 128, generator=gen).to(dtype)
+        got = quantized_linear(weight, widened=True)(x)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, quantized_linear(weight)(x).float())
+    with pytest.raises(ValueError):
+        quantized_linear(weight, torch.zeros(40), widened=True)

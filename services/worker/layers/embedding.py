@@ -107,11 +107,11 @@ class LMHead(nn.Module, Quantizable):
         device = self.weight.device
         self.quantized = cpu_layout(tensor.to(device))
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=device)
-        self.proj = quantized_linear(self.quantized, batch_invariant=batch_invariant)
+        self.proj = quantized_linear(self.quantized, batch_invariant=batch_invariant, widened=True)
 
     def after_loading(self) -> None:
         if self.tied is not None and self.tied.quantized is not None:
-            self.proj = quantized_linear(self.tied.quantized, batch_invariant=self.tied.batch_invariant)
+            self.proj = quantized_linear(self.tied.quantized, batch_invariant=self.tied.batch_invariant, widened=True)
 
     def prepack(self, pack) -> int:
         """Lay the float table out once with ``pack`` (``..linear.weight_packer``); returns
@@ -127,7 +127,8 @@ class LMHead(nn.Module, Quantizable):
         return nbytes
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` -> full logits ``[N, vocab]`` in float32."""
+        """``[N, hidden]`` -> full logits ``[N, vocab]`` in float32 (rounded to the hidden
+        states' dtype first, as Hugging Face's; a quantized table's product returns them so)."""
         return self.proj(hidden).float()
 
     def _logits_vocab_parallel(self, hidden: torch.Tensor) -> torch.Tensor:
