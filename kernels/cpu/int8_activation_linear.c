@@ -492,14 +492,6 @@ static inline __attribute__((always_inline)) void rows_over_tile(const uint8_t *
     }
 }
 
-/* From this many activation rows a product hands out its tiles dynamically (each thread
- * takes the next tile when done with its last): a tile is then milliseconds of work, and
- * a thread that is preempted or slower (another process on its core) leaves its share to
- * the others instead of making them wait at the barrier. Fewer rows keep the static split
- * (a decode step's tiles are microseconds; each thread streams its own run of the weight,
- * prefetching the next tile). Which thread computes a tile never changes its result. */
-#define DYNAMIC_MIN_ROWS 64
-
 /* Tile n0's columns of y for every row (tiles: repacked weight, else gathered into buf). */
 static inline __attribute__((always_inline)) void one_tile(const uint8_t *tiles, enum layout layout, const void *data,
                                                            const float *scales, const float *offsets, uint8_t *buf,
@@ -546,15 +538,11 @@ static int i8_linear(const void *x, int64_t x_stride, int x_bf16, int M, int K, 
 #pragma omp atomic write
             failed = 1;
         }
-        if (M >= DYNAMIC_MIN_ROWS) {
-#pragma omp for schedule(dynamic, 1)
-            for (int n0 = 0; n0 < N; n0 += TILE_N)
-                if (!skip) one_tile(tiles, layout, data, scales, offsets, buf, qa, da, sa, M, K, N, n0, y, y_stride, y_type);
-        } else {
+        /* Static: each thread streams its own run of the weight, prefetching its next tile
+         * (handing tiles out dynamically served fewer tokens, docs/BENCHMARKS-diary.md). */
 #pragma omp for schedule(static)
-            for (int n0 = 0; n0 < N; n0 += TILE_N)
-                if (!skip) one_tile(tiles, layout, data, scales, offsets, buf, qa, da, sa, M, K, N, n0, y, y_stride, y_type);
-        }
+        for (int n0 = 0; n0 < N; n0 += TILE_N)
+            if (!skip) one_tile(tiles, layout, data, scales, offsets, buf, qa, da, sa, M, K, N, n0, y, y_stride, y_type);
         free(buf);
     }
     free(qa);

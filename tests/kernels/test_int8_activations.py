@@ -144,8 +144,8 @@ def test_repacked_tiles_unpack_to_the_weight(n, bits):
 @pytest.mark.parametrize("n,k", [(7, 64), (577, 576), (66, 1536)])
 def test_cpu_products_of_repacked_tiles_match_the_reference_and_the_gather(m, n, k, bits, cpu_isa):
     """Both builds read the tiles (the same arithmetic as after their per-call gather: equal
-    bit for bit); VNNI products only in the AVX-512 build. 70 rows: tiles handed out
-    dynamically (DYNAMIC_MIN_ROWS), whose rows must be each row's alone too."""
+    bit for bit); VNNI products only in the AVX-512 build; a row's result is its own, with
+    others or alone."""
     assert ia.tiles_available()
     if cpu_isa == "avx2":
         assert not ia.vnni_available()
