@@ -16,7 +16,9 @@ The integer sums are exact (``kernels/cpu/int8_activation_linear.c``: AVX512_VNN
 The activations' rounding is the approximation (about 0.4% of a block's largest value);
 scripts/bench_quant.py measures what it does to greedy output and perplexity, and which
 row counts it is faster for (docs/BENCHMARKS.md). Both functions take the weight as
-``kernels/quant_linear.py`` does and return ``x``'s dtype.
+``kernels/quant_linear.py`` does and return ``x``'s dtype: the C kernel reads float32 and
+bfloat16 rows as they are and writes its result in their dtype (bfloat16 rounded from the
+float32 sums as ``.to`` rounds), so a bfloat16 model's products need no float32 copies.
 
 Per call the kernel gathers each 16-column tile of the weight into the layout ``vpdpbusd``
 reads. ``repack_tiles`` does that once instead (AVX-512 VNNI and AVX2 builds):

@@ -19,7 +19,7 @@ typedef void (*rms_norm_fn)(const uint16_t *x, int64_t x_stride, uint16_t *resid
                             const uint16_t *weight, uint16_t *out, int64_t out_stride, int rows, int hidden,
                             float eps, int num_threads);
 typedef int (*linear_fn)(const void *x, int64_t x_stride, int x_bf16, int M, int K, const uint8_t *tiles, int bits,
-                         int N, void *y, int64_t y_stride, int y_bf16, int num_threads);
+                         int N, void *y, int64_t y_stride, int y_type, int num_threads);
 typedef int (*rotary_write_kv_fn)(const int64_t *positions, int rows, uint16_t *q, int64_t q_stride, int num_q_heads,
                                   uint16_t *k, int64_t k_stride, int num_k_heads, const float *cos_sin,
                                   int64_t cos_sin_stride, int64_t cos_sin_rows, int head_dim, int num_threads,

@@ -15,6 +15,11 @@
  * runs every activation row over it, MR rows at a time: per group, one weight vector times
  * each row's 4 bytes broadcast.
  *
+ * Activation rows come as float32 or bfloat16 (widened in registers as they are quantized:
+ * the same values), results go out as float32, bfloat16 (rounded in registers as PyTorch's
+ * `.to` rounds) or that bfloat16 widened back (the LM head's logits): the model's bfloat16
+ * rows need no float32 copy on either side of a product.
+ *
  * linear_i8_tiled skips the gather (both builds): it reads a weight repacked once at load
  * (kernels/int8_activations.py repack_tiles) into tiles, per block:
  * - int4, TILED4_BLOCK_BYTES: the 4 packed dwords as 4 vectors (lane n: column n's bytes
