@@ -346,6 +346,61 @@ def decode_attention_native(
     return True
 
 
+_ROWS_ARGTYPES = [
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,  # query, its row stride, caches
+    ctypes.c_void_p, ctypes.c_int64,  # block tables, their row stride
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # query starts, query lens, seq lens, n
+    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # nh, kvh, hd, block size, window
+    ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # scale, out, its row stride, threads
+]
+
+
+@kernel_binding
+def _rows_kernel():
+    """The C decode kernel's multi-row entry point (bfloat16 query and caches), or None."""
+    return bind("paged_decode_attention", "decode_attention_rows_bf16", _ROWS_ARGTYPES, ctypes.c_int)
+
+
+def decode_attention_rows_native(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> bool:
+    """Every query token of the step attended as the C decode kernel attends a decode at its
+    position, bit for bit, several tokens of a request at a time (each K/V run read once for
+    them): write `out` and return True, or return False having done nothing where the
+    kernel has no multi-row code for these tensors (then run one decode per token)."""
+    kernel = _rows_kernel()
+    if (
+        kernel is None
+        or query.device.type != "cpu"
+        or not (query.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.bfloat16)
+        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+        or not (heads_packed(query) and heads_packed(out))
+    ):
+        return False
+    if attn.request_rows is None:
+        query_lens = attn.query_start_loc[1:] - attn.query_start_loc[:-1]
+        attn.request_rows = tuple(t.to(torch.int32).contiguous() for t in (
+            attn.block_tables, attn.query_start_loc[:-1], query_lens, attn.seq_lens))
+    tables, starts, lens, seq_lens = attn.request_rows
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    status = kernel(
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), seq_lens.data_ptr(), len(lens),
+        query.shape[1], num_kv_heads, head_dim, block_size, attn.sliding_window or 0,
+        scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    if status == 1:
+        return False
+    if status != 0:
+        raise MemoryError("decode attention kernel: out of memory for its score buffers")
+    return True
+
+
 def paged_attention_cpu(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -403,6 +458,8 @@ def paged_attention_cpu_batch_invariant(
         return out
     if _all_decodes(query, attn):
         block_tables, seq_lens = attn.block_tables, attn.seq_lens
+    elif decode_attention_rows_native(query, key_cache, value_cache, attn, scale, out):
+        return out
     else:
         block_tables, seq_lens = _token_decodes(attn)
     if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out,

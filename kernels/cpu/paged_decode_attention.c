@@ -209,6 +209,65 @@ ALWAYS_INLINE void block_values_256(const void *v, int64_t token_stride, int cou
 #define HAVE_256 0
 #endif
 
+#if HAVE_512
+/* exp(x) lane by lane: fast_expf's method (kernels/cpu/fast_exp.h) in explicit 16-lane code. */
+ALWAYS_INLINE __m512 fast_exp16(__m512 x) {
+    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860682030941723e-6f), r);
+    static const float coefficients[] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    for (int c = 0; c < 7; c++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coefficients[c]));
+    const __m512i ki = _mm512_cvtps_epi32(k), k1 = _mm512_srai_epi32(ki, 1), k2 = _mm512_sub_epi32(ki, k1);
+    const __m512i bias = _mm512_set1_epi32(127);
+    const __m512 f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k1, bias), 23));
+    const __m512 f2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k2, bias), 23));
+    return _mm512_mask_blend_ps(over, _mm512_mul_ps(_mm512_mul_ps(p, f1), f2), _mm512_set1_ps(INFINITY));
+}
+#endif
+
+/* A row's softmax numerators in place, s[t] = exp(s[t] - max) over s[0 .. n); returns their
+ * sum. Where the multi-row kernel below is compiled this is explicit 16-lane code (lane k
+ * sums elements k, k + 16, ... in order, then one fixed tree), so the decode kernel and the
+ * multi-row kernel give a row the same bits (a compiler-vectorized loop is free to split a
+ * sum differently in two places). */
+ALWAYS_INLINE float softmax_numerators(float *s, const int n) {
+#if HAVE_512
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    __m512 vmax = neg_inf;
+    int t = 0;
+    for (; t + 16 <= n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+    const __mmask16 tail = (__mmask16)((1u << (n - t)) - 1u);
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, tail, s + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 sum = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= n; t += 16) {
+        const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+        _mm512_storeu_ps(s + t, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (tail) {
+        const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m));
+        _mm512_mask_storeu_ps(s + t, tail, e);
+        sum = _mm512_mask_add_ps(sum, tail, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+#else
+    float m = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : m)
+    for (int t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : total)
+    for (int t = 0; t < n; t++) {
+        s[t] = fast_expf(s[t] - m);
+        total += s[t];
+    }
+    return total;
+#endif
+}
+
 ALWAYS_INLINE void prefetch_block(const void *base, int64_t first_element, int64_t elements, const int elem_size) {
     const char *p = (const char *)base + first_element * elem_size;
     for (int64_t offset = 0; offset < elements * elem_size; offset += 64) __builtin_prefetch(p + offset, 0, 1);
@@ -358,14 +417,7 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     /* Softmax numerators; the denominators divide at the end. */
     float inv_sum[MAX_HEADS];
     for (int h = 0; h < nh; h++) {
-        float *sh = scores + (int64_t)h * len, m = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : m)
-        for (int t = lo; t < len; t++) m = sh[t] > m ? sh[t] : m;
-#pragma omp simd reduction(+ : total)
-        for (int t = lo; t < len; t++) {
-            sh[t] = fast_expf(sh[t] - m);
-            total += sh[t];
-        }
+        const float total = softmax_numerators(scores + (int64_t)h * len + lo, len - lo);
         inv_sum[h] = len > 0 ? 1.0f / total : 0.0f;
     }
     /* Weighted values. */
@@ -486,3 +538,217 @@ DECODE_ATTENTION_ENTRY(decode_attention_f32, float, float, F32)
 DECODE_ATTENTION_ENTRY(decode_attention_bf16, uint16_t, uint16_t, BF16)
 /* A float32 query over bfloat16 caches (`--kv-cache-dtype bfloat16` under a float32 model). */
 DECODE_ATTENTION_ENTRY(decode_attention_f32_bf16kv, float, uint16_t, F32_BF16KV)
+
+/* ------------------------------------------------------------------------------------------
+ * Prompt chunks with the decode kernel's arithmetic: several query tokens at once.
+ *
+ * Each query token of a chunk is attended exactly as `attend` attends it as a decode (bf16
+ * query over bf16 caches, the AVX512_BF16 path): the same block_scores_512 per token and
+ * head, the same softmax_numerators over the same positions, the same float32 fma per
+ * (token, 16 value columns) in position order from the first visible one, the same
+ * rounding of acc * (1 / sum). So every row gets the bits it gets as a decode of its own,
+ * by construction. What changes is the order of the work: a tile of consecutive query
+ * tokens of one request and all the query heads of one KV head go through the context
+ * together, so each K run is read from memory once for all of them (the other rows find
+ * it in L1) and each V run is widened to float32 once and multiplied into every row's
+ * accumulators held in registers. A row's scores past its own last position (the tile's
+ * later tokens) are computed and never read; its values pass skips them.
+ */
+#if HAVE_512
+#define VALUE_REGS 24 /* accumulator registers of one values call: row-heads x hd / 16 */
+#define MAX_TILE_ROW_HEADS 24
+#define TILE_ROW_HEADS 24 /* query tokens x query heads of one KV head per tile */
+
+typedef struct {
+    const uint16_t *query;
+    int64_t query_row_stride;
+    const uint16_t *key_cache, *value_cache;
+    const int32_t *block_tables;
+    int64_t block_table_stride;
+    const int32_t *query_starts, *query_lens, *seq_lens;
+    int num_kv_heads, group, block_size, window;
+    float scale;
+    uint16_t *out;
+    int64_t out_row_stride;
+} RowsArgs;
+
+/* acc[b] += sum over tokens j < count of p[b][j] * vf[j] for nb <= NB row-heads (vf: count
+ * float32 rows of hd values), one fma per (token, 16 columns) in token order: for each
+ * row-head the arithmetic of block_values_512 (and of the generic values loop). */
+ALWAYS_INLINE void rows_values_512(const float *vf, int count, const float *const *p, float *const *acc_io, int nb,
+                                   const int NB, const int hd) {
+    __m512 acc[NB][MAX_DOT_HD / 16];
+    for (int b = 0; b < NB; b++)
+        if (b < nb)
+            for (int c = 0; c < hd / 16; c++) acc[b][c] = _mm512_loadu_ps(acc_io[b] + 16 * c);
+    for (int j = 0; j < count; j++) {
+        __m512 v[MAX_DOT_HD / 16];
+        for (int c = 0; c < hd / 16; c++) v[c] = _mm512_loadu_ps(vf + (int64_t)j * hd + 16 * c);
+        for (int b = 0; b < NB; b++)
+            if (b < nb) {
+                const __m512 w = _mm512_set1_ps(p[b][j]);
+                for (int c = 0; c < hd / 16; c++) acc[b][c] = _mm512_fmadd_ps(w, v[c], acc[b][c]);
+            }
+    }
+    for (int b = 0; b < NB; b++)
+        if (b < nb)
+            for (int c = 0; c < hd / 16; c++) _mm512_storeu_ps(acc_io[b] + 16 * c, acc[b][c]);
+}
+
+/* Tokens first .. first + rows - 1 of request i's query, all heads. `work` holds
+ * rows * group * (seq_lens[i] + head_dim) + SCORE_RUN_512 * head_dim floats. */
+ALWAYS_INLINE void attend_rows(const RowsArgs *a, int i, int first, int rows, float *work, const int hd) {
+    const int G = a->group, kvh = a->num_kv_heads, bs = a->block_size, RH = rows * G;
+    const int NB = VALUE_REGS / (hd / 16); /* row-heads per values call */
+    const int q_len = a->query_lens[i], seq_len = a->seq_lens[i];
+    const int32_t *blocks = a->block_tables + (int64_t)i * a->block_table_stride;
+    const int64_t token_stride = (int64_t)kvh * hd, row0 = (int64_t)a->query_starts[i] + first;
+    int len[MAX_TILE_ROW_HEADS], lo[MAX_TILE_ROW_HEADS]; /* row r sees positions [lo[r], len[r]) */
+    for (int r = 0; r < rows; r++) {
+        len[r] = seq_len - q_len + first + r + 1;
+        lo[r] = a->window > 0 && len[r] > a->window ? len[r] - a->window : 0;
+    }
+    const int base = lo[0], top = len[rows - 1], span = top - base;
+    float *scores = work, *acc = scores + (int64_t)RH * span, *vf = acc + (int64_t)RH * hd;
+    float inv_sum[MAX_TILE_ROW_HEADS];
+    const float *p[MAX_TILE_ROW_HEADS];
+    float *acc_of[MAX_TILE_ROW_HEADS];
+    for (int kv = 0; kv < kvh; kv++) {
+        /* Scores: row r's G heads in rows r * G .. r * G + G - 1 of `scores`, position base + t at t. */
+        for (int start = base, count; start < top; start += count) {
+            const int in_block = start % bs;
+            count = bs - in_block < SCORE_RUN_512 ? bs - in_block : SCORE_RUN_512;
+            if (count > top - start) count = top - start;
+            const int64_t k_kv = ((int64_t)blocks[start / bs] * bs + in_block) * token_stride + (int64_t)kv * hd;
+            for (int r = 0; r < rows; r++) {
+                const uint16_t *q = a->query + (row0 + r) * a->query_row_stride + (int64_t)kv * G * hd;
+                float *s = scores + (int64_t)r * G * span + (start - base);
+#define SCORES(NG) \
+    case NG: block_scores_512(a->key_cache, k_kv, token_stride, count, q, a->scale, s, span, NG, hd); break;
+                switch (G) { SCORES(1) SCORES(2) SCORES(3) SCORES(4) SCORES(5) SCORES(6) SCORES(7) SCORES(8) }
+#undef SCORES
+            }
+        }
+        for (int rh = 0; rh < RH; rh++) {
+            const int r = rh / G;
+            inv_sum[rh] = 1.0f / softmax_numerators(scores + (int64_t)rh * span + (lo[r] - base), len[r] - lo[r]);
+        }
+        memset(acc, 0, sizeof(float) * (size_t)RH * (size_t)hd);
+        /* Values, run by run: the run's V rows widened once, then NB row-heads at a time over
+         * the positions they all see, row by row at a tile's edges. */
+        for (int start = base, count; start < top; start += count) {
+            const int in_block = start % bs;
+            count = bs - in_block < SCORE_RUN_512 ? bs - in_block : SCORE_RUN_512;
+            if (count > top - start) count = top - start;
+            const uint16_t *v = a->value_cache + ((int64_t)blocks[start / bs] * bs + in_block) * token_stride + (int64_t)kv * hd;
+            for (int j = 0; j < count; j++)
+                for (int c = 0; c < hd / 16; c++) {
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(v + j * token_stride + 16 * c));
+                    _mm512_storeu_ps(vf + (int64_t)j * hd + 16 * c,
+                                     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+                }
+            for (int b0 = 0; b0 < RH; b0 += NB) {
+                const int nb = RH - b0 < NB ? RH - b0 : NB, first_row = b0 / G, last_row = (b0 + nb - 1) / G;
+                if (lo[last_row] <= start && len[first_row] >= start + count) {
+                    for (int b = 0; b < nb; b++) {
+                        p[b] = scores + (int64_t)(b0 + b) * span + (start - base);
+                        acc_of[b] = acc + (int64_t)(b0 + b) * hd;
+                    }
+                    rows_values_512(vf, count, p, acc_of, nb, NB, hd);
+                    continue;
+                }
+                for (int rh = b0; rh < b0 + nb; rh++) {
+                    const int r = rh / G;
+                    const int from = lo[r] > start ? lo[r] : start, to = len[r] < start + count ? len[r] : start + count;
+                    if (to <= from) continue;
+                    const float *pr = scores + (int64_t)rh * span + (from - base);
+                    float *ar = acc + (int64_t)rh * hd;
+                    rows_values_512(vf + (int64_t)(from - start) * hd, to - from, &pr, &ar, 1, 1, hd);
+                }
+            }
+        }
+        for (int rh = 0; rh < RH; rh++) {
+            uint16_t *dst = a->out + (row0 + rh / G) * a->out_row_stride + (int64_t)(kv * G + rh % G) * hd;
+            for (int d = 0; d < hd; d++) dst[d] = f32_to_bf16(acc[(int64_t)rh * hd + d] * inv_sum[rh]);
+        }
+    }
+}
+
+static void attend_rows_hd64(const RowsArgs *a, int i, int first, int rows, float *w) { attend_rows(a, i, first, rows, w, 64); }
+static void attend_rows_hd128(const RowsArgs *a, int i, int first, int rows, float *w) { attend_rows(a, i, first, rows, w, 128); }
+static void attend_rows_any(const RowsArgs *a, int i, int first, int rows, float *w, int hd) { attend_rows(a, i, first, rows, w, hd); }
+
+/* One thread's work buffer, kept between calls (grown as needed). */
+static float *rows_scratch(size_t floats) {
+    static __thread float *buffer;
+    static __thread size_t capacity;
+    if (capacity >= floats) return buffer;
+    free(buffer);
+    buffer = malloc(sizeof(float) * floats);
+    capacity = buffer ? floats : 0;
+    return buffer;
+}
+#endif
+
+/* Every query token of each request (query_lens[i] of them from row query_starts[i], the
+ * last at position seq_lens[i] - 1) attended as `decode_attention_bf16` attends a decode
+ * there, bit for bit; a step's requests in one call, tiles of consecutive tokens spread over
+ * the threads, the latest (longest) first. Returns 0 on success, 1 where this build or
+ * these shapes have no multi-row code (no AVX512_BF16; head dim not a multiple of 32 up to
+ * 128, GQA group above 8: the caller then runs one decode per token), 2 without memory. */
+int decode_attention_rows_bf16(const uint16_t *query, int64_t query_row_stride, const uint16_t *key_cache,
+                               const uint16_t *value_cache, const int32_t *block_tables, int64_t block_table_stride,
+                               const int32_t *query_starts, const int32_t *query_lens, const int32_t *seq_lens,
+                               int num_requests, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                               int window, float scale, uint16_t *out, int64_t out_row_stride, int num_threads) {
+#if HAVE_512
+    if (num_heads > MAX_HEADS || num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0 ||
+        head_dim % 32 || head_dim > MAX_DOT_HD || num_heads / num_kv_heads > MAX_DOT_GROUP)
+        return 1;
+    const RowsArgs a = {query, query_row_stride, key_cache, value_cache, block_tables, block_table_stride,
+                        query_starts, query_lens, seq_lens, num_kv_heads, num_heads / num_kv_heads, block_size,
+                        window, scale, out, out_row_stride};
+    const int rows_per_tile = TILE_ROW_HEADS / a.group > 0 ? TILE_ROW_HEADS / a.group : 1;
+    int num_items = 0, max_len = 1;
+    for (int i = 0; i < num_requests; i++) {
+        num_items += (query_lens[i] + rows_per_tile - 1) / rows_per_tile;
+        if (seq_lens[i] > max_len) max_len = seq_lens[i];
+    }
+    if (num_items == 0) return 0;
+    /* Work items (request, first token), each request's last tile first. */
+    int *items = malloc(sizeof(int) * 2 * (size_t)num_items);
+    if (!items) return 2;
+    for (int i = 0, n = 0; i < num_requests; i++)
+        for (int first = (query_lens[i] - 1) / rows_per_tile * rows_per_tile; first >= 0 && query_lens[i] > 0;
+             first -= rows_per_tile)
+            items[2 * n] = i, items[2 * n + 1] = first, n++;
+    const size_t work_floats = (size_t)rows_per_tile * a.group * ((size_t)max_len + head_dim) + SCORE_RUN_512 * (size_t)head_dim;
+    if (num_threads > num_items) num_threads = num_items;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        float *work = rows_scratch(work_floats);
+        if (!work) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int n = 0; n < num_items; n++) {
+            if (!work) continue;
+            const int i = items[2 * n], first = items[2 * n + 1];
+            const int rows = query_lens[i] - first < rows_per_tile ? query_lens[i] - first : rows_per_tile;
+            if (head_dim == 64) attend_rows_hd64(&a, i, first, rows, work);
+            else if (head_dim == 128) attend_rows_hd128(&a, i, first, rows, work);
+            else attend_rows_any(&a, i, first, rows, work, head_dim);
+        }
+    }
+    free(items);
+    return failed ? 2 : 0;
+#else
+    (void)query, (void)query_row_stride, (void)key_cache, (void)value_cache, (void)block_tables;
+    (void)block_table_stride, (void)query_starts, (void)query_lens, (void)seq_lens, (void)num_requests;
+    (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)window, (void)scale, (void)out;
+    (void)out_row_stride, (void)num_threads;
+    return 1;
+#endif
+}
