@@ -490,8 +490,12 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
                 const int64_t k_kv = k_at + (int64_t)kv * hd, q_at = (int64_t)kv * group * hd;
                 float *s_kv = scores + (int64_t)kv * group * len + start;
 #if HAVE_512
+                uint16_t k_copy[SCORE_RUN_512 * MAX_DOT_HD];
+                if (use_512)
+                    for (int j = 0; j < count; j++)
+                        memcpy(k_copy + j * hd, (const uint16_t *)a->key_cache + k_kv + j * token_stride, sizeof(uint16_t) * (size_t)hd);
 #define SCORES(G) \
-    case G: block_scores_512(a->key_cache, k_kv, token_stride, count, q_in_place + q_at, a->scale, s_kv, len, G, hd); break;
+    case G: block_scores_512(k_copy, 0, hd, count, q_in_place + q_at, a->scale, s_kv, len, G, hd); break;
                 if (use_512) switch (group) { SCORES(1) SCORES(2) SCORES(3) SCORES(4) SCORES(5) SCORES(6) SCORES(7) SCORES(8) }
 #undef SCORES
 #endif
