@@ -33,13 +33,23 @@ flash attention request by request (`_attend_long`). What is left (shorter chunk
 decodes of a mixed step, machines where no kernel can be built: no C compiler, see
 `kernels.cpu_build`) goes to `paged_attention_ref`.
 
-`paged_attention_cpu_batch_invariant` (the default, `--batch-invariant`) runs every query
-token of every step that way, prompt chunks included: a token's result is then a function
-of its query, its context's K/V and nothing else (not the step's other requests, not how
-its prompt was chunked, not whether its prefix came from the prefix cache), so greedy
-output does not depend on the batch. It costs no speed here: the per-token C kernel ran a
-prompt chunk's attention faster than the padded SDPA call (docs/BENCHMARKS.md, "Batch
-invariance").
+`paged_attention_cpu_batch_invariant` (the default, `--batch-invariant`) gives every query
+token of every step, prompt chunks included, the bits the C decode kernel gives it as a
+decode at its position: a token's result is then a function of its query, its context's
+K/V and nothing else (not the step's other requests, not how its prompt was chunked, not
+whether its prefix came from the prefix cache, and a recomputed generated token equals its
+decoded self), so greedy output does not depend on the batch. An all-decode step runs the
+decode kernel; a step with prompt chunks (bfloat16 query and caches, a build with
+AVX512_BF16, an even block size) runs the same kernel's multi-row entry
+(`decode_attention_rows_native`): tiles of consecutive query tokens of a request, with all
+the query heads of a KV head, go through the context together, each K run copied once and
+its scores computed per token exactly as a decode computes them, each V run interleaved
+into pairs of positions once and multiplied into every row's accumulators (`vdpbf16ps`,
+weights rounded to bf16, the decode's values arithmetic too). Equal bits by construction,
+and faster than the C prefill kernel (a 2,048-token chunk's layer ~28 ms against ~35 ms
+on a 2-vCPU Zen 4, one thread; docs/BENCHMARKS-diary.md, "Long prompts"). Elsewhere
+(float32, AVX2 builds, odd block sizes) each query token runs as a decode of its own
+through the decode kernel, and the reference only where the kernel cannot run at all.
 
 The caches hold the query's dtype, or bfloat16 under a float32 query (`--kv-cache-dtype
 bfloat16`: half the bytes to store and to read); both paths compute in the query's dtype,

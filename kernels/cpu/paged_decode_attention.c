@@ -12,7 +12,12 @@
  * bf16 caches takes AVX512_BF16 (vdpbf16ps) where the library is compiled for it; the
  * other pairings, and that one without AVX512_BF16, take AVX2 + FMA (bf16 widened to
  * float32 by a shift) where the library is compiled for AVX2 (AVX-512 builds included),
- * and the generic code otherwise.
+ * and the generic code otherwise. On the AVX512_BF16 path (with an even block size) the
+ * softmax numerators are rounded to bf16 and the values summed by pairs of positions, one
+ * vdpbf16ps per pair (pair_values_512), and the same library's multi-row entry,
+ * decode_attention_rows_bf16 (at the end), attends a prompt chunk's tokens several at a
+ * time with each row's arithmetic exactly a decode's: the batch-invariant attention of
+ * prompt chunks.
  */
 #include <math.h>
 #include <stdint.h>
@@ -259,41 +264,28 @@ ALWAYS_INLINE void pair_vectors(const uint16_t *a, const uint16_t *b, __m512i *o
     }
 }
 
-/* acc[b] += the pairs' weights times their V for NB rows (a row: one query head of one
- * query token): vpairs holds npairs pairs' vectors (hd words each), p[b] the row's npairs
- * weight pairs (two bf16 in a word); one vdpbf16ps per (pair, 16 lanes), in pair order. */
-ALWAYS_INLINE void pair_values_512(const uint32_t *vpairs, int npairs, const uint32_t *const *p,
-                                   float *const *acc_io, const int NB, const int hd) {
-    __m512 acc[MAX_VALUE_ROWS][MAX_DOT_HD / 16]; /* fixed sizes: kept in registers */
-    for (int b = 0; b < NB; b++)
-        for (int c = 0; c < hd / 16; c++) acc[b][c] = _mm512_loadu_ps(acc_io[b] + 16 * c);
-    for (int k = 0; k < npairs; k++) {
-        __m512i v[MAX_DOT_HD / 16];
-        for (int c = 0; c < hd / 16; c++) v[c] = _mm512_loadu_si512(vpairs + (int64_t)k * hd + 16 * c);
-#pragma GCC unroll 8
-        for (int b = 0; b < NB; b++) {
-            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)p[b][k]);
-#pragma GCC unroll 8
-            for (int c = 0; c < hd / 16; c++) acc[b][c] = _mm512_dpbf16_ps(acc[b][c], (__m512bh)v[c], w);
-        }
-    }
-    for (int b = 0; b < NB; b++)
-        for (int c = 0; c < hd / 16; c++) _mm512_storeu_ps(acc_io[b] + 16 * c, acc[b][c]);
-}
-
-/* pair_values_512 with the pairs built in registers from `count` V rows of positions
- * start .. start + count - 1 (v: the first one's row of this KV head), start even, members
- * outside [lo, len) zeroed: the decode's values, the same instruction inputs. */
-ALWAYS_INLINE void pair_values_rows_512(const uint16_t *v, int64_t token_stride, int start, int count, int lo, int len,
-                                        const uint32_t *const *p, float *const *acc_io, const int NB, const int hd) {
+/* acc[b] += the weights times V over the pairs of positions start .. start + count - 1
+ * (start even) for NB rows (a row: one query head of one query token); p[b] holds the
+ * row's weight pairs (two bf16 in a word) from start on. The pairs' V vectors come from
+ * vpairs (hd words a pair, built by pair_vectors from rows every one of the NB rows sees
+ * whole) or, vpairs NULL, are built here from the V rows from v on (position start's row
+ * of this KV head), members outside [lo, len) zeroed. One vdpbf16ps per (pair, 16 lanes),
+ * in pair order. */
+ALWAYS_INLINE void pair_values_512(const uint32_t *vpairs, const uint16_t *v, int64_t token_stride, int start,
+                                   int count, int lo, int len, const uint32_t *const *p, float *const *acc_io,
+                                   const int NB, const int hd) {
     __m512 acc[MAX_VALUE_ROWS][MAX_DOT_HD / 16]; /* fixed sizes: kept in registers */
     for (int b = 0; b < NB; b++)
         for (int c = 0; c < hd / 16; c++) acc[b][c] = _mm512_loadu_ps(acc_io[b] + 16 * c);
     for (int k = 0; 2 * k < count; k++) {
-        const int pos = start + 2 * k;
         __m512i pv[MAX_DOT_HD / 16];
-        pair_vectors(pos >= lo && pos < len ? v + 2 * k * token_stride : NULL,
-                     pos + 1 >= lo && pos + 1 < len ? v + (2 * k + 1) * token_stride : NULL, pv, hd);
+        if (vpairs) {
+            for (int c = 0; c < hd / 16; c++) pv[c] = _mm512_loadu_si512(vpairs + (int64_t)k * hd + 16 * c);
+        } else {
+            const int pos = start + 2 * k;
+            pair_vectors(pos >= lo && pos < len ? v + 2 * k * token_stride : NULL,
+                         pos + 1 >= lo && pos + 1 < len ? v + (2 * k + 1) * token_stride : NULL, pv, hd);
+        }
 #pragma GCC unroll 8
         for (int b = 0; b < NB; b++) {
             const __m512bh w = (__m512bh)_mm512_set1_epi32((int)p[b][k]);
@@ -306,48 +298,12 @@ ALWAYS_INLINE void pair_values_rows_512(const uint16_t *v, int64_t token_stride,
 }
 #endif
 
-/* A row's softmax numerators in place, s[t] = exp(s[t] - max) over s[0 .. n); returns their
- * sum. Where the multi-row kernel below is compiled this is explicit 16-lane code (lane k
- * sums elements k, k + 16, ... in order, then one fixed tree), so the decode kernel and the
- * multi-row kernel give a row the same bits (a compiler-vectorized loop is free to split a
- * sum differently in two places). */
-ALWAYS_INLINE float softmax_numerators(float *s, const int n) {
 #if HAVE_512
-    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-    __m512 vmax = neg_inf;
-    int t = 0;
-    for (; t + 16 <= n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
-    const __mmask16 tail = (__mmask16)((1u << (n - t)) - 1u);
-    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, tail, s + t));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 sum = _mm512_setzero_ps();
-    for (t = 0; t + 16 <= n; t += 16) {
-        const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-        _mm512_storeu_ps(s + t, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    if (tail) {
-        const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m));
-        _mm512_mask_storeu_ps(s + t, tail, e);
-        sum = _mm512_mask_add_ps(sum, tail, sum, e);
-    }
-    return _mm512_reduce_add_ps(sum);
-#else
-    float m = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : m)
-    for (int t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : total)
-    for (int t = 0; t < n; t++) {
-        s[t] = fast_expf(s[t] - m);
-        total += s[t];
-    }
-    return total;
-#endif
-}
-
-#if HAVE_512
-/* softmax_numerators for the values by pairs: the numerators rounded to bfloat16 into
- * w[0 .. n) (and not kept in float32); returns their float32 sum. */
+/* A row's softmax numerators exp(s[t] - max) over s[0 .. n), rounded to bfloat16 into
+ * w[0 .. n); returns their float32 sum. Explicit 16-lane code (lane k sums elements k,
+ * k + 16, ... in order, then one fixed tree), so that the decode and the multi-row kernel
+ * give a row the same bits (a compiler-vectorized loop may split a sum differently in two
+ * places). */
 ALWAYS_INLINE float softmax_weights_bf16(const float *s, const int n, uint16_t *w) {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     __m512 vmax = neg_inf;
@@ -533,9 +489,16 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     }
     /* Softmax numerators; the denominators divide at the end. */
     float inv_sum[MAX_HEADS];
-    const int by_pairs = use_512 && bs % 2 == 0 && len > 0;
+    const int by_pairs = use_512 && bs % 2 == 0 && len > 0; /* the weights: row_weights_bf16 below */
     for (int h = 0; h < nh && !by_pairs; h++) {
-        const float total = softmax_numerators(scores + (int64_t)h * len + lo, len - lo);
+        float *sh = scores + (int64_t)h * len, m = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int t = lo; t < len; t++) m = sh[t] > m ? sh[t] : m;
+#pragma omp simd reduction(+ : total)
+        for (int t = lo; t < len; t++) {
+            sh[t] = fast_expf(sh[t] - m);
+            total += sh[t];
+        }
         inv_sum[h] = len > 0 ? 1.0f / total : 0.0f;
     }
     /* Weighted values. */
@@ -568,7 +531,7 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
                         acc_of[b] = acc + (int64_t)h * hd;
                     }
 #define VALUES(N) \
-    case N: pair_values_rows_512(v_run + (int64_t)kv * hd, token_stride, start, count, lo, len, p, acc_of, N, hd); break;
+    case N: pair_values_512(NULL, v_run + (int64_t)kv * hd, token_stride, start, count, lo, len, p, acc_of, N, hd); break;
                     switch (nb) { VALUES(1) VALUES(2) VALUES(3) VALUES(4) VALUES(5) VALUES(6) VALUES(7) VALUES(8) }
 #undef VALUES
                 }
@@ -705,8 +668,8 @@ DECODE_ATTENTION_ENTRY(decode_attention_f32_bf16kv, float, uint16_t, F32_BF16KV)
  *
  * Each query token of a chunk is attended exactly as `attend` attends it as a decode (bf16
  * query over bf16 caches, the AVX512_BF16 path, even block size): block_scores_512 per
- * token and head, softmax_numerators over the positions it sees, its weights rounded to
- * bf16 by weights_bf16, one vdpbf16ps per (pair of positions, 16 lanes) in pair order from
+ * token and head, its bf16 weights from row_weights_bf16 over the positions it sees, one
+ * vdpbf16ps per (pair of positions, 16 lanes) in pair order from
  * the even position at or before its first one, with the same inputs (a pair member it
  * does not see: weight 0, V row 0), the same rounding of acc * (1 / sum). So every row gets
  * the bits it gets as a decode of its own, by construction. What changes is the order of
@@ -804,34 +767,23 @@ ALWAYS_INLINE void attend_rows(const RowsArgs *a, int i, int first, int rows, fl
             }
             for (int b0 = 0; b0 < RH; b0 += NB) {
                 const int nb = RH - b0 < NB ? RH - b0 : NB, first_row = b0 / G, last_row = (b0 + nb - 1) / G;
-                if (lo[last_row] <= start && len[first_row] >= end) { /* every pair seen whole by every row */
+                if (nb == NB && lo[last_row] <= start && len[first_row] >= end) { /* all pairs seen whole by all */
                     for (int b = 0; b < nb; b++) {
                         p[b] = (const uint32_t *)(weights + (int64_t)(b0 + b) * pstride + (start - pbase));
                         acc_of[b] = acc + (int64_t)(b0 + b) * hd;
                     }
-                    if (nb == NB) pair_values_512(vpairs, npairs, p, acc_of, NB, hd);
-                    else
-                        for (int b = 0; b < nb; b++) pair_values_512(vpairs, npairs, p + b, acc_of + b, 1, hd);
+                    pair_values_512(vpairs, NULL, 0, start, count, 0, 0, p, acc_of, NB, hd);
                     continue;
                 }
-                for (int rh = b0; rh < b0 + nb; rh++) {
-                    const int r = rh / G;
+                for (int rh = b0; rh < b0 + nb; rh++) { /* row by row over the pairs it sees, as a decode */
+                    const int r = rh / G, own = lo[r] & ~1;
+                    const int from = own > start ? own : start, to = len[r] < start + count ? len[r] : start + count;
+                    if (to <= from) continue;
+                    const uint32_t *pr = (const uint32_t *)(weights + (int64_t)rh * pstride + (from - pbase));
                     float *ar = acc + (int64_t)rh * hd;
-                    for (int k = 0; k < npairs; k++) {
-                        const int pos = start + 2 * k, sees_even = pos >= lo[r] && pos < len[r];
-                        const int sees_odd = pos + 1 >= lo[r] && pos + 1 < len[r];
-                        if (!sees_even && !sees_odd) continue;
-                        const uint32_t *pr = (const uint32_t *)(weights + (int64_t)rh * pstride + (pos - pbase));
-                        if (sees_even && sees_odd) {
-                            pair_values_512(vpairs + (int64_t)k * hd, 1, &pr, &ar, 1, hd);
-                            continue;
-                        }
-                        uint32_t own[MAX_DOT_HD]; /* the pair with the member it does not see zeroed */
-                        __m512i pv[MAX_DOT_HD / 16];
-                        pair_vectors(sees_even ? v + 2 * k * token_stride : NULL, sees_odd ? v + (2 * k + 1) * token_stride : NULL, pv, hd);
-                        for (int c = 0; c < hd / 16; c++) _mm512_storeu_si512(own + 16 * c, pv[c]);
-                        pair_values_512(own, 1, &pr, &ar, 1, hd);
-                    }
+                    const int whole = from >= lo[r] && from + 2 * ((to - from + 1) / 2) <= len[r];
+                    pair_values_512(whole ? vpairs + (int64_t)(from - start) / 2 * hd : NULL, v + (from - start) * token_stride,
+                                    token_stride, from, to - from, lo[r], len[r], &pr, &ar, 1, hd);
                 }
             }
         }
