@@ -459,9 +459,10 @@ def paged_attention_cpu_batch_invariant(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`paged_attention_ref`'s result with every query token attended alone by the C decode
-    kernel (one pass per token over its context, in one fixed order); the reference, which
-    is not batch invariant, only where the kernel cannot take these tensors."""
+    """`paged_attention_ref`'s result with every query token given the bits the C decode
+    kernel gives it alone (prompt chunks through its multi-row entry where built, else one
+    decode per token); the reference, which is not batch invariant, only where the kernel
+    cannot take these tensors."""
     if out is None:
         out = torch.empty_like(query)
     if query.shape[0] == 0:
