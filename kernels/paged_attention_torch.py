@@ -46,7 +46,7 @@ the query heads of a KV head, go through the context together, each K run copied
 its scores computed per token exactly as a decode computes them, each V run interleaved
 into pairs of positions once and multiplied into every row's accumulators (`vdpbf16ps`,
 weights rounded to bf16, the decode's values arithmetic too). Equal bits by construction,
-and faster than the C prefill kernel (a 2,048-token chunk's layer ~28 ms against ~35 ms
+and faster than the C prefill kernel (a 2,048-token chunk's layer ~20 ms against ~30 ms
 on a 2-vCPU Zen 4, one thread; docs/BENCHMARKS-diary.md, "Long prompts"). Elsewhere
 (float32, AVX2 builds, odd block sizes) each query token runs as a decode of its own
 through the decode kernel, and the reference only where the kernel cannot run at all.
