@@ -1,23 +1,28 @@
 """The offloading connector's worker role: copies blocks down to the host and disk tiers and
 back, as each step's ``KVConnectorMetadata`` says (docs/ARCHITECTURE.md, "Tiered KV cache").
 
-Per step, between the previous forward pass and this one (``apply``):
+Per step (``apply``, when the step's message arrives):
 
 1. loads the scheduler gave up are cancelled: after this no copy writes their blocks;
 2. **spills** (host units the scheduler evicts, going to disk) are copied out of their
    slots, then **stores** copy device blocks into host slots (and/or into buffers for unit
-   files). These read blocks the pool may hand out in this very step, so the step's forward
-   pass waits for them (``apply`` returns their future; on a GPU they are queued on a side
-   stream and only the forward pass's stream waits, ``fence``);
+   files). These read blocks the pool may hand out in this very step, and blocks the step
+   before it may still be writing, so they run on the forward thread right before this
+   step's forward pass (``StepStores.run``): after the previous step, without a thread
+   hand-off, and without holding the step back from being queued behind the running one.
+   A store of a 64-token unit is a ~0.2 ms copy here; on a GPU it is only queued on a side
+   stream and the forward pass's stream waits for it (``fence``);
 3. **loads** start: each request's segments are copied into its blocks on the offloading
-   thread (host slots) or, when it reads unit files, on the disk thread, after this step's
-   stores; the request waits parked in the scheduler meanwhile, and its end is reported as a
-   P/D load's (``LoadReports``). A missing, corrupt or truncated file, or any error, fails
-   the load: the scheduler recomputes the request.
+   thread (host slots) or, when it reads unit files, on the disk thread, once this step's
+   stores have run (the blocks a load writes may be ones this step stores, or ones the
+   step before it was still writing); the request waits parked in the scheduler meanwhile,
+   and its end is reported as a P/D load's (``LoadReports``). A missing, corrupt or
+   truncated file, a store that does not run in time, or any error, fails the load: the
+   scheduler recomputes the request.
 
 Unit files are written on the disk thread from copies taken in step 2, so the forward pass
-never waits for a disk. Nothing here runs on the forward thread; the offloading thread only
-copies memory. One lock orders the loads' writes against cancellation (as P/D's).
+never waits for a disk. One lock orders the loads' writes against cancellation (as P/D's).
+The host slots' pages are taken at start-up (``CpuUnitCopier.allocate_slots``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,31 @@ logger = logging.getLogger(__name__)
 _TRANSFER = {name: i for i, name in enumerate(KV_OFFLOAD_TRANSFERS)}
 # A cancelled load's injected delay (test faults) ends this soon after the cancellation.
 _DELAY_STEP = 0.05
+# A load waits at most this long for its step's stores to run on the forward thread (behind
+# the steps queued before it); past it the load fails and the request recomputes.
+STORES_DEADLINE_S = 120.0
+
+
+class StepStores:
+    """One step's spills and stores, run on the forward thread before the step's forward
+    pass; the step's loads wait for them (``wait``)."""
+
+    def __init__(self, copies) -> None:
+        self._copies = copies
+        self._done = Future()
+
+    def run(self) -> None:
+        if not self._done.set_running_or_notify_cancel():
+            return
+        try:
+            self._copies()
+        except BaseException as e:
+            self._done.set_exception(e)
+            raise
+        self._done.set_result(None)
+
+    def wait(self, timeout: float) -> None:
+        self._done.result(timeout)
 
 
 class OffloadingConnectorWorker:
@@ -87,9 +117,10 @@ class OffloadingConnectorWorker:
 
     # ------------------------------------------------------------------ per step
 
-    def apply(self, reset: bool, meta: KVConnectorMetadata | None) -> Future | None:
-        """Between steps, before the forward pass: cancel, store, start loads. Returns the
-        future of the stores (the forward pass waits for it), None when there are none."""
+    def apply(self, reset: bool, meta: KVConnectorMetadata | None) -> StepStores | None:
+        """When a step arrives: cancel, start loads (behind the step's stores). Returns the
+        stores for the forward thread to run before the step (None: the step has no stores
+        and no loads)."""
         with self._lock:
             if reset:  # a new scheduler: its index of the tiers starts empty
                 for flag in self._loads.values():
@@ -101,9 +132,10 @@ class OffloadingConnectorWorker:
                     flag["cancelled"] = True
         if meta is None:
             return None
-        stores = None
-        if meta.offload_spills or meta.offload_stores:
-            stores = self._kv.submit(self._store_all, meta.offload_spills, meta.offload_stores)
+        if not (meta.offload_spills or meta.offload_stores or meta.offload_loads):
+            return None
+        spills, stored = meta.offload_spills, meta.offload_stores
+        stores = StepStores(lambda: self._store_all(spills, stored))
         for load in meta.offload_loads:
             flag = {"cancelled": False}
             with self._lock:
@@ -150,12 +182,11 @@ class OffloadingConnectorWorker:
 
     # ------------------------------------------------------------------ loads
 
-    def _load(self, load: KVOffloadLoad, flag: dict, stores: Future | None) -> None:
+    def _load(self, load: KVOffloadLoad, flag: dict, stores: StepStores) -> None:
         error = ""
         try:
             self._delay_for_tests(load.req_id, flag)
-            if stores is not None:
-                stores.result()  # this step's stores read blocks the load may write
+            stores.wait(STORES_DEADLINE_S)
             for segment in load.segments:
                 if flag["cancelled"]:
                     return
