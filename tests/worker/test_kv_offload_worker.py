@@ -16,7 +16,7 @@ from services.worker.kv_offload.connector import OffloadingConnectorWorker
 from services.worker.kv_offload.disk_tier import DiskTier, UnitMissing, disk_namespace
 from services.worker.kv_transfer.load_reports import LoadReports
 from shared.kv_transfer_faults import KVTransferFaults
-from shared.kv_unit_file import UnitFileError, header_size
+from shared.kv_unit_file import UnitFileError, header_size, unit_files
 from shared.protocol import (
     KV_OFFLOAD_TRANSFERS,
     KVConnectorMetadata,
@@ -195,7 +195,7 @@ def test_a_spill_takes_the_slot_before_the_same_steps_store_refills_it(tmp_path,
     meta = KVConnectorMetadata(offload_spills=[KVOffloadSpill(0, [FIRST, KEY])],
                                offload_stores=[KVOffloadStore([5], slot=0, block_hashes=[OTHER])])
     _step(worker, False, meta)
-    worker._disk.submit(lambda: None).result()  # the files are written
+    worker.flush()  # the files are written
     load = KVOffloadLoad("r", [KVOffloadSegment([8, 9], 0, disk_key=KEY, unit_blocks=2),
                                KVOffloadSegment([11], 0, disk_key=OTHER, unit_blocks=1)])
     _step(worker, False, KVConnectorMetadata(offload_loads=[load]))
@@ -212,7 +212,7 @@ def test_a_missing_or_corrupt_file_fails_the_load_and_writes_nothing(tmp_path):
     src = _caches()
     worker, reports = _worker(src, tmp_path)
     _step(worker, True, KVConnectorMetadata(offload_stores=[KVOffloadStore([1], block_hashes=[KEY])]))
-    worker._disk.submit(lambda: None).result()
+    worker.flush()
     path = worker.disk.path(KEY)
     data = bytearray(open(path, "rb").read())
     data[-1] ^= 0xFF
@@ -247,6 +247,26 @@ def test_a_load_starts_only_once_its_steps_stores_have_run_and_fails_if_they_nev
     monkeypatch.setattr(connector, "STORES_DEADLINE_S", 0.2)
     worker.apply(False, KVConnectorMetadata(offload_loads=[KVOffloadLoad("lost", [KVOffloadSegment([5], 0, 0)])]))
     assert _wait_for_loads(reports, 1) == ([], ["lost"])  # its step never ran: it recomputes
+
+
+def test_files_are_written_at_low_priority_and_a_full_write_queue_skips_stores(tmp_path, monkeypatch):
+    import threading
+
+    import services.worker.kv_offload.connector as connector
+
+    worker, _ = _worker(_caches(), tmp_path)
+    niceness = worker._disk_writes.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    assert niceness.result() == min(19, os.getpriority(os.PRIO_PROCESS, 0) + connector.WRITER_NICENESS)
+    monkeypatch.setattr(connector, "WRITE_BACKLOG_BYTES", 2 * worker.unit_bytes)
+    release = threading.Event()
+    worker._disk_writes.submit(release.wait, 10)  # the disk is slow: nothing queued gets written yet
+    stores = [KVOffloadStore([2 * i, 2 * i + 1], block_hashes=[bytes([i]) * 32, bytes([i + 1]) * 32]) for i in range(3)]
+    _step(worker, True, KVConnectorMetadata(offload_stores=stores))
+    assert worker.disk.stores_skipped == 1  # the third: two units' bytes were queued already
+    release.set()
+    worker.flush()
+    assert len(unit_files(tmp_path)) == 2
+    assert worker.take_counters().stores_skipped == 1
 
 
 def test_a_cancelled_load_never_writes_and_is_not_reported():
