@@ -669,17 +669,17 @@ DECODE_ATTENTION_ENTRY(decode_attention_f32_bf16kv, float, uint16_t, F32_BF16KV)
  * Each query token of a chunk is attended exactly as `attend` attends it as a decode (bf16
  * query over bf16 caches, the AVX512_BF16 path, even block size): block_scores_512 per
  * token and head, its bf16 weights from row_weights_bf16 over the positions it sees, one
- * vdpbf16ps per (pair of positions, 16 lanes) in pair order from
- * the even position at or before its first one, with the same inputs (a pair member it
- * does not see: weight 0, V row 0), the same rounding of acc * (1 / sum). So every row gets
- * the bits it gets as a decode of its own, by construction. What changes is the order of
- * the work: a tile of consecutive query tokens of one request and all the query heads of
- * one KV head go through the context together, so each K run is read from memory once
- * for all of them (the other rows find it in L1) and each V run is interleaved into pairs
- * once and multiplied into the accumulators of up to VALUE_REGS / (hd / 16) rows held in
- * registers. A row's scores past its own last position (the tile's later tokens) are
- * computed and never read; its values pass skips them, and the pairs at the edges of what
- * a row sees take V pairs of its own.
+ * vdpbf16ps per (pair of positions, 16 lanes) in pair order from the even position at or
+ * before its first one, with the same inputs (a pair member it does not see: weight 0, V
+ * row 0), the same rounding of acc * (1 / sum). So every row gets the bits it gets as a
+ * decode of its own, by construction. What changes is the order of the work: a tile of
+ * consecutive query tokens of one request (TILE_ROW_HEADS / group of them) and all the
+ * query heads of one KV head go through the context together, so each K run is read from
+ * memory once for all of them (copied side by side, then read from L1 by every row) and
+ * each V run is interleaved into pairs once and multiplied into the accumulators of
+ * VALUE_REGS / (hd / 16) rows at a time held in registers. A row's scores past its own
+ * last position (the tile's later tokens) are computed and never read; its values pass
+ * skips them, and the pairs at the edges of what a row sees take V pairs of its own.
  */
 #if HAVE_512
 #define MAX_TILE_ROW_HEADS 48
