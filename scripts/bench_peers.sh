@@ -202,7 +202,10 @@ wait_ready() {  # url pid timeout
   local url=$1 pid=$2 deadline=$((SECONDS + $3))
   while [ $SECONDS -lt $deadline ]; do
     kill -0 "$pid" 2>/dev/null || { log "server exited during start-up"; return 1; }
-    if curl -sf --noproxy '*' -m 2 "$url/v1/models" >/dev/null 2>&1; then return 0; fi
+    # /health too: our gateway lists its models before an engine is ready (its /health is 503
+    # until then); vLLM's and llama-server's answer 200 once they serve.
+    if curl -sf --noproxy '*' -m 2 "$url/health" >/dev/null 2>&1 \
+        && curl -sf --noproxy '*' -m 2 "$url/v1/models" >/dev/null 2>&1; then return 0; fi
     sleep 1
   done
   log "server not ready after $3 s"; return 1
