@@ -28,7 +28,9 @@ lower: while some engine has room for all its blocks, each engine without that r
 computed again by a later request of its own prefix, or it would not be one). Load still
 decides when one engine is busier by more than twice that. Where it fits nowhere (caches
 full of one-off prompts, as under a load that shares nothing), or everywhere, the rule
-adds nothing and the load decides as before.
+adds nothing and the load decides as before. Such a choice is counted as ``kv_room`` where
+the price alone would have chosen another engine.
+
 ``round-robin`` and ``random`` ignore load and prefixes.
 """
 
