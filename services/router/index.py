@@ -8,13 +8,12 @@ events store them, or for ``PREDICTION_TTL`` seconds. A hash held in any medium 
 predicted): one only in a lower tier (the KV offloading tiers' ``CPU``) is loaded into a
 device block, not computed, and the router credits it at less (``router.py``).
 
-Of the device blocks, those that are prefixes (``num_prefix_blocks``): the blocks of a chain
-that started there (a ``BlockStored`` with no parent: its request hit nothing there; with
-chunked prefill, its first chunk), the blocks of a prompt this router sent there while no
-engine held any of it (predicted until stored), and the blocks a request this router sent
-there hit. They are what the engine's cache holds for later requests; the rest (a
-request's own question and answer past a prefix) is what its LRU can give up. A router
-that rebuilt its index from a dump knows no prefixes until new ones start or are hit.
+Of the device blocks, those that are prefixes (``num_prefix_blocks``, ``prefixes.py``): blocks
+a request this router sent there hit, and for a while the blocks of a chain that started
+there (a ``BlockStored`` with no parent: its request hit nothing there; with chunked
+prefill, its first chunk) or of a prompt this router sent there while no engine held any
+of it. A router that rebuilt its index from a dump knows no prefixes until new ones start
+or are hit.
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from shared.protocol import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+
+from .prefixes import Prefixes
 
 # Seconds a routed request's blocks count as held before the engine's events confirm them
 # (a request refused, or events lost for good, must not attract requests for long).
@@ -34,13 +35,13 @@ class PrefixIndex:
         self._clock = clock
         self._held: dict[str, dict[str, set[bytes]]] = {}  # engine -> medium -> hashes
         self._predicted: dict[str, dict[bytes, float]] = {}  # engine -> hash -> until
-        self._prefixes: dict[str, set[bytes]] = {}  # engine -> device (or predicted) hashes that are prefixes
+        self._prefixes: dict[str, Prefixes] = {}  # engine -> which of its device blocks are prefixes
         self._next_sweep = 0.0
 
     def apply(self, engine_id: str, events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared]) -> None:
         media = self._held.setdefault(engine_id, {})
         predicted = self._predicted.setdefault(engine_id, {})
-        prefixes = self._prefixes.setdefault(engine_id, set())
+        prefixes = self._prefixes_of(engine_id)
         for event in events:
             if isinstance(event, BlockStored):
                 medium = event.medium or MEDIUM_GPU
@@ -48,16 +49,22 @@ class PrefixIndex:
                 for block_hash in event.block_hashes:
                     predicted.pop(block_hash, None)
                 if medium == MEDIUM_GPU and event.parent_block_hash is None:
-                    prefixes.update(event.block_hashes)
+                    prefixes.started(event.block_hashes, self._clock())
             elif isinstance(event, BlockRemoved):
                 medium = event.medium or MEDIUM_GPU
                 media.get(medium, set()).difference_update(event.block_hashes)
                 if medium == MEDIUM_GPU:
-                    prefixes.difference_update(event.block_hashes)
+                    prefixes.removed(event.block_hashes)
             else:
                 media.clear()
                 predicted.clear()
-                prefixes.clear()
+                self._prefixes[engine_id] = prefixes = Prefixes()
+
+    def _prefixes_of(self, engine_id: str) -> Prefixes:
+        prefixes = self._prefixes.get(engine_id)
+        if prefixes is None:
+            prefixes = self._prefixes[engine_id] = Prefixes()
+        return prefixes
 
     def reset(self, engine_id: str, hashes_by_medium: dict[str, Iterable[bytes]] | None = None) -> None:
         """Forget what ``engine_id`` held; with ``hashes_by_medium``, hold exactly those (a dump)."""
@@ -76,23 +83,23 @@ class PrefixIndex:
                 for block_hash in expired:
                     del engine[block_hash]
                 device = self._held.get(engine_id_, {}).get(MEDIUM_GPU, set())
-                self._prefixes.get(engine_id_, set()).difference_update(h for h in expired if h not in device)
+                self._prefixes_of(engine_id_).removed(h for h in expired if h not in device)
         predicted = self._predicted.setdefault(engine_id, {})
         for block_hash in block_hashes:
             predicted[block_hash] = now + PREDICTION_TTL
         if new_prefix:
-            self._prefixes.setdefault(engine_id, set()).update(block_hashes)
+            self._prefixes_of(engine_id).started(block_hashes, now)
 
     def hit(self, engine_id: str, block_hashes: list[bytes]) -> None:
         """A routed request hit these blocks on ``engine_id``: those on its device are prefixes."""
         device = self._held.get(engine_id, {}).get(MEDIUM_GPU, set())
         predicted = self._predicted.get(engine_id, {})
-        self._prefixes.setdefault(engine_id, set()).update(
-            h for h in block_hashes if h in device or h in predicted)
+        self._prefixes_of(engine_id).hit(h for h in block_hashes if h in device or h in predicted)
 
     def num_prefix_blocks(self, engine_id: str) -> int:
         """The device blocks (held or predicted) of ``engine_id`` that are prefixes."""
-        return len(self._prefixes.get(engine_id, ()))
+        prefixes = self._prefixes.get(engine_id)
+        return prefixes.count(self._clock()) if prefixes is not None else 0
 
     def num_held(self, engine_id: str, predicted: bool = False) -> int:
         """The hashes ``engine_id`` holds in its device cache (with ``predicted``: and those

@@ -21,14 +21,15 @@ as ``least-loaded`` does, which prices every engine as if it held nothing, with 
 
 A new prefix (a prompt no engine holds any block of) is where the engines' caches are
 shared out: every later request of that prefix follows it to where it went. So it goes
-where it fits beside the prefixes already held there (``index.py``'s prefix blocks: chains
-started there and blocks requests hit), not where the load of the moment happens to be
+where it fits beside the prefixes already held there (``prefixes.py``: blocks requests hit
+there, and chains that just started there), not where the load of the moment happens to be
 lower: while some engine has room for all its blocks, each engine without that room pays
 ``PREFIX_EVICTION_WEIGHT`` per token of the prefix blocks it would have to give up (each is
 computed again by a later request of its own prefix, or it would not be one). Load still
 decides when one engine is busier by more than twice that. Where it fits nowhere (caches
 full of one-off prompts, as under a load that shares nothing), or everywhere, the rule
-adds nothing and the load decides as before. Such a choice is counted as ``kv_room`` where
+adds nothing and the load decides as before (a load that shares nothing starts more
+chains in ``NEW_CHAIN_TTL`` than the caches it fills hold: it fits nowhere). Such a choice is counted as ``kv_room`` where
 the price alone would have chosen another engine.
 
 ``round-robin`` and ``random`` ignore load and prefixes.

@@ -11,6 +11,7 @@ from services.router.config import RouterConfig
 from services.router.events import EngineEvents
 from services.router.index import PREDICTION_TTL, PrefixIndex
 from services.router.loads import UNANSWERED_TTL, EngineLoads, takes_handoffs
+from services.router.prefixes import NEW_CHAIN_TTL
 from services.router.router import Router, prompt_block_hashes
 from services.scheduler.request import Request
 from shared.config import ConfigError
@@ -326,16 +327,22 @@ def two_engines(a_prefix_blocks, b_prefix_blocks, capacity=80):
 
 
 def test_the_prefix_blocks_an_engine_holds():
-    index = PrefixIndex()
+    clock = Clock()
+    index = PrefixIndex(clock)
     index.apply("e", chain("e", 2, blocks=4))  # two chains started there
     index.apply("e", [stored([b"q1", b"q2"])])  # None parent: a chain too
     index.apply("e", [BlockStored([b"x", b"y"], b"q2", [], BS, None, "GPU", None)])  # a request's own tail
     index.apply("e", [BlockStored([b"h"], None, [], BS, None, "CPU", None)])  # host tier: no device room
     assert index.num_prefix_blocks("e") == 10 and index.num_held("e") == 12
-    index.hit("e", [b"x", b"gone"])  # a request hit x: a prefix now; "gone" is not held
+    index.hit("e", [b"x", b"q1", b"gone"])  # requests hit x and q1 ("gone" is not held)
     assert index.num_prefix_blocks("e") == 11
-    index.apply("e", [BlockRemoved([b"q1", b"x"], "GPU")])
-    assert index.num_prefix_blocks("e") == 9
+    index.apply("e", [BlockRemoved([b"q2"], "GPU")])
+    assert index.num_prefix_blocks("e") == 10
+    # New chains nobody hit count for NEW_CHAIN_TTL; blocks hit count until evicted.
+    clock.now += NEW_CHAIN_TTL + 1
+    assert index.num_prefix_blocks("e") == 2
+    index.apply("e", [BlockRemoved([b"q1"], "GPU")])
+    assert index.num_prefix_blocks("e") == 1
     index.apply("e", [AllBlocksCleared()])
     assert index.num_prefix_blocks("e") == 0
 
@@ -347,7 +354,9 @@ def test_a_predicted_new_prefix_counts_until_it_expires_unstored():
     index.predict("e", [b"c"])  # blocks past a hit: not a prefix by themselves
     assert index.num_prefix_blocks("e") == 2
     index.apply("e", [BlockStored([b"a"], None, [], BS, None, "GPU", None)])
-    clock.now += PREDICTION_TTL + 1
+    clock.now += 1
+    index.hit("e", [b"a", b"b"])  # b: predicted still
+    clock.now += PREDICTION_TTL
     index.predict("f", [b"z"])  # the sweep: "b" never came
     assert index.num_prefix_blocks("e") == 1
 
