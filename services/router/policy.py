@@ -16,8 +16,9 @@ engine holding it is busier than another by twice the prefix's tokens. Engines o
 threshold (KV cache nearly full with requests waiting) are skipped while another is not.
 A block the engine holds only in a lower tier (the KV offloading tiers' host memory) saves
 ``LOWER_TIER_CREDIT`` of its tokens: it is loaded, not computed, but the load takes time and
-a device block. Where no engine holds any of the prompt, the price is the load alone: ``kv`` then chooses
-as ``least-loaded`` does, which prices every engine as if it held nothing, with one rule more.
+a device block. Where no engine holds any of the prompt, the price is the load alone: ``kv``
+then chooses as ``least-loaded`` does, which prices every engine as if it held nothing,
+with one rule more (below).
 
 A new prefix (a prompt no engine holds any block of) is where the engines' caches are
 shared out: every later request of that prefix follows it to where it went. So it goes
@@ -26,11 +27,10 @@ there, and chains that just started there), not where the load of the moment hap
 lower: while some engine has room for all its blocks, each engine without that room pays
 ``PREFIX_EVICTION_WEIGHT`` per token of the prefix blocks it would have to give up (each is
 computed again by a later request of its own prefix, or it would not be one). Load still
-decides when one engine is busier by more than twice that. Where it fits nowhere (caches
-full of one-off prompts, as under a load that shares nothing), or everywhere, the rule
-adds nothing and the load decides as before (a load that shares nothing starts more
-chains in ``NEW_CHAIN_TTL`` than the caches it fills hold: it fits nowhere). Such a choice is counted as ``kv_room`` where
-the price alone would have chosen another engine.
+decides when one engine is busier by more than twice that. Where it fits everywhere
+(caches with room), or nowhere (a load that shares nothing starts more chains in
+``NEW_CHAIN_TTL`` than the caches it fills hold), the rule adds nothing and the load
+decides as before. A choice it changed is counted as ``kv_room``.
 
 ``round-robin`` and ``random`` ignore load and prefixes.
 """

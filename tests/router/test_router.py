@@ -386,7 +386,8 @@ def test_room_changes_nothing_where_the_prefix_fits_everywhere_or_nowhere():
         out = []
         for i in range(n):
             prompt = [i] * 32 + list(range(5000 + 300 * i, 5256 + 300 * i))
-            out.append((router.route(engine_request(prompt)).engine_id, reference.route(engine_request(prompt)).engine_id))
+            out.append((router.route(engine_request(prompt)).engine_id,
+                        reference.route(engine_request(prompt)).engine_id))
         return out
 
     # Caches nearly full of one-off prompts, each a chain of its own (a load that shares
