@@ -28,9 +28,9 @@ lower: while some engine has room for all its blocks, each engine without that r
 ``PREFIX_EVICTION_WEIGHT`` per token of the prefix blocks it would have to give up (each is
 computed again by a later request of its own prefix, or it would not be one). Load still
 decides when one engine is busier by more than twice that. Where it fits everywhere
-(caches with room), or nowhere (a load that shares nothing starts more chains in
-``NEW_CHAIN_TTL`` than the caches it fills hold), the rule adds nothing and the load
-decides as before. A choice it changed is counted as ``kv_room``.
+(caches with room), or nowhere (caches full of the last seconds' prompts, as under a load
+that shares nothing), the rule adds nothing and the load decides as before. A choice it
+changed is counted as ``kv_room``.
 
 ``round-robin`` and ``random`` ignore load and prefixes.
 """

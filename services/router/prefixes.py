@@ -6,10 +6,11 @@ prompt of which that engine held nothing: a ``BlockStored`` with no parent, or t
 of a prompt the router sent there while no engine held any of it). A new chain that no
 request hits within that time counts as a one-off prompt from then on: the blocks the
 engine's LRU can give up, as a request's own question and answer past a prefix are. So
-under a load that shares nothing the prefix blocks are only the last seconds' prompts,
-more than a cache holds at any rate that fills it, and under a load of shared prefixes
-they are those prefixes. ``PrefixIndex`` keeps one ``Prefixes`` per engine and tells it
-what its events and the router's requests did.
+under a load of shared prefixes the prefix blocks are those prefixes, and under a load
+that shares nothing at a rate that fills the caches they are about all each cache holds
+(its last seconds' prompts; the engine's evictions take the older ones out).
+``PrefixIndex`` keeps one ``Prefixes`` per engine and tells it what its events and the
+router's requests did.
 """
 
 from __future__ import annotations
