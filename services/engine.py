@@ -148,7 +148,7 @@ class Engine:
             self._load_reports.step_started(scheduler_output.incarnation, scheduler_output.reset_state)
             stores = offload.apply(scheduler_output.reset_state, scheduler_output.kv_connector_metadata)
             if stores is not None:
-                stores.result()
+                stores.run()
         runner_output = self.worker.execute_model(scheduler_output, clock)
         if offload is not None:
             runner_output.finished_recving, runner_output.failed_recving, _ = self._load_reports.take_finished()

@@ -16,7 +16,7 @@ import asyncio
 import functools
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from nats.aio.msg import Msg
@@ -49,7 +49,7 @@ from shared.step_profile import NULL_CLOCK, WORKER_PHASES, PhaseClock
 
 from .heap_trim import IDLE_SECONDS_BEFORE_TRIM, trim_heap
 from .kv_offload.build import build_offloading_worker
-from .kv_offload.connector import OffloadingConnectorWorker
+from .kv_offload.connector import OffloadingConnectorWorker, StepStores
 from .kv_transfer.connector import KVConnectorWorker
 from .kv_transfer.load_reports import LoadReports
 from .metrics import step_seconds, worker_families
@@ -232,18 +232,17 @@ class WorkerService(Service):
         if not self.steps.take(scheduler_output):
             return
         reset, meta = scheduler_output.reset_state, scheduler_output.kv_connector_metadata
-        offload_work = self.kv_offload is not None and (reset or (meta is not None and not meta.is_empty()))
-        serial = self.kv_connector is not None or offload_work or self.world_size > 1
+        serial = self.kv_connector is not None or self.world_size > 1 or (self.kv_offload is not None and reset)
         if serial and self._step_in_flight is not None:
-            # One step at a time: the connectors act between steps (P/D's learns what to stop;
-            # the tiers' stores read blocks that the last step wrote and this one may
-            # overwrite), and under TP a failed step must not leave the next one waiting in a
-            # collective. A step the tiers have nothing for (most: they store on eviction)
-            # is queued behind the running one, as without them.
+            # One step at a time: P/D's connector acts between steps (it learns what to stop),
+            # a new scheduler's first step cancels every load of the tiers, and under TP a
+            # failed step must not leave the next one waiting in a collective. Otherwise a
+            # step is queued behind the running one, the tiers' stores included: they run on
+            # the forward thread, first thing in the step (``_run_step``).
             await asyncio.wait([self._step_in_flight])
         if self.load_reports is not None:
             self.load_reports.step_started(scheduler_output.incarnation, reset)
-        # The tiers' copies start before P/D's loads; the forward pass waits for the stores.
+        # The tiers' loads start (behind this step's stores) before P/D's.
         stores = self.kv_offload.apply(reset, meta) if self.kv_offload is not None else None
         if self.kv_connector is not None:
             self.kv_connector.bind_connector_metadata(scheduler_output.incarnation, reset, meta)
@@ -255,13 +254,13 @@ class WorkerService(Service):
         running = loop.run_in_executor(self._executor, self._run_step, scheduler_output, clock, loop, stores)
         self._step_in_flight = self.spawn(self._finish_step(scheduler_output, running, clock, self._step_in_flight))
 
-    def _run_step(self, scheduler_output, clock, loop, stores: Future | None = None) -> ModelRunnerOutput:
+    def _run_step(self, scheduler_output, clock, loop, stores: StepStores | None = None) -> ModelRunnerOutput:
         """On the forward thread: the step's phases count from when it starts there, not
         from when it was queued behind another (its time on the worker, too; and, tracing,
         its traced requests' spans: noted on the event loop, in the steps' order).
-        ``stores``: the tiers' copies of blocks this step may overwrite, waited for first."""
+        ``stores``: the tiers' copies of blocks this step may overwrite, made first."""
         if stores is not None:
-            stores.result()
+            stores.run()
         started = time.perf_counter()
         started_ns = time.time_ns() if self.traces is not None else 0
         clock.starts_no_earlier_than(started)

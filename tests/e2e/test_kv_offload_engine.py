@@ -86,7 +86,7 @@ def test_a_fresh_engine_finds_the_blocks_on_disk_and_a_corrupt_file_is_recompute
     disk = KVOffloadConfig(kv_offloading_path=str(tmp_path))  # write-through: filed when a request ends
     first = engine(worker, disk)
     assert [r.token_ids for r in ask_in_turn(first, model, rounds=1)] == reference[:3]
-    first.offload_worker._disk.submit(lambda: None).result()  # its files are written
+    first.offload_worker.flush()  # its files are written
     assert unit_files(tmp_path)
     # A restarted engine (a new scheduler, empty host tier): round 2 reads the disk tier.
     restarted = engine(worker, disk)
@@ -128,6 +128,6 @@ def test_preempted_requests_give_the_same_tokens_swapped_or_recomputed(model, mo
 def test_no_files_outside_the_namespace_folder(tmp_path, model):
     eng = engine(model[0], KVOffloadConfig(kv_offloading_path=str(tmp_path)))
     eng.generate([model[1][0]], GREEDY)
-    eng.offload_worker._disk.submit(lambda: None).result()
+    eng.offload_worker.flush()
     [namespace] = os.listdir(tmp_path)
     assert namespace.endswith("-tp0of1") and all(p.suffix == ".kv" for p in Path(tmp_path).rglob("*") if p.is_file())

@@ -16,7 +16,7 @@ from services.worker.kv_offload.connector import OffloadingConnectorWorker
 from services.worker.kv_offload.disk_tier import DiskTier, UnitMissing, disk_namespace
 from services.worker.kv_transfer.load_reports import LoadReports
 from shared.kv_transfer_faults import KVTransferFaults
-from shared.kv_unit_file import UnitFileError, header_size
+from shared.kv_unit_file import UnitFileError, header_size, unit_files
 from shared.protocol import (
     KV_OFFLOAD_TRANSFERS,
     KVConnectorMetadata,
@@ -145,6 +145,13 @@ def _worker(caches, tmp_path=None, slots=4, faults=KVTransferFaults()):
     return OffloadingConnectorWorker(caches, 2, slots, disk, reports, faults), reports
 
 
+def _step(worker, reset, meta):
+    """A step's arrival, then its stores run as the forward thread runs them before the step."""
+    stores = worker.apply(reset, meta)
+    if stores is not None:
+        stores.run()
+
+
 def _wait_for_loads(reports, count, timeout=10.0):
     import time
 
@@ -162,12 +169,12 @@ def _wait_for_loads(reports, count, timeout=10.0):
 def test_blocks_stored_to_host_slots_load_back_into_other_blocks_exactly(device):
     src = _caches(device=device)
     worker, reports = _worker(src)
-    worker.apply(True, KVConnectorMetadata(offload_stores=[KVOffloadStore([7, 3], slot=1)])).result()
+    _step(worker, True, KVConnectorMetadata(offload_stores=[KVOffloadStore([7, 3], slot=1)]))
     for k, v in src:  # the pool reuses those blocks
         k[[7, 3]] = 0
         v[[7, 3]] = 0
     load = KVOffloadLoad("r", [KVOffloadSegment([10], offset=1, slot=1), KVOffloadSegment([0], offset=0, slot=1)])
-    worker.apply(False, KVConnectorMetadata(offload_loads=[load]))
+    _step(worker, False, KVConnectorMetadata(offload_loads=[load]))
     assert _wait_for_loads(reports, 1) == (["r"], [])
     expected = _caches(device=device)
     for (k, v), (ek, ev) in zip(src, expected):
@@ -184,14 +191,14 @@ def test_blocks_stored_to_host_slots_load_back_into_other_blocks_exactly(device)
 def test_a_spill_takes_the_slot_before_the_same_steps_store_refills_it(tmp_path, device):
     src = _caches(device=device)
     worker, reports = _worker(src, tmp_path, slots=1)
-    worker.apply(True, KVConnectorMetadata(offload_stores=[KVOffloadStore([1, 2], slot=0)])).result()
+    _step(worker, True, KVConnectorMetadata(offload_stores=[KVOffloadStore([1, 2], slot=0)]))
     meta = KVConnectorMetadata(offload_spills=[KVOffloadSpill(0, [FIRST, KEY])],
                                offload_stores=[KVOffloadStore([5], slot=0, block_hashes=[OTHER])])
-    worker.apply(False, meta).result()
-    worker._disk.submit(lambda: None).result()  # the files are written
+    _step(worker, False, meta)
+    worker.flush()  # the files are written
     load = KVOffloadLoad("r", [KVOffloadSegment([8, 9], 0, disk_key=KEY, unit_blocks=2),
                                KVOffloadSegment([11], 0, disk_key=OTHER, unit_blocks=1)])
-    worker.apply(False, KVConnectorMetadata(offload_loads=[load]))
+    _step(worker, False, KVConnectorMetadata(offload_loads=[load]))
     assert _wait_for_loads(reports, 1) == (["r"], [])
     for (k, _), (ek, _) in zip(src, _caches(device=device)):
         assert torch.equal(k[[8, 9, 11]], ek[[1, 2, 5]])
@@ -204,8 +211,8 @@ def test_a_spill_takes_the_slot_before_the_same_steps_store_refills_it(tmp_path,
 def test_a_missing_or_corrupt_file_fails_the_load_and_writes_nothing(tmp_path):
     src = _caches()
     worker, reports = _worker(src, tmp_path)
-    worker.apply(True, KVConnectorMetadata(offload_stores=[KVOffloadStore([1], block_hashes=[KEY])])).result()
-    worker._disk.submit(lambda: None).result()
+    _step(worker, True, KVConnectorMetadata(offload_stores=[KVOffloadStore([1], block_hashes=[KEY])]))
+    worker.flush()
     path = worker.disk.path(KEY)
     data = bytearray(open(path, "rb").read())
     data[-1] ^= 0xFF
@@ -213,19 +220,62 @@ def test_a_missing_or_corrupt_file_fails_the_load_and_writes_nothing(tmp_path):
     before = [t.clone() for pair in src for t in pair]
     loads = [KVOffloadLoad("bad", [KVOffloadSegment([4], 0, disk_key=KEY, unit_blocks=1)]),
              KVOffloadLoad("gone", [KVOffloadSegment([5], 0, disk_key=OTHER, unit_blocks=1)])]
-    worker.apply(False, KVConnectorMetadata(offload_loads=loads))
+    _step(worker, False, KVConnectorMetadata(offload_loads=loads))
     assert sorted(_wait_for_loads(reports, 2)[1]) == ["bad", "gone"]
     assert all(torch.equal(a, b) for a, b in zip(before, [t for pair in src for t in pair]))
     assert worker.take_counters().corrupt_files == 1 and not os.path.exists(path)
 
 
+def test_a_load_starts_only_once_its_steps_stores_have_run_and_fails_if_they_never_do(monkeypatch):
+    import services.worker.kv_offload.connector as connector
+
+    src = _caches()
+    worker, reports = _worker(src)
+    _step(worker, True, KVConnectorMetadata(offload_stores=[KVOffloadStore([1, 2], slot=0)]))
+    expected = [t[[1, 2]].clone() for pair in src for t in pair]
+    # Block 1 is evicted (stored to slot 1) in the very step that loads block 2's copy into it.
+    stores = worker.apply(False, KVConnectorMetadata(offload_stores=[KVOffloadStore([1], slot=1)],
+                                                     offload_loads=[KVOffloadLoad("r", [KVOffloadSegment([1], 1, 0)])]))
+    assert _wait_for_loads(reports, 1, timeout=0.3) == ([], [])  # the forward thread has not reached the step
+    stores.run()
+    assert _wait_for_loads(reports, 1) == (["r"], [])
+    for cache, before in zip((t for pair in src for t in pair), expected):
+        assert torch.equal(cache[1], before[1])  # block 2's copy
+    stored = worker.copier.host_view(worker.slots, 1, 1)
+    assert stored[0, 0].tobytes() == expected[0][0].numpy().tobytes()  # block 1 as it was before the load
+
+    monkeypatch.setattr(connector, "STORES_DEADLINE_S", 0.2)
+    worker.apply(False, KVConnectorMetadata(offload_loads=[KVOffloadLoad("lost", [KVOffloadSegment([5], 0, 0)])]))
+    assert _wait_for_loads(reports, 1) == ([], ["lost"])  # its step never ran: it recomputes
+
+
+def test_files_are_written_at_low_priority_and_a_full_write_queue_skips_stores(tmp_path, monkeypatch):
+    import threading
+
+    import services.worker.kv_offload.connector as connector
+
+    worker, _ = _worker(_caches(), tmp_path)
+    niceness = worker._disk_writes.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    assert niceness.result() == min(19, os.getpriority(os.PRIO_PROCESS, 0) + connector.WRITER_NICENESS)
+    monkeypatch.setattr(connector, "WRITE_BACKLOG_BYTES", 2 * worker.unit_bytes)
+    release = threading.Event()
+    worker._disk_writes.submit(release.wait, 10)  # the disk is slow: nothing queued gets written yet
+    stores = [KVOffloadStore([2 * i, 2 * i + 1], block_hashes=[bytes([i]) * 32, bytes([i + 1]) * 32]) for i in range(3)]
+    _step(worker, True, KVConnectorMetadata(offload_stores=stores))
+    assert worker.disk.stores_skipped == 1  # the third: two units' bytes were queued already
+    release.set()
+    worker.flush()
+    assert len(unit_files(tmp_path)) == 2
+    assert worker.take_counters().stores_skipped == 1
+
+
 def test_a_cancelled_load_never_writes_and_is_not_reported():
     src = _caches()
     worker, reports = _worker(src, faults=KVTransferFaults(slow_offload="slow"))
-    worker.apply(True, KVConnectorMetadata(offload_stores=[KVOffloadStore([1], slot=0)])).result()
+    _step(worker, True, KVConnectorMetadata(offload_stores=[KVOffloadStore([1], slot=0)]))
     before = src[0][0][6].clone()
-    worker.apply(False, KVConnectorMetadata(offload_loads=[KVOffloadLoad("slow-1", [KVOffloadSegment([6], 0, 0)])]))
-    worker.apply(False, KVConnectorMetadata(reqs_to_cancel=["slow-1"]))
+    _step(worker, False, KVConnectorMetadata(offload_loads=[KVOffloadLoad("slow-1", [KVOffloadSegment([6], 0, 0)])]))
+    _step(worker, False, KVConnectorMetadata(reqs_to_cancel=["slow-1"]))
     assert _wait_for_loads(reports, 1, timeout=1.0) == ([], [])
     assert torch.equal(src[0][0][6], before)
 
@@ -234,7 +284,7 @@ def test_a_cancelled_load_never_writes_and_is_not_reported():
 def test_host_slots_hold_exactly_what_a_unit_file_holds(device):
     src = _caches(device=device)
     worker, _ = _worker(src)
-    worker.apply(True, KVConnectorMetadata(offload_stores=[KVOffloadStore([2, 9], slot=3)])).result()
+    _step(worker, True, KVConnectorMetadata(offload_stores=[KVOffloadStore([2, 9], slot=3)]))
     slot = np.asarray(worker.copier.to_bytes(worker.copier.host_view(worker.slots, 3, 2)))
     from services.worker.kv_transfer.block_io import KVBlockIO
 

@@ -1,28 +1,39 @@
 """The offloading connector's worker role: copies blocks down to the host and disk tiers and
 back, as each step's ``KVConnectorMetadata`` says (docs/ARCHITECTURE.md, "Tiered KV cache").
 
-Per step, between the previous forward pass and this one (``apply``):
+Per step (``apply``, when the step's message arrives):
 
 1. loads the scheduler gave up are cancelled: after this no copy writes their blocks;
 2. **spills** (host units the scheduler evicts, going to disk) are copied out of their
    slots, then **stores** copy device blocks into host slots (and/or into buffers for unit
-   files). These read blocks the pool may hand out in this very step, so the step's forward
-   pass waits for them (``apply`` returns their future; on a GPU they are queued on a side
-   stream and only the forward pass's stream waits, ``fence``);
+   files). These read blocks the pool may hand out in this very step, and blocks the step
+   before it may still be writing, so they run on the forward thread right before this
+   step's forward pass (``StepStores.run``): after the previous step, without a thread
+   hand-off, and without holding the step back from being queued behind the running one.
+   A store of a 64-token unit is a ~0.2 ms copy here; on a GPU it is only queued on a side
+   stream and the forward pass's stream waits for it (``fence``);
 3. **loads** start: each request's segments are copied into its blocks on the offloading
-   thread (host slots) or, when it reads unit files, on the disk thread, after this step's
-   stores; the request waits parked in the scheduler meanwhile, and its end is reported as a
-   P/D load's (``LoadReports``). A missing, corrupt or truncated file, or any error, fails
-   the load: the scheduler recomputes the request.
+   thread (host slots) or, when it reads unit files, on the disk thread, once this step's
+   stores have run (the blocks a load writes may be ones this step stores, or ones the
+   step before it was still writing); the request waits parked in the scheduler meanwhile,
+   and its end is reported as a P/D load's (``LoadReports``). A missing, corrupt or
+   truncated file, a store that does not run in time, or any error, fails the load: the
+   scheduler recomputes the request.
 
-Unit files are written on the disk thread from copies taken in step 2, so the forward pass
-never waits for a disk. Nothing here runs on the forward thread; the offloading thread only
-copies memory. One lock orders the loads' writes against cancellation (as P/D's).
+Unit files are written on a thread of their own ("kv-disk-write") from copies taken in step
+2, so the forward pass never waits for a disk, nor a load from disk behind writes. That thread
+runs at a lower CPU priority (nice +10): on a CPU host the forward pass's OpenMP threads have
+every core, and a writer that takes one of them mid-step holds the whole step at its next
+barrier; it writes between steps instead, and when the writes queued pass WRITE_BACKLOG_BYTES
+(the engine busy for long) further stores to disk are skipped (counted), never queued without
+bound. One lock orders the loads' writes against cancellation (as P/D's).
+The host slots' pages are taken at start-up (``CpuUnitCopier.allocate_slots``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,6 +59,43 @@ logger = logging.getLogger(__name__)
 _TRANSFER = {name: i for i, name in enumerate(KV_OFFLOAD_TRANSFERS)}
 # A cancelled load's injected delay (test faults) ends this soon after the cancellation.
 _DELAY_STEP = 0.05
+# A load waits at most this long for its step's stores to run on the forward thread (behind
+# the steps queued before it); past it the load fails and the request recomputes.
+STORES_DEADLINE_S = 120.0
+# Bytes of unit files queued for the writer thread past which a store to disk is skipped.
+WRITE_BACKLOG_BYTES = 256 << 20
+# How much nicer the writer thread is than the process (Linux: a thread's own nice value).
+WRITER_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    try:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + WRITER_NICENESS))
+    except (AttributeError, OSError):  # no per-thread priority here: it writes at the forward pass's
+        pass
+
+
+class StepStores:
+    """One step's spills and stores, run on the forward thread before the step's forward
+    pass; the step's loads wait for them (``wait``)."""
+
+    def __init__(self, copies) -> None:
+        self._copies = copies
+        self._done = Future()
+
+    def run(self) -> None:
+        if not self._done.set_running_or_notify_cancel():
+            return
+        try:
+            self._copies()
+        except BaseException as e:
+            self._done.set_exception(e)
+            raise
+        self._done.set_result(None)
+
+    def wait(self, timeout: float) -> None:
+        self._done.result(timeout)
 
 
 class OffloadingConnectorWorker:
@@ -64,6 +112,9 @@ class OffloadingConnectorWorker:
         self.unit_bytes = unit_blocks * self.copier.block_bytes
         self._kv = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload")
         self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk")
+        self._disk_writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk-write",
+                                               initializer=_lower_priority)
+        self._queued_write_bytes = 0
         self._lock = threading.Lock()
         self._loads: dict[str, dict] = {}
         self._counter_lock = threading.Lock()
@@ -75,7 +126,7 @@ class OffloadingConnectorWorker:
 
     def start(self) -> None:
         if self.disk is not None:
-            self._disk.submit(self.disk.scan)  # its size, and what earlier runs and other engines left
+            self._disk_writes.submit(self.disk.scan)  # its size, and what earlier runs and other engines left
 
     def info(self, namespace: str) -> KVOffloadWorkerInfo:
         self.costs.disk_namespace = namespace
@@ -84,12 +135,18 @@ class OffloadingConnectorWorker:
     def close(self) -> None:
         self._kv.shutdown(wait=False, cancel_futures=True)
         self._disk.shutdown(wait=False, cancel_futures=True)
+        self._disk_writes.shutdown(wait=False, cancel_futures=True)
+
+    def flush(self, timeout: float = STORES_DEADLINE_S) -> None:
+        """Wait until every unit file queued so far is written (or skipped)."""
+        self._disk_writes.submit(lambda: None).result(timeout)
 
     # ------------------------------------------------------------------ per step
 
-    def apply(self, reset: bool, meta: KVConnectorMetadata | None) -> Future | None:
-        """Between steps, before the forward pass: cancel, store, start loads. Returns the
-        future of the stores (the forward pass waits for it), None when there are none."""
+    def apply(self, reset: bool, meta: KVConnectorMetadata | None) -> StepStores | None:
+        """When a step arrives: cancel, start loads (behind the step's stores). Returns the
+        stores for the forward thread to run before the step (None: the step has no stores
+        and no loads)."""
         with self._lock:
             if reset:  # a new scheduler: its index of the tiers starts empty
                 for flag in self._loads.values():
@@ -101,9 +158,10 @@ class OffloadingConnectorWorker:
                     flag["cancelled"] = True
         if meta is None:
             return None
-        stores = None
-        if meta.offload_spills or meta.offload_stores:
-            stores = self._kv.submit(self._store_all, meta.offload_spills, meta.offload_stores)
+        if not (meta.offload_spills or meta.offload_stores or meta.offload_loads):
+            return None
+        spills, stored = meta.offload_spills, meta.offload_stores
+        stores = StepStores(lambda: self._store_all(spills, stored))
         for load in meta.offload_loads:
             flag = {"cancelled": False}
             with self._lock:
@@ -114,16 +172,18 @@ class OffloadingConnectorWorker:
 
     def _store_all(self, spills: list[KVOffloadSpill], stores: list[KVOffloadStore]) -> None:
         for spill in spills:  # before the stores: they may refill these slots
-            start = time.perf_counter()
-            data = bytes(self.copier.to_bytes(self._host(spill.slot, len(spill.block_hashes))))
-            self._disk.submit(self._write_file, spill.block_hashes, data, "CPU_to_DISK", time.perf_counter() - start)
+            if self._reserve_write(len(spill.block_hashes)):
+                start = time.perf_counter()
+                data = bytes(self.copier.to_bytes(self._host(spill.slot, len(spill.block_hashes))))
+                self._disk_writes.submit(self._write_file, spill.block_hashes, data, "CPU_to_DISK",
+                                         time.perf_counter() - start)
         for store in stores:
             n = len(store.block_ids)
             start = time.perf_counter()
             if store.slot >= 0:
                 self.copier.gather(store.block_ids, self._host(store.slot, n))
                 self._count("GPU_to_CPU", n, time.perf_counter() - start)
-            if store.block_hashes:
+            if store.block_hashes and self._reserve_write(n):
                 start = time.perf_counter()
                 if store.slot >= 0:
                     data = bytes(self.copier.to_bytes(self._host(store.slot, n)))
@@ -131,12 +191,25 @@ class OffloadingConnectorWorker:
                     buffer = self.copier.empty(n)
                     self.copier.gather(store.block_ids, buffer)
                     data = self.copier.to_bytes(buffer)
-                self._disk.submit(self._write_file, store.block_hashes, data, "GPU_to_DISK",
-                                  time.perf_counter() - start)
+                self._disk_writes.submit(self._write_file, store.block_hashes, data, "GPU_to_DISK",
+                                         time.perf_counter() - start)
         self.copier.fence()
+
+    def _reserve_write(self, num_blocks: int) -> bool:
+        """Room in the writer's queue for a unit of ``num_blocks``; False (a store skipped) past
+        WRITE_BACKLOG_BYTES."""
+        nbytes = num_blocks * self.copier.block_bytes
+        with self._counter_lock:
+            if self._queued_write_bytes + nbytes > WRITE_BACKLOG_BYTES:
+                self.disk.stores_skipped += 1
+                return False
+            self._queued_write_bytes += nbytes
+            return True
 
     def _write_file(self, block_hashes: list[bytes], data, transfer: str, copy_seconds: float) -> None:
         start = time.perf_counter()
+        with self._counter_lock:
+            self._queued_write_bytes -= len(block_hashes) * self.copier.block_bytes
         try:
             written = self.disk.write(block_hashes, data)
         except Exception:  # a store is a cache entry: never an error for the engine
@@ -150,12 +223,11 @@ class OffloadingConnectorWorker:
 
     # ------------------------------------------------------------------ loads
 
-    def _load(self, load: KVOffloadLoad, flag: dict, stores: Future | None) -> None:
+    def _load(self, load: KVOffloadLoad, flag: dict, stores: StepStores) -> None:
         error = ""
         try:
             self._delay_for_tests(load.req_id, flag)
-            if stores is not None:
-                stores.result()  # this step's stores read blocks the load may write
+            stores.wait(STORES_DEADLINE_S)
             for segment in load.segments:
                 if flag["cancelled"]:
                     return

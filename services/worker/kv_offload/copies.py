@@ -15,12 +15,15 @@ into those blocks; a load's copies end before the load is reported done.
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 import numpy as np
 import torch
 
 from services.worker.kv_transfer.block_io import KVBlockIO
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault every page in at mmap time
 
 
 class CpuUnitCopier:
@@ -35,8 +38,15 @@ class CpuUnitCopier:
         return (2 * self.num_layers, num_blocks, *self.block_shape)
 
     def allocate_slots(self, num_slots: int, unit_blocks: int) -> np.ndarray:
-        """Host slots ``[slots, 2 * layers, unit_blocks, ...]``; pages are taken on first write."""
-        return np.empty((num_slots, *self.unit_shape(unit_blocks)), dtype=self.dtype)
+        """Host slots ``[slots, 2 * layers, unit_blocks, ...]``, their pages taken now.
+
+        Taken at start-up, not by the stores: a first write to a page faults, and numpy
+        advises huge pages for large arrays, whose faults cost ~7x more CPU here (1 GiB:
+        2.4 s with the advice, 0.33 s populated at once), all of it on the forward thread."""
+        shape = (num_slots, *self.unit_shape(unit_blocks))
+        nbytes = int(np.prod(shape)) * self.dtype.itemsize
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
+        return np.frombuffer(memory, dtype=self.dtype).reshape(shape)
 
     def empty(self, num_blocks: int) -> np.ndarray:
         return np.empty(self.unit_shape(num_blocks), dtype=self.dtype)
