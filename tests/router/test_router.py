@@ -317,12 +317,12 @@ def two_engines(a_prefix_blocks, b_prefix_blocks, capacity=80):
     """Engines "a" and "b" with full caches of ``capacity`` blocks, so many of them prefixes
     (chains of 18 that started there, and a shorter one), the rest requests' own tails."""
     router, clock = kv_router()
-    for seq_engine, held in (("a", a_prefix_blocks), ("b", b_prefix_blocks)):
-        router.on_stats(stats(seq_engine, seq=1, num_gpu_blocks=capacity))
-        chains = chain(seq_engine, held // 18) + chain(seq_engine + "+", 1, blocks=held % 18)
-        tails = chain(seq_engine + "-", 1, blocks=capacity - held, parent=b"some prefix")
-        router.on_batch(batch(seq_engine, 2, chains + tails))
-        assert router.index.num_held(seq_engine) == capacity
+    for engine_id, held in (("a", a_prefix_blocks), ("b", b_prefix_blocks)):
+        router.on_stats(stats(engine_id, seq=1, num_gpu_blocks=capacity))
+        chains = chain(engine_id, held // 18) + chain(engine_id + "+", 1, blocks=held % 18)
+        tails = chain(engine_id + "-", 1, blocks=capacity - held, parent=b"some prefix")
+        router.on_batch(batch(engine_id, 2, chains + tails))
+        assert router.index.num_held(engine_id) == capacity
     return router, clock
 
 
@@ -391,7 +391,7 @@ def test_room_changes_nothing_where_the_prefix_fits_everywhere_or_nowhere():
         return out
 
     # Caches nearly full of one-off prompts, each a chain of its own (a load that shares
-    # nothing): "b" has more room than "a", for none of the new prompts.
+    # nothing): "b" has more room than "a" (8 blocks against 2), for none of the prompts (18).
     router, _ = two_engines(78, 72)
     choices = least_loaded_choices(router)
     assert all(kv == ll for kv, ll in choices) and router.decisions == {"kv_load": 12}
