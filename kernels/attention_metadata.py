@@ -64,3 +64,6 @@ class AttentionMetadata:
     # A step with prompt chunks: which requests the CPU's chunk path attends, and its
     # arguments (`PrefillPlan`); None until built.
     prefill_plan: PrefillPlan | None = None
+    # The step's requests as int32 arrays for the C kernels that take whole requests (block
+    # tables, query starts, query lengths, context lengths); None until built.
+    request_rows: tuple[torch.Tensor, ...] | None = None

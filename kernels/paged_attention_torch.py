@@ -33,13 +33,23 @@ flash attention request by request (`_attend_long`). What is left (shorter chunk
 decodes of a mixed step, machines where no kernel can be built: no C compiler, see
 `kernels.cpu_build`) goes to `paged_attention_ref`.
 
-`paged_attention_cpu_batch_invariant` (the default, `--batch-invariant`) runs every query
-token of every step that way, prompt chunks included: a token's result is then a function
-of its query, its context's K/V and nothing else (not the step's other requests, not how
-its prompt was chunked, not whether its prefix came from the prefix cache), so greedy
-output does not depend on the batch. It costs no speed here: the per-token C kernel ran a
-prompt chunk's attention faster than the padded SDPA call (docs/BENCHMARKS.md, "Batch
-invariance").
+`paged_attention_cpu_batch_invariant` (the default, `--batch-invariant`) gives every query
+token of every step, prompt chunks included, the bits the C decode kernel gives it as a
+decode at its position: a token's result is then a function of its query, its context's
+K/V and nothing else (not the step's other requests, not how its prompt was chunked, not
+whether its prefix came from the prefix cache, and a recomputed generated token equals its
+decoded self), so greedy output does not depend on the batch. An all-decode step runs the
+decode kernel; a step with prompt chunks (bfloat16 query and caches, a build with
+AVX512_BF16, an even block size) runs the same kernel's multi-row entry
+(`decode_attention_rows_native`): tiles of consecutive query tokens of a request, with all
+the query heads of a KV head, go through the context together, each K run copied once and
+its scores computed per token exactly as a decode computes them, each V run interleaved
+into pairs of positions once and multiplied into every row's accumulators (`vdpbf16ps`,
+weights rounded to bf16, the decode's values arithmetic too). Equal bits by construction,
+and faster than the C prefill kernel (a 2,048-token chunk's layer ~20 ms against ~30 ms
+on a 2-vCPU Zen 4, one thread; docs/BENCHMARKS-diary.md, "Long prompts"). Elsewhere
+(float32, AVX2 builds, odd block sizes) each query token runs as a decode of its own
+through the decode kernel, and the reference only where the kernel cannot run at all.
 
 The caches hold the query's dtype, or bfloat16 under a float32 query (`--kv-cache-dtype
 bfloat16`: half the bytes to store and to read); both paths compute in the query's dtype,
@@ -346,6 +356,61 @@ def decode_attention_native(
     return True
 
 
+_ROWS_ARGTYPES = [
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,  # query, its row stride, caches
+    ctypes.c_void_p, ctypes.c_int64,  # block tables, their row stride
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # query starts, query lens, seq lens, n
+    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # nh, kvh, hd, block size, window
+    ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,  # scale, out, its row stride, threads
+]
+
+
+@kernel_binding
+def _rows_kernel():
+    """The C decode kernel's multi-row entry point (bfloat16 query and caches), or None."""
+    return bind("paged_decode_attention", "decode_attention_rows_bf16", _ROWS_ARGTYPES, ctypes.c_int)
+
+
+def decode_attention_rows_native(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> bool:
+    """Every query token of the step attended as the C decode kernel attends a decode at its
+    position, bit for bit, several tokens of a request at a time (each K/V run read once for
+    them): write `out` and return True, or return False having done nothing where the
+    kernel has no multi-row code for these tensors (then run one decode per token)."""
+    kernel = _rows_kernel()
+    if (
+        kernel is None
+        or query.device.type != "cpu"
+        or not (query.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.bfloat16)
+        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+        or not (heads_packed(query) and heads_packed(out))
+    ):
+        return False
+    if attn.request_rows is None:
+        query_lens = attn.query_start_loc[1:] - attn.query_start_loc[:-1]
+        attn.request_rows = tuple(t.to(torch.int32).contiguous() for t in (
+            attn.block_tables, attn.query_start_loc[:-1], query_lens, attn.seq_lens))
+    tables, starts, lens, seq_lens = attn.request_rows
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    status = kernel(
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), seq_lens.data_ptr(), len(lens),
+        query.shape[1], num_kv_heads, head_dim, block_size, attn.sliding_window or 0,
+        scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    if status == 1:
+        return False
+    if status != 0:
+        raise MemoryError("decode attention kernel: out of memory for its score buffers")
+    return True
+
+
 def paged_attention_cpu(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -394,15 +459,18 @@ def paged_attention_cpu_batch_invariant(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`paged_attention_ref`'s result with every query token attended alone by the C decode
-    kernel (one pass per token over its context, in one fixed order); the reference, which
-    is not batch invariant, only where the kernel cannot take these tensors."""
+    """`paged_attention_ref`'s result with every query token given the bits the C decode
+    kernel gives it alone (prompt chunks through its multi-row entry where built, else one
+    decode per token); the reference, which is not batch invariant, only where the kernel
+    cannot take these tensors."""
     if out is None:
         out = torch.empty_like(query)
     if query.shape[0] == 0:
         return out
     if _all_decodes(query, attn):
         block_tables, seq_lens = attn.block_tables, attn.seq_lens
+    elif decode_attention_rows_native(query, key_cache, value_cache, attn, scale, out):
+        return out
     else:
         block_tables, seq_lens = _token_decodes(attn)
     if decode_attention_native(query, key_cache, value_cache, block_tables, seq_lens, scale, out,

@@ -1,6 +1,8 @@
 """One layer's attention of prompt chunks on the CPU: the padded SDPA reference, PyTorch's
 flash attention split at the chunk's start, every query token alone through the C decode
-kernel (what a batch-invariant attention does), and the C prefill kernel.
+kernel (what the batch-invariant attention did before its multi-row kernel), the
+batch-invariant attention (`paged_attention_cpu_batch_invariant`: the decode kernel's
+arithmetic, several query tokens at a time), and the C prefill kernel.
 
 SmolLM2-135M's heads (9 query heads, 3 KV heads, dim 64), bfloat16, random K/V in a paged
 cache; per case the milliseconds of one call (median of --repeats), by this process's CPU
@@ -33,6 +35,13 @@ CASES = [
     ("8 prompts of 1,024 tokens", [1024] * 8, [0] * 8),
 ]
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+# Decode steps (one query token per request: the batch-invariant attention's decode path),
+# to check that a change for prompt chunks leaves decoding alone.
+DECODE_CASES = [
+    ("32 decodes at 200 tokens", [1] * 32, [199] * 32),
+    ("32 decodes at 1,024 tokens", [1] * 32, [1023] * 32),
+    ("1 decode at 4,096 tokens", [1], [4095]),
+]
 
 
 def causal_flops(query_lens: list[int], context_lens: list[int]) -> float:
@@ -59,6 +68,9 @@ def main(argv=None) -> int:
                 out = torch.empty_like(batch.query)
                 attention.decode_attention_native(batch.query, batch.key_cache, batch.value_cache, tables, lens,
                                                   batch.scale, out)
+            elif path == "batch-invariant":
+                batch.attn.request_rows = None
+                attention.paged_attention_cpu_batch_invariant(*batch.args())
             elif path == "reference":
                 attention.paged_attention_ref(*batch.args())
             else:
@@ -77,7 +89,7 @@ def main(argv=None) -> int:
             attention.prefill_kernel_takes, attention.LONG_QUERY_MIN = takes, 256
         return statistics.median(times) * 1e3
 
-    paths = ["reference", "flash split", "per-token decode"] + (["c kernel"] if kernel_built else [])
+    paths = ["reference", "flash split", "per-token decode", "batch-invariant"] + (["c kernel"] if kernel_built else [])
     print(f"# {describe_cpu()}; torch threads {args.threads}; {'wall' if args.wall else 'CPU'} ms per call")
     print("| chunk | " + " | ".join(paths) + " | causal GFLOP/s (" + paths[-1] + ") |")
     print("|---|" + "---:|" * (len(paths) + 1))
@@ -86,6 +98,19 @@ def main(argv=None) -> int:
         ms = {path: timed(batch, path) for path in paths}
         gflops = causal_flops(query_lens, context_lens) / ms[paths[-1]] / 1e6
         print(f"| {label} | " + " | ".join(f"{ms[path]:.1f}" for path in paths) + f" | {gflops:.0f} |", flush=True)
+    print("\n| decode step | batch-invariant (C decode kernel), us per call |\n|---|---:|")
+    for label, query_lens, context_lens in DECODE_CASES:
+        batch = make_batch(query_lens, context_lens, HEADS, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, seed=1)
+        out = torch.empty_like(batch.query)
+        for _ in range(20):
+            attention.paged_attention_cpu_batch_invariant(*batch.args(), out=out)
+        times = []
+        for _ in range(args.repeats * 30):
+            start = clock()
+            for _ in range(10):
+                attention.paged_attention_cpu_batch_invariant(*batch.args(), out=out)
+            times.append((clock() - start) / 10)
+        print(f"| {label} | {statistics.median(times) * 1e6:.0f} |", flush=True)
     return 0
 
 

@@ -12,7 +12,12 @@
  * bf16 caches takes AVX512_BF16 (vdpbf16ps) where the library is compiled for it; the
  * other pairings, and that one without AVX512_BF16, take AVX2 + FMA (bf16 widened to
  * float32 by a shift) where the library is compiled for AVX2 (AVX-512 builds included),
- * and the generic code otherwise.
+ * and the generic code otherwise. On the AVX512_BF16 path (with an even block size) the
+ * softmax numerators are rounded to bf16 and the values summed by pairs of positions, one
+ * vdpbf16ps per pair (pair_values_512), and the same library's multi-row entry,
+ * decode_attention_rows_bf16 (at the end), attends a prompt chunk's tokens several at a
+ * time with each row's arithmetic exactly a decode's: the batch-invariant attention of
+ * prompt chunks.
  */
 #include <math.h>
 #include <stdint.h>
@@ -52,10 +57,11 @@ ALWAYS_INLINE void load_row(const void *base, int64_t index, float *dst, const i
 }
 
 #define MAX_DOT_GROUP 8
+#define PAIR_WORK_FLOATS(hd) (8 * (size_t)(hd)) /* PAIR_RUN / 2 pairs' V vectors */
 #define MAX_DOT_HD 128
 #define MAX_VALUE_GROUP 4
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define HAVE_512 1 /* bf16 query over bf16 caches: the query read in place */
 #define SCORE_RUN_512 16 /* tokens per block_scores_512 call */
@@ -209,6 +215,128 @@ ALWAYS_INLINE void block_values_256(const void *v, int64_t token_stride, int cou
 #define HAVE_256 0
 #endif
 
+#if HAVE_512
+/* exp(x) lane by lane: fast_expf's method (kernels/cpu/fast_exp.h) in explicit 16-lane code. */
+ALWAYS_INLINE __m512 fast_exp16(__m512 x) {
+    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.42860682030941723e-6f), r);
+    static const float coefficients[] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    for (int c = 0; c < 7; c++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coefficients[c]));
+    const __m512i ki = _mm512_cvtps_epi32(k), k1 = _mm512_srai_epi32(ki, 1), k2 = _mm512_sub_epi32(ki, k1);
+    const __m512i bias = _mm512_set1_epi32(127);
+    const __m512 f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k1, bias), 23));
+    const __m512 f2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k2, bias), 23));
+    return _mm512_mask_blend_ps(over, _mm512_mul_ps(_mm512_mul_ps(p, f1), f2), _mm512_set1_ps(INFINITY));
+}
+#endif
+
+#if HAVE_512
+/* Values by pairs of positions (2k, 2k + 1), bf16 query over bf16 caches: a row's softmax
+ * numerators rounded to bfloat16 and multiplied into its float32 accumulators by vdpbf16ps
+ * (two products per lane), two positions per instruction. A pair member the row does not
+ * see has weight 0 and its V row 0, so every pair's instruction inputs are a function of
+ * the row alone. The accumulators hold the head dims in the order unpacklo/hi_epi16 leave
+ * them (pair_lane_of). */
+#define PAIR_RUN 16 /* positions per values run (within a block: block sizes are even) */
+#define VALUE_REGS 24 /* accumulator registers of one pair_values_512 call: rows x hd / 16 */
+#define MAX_VALUE_ROWS 12 /* VALUE_REGS / (hd / 16) for the smallest head dim, 32 */
+
+/* Element of the accumulators holding head dim d: per 32 dims, the unpacklo vector (dims
+ * 8L .. 8L + 3 of each 128-bit lane L) then the unpackhi one (8L + 4 .. 8L + 7). */
+ALWAYS_INLINE int pair_lane_of(int d) {
+    const int r = d & 31;
+    return ((d >> 5) * 2 + ((r >> 2) & 1)) * 16 + 4 * (r >> 3) + (r & 3);
+}
+
+/* V rows of the pair's even (`a`) and odd (`b`) positions, NULL for a member the row does
+ * not see, interleaved for vdpbf16ps: hd / 16 vectors of (even, odd) bf16 pairs. */
+ALWAYS_INLINE void pair_vectors(const uint16_t *a, const uint16_t *b, __m512i *out, const int hd) {
+    for (int c = 0; c < hd / 32; c++) {
+        const __m512i ra = a ? _mm512_loadu_si512(a + 32 * c) : _mm512_setzero_si512();
+        const __m512i rb = b ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+        out[2 * c] = _mm512_unpacklo_epi16(ra, rb);
+        out[2 * c + 1] = _mm512_unpackhi_epi16(ra, rb);
+    }
+}
+
+/* acc[b] += the weights times V over the pairs of positions start .. start + count - 1
+ * (start even) for NB rows (a row: one query head of one query token); p[b] holds the
+ * row's weight pairs (two bf16 in a word) from start on. The pairs' V vectors come from
+ * vpairs (hd words a pair, built by pair_vectors from rows every one of the NB rows sees
+ * whole) or, vpairs NULL, are built here from the V rows from v on (position start's row
+ * of this KV head), members outside [lo, len) zeroed. One vdpbf16ps per (pair, 16 lanes),
+ * in pair order. */
+ALWAYS_INLINE void pair_values_512(const uint32_t *vpairs, const uint16_t *v, int64_t token_stride, int start,
+                                   int count, int lo, int len, const uint32_t *const *p, float *const *acc_io,
+                                   const int NB, const int hd) {
+    __m512 acc[MAX_VALUE_ROWS][MAX_DOT_HD / 16]; /* fixed sizes: kept in registers */
+    for (int b = 0; b < NB; b++)
+        for (int c = 0; c < hd / 16; c++) acc[b][c] = _mm512_loadu_ps(acc_io[b] + 16 * c);
+    for (int k = 0; 2 * k < count; k++) {
+        __m512i pv[MAX_DOT_HD / 16];
+        if (vpairs) {
+            for (int c = 0; c < hd / 16; c++) pv[c] = _mm512_loadu_si512(vpairs + (int64_t)k * hd + 16 * c);
+        } else {
+            const int pos = start + 2 * k;
+            pair_vectors(pos >= lo && pos < len ? v + 2 * k * token_stride : NULL,
+                         pos + 1 >= lo && pos + 1 < len ? v + (2 * k + 1) * token_stride : NULL, pv, hd);
+        }
+#pragma GCC unroll 8
+        for (int b = 0; b < NB; b++) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)p[b][k]);
+#pragma GCC unroll 8
+            for (int c = 0; c < hd / 16; c++) acc[b][c] = _mm512_dpbf16_ps(acc[b][c], (__m512bh)pv[c], w);
+        }
+    }
+    for (int b = 0; b < NB; b++)
+        for (int c = 0; c < hd / 16; c++) _mm512_storeu_ps(acc_io[b] + 16 * c, acc[b][c]);
+}
+#endif
+
+#if HAVE_512
+/* A row's softmax numerators exp(s[t] - max) over s[0 .. n), rounded to bfloat16 into
+ * w[0 .. n); returns their float32 sum. Explicit 16-lane code (lane k sums elements k,
+ * k + 16, ... in order, then one fixed tree), so that the decode and the multi-row kernel
+ * give a row the same bits (a compiler-vectorized loop may split a sum differently in two
+ * places). */
+ALWAYS_INLINE float softmax_weights_bf16(const float *s, const int n, uint16_t *w) {
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    __m512 vmax = neg_inf;
+    int t = 0;
+    for (; t + 16 <= n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+    const __mmask16 tail = (__mmask16)((1u << (n - t)) - 1u);
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, tail, s + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 sum = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= n; t += 16) {
+        const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+        _mm256_storeu_si256((__m256i *)(w + t), (__m256i)_mm512_cvtneps_pbh(e));
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (tail) {
+        const __m512 e = fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m));
+        _mm256_mask_storeu_epi16(w + t, tail, (__m256i)_mm512_cvtneps_pbh(e));
+        sum = _mm512_mask_add_ps(sum, tail, sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* A row's bf16 weights for the values by pairs, w[0] at the even position pbase <= lo:
+ * the softmax numerators over [lo, len), zeros for the pair members before lo and at len;
+ * returns 1 / their float32 sum. */
+ALWAYS_INLINE float row_weights_bf16(const float *s, int pbase, int lo, int len, uint16_t *w) {
+    const float total = softmax_weights_bf16(s + (lo - pbase), len - lo, w + (lo - pbase));
+    w[0] = lo > pbase ? 0 : w[0];
+    if ((len - pbase) % 2) w[len - pbase] = 0;
+    return 1.0f / total;
+}
+#endif
+
 ALWAYS_INLINE void prefetch_block(const void *base, int64_t first_element, int64_t elements, const int elem_size) {
     const char *p = (const char *)base + first_element * elem_size;
     for (int64_t offset = 0; offset < elements * elem_size; offset += 64) __builtin_prefetch(p + offset, 0, 1);
@@ -318,8 +446,12 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
                 const int64_t k_kv = k_at + (int64_t)kv * hd, q_at = (int64_t)kv * group * hd;
                 float *s_kv = scores + (int64_t)kv * group * len + start;
 #if HAVE_512
+                uint16_t k_copy[SCORE_RUN_512 * MAX_DOT_HD];
+                if (use_512)
+                    for (int j = 0; j < count; j++)
+                        memcpy(k_copy + j * hd, (const uint16_t *)a->key_cache + k_kv + j * token_stride, sizeof(uint16_t) * (size_t)hd);
 #define SCORES(G) \
-    case G: block_scores_512(a->key_cache, k_kv, token_stride, count, q_in_place + q_at, a->scale, s_kv, len, G, hd); break;
+    case G: block_scores_512(k_copy, 0, hd, count, q_in_place + q_at, a->scale, s_kv, len, G, hd); break;
                 if (use_512) switch (group) { SCORES(1) SCORES(2) SCORES(3) SCORES(4) SCORES(5) SCORES(6) SCORES(7) SCORES(8) }
 #undef SCORES
 #endif
@@ -357,7 +489,8 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     }
     /* Softmax numerators; the denominators divide at the end. */
     float inv_sum[MAX_HEADS];
-    for (int h = 0; h < nh; h++) {
+    const int by_pairs = use_512 && bs % 2 == 0 && len > 0; /* the weights: row_weights_bf16 below */
+    for (int h = 0; h < nh && !by_pairs; h++) {
         float *sh = scores + (int64_t)h * len, m = -INFINITY, total = 0.0f;
 #pragma omp simd reduction(max : m)
         for (int t = lo; t < len; t++) m = sh[t] > m ? sh[t] : m;
@@ -370,6 +503,42 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     }
     /* Weighted values. */
     if (len > 0) prefetch_block(a->value_cache, (int64_t)blocks[lo / bs] * block_elements, block_elements, elem);
+#if HAVE_512
+    if (by_pairs) {
+        /* Positions from the even one at or before lo; weights and V rows the query does not
+         * see are zeros. */
+        const int pbase = lo & ~1, npos = len - pbase, pstride = (npos + 15) / 16 * 16, NB = VALUE_REGS / (hd / 16);
+        uint16_t *weights = (uint16_t *)(row + (int64_t)kvh * hd);
+        for (int h = 0; h < nh; h++)
+            inv_sum[h] = row_weights_bf16(scores + (int64_t)h * len + pbase, pbase, lo, len, weights + (int64_t)h * pstride);
+        const uint32_t *p[MAX_DOT_GROUP];
+        float *acc_of[MAX_DOT_GROUP];
+        const int value_lines = (int)((block_elements * elem + 63) / 64) / kvh + 1;
+        for (int start = pbase, count; start < len; start += count) {
+            const int in_block = start % bs;
+            count = bs - in_block < PAIR_RUN ? bs - in_block : PAIR_RUN;
+            if (count > len - start) count = len - start;
+            if (in_block == 0 && start + bs < len)
+                prefetch_queue(&pf, 0, a->value_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
+            const uint16_t *v_run = (const uint16_t *)a->value_cache + ((int64_t)blocks[start / bs] * bs + in_block) * token_stride;
+            for (int kv = 0; kv < kvh; kv++) {
+                prefetch_some(&pf, value_lines);
+                for (int g0 = 0; g0 < group; g0 += NB) {
+                    const int nb = group - g0 < NB ? group - g0 : NB;
+                    for (int b = 0; b < nb; b++) {
+                        const int h = kv * group + g0 + b;
+                        p[b] = (const uint32_t *)(weights + (int64_t)h * pstride + (start - pbase));
+                        acc_of[b] = acc + (int64_t)h * hd;
+                    }
+#define VALUES(N) \
+    case N: pair_values_512(NULL, v_run + (int64_t)kv * hd, token_stride, start, count, lo, len, p, acc_of, N, hd); break;
+                    switch (nb) { VALUES(1) VALUES(2) VALUES(3) VALUES(4) VALUES(5) VALUES(6) VALUES(7) VALUES(8) }
+#undef VALUES
+                }
+            }
+        }
+    } else
+#endif
     if (hd == 64 && group <= 4) {
         const int value_lines = (int)((block_elements * elem + 63) / 64) / kvh + 1;
         /* Block by block, each KV head in turn while the block is in cache. */
@@ -408,7 +577,12 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     }
     for (int h = 0; h < nh; h++) {
         const int64_t dst = (int64_t)i * a->out_row_stride + (int64_t)h * hd;
-        if (q_bf16) {
+        if (by_pairs) {
+#if HAVE_512
+            for (int d = 0; d < hd; d++)
+                ((uint16_t *)a->out)[dst + d] = f32_to_bf16(acc[(int64_t)h * hd + pair_lane_of(d)] * inv_sum[h]);
+#endif
+        } else if (q_bf16) {
             for (int d = 0; d < hd; d++) ((uint16_t *)a->out)[dst + d] = f32_to_bf16(acc[(int64_t)h * hd + d] * inv_sum[h]);
         } else {
             for (int d = 0; d < hd; d++) ((float *)a->out)[dst + d] = acc[(int64_t)h * hd + d] * inv_sum[h];
@@ -443,7 +617,9 @@ static int decode_attention(const void *query, int64_t query_row_stride, const v
     int max_len = 1;
     for (int i = 0; i < num_requests; i++)
         if (seq_lens[i] > max_len) max_len = seq_lens[i];
-    const size_t work_floats = (size_t)num_heads * ((size_t)max_len + 2 * (size_t)head_dim) + (size_t)num_kv_heads * head_dim;
+    /* scores, query, accumulators, a K/V row; the values by pairs' bf16 weights */
+    const size_t work_floats = (size_t)num_heads * ((size_t)max_len + 2 * (size_t)head_dim) + (size_t)num_kv_heads * head_dim +
+                               (size_t)num_heads * ((size_t)max_len / 2 + 16);
     int failed = 0;
     /* Work is split by request: no more threads than requests, so a batch of one opens no
      * parallel region (waking an idle thread for nothing costs more than the work when
@@ -486,3 +662,213 @@ DECODE_ATTENTION_ENTRY(decode_attention_f32, float, float, F32)
 DECODE_ATTENTION_ENTRY(decode_attention_bf16, uint16_t, uint16_t, BF16)
 /* A float32 query over bfloat16 caches (`--kv-cache-dtype bfloat16` under a float32 model). */
 DECODE_ATTENTION_ENTRY(decode_attention_f32_bf16kv, float, uint16_t, F32_BF16KV)
+
+/* ------------------------------------------------------------------------------------------
+ * Prompt chunks with the decode kernel's arithmetic: several query tokens at once.
+ *
+ * Each query token of a chunk is attended exactly as `attend` attends it as a decode (bf16
+ * query over bf16 caches, the AVX512_BF16 path, even block size): block_scores_512 per
+ * token and head, its bf16 weights from row_weights_bf16 over the positions it sees, one
+ * vdpbf16ps per (pair of positions, 16 lanes) in pair order from the even position at or
+ * before its first one, with the same inputs (a pair member it does not see: weight 0, V
+ * row 0), the same rounding of acc * (1 / sum). So every row gets the bits it gets as a
+ * decode of its own, by construction. What changes is the order of the work: a tile of
+ * consecutive query tokens of one request (TILE_ROW_HEADS / group of them) and all the
+ * query heads of one KV head go through the context together, so each K run is read from
+ * memory once for all of them (copied side by side, then read from L1 by every row) and
+ * each V run is interleaved into pairs once and multiplied into the accumulators of
+ * VALUE_REGS / (hd / 16) rows at a time held in registers. A row's scores past its own
+ * last position (the tile's later tokens) are computed and never read; its values pass
+ * skips them, and the pairs at the edges of what a row sees take V pairs of its own.
+ */
+#if HAVE_512
+#define MAX_TILE_ROW_HEADS 48
+#define TILE_ROW_HEADS 48 /* query tokens x query heads of one KV head per tile */
+
+typedef struct {
+    const uint16_t *query;
+    int64_t query_row_stride;
+    const uint16_t *key_cache, *value_cache;
+    const int32_t *block_tables;
+    int64_t block_table_stride;
+    const int32_t *query_starts, *query_lens, *seq_lens;
+    int num_kv_heads, group, block_size, window;
+    float scale;
+    uint16_t *out;
+    int64_t out_row_stride;
+} RowsArgs;
+
+/* Floats of one thread's work buffer for tiles of `rows` tokens of contexts up to max_len. */
+static size_t rows_work_floats(int rows, int group, int max_len, int hd) {
+    const size_t rh = (size_t)rows * group, pstride = ((size_t)max_len + 1 + 15) / 16 * 16;
+    return rh * ((size_t)max_len + 1) + rh * hd + PAIR_WORK_FLOATS(hd) + rh * pstride / 2 + 16;
+}
+
+/* Tokens first .. first + rows - 1 of request i's query, all heads. */
+ALWAYS_INLINE void attend_rows(const RowsArgs *a, int i, int first, int rows, float *work, const int hd) {
+    const int G = a->group, kvh = a->num_kv_heads, bs = a->block_size, RH = rows * G;
+    const int NB = VALUE_REGS / (hd / 16); /* rows per pair_values_512 call */
+    const int q_len = a->query_lens[i], seq_len = a->seq_lens[i];
+    const int32_t *blocks = a->block_tables + (int64_t)i * a->block_table_stride;
+    const int64_t token_stride = (int64_t)kvh * hd, row0 = (int64_t)a->query_starts[i] + first;
+    int len[MAX_TILE_ROW_HEADS], lo[MAX_TILE_ROW_HEADS]; /* token r sees positions [lo[r], len[r]) */
+    for (int r = 0; r < rows; r++) {
+        len[r] = seq_len - q_len + first + r + 1;
+        lo[r] = a->window > 0 && len[r] > a->window ? len[r] - a->window : 0;
+    }
+    /* Positions [base, top) are read; scores and weights are indexed from pbase. */
+    const int base = lo[0], top = len[rows - 1], pbase = base & ~1, span = top - pbase;
+    const int pstride = (span + 15) / 16 * 16;
+    float *scores = work, *acc = scores + (int64_t)RH * span;
+    uint32_t *vpairs = (uint32_t *)(acc + (int64_t)RH * hd);
+    uint16_t *weights = (uint16_t *)(vpairs + PAIR_RUN / 2 * hd);
+    float inv_sum[MAX_TILE_ROW_HEADS];
+    uint16_t k_copy[SCORE_RUN_512 * MAX_DOT_HD];
+    const uint32_t *p[MAX_TILE_ROW_HEADS];
+    float *acc_of[MAX_TILE_ROW_HEADS];
+    for (int kv = 0; kv < kvh; kv++) {
+        /* Scores: token r's G heads in rows r * G .. r * G + G - 1 of `scores`. */
+        for (int start = base, count; start < top; start += count) {
+            const int in_block = start % bs;
+            count = bs - in_block < SCORE_RUN_512 ? bs - in_block : SCORE_RUN_512;
+            if (count > top - start) count = top - start;
+            /* The run's K rows side by side first: the rows' score code then addresses them
+             * at fixed offsets from one pointer. */
+            const uint16_t *k_run = a->key_cache + ((int64_t)blocks[start / bs] * bs + in_block) * token_stride + (int64_t)kv * hd;
+            for (int j = 0; j < count; j++) memcpy(k_copy + j * hd, k_run + j * token_stride, sizeof(uint16_t) * (size_t)hd);
+            for (int r = 0; r < rows; r++) {
+                const uint16_t *q = a->query + (row0 + r) * a->query_row_stride + (int64_t)kv * G * hd;
+                float *s = scores + (int64_t)r * G * span + (start - pbase);
+#define SCORES(NG) \
+    case NG: block_scores_512(k_copy, 0, hd, count, q, a->scale, s, span, NG, hd); break;
+                switch (G) { SCORES(1) SCORES(2) SCORES(3) SCORES(4) SCORES(5) SCORES(6) SCORES(7) SCORES(8) }
+#undef SCORES
+            }
+        }
+        for (int rh = 0; rh < RH; rh++) { /* indexed from pbase, not the row's own even start: a shift by pairs */
+            const int r = rh / G, own = lo[r] & ~1;
+            inv_sum[rh] = row_weights_bf16(scores + (int64_t)rh * span + (own - pbase), own, lo[r], len[r],
+                                           weights + (int64_t)rh * pstride + (own - pbase));
+        }
+        memset(acc, 0, sizeof(float) * (size_t)RH * (size_t)hd);
+        /* Values, run by run: the run's V pairs built once, then NB rows at a time over the
+         * pairs they all see whole, row by row at the edges. */
+        for (int start = pbase, count; start < top; start += count) {
+            const int in_block = start % bs;
+            count = bs - in_block < PAIR_RUN ? bs - in_block : PAIR_RUN;
+            if (count > top - start) count = top - start;
+            const int npairs = (count + 1) / 2, end = start + 2 * npairs;
+            const uint16_t *v = a->value_cache + ((int64_t)blocks[start / bs] * bs + in_block) * token_stride + (int64_t)kv * hd;
+            for (int k = 0; k < npairs; k++) {
+                __m512i pv[MAX_DOT_HD / 16];
+                const int pos = start + 2 * k;
+                pair_vectors(pos >= base ? v + 2 * k * token_stride : NULL, pos + 1 < top ? v + (2 * k + 1) * token_stride : NULL, pv, hd);
+                for (int c = 0; c < hd / 16; c++) _mm512_storeu_si512(vpairs + (int64_t)k * hd + 16 * c, pv[c]);
+            }
+            for (int b0 = 0; b0 < RH; b0 += NB) {
+                const int nb = RH - b0 < NB ? RH - b0 : NB, first_row = b0 / G, last_row = (b0 + nb - 1) / G;
+                if (nb == NB && lo[last_row] <= start && len[first_row] >= end) { /* all pairs seen whole by all */
+                    for (int b = 0; b < nb; b++) {
+                        p[b] = (const uint32_t *)(weights + (int64_t)(b0 + b) * pstride + (start - pbase));
+                        acc_of[b] = acc + (int64_t)(b0 + b) * hd;
+                    }
+                    pair_values_512(vpairs, NULL, 0, start, count, 0, 0, p, acc_of, NB, hd);
+                    continue;
+                }
+                for (int rh = b0; rh < b0 + nb; rh++) { /* row by row over the pairs it sees, as a decode */
+                    const int r = rh / G, own = lo[r] & ~1;
+                    const int from = own > start ? own : start, to = len[r] < start + count ? len[r] : start + count;
+                    if (to <= from) continue;
+                    const uint32_t *pr = (const uint32_t *)(weights + (int64_t)rh * pstride + (from - pbase));
+                    float *ar = acc + (int64_t)rh * hd;
+                    const int whole = from >= lo[r] && from + 2 * ((to - from + 1) / 2) <= len[r];
+                    pair_values_512(whole ? vpairs + (int64_t)(from - start) / 2 * hd : NULL, v + (from - start) * token_stride,
+                                    token_stride, from, to - from, lo[r], len[r], &pr, &ar, 1, hd);
+                }
+            }
+        }
+        for (int rh = 0; rh < RH; rh++) {
+            uint16_t *dst = a->out + (row0 + rh / G) * a->out_row_stride + (int64_t)(kv * G + rh % G) * hd;
+            for (int d = 0; d < hd; d++) dst[d] = f32_to_bf16(acc[(int64_t)rh * hd + pair_lane_of(d)] * inv_sum[rh]);
+        }
+    }
+}
+
+static void attend_rows_hd64(const RowsArgs *a, int i, int first, int rows, float *w) { attend_rows(a, i, first, rows, w, 64); }
+static void attend_rows_hd128(const RowsArgs *a, int i, int first, int rows, float *w) { attend_rows(a, i, first, rows, w, 128); }
+static void attend_rows_any(const RowsArgs *a, int i, int first, int rows, float *w, int hd) { attend_rows(a, i, first, rows, w, hd); }
+
+/* One thread's work buffer, kept between calls (grown as needed). */
+static float *rows_scratch(size_t floats) {
+    static __thread float *buffer;
+    static __thread size_t capacity;
+    if (capacity >= floats) return buffer;
+    free(buffer);
+    buffer = malloc(sizeof(float) * floats);
+    capacity = buffer ? floats : 0;
+    return buffer;
+}
+#endif
+
+/* Every query token of each request (query_lens[i] of them from row query_starts[i], the
+ * last at position seq_lens[i] - 1) attended as `decode_attention_bf16` attends a decode
+ * there, bit for bit; a step's requests in one call, tiles of consecutive tokens spread over
+ * the threads, the latest (longest) first. Returns 0 on success, 1 where this build or
+ * these shapes have no multi-row code (no AVX512_BF16; head dim not a multiple of 32 up to
+ * 128, GQA group above 8: the caller then runs one decode per token), 2 without memory. */
+int decode_attention_rows_bf16(const uint16_t *query, int64_t query_row_stride, const uint16_t *key_cache,
+                               const uint16_t *value_cache, const int32_t *block_tables, int64_t block_table_stride,
+                               const int32_t *query_starts, const int32_t *query_lens, const int32_t *seq_lens,
+                               int num_requests, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                               int window, float scale, uint16_t *out, int64_t out_row_stride, int num_threads) {
+#if HAVE_512
+    if (num_heads > MAX_HEADS || num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0 || block_size % 2 ||
+        head_dim % 32 || head_dim > MAX_DOT_HD || num_heads / num_kv_heads > MAX_DOT_GROUP)
+        return 1;
+    const RowsArgs a = {query, query_row_stride, key_cache, value_cache, block_tables, block_table_stride,
+                        query_starts, query_lens, seq_lens, num_kv_heads, num_heads / num_kv_heads, block_size,
+                        window, scale, out, out_row_stride};
+    const int rows_per_tile = TILE_ROW_HEADS / a.group > 0 ? TILE_ROW_HEADS / a.group : 1;
+    int num_items = 0, max_len = 1;
+    for (int i = 0; i < num_requests; i++) {
+        num_items += (query_lens[i] + rows_per_tile - 1) / rows_per_tile;
+        if (seq_lens[i] > max_len) max_len = seq_lens[i];
+    }
+    if (num_items == 0) return 0;
+    /* Work items (request, first token), each request's last tile first. */
+    int *items = malloc(sizeof(int) * 2 * (size_t)num_items);
+    if (!items) return 2;
+    for (int i = 0, n = 0; i < num_requests; i++)
+        for (int first = (query_lens[i] - 1) / rows_per_tile * rows_per_tile; first >= 0 && query_lens[i] > 0;
+             first -= rows_per_tile)
+            items[2 * n] = i, items[2 * n + 1] = first, n++;
+    const size_t work_floats = rows_work_floats(rows_per_tile, a.group, max_len, head_dim);
+    if (num_threads > num_items) num_threads = num_items;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        float *work = rows_scratch(work_floats);
+        if (!work) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int n = 0; n < num_items; n++) {
+            if (!work) continue;
+            const int i = items[2 * n], first = items[2 * n + 1];
+            const int rows = query_lens[i] - first < rows_per_tile ? query_lens[i] - first : rows_per_tile;
+            if (head_dim == 64) attend_rows_hd64(&a, i, first, rows, work);
+            else if (head_dim == 128) attend_rows_hd128(&a, i, first, rows, work);
+            else attend_rows_any(&a, i, first, rows, work, head_dim);
+        }
+    }
+    free(items);
+    return failed ? 2 : 0;
+#else
+    (void)query, (void)query_row_stride, (void)key_cache, (void)value_cache, (void)block_tables;
+    (void)block_table_stride, (void)query_starts, (void)query_lens, (void)seq_lens, (void)num_requests;
+    (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)window, (void)scale, (void)out;
+    (void)out_row_stride, (void)num_threads;
+    return 1;
+#endif
+}

@@ -292,6 +292,43 @@ def test_batch_invariant_attention_gives_each_token_the_same_bits_in_any_step(dt
             assert torch.equal(torch.cat(pieces), together[starts[request]:starts[request + 1]]), (request, chunk)
 
 
+def _one_decode_per_token(batch) -> torch.Tensor:
+    """Every query token of ``batch`` attended alone by the C decode kernel (as a decode at
+    its position): what a prompt token must equal bit for bit."""
+    tables, lens = torch_attention._build_token_decodes(batch.attn)
+    out = poisoned_out(batch.query)
+    assert decode_attention_native(batch.query, batch.key_cache, batch.value_cache, tables, lens, batch.scale, out,
+                                   batch.attn.sliding_window)
+    return out
+
+
+def multi_row_kernel_built(cpu_isa: str) -> bool:
+    return "avx512_bf16" in cpu_flags() and cpu_isa == "native" and torch_attention._rows_kernel() is not None
+
+
+@needs_c_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (16, 2, 128), (8, 1, 64), (4, 4, 64), (6, 2, 96)])
+@pytest.mark.parametrize("window,block_size", [(None, 16), (None, 8), (None, 32), (None, 5), (7, 16), (40, 8)])
+def test_prompt_tokens_get_the_bits_of_their_own_decodes(dtype, shape, window, block_size, cpu_isa, monkeypatch):
+    """The batch-invariant attention of a step with prompt chunks (first chunks, later
+    chunks, chunks after a cached prefix, lengths off the kernels' tiles and pairs) and
+    decodes: every token bit for bit what the C decode kernel gives it alone; bfloat16 takes
+    the multi-row kernel where this build has AVX512_BF16 (and an even block size), the
+    rest one decode per token. Against dense attention too."""
+    ran = []
+    real = torch_attention.decode_attention_rows_native
+    monkeypatch.setattr(torch_attention, "decode_attention_rows_native", lambda *a: ran.append(real(*a)) or ran[-1])
+    batch = make_batch([1, 61, 7, 1, 100, 33, 2], [30, 0, 50, 3, 20, 17, 300], *shape, block_size=block_size,
+                       dtype=dtype, seed=21, window=window)
+    out = paged_attention_cpu_batch_invariant(*batch.args(), out=poisoned_out(batch.query))
+    assert torch.equal(out, _one_decode_per_token(batch))
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), dense_attention(batch), rtol=tol, atol=tol)
+    takes = multi_row_kernel_built(cpu_isa) and dtype == torch.bfloat16 and block_size % 2 == 0
+    assert ran == [takes]
+
+
 def test_batch_invariant_attention_without_the_kernel_runs_the_reference(monkeypatch):
     monkeypatch.setattr(torch_attention, "_kernel", lambda dtype, cache_dtype: None)
     query_lens, context_lens = mixed_lens(seed=1)
