@@ -76,6 +76,8 @@ def in_process(args, configs: dict[str, list[str]]) -> tuple[dict, dict]:
 
     engines = {name: build(flags) for name, flags in configs.items()}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
+    for eng in engines.values():  # warm up (the first step of an engine pays one-time costs)
+        eng.generate([list(p) for p in documents(args.concurrency, args.prompt_tokens, seed=99)], params)
     throughput = {name: [] for name in engines}
     cpu_per_1k = {name: [] for name in engines}
     for repeat in range(args.repeats):
