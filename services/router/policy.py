@@ -16,8 +16,22 @@ engine holding it is busier than another by twice the prefix's tokens. Engines o
 threshold (KV cache nearly full with requests waiting) are skipped while another is not.
 A block the engine holds only in a lower tier (the KV offloading tiers' host memory) saves
 ``LOWER_TIER_CREDIT`` of its tokens: it is loaded, not computed, but the load takes time and
-a device block. Where no engine holds any of the prompt, the price is the load alone: ``kv`` then chooses
-as ``least-loaded`` does, which prices every engine as if it held nothing.
+a device block. Where no engine holds any of the prompt, the price is the load alone: ``kv``
+then chooses as ``least-loaded`` does, which prices every engine as if it held nothing,
+with one rule more (below).
+
+A new prefix (a prompt no engine holds any block of) is where the engines' caches are
+shared out: every later request of that prefix follows it to where it went. So it goes
+where it fits beside the prefixes already held there (``prefixes.py``: blocks requests hit
+there, and chains that just started there), not where the load of the moment happens to be
+lower: while some engine has room for all its blocks, each engine without that room pays
+``PREFIX_EVICTION_WEIGHT`` per token of the prefix blocks it would have to give up (each is
+computed again by a later request of its own prefix, or it would not be one). Load still
+decides when one engine is busier by more than twice that. Where it fits everywhere
+(caches with room), or nowhere (caches full of the last seconds' prompts, as under a load
+that shares nothing), the rule adds nothing and the load decides as before. A choice it
+changed is counted as ``kv_room``.
+
 ``round-robin`` and ``random`` ignore load and prefixes.
 """
 
@@ -39,6 +53,8 @@ EVICTION_WEIGHT = 0.5
 # takes a few percent of recomputing the block here (docs/BENCHMARKS.md, "KV tiers"), but
 # the request waits a step for it and it takes a device block all the same.
 LOWER_TIER_CREDIT = 0.8
+# What a prefix block that a new prefix would push out weighs, per token (see above).
+PREFIX_EVICTION_WEIGHT = 1.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,7 @@ class Candidate:
     hit_blocks: int = 0  # the request's leading blocks the engine holds
     evicted_blocks: int = 0  # cached blocks the request's new blocks would take there
     hit_credit: float = -1.0  # what the hits save, in blocks (-1: hit_blocks, all on the device)
+    prefix_room: int | None = None  # device blocks not holding prefixes (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -59,6 +76,13 @@ class Choice:
 
 def is_busy(engine: Engine, threshold: float) -> bool:
     return engine.stats.kv_cache_usage_perc >= threshold and engine.num_waiting > 0
+
+
+def prefix_eviction(candidate: Candidate, new_prefix_blocks: int) -> int:
+    """The prefix blocks a new prefix of ``new_prefix_blocks`` would push out there."""
+    if candidate.prefix_room is None:
+        return 0
+    return max(0, new_prefix_blocks - max(0, candidate.prefix_room))
 
 
 def price(candidate: Candidate, num_prompt_tokens: int, block_size: int) -> float:
@@ -93,11 +117,17 @@ class Policies:
         return self._chose(self._rng.choice(candidates), "random")
 
     def by_price(self, candidates: list[Candidate], num_prompt_tokens: int, block_size: int, busy_threshold: float,
-                 reason: str) -> Choice:
-        """The cheapest engine not over the busy threshold (all busy: the cheapest of all)."""
+                 reason: str, new_prefix_blocks: int = 0) -> Choice:
+        """The cheapest engine not over the busy threshold (all busy: the cheapest of all).
+        ``new_prefix_blocks``: the request starts a prefix of that many blocks (see above)."""
         free = [c for c in candidates if not is_busy(c.engine, busy_threshold)]
         pool = self._rotated(free or candidates)
         best = min(pool, key=lambda c: price(c, num_prompt_tokens, block_size))
         if not free:
             reason = "all_busy"
+        elif new_prefix_blocks and any(prefix_eviction(c, new_prefix_blocks) == 0 for c in pool):
+            placed = min(pool, key=lambda c: price(c, num_prompt_tokens, block_size)
+                         + PREFIX_EVICTION_WEIGHT * prefix_eviction(c, new_prefix_blocks) * block_size)
+            if placed is not best:
+                best, reason = placed, "kv_room"
         return self._chose(best, reason)

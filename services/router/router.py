@@ -102,6 +102,7 @@ class Router:
         hashes = prompt_block_hashes(request, block_size) if self.mode == "kv" else []
         candidates = [Candidate(engine_id, ready[engine_id]) for engine_id in sorted(ready)]
         policies = self.policies
+        new_prefix = 0  # kv: the prompt's blocks, where no engine holds any of them
         if self.mode == "round-robin":
             choice = policies.round_robin(candidates)
         elif self.mode == "random":
@@ -115,14 +116,16 @@ class Router:
         else:
             max_hit = (num_tokens - 1) // block_size  # the scheduler always computes the last token
             candidates = [self._priced(c, hashes[:max_hit], num_tokens, block_size) for c in candidates]
+            new_prefix = len(hashes) if hashes and not any(c.hit_blocks for c in candidates) else 0
             choice = policies.by_price(candidates, num_tokens, block_size, self.config.router_busy_threshold,
-                                       "kv_load")
+                                       "kv_load", new_prefix)
             if choice.hit_blocks and choice.reason == "kv_load":
                 choice = dataclasses.replace(choice, reason="kv_prefix")
+            self.index.hit(choice.engine_id, hashes[:choice.hit_blocks])
         self.decisions[choice.reason] += 1
         new_tokens = max(0, num_tokens - choice.hit_blocks * block_size)
         if hashes:
-            self.index.predict(choice.engine_id, hashes)
+            self.index.predict(choice.engine_id, hashes, new_prefix=new_prefix > 0)
         return Route(choice.engine_id, choice.reason, choice.hit_blocks,
                      self.loads.sent(choice.engine_id, new_tokens, hashes[-1] if hashes else None))
 
@@ -132,13 +135,14 @@ class Router:
         hit = on_device = 0
         if stats.block_size in (0, block_size):  # else hashed with another block size: nothing comparable
             hit, on_device = self.index.match_by_medium(candidate.engine_id, hashes)
-        evicted = 0
+        evicted, prefix_room = 0, None
         if stats.num_gpu_blocks:
             new_blocks = -(-num_tokens // block_size) - on_device  # blocks loaded from a tier take one too
             room = stats.num_gpu_blocks - self.index.num_held(candidate.engine_id, predicted=True)
             evicted = max(0, new_blocks - max(0, room))
+            prefix_room = stats.num_gpu_blocks - self.index.num_prefix_blocks(candidate.engine_id)
         credit = on_device + LOWER_TIER_CREDIT * (hit - on_device)
-        return Candidate(candidate.engine_id, candidate.engine, hit, evicted, credit)
+        return Candidate(candidate.engine_id, candidate.engine, hit, evicted, credit, prefix_room)
 
     def answered(self, route: Route, admission: int) -> None:
         """The engine's answer to a routed request (``admission`` 0: not admitted now)."""

@@ -11,6 +11,7 @@ from services.router.config import RouterConfig
 from services.router.events import EngineEvents
 from services.router.index import PREDICTION_TTL, PrefixIndex
 from services.router.loads import UNANSWERED_TTL, EngineLoads, takes_handoffs
+from services.router.prefixes import NEW_CHAIN_TTL
 from services.router.router import Router, prompt_block_hashes
 from services.scheduler.request import Request
 from shared.config import ConfigError
@@ -301,3 +302,110 @@ def test_a_host_tier_hit_counts_but_less_than_a_device_hit():
     assert router.index.num_held("b") == 0 and router.index.match_by_medium("b", hashes[:16]) == (16, 0)
     router.on_batch(batch("b", 3, [BlockRemoved(list(hashes[:16]), "CPU")]))
     assert router.index.match("b", hashes[:16]) == 0
+
+
+# ---------------------------------------------------------------- where a new prefix goes
+
+
+def chain(name, n, blocks=18, parent=None):
+    """``n`` distinct chains of ``blocks`` hashes, stored with ``parent`` (None: each started there)."""
+    return [BlockStored([f"{name}:{c}:{i}".encode() for i in range(blocks)], parent, [], BS, None, "GPU", None)
+            for c in range(n)]
+
+
+def two_engines(a_prefix_blocks, b_prefix_blocks, capacity=80):
+    """Engines "a" and "b" with full caches of ``capacity`` blocks, so many of them prefixes
+    (chains of 18 that started there, and a shorter one), the rest requests' own tails."""
+    router, clock = kv_router()
+    for engine_id, held in (("a", a_prefix_blocks), ("b", b_prefix_blocks)):
+        router.on_stats(stats(engine_id, seq=1, num_gpu_blocks=capacity))
+        chains = chain(engine_id, held // 18) + chain(engine_id + "+", 1, blocks=held % 18)
+        tails = chain(engine_id + "-", 1, blocks=capacity - held, parent=b"some prefix")
+        router.on_batch(batch(engine_id, 2, chains + tails))
+        assert router.index.num_held(engine_id) == capacity
+    return router, clock
+
+
+def test_the_prefix_blocks_an_engine_holds():
+    clock = Clock()
+    index = PrefixIndex(clock)
+    index.apply("e", chain("e", 2, blocks=4))  # two chains started there
+    index.apply("e", [stored([b"q1", b"q2"])])  # None parent: a chain too
+    index.apply("e", [BlockStored([b"x", b"y"], b"q2", [], BS, None, "GPU", None)])  # a request's own tail
+    index.apply("e", [BlockStored([b"h"], None, [], BS, None, "CPU", None)])  # host tier: no device room
+    assert index.num_prefix_blocks("e") == 10 and index.num_held("e") == 12
+    index.hit("e", [b"x", b"q1", b"gone"])  # requests hit x and q1 ("gone" is not held)
+    assert index.num_prefix_blocks("e") == 11
+    index.apply("e", [BlockRemoved([b"q2"], "GPU")])
+    assert index.num_prefix_blocks("e") == 10
+    # New chains nobody hit count for NEW_CHAIN_TTL; blocks hit count until evicted.
+    clock.now += NEW_CHAIN_TTL + 1
+    assert index.num_prefix_blocks("e") == 2
+    index.apply("e", [BlockRemoved([b"q1"], "GPU")])
+    assert index.num_prefix_blocks("e") == 1
+    index.apply("e", [AllBlocksCleared()])
+    assert index.num_prefix_blocks("e") == 0
+
+
+def test_a_predicted_new_prefix_counts_until_it_expires_unstored():
+    clock = Clock()
+    index = PrefixIndex(clock)
+    index.predict("e", [b"a", b"b"], new_prefix=True)
+    index.predict("e", [b"c"])  # blocks past a hit: not a prefix by themselves
+    assert index.num_prefix_blocks("e") == 2
+    index.apply("e", [BlockStored([b"a"], None, [], BS, None, "GPU", None)])
+    clock.now += 1
+    index.hit("e", [b"a", b"b"])  # b: predicted still
+    clock.now += PREDICTION_TTL
+    index.predict("f", [b"z"])  # the sweep: "b" never came
+    assert index.num_prefix_blocks("e") == 1
+
+
+def test_a_new_prefix_goes_where_it_fits_beside_the_prefixes_held():
+    # "a" holds 4 prefixes of 18 blocks (72 of 80), "b" 3 (54): a fifth fits only on "b",
+    # though "b" is the busier engine of the moment (one prompt of 288 tokens in prefill).
+    router, _ = two_engines(72, 54)
+    router.on_stats(stats("b", seq=2, num_gpu_blocks=80, num_prefill_tokens_pending=288, num_requests_running=1))
+    route = router.route(engine_request(list(range(288))))
+    assert (route.engine_id, route.reason) == ("b", "kv_room")
+    assert router.index.num_prefix_blocks("b") == 3 * 18 + 18  # counted there at once
+    # The next new prefix fits nowhere: by load, as least-loaded would.
+    route = router.route(engine_request(list(range(1000, 1288))))
+    assert (route.engine_id, route.reason) == ("a", "kv_load")
+
+
+def test_load_still_wins_over_room_when_an_engine_is_much_busier():
+    router, _ = two_engines(72, 54)
+    router.on_stats(stats("b", seq=2, num_gpu_blocks=80, num_prefill_tokens_pending=2000, num_requests_waiting=4))
+    assert router.route(engine_request(list(range(288)))).engine_id == "a"
+
+
+def test_room_changes_nothing_where_the_prefix_fits_everywhere_or_nowhere():
+    def least_loaded_choices(router, n=12):
+        reference, _ = kv_router(router_mode="least-loaded")
+        out = []
+        for i in range(n):
+            prompt = [i] * 32 + list(range(5000 + 300 * i, 5256 + 300 * i))
+            out.append((router.route(engine_request(prompt)).engine_id,
+                        reference.route(engine_request(prompt)).engine_id))
+        return out
+
+    # Caches nearly full of one-off prompts, each a chain of its own (a load that shares
+    # nothing): "b" has more room than "a" (8 blocks against 2), for none of the prompts (18).
+    router, _ = two_engines(78, 72)
+    choices = least_loaded_choices(router)
+    assert all(kv == ll for kv, ll in choices) and router.decisions == {"kv_load": 12}
+    # Caches with room for all of them.
+    router, _ = two_engines(2000, 0, capacity=10_000)
+    assert all(kv == ll for kv, ll in least_loaded_choices(router))
+
+
+def test_a_request_that_hits_a_prefix_is_not_a_new_prefix():
+    router, _ = two_engines(36, 0)
+    prompt = list(range(288))
+    # "a" holds the prompt's first two blocks: it follows them there and starts no prefix.
+    router.on_batch(batch("a", 3, [stored(prompt_block_hashes(engine_request(prompt), BS)[:2])]))
+    assert router.index.num_prefix_blocks("a") == 36 + 2
+    route = router.route(engine_request(prompt))
+    assert (route.engine_id, route.reason, route.hit_blocks) == ("a", "kv_prefix", 2)
+    assert router.index.num_prefix_blocks("a") == 36 + 2 and router.index.num_prefix_blocks("b") == 0
