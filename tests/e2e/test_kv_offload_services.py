@@ -98,8 +98,8 @@ def test_documents_that_do_not_fit_come_back_from_the_host_tier_with_the_same_te
     assert all(cached >= prompt_tokens - 2 * 16 for _, cached in again)
     hits = 'natsllm:kv_offload_tiering_block_hits_total{model_name="%s",tier="CPU"}' % MODEL
     wait_until(lambda: metric(stack_a, hits) > 0, 10, "no host-tier hits in /metrics")  # stats come every second
-    assert metric(stack_a, 'natsllm:prompt_tokens_by_source_total{model_name="%s",source="external_kv_transfer"}'
-                  % MODEL) > 0
+    loaded = 'natsllm:prompt_tokens_by_source_total{model_name="%s",source="external_kv_transfer"}' % MODEL
+    wait_until(lambda: metric(stack_a, loaded) > 0, 10, "no prompt tokens loaded from a tier in /metrics")
     assert metric(stack_a, 'natsllm:kv_offload_total_bytes_total{model_name="%s",transfer_type="CPU_to_GPU"}'
                   % MODEL) > 0
 
