@@ -10,7 +10,7 @@ Per step (``apply``, when the step's message arrives):
    before it may still be writing, so they run on the forward thread right before this
    step's forward pass (``StepStores.run``): after the previous step, without a thread
    hand-off, and without holding the step back from being queued behind the running one.
-   A store of a 64-token unit is a ~0.2 ms copy here; on a GPU it is only queued on a side
+   A store of a 64-token unit is a ~0.1-0.2 ms copy here; on a GPU it is only queued on a side
    stream and the forward pass's stream waits for it (``fence``);
 3. **loads** start: each request's segments are copied into its blocks on the offloading
    thread (host slots) or, when it reads unit files, on the disk thread, once this step's
@@ -24,9 +24,9 @@ Unit files are written on a thread of their own ("kv-disk-write") from copies ta
 2, so the forward pass never waits for a disk, nor a load from disk behind writes. That thread
 runs at a lower CPU priority (nice +10): on a CPU host the forward pass's OpenMP threads have
 every core, and a writer that takes one of them mid-step holds the whole step at its next
-barrier; it writes between steps instead, and when the writes queued pass WRITE_BACKLOG_BYTES
-(the engine busy for long) further stores to disk are skipped (counted), never queued without
-bound. One lock orders the loads' writes against cancellation (as P/D's).
+barrier, so the kernel is told to prefer them; when the writes queued pass
+WRITE_BACKLOG_BYTES (the engine busy for long) further stores to disk are skipped (counted),
+never queued without bound. One lock orders the loads' writes against cancellation (as P/D's).
 The host slots' pages are taken at start-up (``CpuUnitCopier.allocate_slots``).
 """
 
