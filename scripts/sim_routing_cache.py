@@ -32,8 +32,11 @@ from collections import OrderedDict
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, protect: float = 0.0) -> None:
         self.free: OrderedDict[object, None] = OrderedDict((("empty", i), None) for i in range(num_blocks))
+        self.protected: OrderedDict[object, None] = OrderedDict()
+        self.cap = int(protect * num_blocks)
+        self.reused: set = set()
         self.block_of: dict[object, object] = {}  # hash -> block
         self.hash_of: dict[object, object] = {}  # block -> hash
         self.refs: dict[object, int] = {}
@@ -47,7 +50,13 @@ class BlockPool:
         return n
 
     def _new_block(self, block_hash) -> object:
-        block = self.free.popitem(last=False)[0] if self.free else ("over", next(self._over))
+        if self.free:
+            block = self.free.popitem(last=False)[0]
+        elif self.protected:
+            block = self.protected.popitem(last=False)[0]
+        else:
+            block = ("over", next(self._over))
+        self.reused.discard(block)
         old = self.hash_of.pop(block, None)
         if old is not None:
             del self.block_of[old]
@@ -60,6 +69,9 @@ class BlockPool:
         blocks = [self.block_of[h] for h in hashes[:hit]]
         for block in blocks:
             self.free.pop(block, None)
+            self.protected.pop(block, None)
+            if self.cap:
+                self.reused.add(block)
         blocks += [self._new_block(h) for h in hashes[hit:] + [None] * extra_blocks]
         for block in blocks:
             self.refs[block] = self.refs.get(block, 0) + 1
@@ -70,7 +82,14 @@ class BlockPool:
         for block in reversed(blocks):
             self.refs[block] -= 1
             if self.refs[block] == 0 and block[0] != "over":
-                self.free[block] = None
+                if block in self.reused:
+                    self.protected[block] = None
+                else:
+                    self.free[block] = None
+        while len(self.protected) > self.cap:
+            block = self.protected.popitem(last=False)[0]
+            self.reused.discard(block)
+            self.free[block] = None
         self.running -= 1
 
 
@@ -78,8 +97,8 @@ def run(policy: str, seed: int, args) -> float:
     rng, choice_rng = random.Random(seed), random.Random(seed + 1)
     split = [int(n) for n in args.split.split(",")]
     home = [e for e, n in enumerate(split) for _ in range(n)]
-    engines = [BlockPool(2 * args.num_gpu_blocks)] if policy == "one-engine" else [
-        BlockPool(args.num_gpu_blocks) for _ in range(2)]
+    engines = [BlockPool(2 * args.num_gpu_blocks, args.protect)] if policy == "one-engine" else [
+        BlockPool(args.num_gpu_blocks, args.protect) for _ in range(2)]
     ends: list = []
     now, cached, total, seen = 0.0, 0, 0, set()
     for i in range(args.requests):
@@ -121,6 +140,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=3.0)
     parser.add_argument("--hold", type=float, default=0.6, help="seconds a request holds its blocks")
     parser.add_argument("--split", default="4,4", help="prefixes per engine for the split policy")
+    parser.add_argument("--protect", type=float, default=0.0,
+                        help="segmented LRU: at most this fraction of the pool is reused blocks kept past the rest")
     parser.add_argument("--seeds", type=int, default=100)
     args = parser.parse_args()
     for policy in args.policies.split(","):

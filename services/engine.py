@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from services.scheduler.kv_offload.connector import OffloadingConnectorScheduler
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
+from services.worker.forward_activity import ForwardActivity
 from services.worker.kv_offload.build import build_offloading_worker
 from services.worker.kv_transfer.load_reports import LoadReports
 from services.worker.model_runner import ModelRunner
@@ -67,12 +68,13 @@ class Engine:
             if lora_config.enable_lora:
                 worker.use_lora(lora_config)
         self.offload_worker = None
+        self.forward_activity = ForwardActivity()  # steps run on the caller's thread
         self._load_reports = LoadReports(None, "0", 0, 1)
         kv_offload = None
         if kv_offload_config.enabled:
             kv_offload_config.check_speculative(scheduler_config.speculative)
-            self.offload_worker, namespace = build_offloading_worker(self.worker, kv_offload_config,
-                                                                     self._load_reports)
+            self.offload_worker, namespace = build_offloading_worker(
+                self.worker, kv_offload_config, self._load_reports, activity=self.forward_activity)
             kv_offload = OffloadingConnectorScheduler(kv_offload_config, cache_config.block_size,
                                                       [self.offload_worker.info(namespace)],
                                                       cache_config.enable_prefix_caching)
@@ -144,12 +146,16 @@ class Engine:
         scheduler_output = SCHEDULER_OUTPUT.decode(SCHEDULER_OUTPUT.encode(scheduler_output))
         clock.lap("step_message")
         offload = self.offload_worker
-        if offload is not None:
-            self._load_reports.step_started(scheduler_output.incarnation, scheduler_output.reset_state)
-            stores = offload.apply(scheduler_output.reset_state, scheduler_output.kv_connector_metadata)
-            if stores is not None:
-                stores.run()
-        runner_output = self.worker.execute_model(scheduler_output, clock)
+        self.forward_activity.step_queued()
+        try:
+            if offload is not None:
+                self._load_reports.step_started(scheduler_output.incarnation, scheduler_output.reset_state)
+                stores = offload.apply(scheduler_output.reset_state, scheduler_output.kv_connector_metadata)
+                if stores is not None:
+                    stores.run()
+            runner_output = self.worker.execute_model(scheduler_output, clock)
+        finally:
+            self.forward_activity.step_ended()
         if offload is not None:
             runner_output.finished_recving, runner_output.failed_recving, _ = self._load_reports.take_finished()
             runner_output.kv_offload = offload.take_counters()

@@ -49,7 +49,8 @@ from shared.step_profile import NULL_CLOCK, WORKER_PHASES, PhaseClock
 
 from .heap_trim import IDLE_SECONDS_BEFORE_TRIM, trim_heap
 from .kv_offload.build import build_offloading_worker
-from .kv_offload.connector import OffloadingConnectorWorker, StepStores
+from .forward_activity import ForwardActivity
+from .kv_offload.connector import STOP_FLUSH_S, OffloadingConnectorWorker, StepStores
 from .kv_transfer.connector import KVConnectorWorker
 from .kv_transfer.load_reports import LoadReports
 from .metrics import step_seconds, worker_families
@@ -135,13 +136,16 @@ class WorkerService(Service):
                                   "has sliding-window attention (KV cache groups), which it does not support")
             self.kv_connector = KVConnectorWorker(self, engine_id, self.rank, self.world_size, self.runner.kv_caches,
                                                   kv_transfer_config, self.load_reports, faults)
+        # Steps queued on the forward thread, and when the last ended (the tiers' write-throughs wait for it).
+        self.forward_activity = ForwardActivity()
         # The host and disk KV tiers (None: none). Built on the forward thread: it times a prefill.
         self.kv_offload: OffloadingConnectorWorker | None = None
         self._kv_offload_namespace = ""
         if kv_offload_config.enabled:
             kv_offload_config.check_speculative(scheduler_config.speculative)
             self.kv_offload, self._kv_offload_namespace = self._executor.submit(
-                build_offloading_worker, self.runner, kv_offload_config, self.load_reports, faults).result()
+                build_offloading_worker, self.runner, kv_offload_config, self.load_reports, faults,
+                self.forward_activity).result()
 
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "rank": self.rank, "num_steps": self.num_steps,
@@ -251,6 +255,7 @@ class WorkerService(Service):
         # instead of after this loop has published that one's result and read this message.
         # The result is published by a task of its own, after the previous step's.
         loop = asyncio.get_running_loop()
+        self.forward_activity.step_queued()
         running = loop.run_in_executor(self._executor, self._run_step, scheduler_output, clock, loop, stores)
         self._step_in_flight = self.spawn(self._finish_step(scheduler_output, running, clock, self._step_in_flight))
 
@@ -259,17 +264,20 @@ class WorkerService(Service):
         from when it was queued behind another (its time on the worker, too; and, tracing,
         its traced requests' spans: noted on the event loop, in the steps' order).
         ``stores``: the tiers' copies of blocks this step may overwrite, made first."""
-        if stores is not None:
-            stores.run()
-        started = time.perf_counter()
-        started_ns = time.time_ns() if self.traces is not None else 0
-        clock.starts_no_earlier_than(started)
         try:
-            return self.runner.execute_model(scheduler_output, clock)
+            if stores is not None:
+                stores.run()
+            started = time.perf_counter()
+            started_ns = time.time_ns() if self.traces is not None else 0
+            clock.starts_no_earlier_than(started)
+            try:
+                return self.runner.execute_model(scheduler_output, clock)
+            finally:
+                self.step_seconds.observe(time.perf_counter() - started)
+                if self.traces is not None:
+                    loop.call_soon_threadsafe(self.traces.step_ran, scheduler_output, started_ns, time.time_ns())
         finally:
-            self.step_seconds.observe(time.perf_counter() - started)
-            if self.traces is not None:
-                loop.call_soon_threadsafe(self.traces.step_ran, scheduler_output, started_ns, time.time_ns())
+            self.forward_activity.step_ended()
 
     async def _finish_step(self, scheduler_output, running: asyncio.Future, clock, previous: asyncio.Task | None) -> None:
         """Publish one step's result (rank 0), once the step before it has published its own."""
@@ -329,4 +337,9 @@ class WorkerService(Service):
         if self.kv_connector is not None:
             self.kv_connector.close()
         if self.kv_offload is not None:
+            try:  # what a restart would find: the unit files still queued
+                await asyncio.to_thread(self.kv_offload.flush, STOP_FLUSH_S)
+            except Exception:
+                logger.warning("engine %s rank %d: unit files still queued at stop were dropped", self.engine_id,
+                               self.rank)
             self.kv_offload.close()

@@ -30,11 +30,13 @@ class KVOffloadStore(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     """Copy device blocks ``block_ids`` (a unit's blocks from its first, in order) into host
     slot ``slot`` (-1: none) and/or, when ``block_hashes`` (theirs) are given, into a unit
     file. Workers do it before the step's forward pass: the pool may hand those blocks out
-    in this very step."""
+    in this very step. ``write_through``: the unit file is an extra copy (the device or the
+    host tier keeps the blocks), so on a CPU host it waits until the forward pass is idle."""
 
     block_ids: list[int]
     slot: int = -1
     block_hashes: list[bytes] = []
+    write_through: bool = False
 
 
 class KVOffloadSpill(msgspec.Struct, array_like=True, gc=False):

@@ -187,7 +187,9 @@ def test_the_size_limit_keeps_the_folder_small_and_serving_goes_on(stack_b, fold
 
 @pytest.mark.slow
 def test_a_restarted_engine_finds_a_prompt_it_saw_on_disk(stack_a, folder):
-    prompt = DOCUMENTS[0] + " Tell me more about the orchards."
+    # A document no other test sent: a test before this one may have deleted the folder with
+    # the others' files, which this engine filed less than FILED_SECONDS ago.
+    prompt = "Record orchard. " + PARAGRAPH * 5 + " Tell me more about the orchards."
     before = len(names(folder))
     want, _ = text_and_cached(stack_a, prompt)
     wait_for_files(folder, before)

@@ -266,6 +266,22 @@ def test_write_through_files_a_finished_requests_units_once(tmp_path):
     assert all(s.slot < 0 for s in disk_stores)
 
 
+def test_a_write_through_not_yet_on_disk_is_still_spilled_when_the_host_tier_evicts_it(tmp_path):
+    # The workers write write-throughs when the forward pass is idle, or skip them: the host
+    # tier's eviction is what keeps the unit then.
+    sched = make(num_blocks=6, host_slots=2, path=str(tmp_path), policy="write_through")
+    steps = run(sched, request("a", PROMPT_A))
+    steps += run(sched, request("b", PROMPT_B))  # A's units go to the host tier
+    a_hashes = request("x", PROMPT_A).block_hashes[:4]
+    assert [(s.block_hashes, s.write_through) for s in stores_of(steps) if s.block_hashes][:2] == [
+        (a_hashes[0:2], True), (a_hashes[2:4], True)]
+    file_unit(tmp_path, a_hashes[0:2])  # the workers wrote A's first unit, not its second
+    steps = run(sched, request("c", list(range(300, 317))))  # B's units push A's out of the host tier
+    spills = [s.block_hashes for step in steps if step.kv_connector_metadata
+              for s in step.kv_connector_metadata.offload_spills]
+    assert spills == [a_hashes[2:4]]
+
+
 def test_the_offloading_and_pd_connectors_share_one_metadata():
     sched = make(num_blocks=6, pd=True)
     run(sched, request("a", PROMPT_A))

@@ -139,10 +139,10 @@ def _caches(num_blocks=12, seed=0, device="cpu"):
     return caches
 
 
-def _worker(caches, tmp_path=None, slots=4, faults=KVTransferFaults()):
+def _worker(caches, tmp_path=None, slots=4, faults=KVTransferFaults(), activity=None):
     disk = DiskTier(str(tmp_path), "ns", 1 << 30) if tmp_path is not None else None
     reports = LoadReports(None, "0", 0, 1)
-    return OffloadingConnectorWorker(caches, 2, slots, disk, reports, faults), reports
+    return OffloadingConnectorWorker(caches, 2, slots, disk, reports, faults, activity), reports
 
 
 def _step(worker, reset, meta):
@@ -267,6 +267,53 @@ def test_files_are_written_at_low_priority_and_a_full_write_queue_skips_stores(t
     worker.flush()
     assert len(unit_files(tmp_path)) == 2
     assert worker.take_counters().stores_skipped == 1
+
+
+def test_write_throughs_wait_for_an_idle_forward_thread_and_evictions_do_not(tmp_path):
+    import time
+
+    from services.worker.forward_activity import ForwardActivity
+
+    activity = ForwardActivity()
+    worker, _ = _worker(_caches(), tmp_path, activity=activity)
+    activity.step_queued()  # the forward thread is busy from here on
+    through = KVOffloadStore([1, 2], block_hashes=[FIRST, KEY], write_through=True)
+    evicted = KVOffloadStore([5], block_hashes=[OTHER])  # no host tier: the device evicts it
+    _step(worker, True, KVConnectorMetadata(offload_stores=[through, evicted]))
+    deadline = time.monotonic() + 10
+    while not os.path.exists(worker.disk.path(OTHER)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert os.path.exists(worker.disk.path(OTHER))  # written while the step runs
+    time.sleep(0.3)
+    assert not os.path.exists(worker.disk.path(KEY))  # waits while the forward thread is busy
+    activity.step_ended()
+    while not os.path.exists(worker.disk.path(KEY)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert os.path.exists(worker.disk.path(KEY))  # written once it has been idle a while
+
+    activity.step_queued()  # busy again, for good: a flush (a stop) writes it anyway
+    _step(worker, False, KVConnectorMetadata(offload_stores=[
+        KVOffloadStore([3], block_hashes=[bytes(32)], write_through=True)]))
+    worker.flush(timeout=10)
+    assert os.path.exists(worker.disk.path(bytes(32)))
+
+
+def test_forward_activity_is_idle_only_without_steps_and_counts_from_the_last_end():
+    from services.worker.forward_activity import ForwardActivity
+
+    now = [100.0]
+    activity = ForwardActivity(clock=lambda: now[0])
+    now[0] = 103.0
+    assert activity.idle_seconds() == 3.0
+    activity.step_queued()
+    activity.step_queued()
+    now[0] = 110.0
+    activity.step_ended()
+    assert activity.idle_seconds() == 0.0  # one step still queued
+    now[0] = 111.0
+    activity.step_ended()
+    now[0] = 111.5
+    assert activity.idle_seconds() == 0.5
 
 
 def test_a_cancelled_load_never_writes_and_is_not_reported():

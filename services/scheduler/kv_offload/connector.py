@@ -62,7 +62,9 @@ logger = logging.getLogger(__name__)
 
 # Block hashes whose hit counts are kept (write_through_selective), least recently seen
 # dropped first; unit files this engine wrote are not written again (nor probed) for
-# FILED_SECONDS (the disk tier may evict them later).
+# FILED_SECONDS (the disk tier may evict them later). A write-through is not counted as
+# written when the host tier or the device evicts the unit: the workers write it when the
+# forward pass is idle, or skip it, so the eviction writes it (a unit filed already is only touched).
 HIT_COUNTS_KEPT = 1 << 16
 FILED_KEYS_KEPT = 1 << 16
 FILED_SECONDS = 60.0
@@ -137,7 +139,8 @@ class OffloadingConnectorScheduler:
         self._load_specs: list[KVOffloadLoad] = []
         self._cancels: list[str] = []
         self._chains: dict[int, tuple[list[bytes], int]] = {}  # free cached block id -> (hashes, index)
-        self._filed: OrderedDict[bytes, float] = OrderedDict()  # disk keys this engine filed, and when
+        # Disk keys this engine filed: when, and whether by write-through.
+        self._filed: OrderedDict[bytes, tuple[float, bool]] = OrderedDict()
         self._hit_counts: OrderedDict[bytes, int] = OrderedDict()
         self._swapped: dict[str, list[HostUnit]] = {}
         self._no_lookup: set[str] = set()  # their load failed: they recompute
@@ -363,8 +366,8 @@ class OffloadingConnectorScheduler:
                     self.config.kv_offloading_disk_hit_threshold:
                 continue
             self._stores.append(KVOffloadStore([b.block_id for b in blocks[start:end + 1]],
-                                               block_hashes=hashes[start:end + 1]))
-            self._mark_filed(hashes[end])
+                                               block_hashes=hashes[start:end + 1], write_through=True))
+            self._mark_filed(hashes[end], write_through=True)
 
     def on_evict(self, block) -> None:
         """The device pool reuses a cached block (still registered): store the unit ending
@@ -380,7 +383,7 @@ class OffloadingConnectorScheduler:
             if found is not None:
                 self.host.touch(found[0])
                 return
-        elif self._is_filed(hashes[j]):
+        elif self._is_filed(hashes[j], written_through=False):
             return
         start = j - j % self.unit_blocks
         block_ids = self._device_blocks(hashes[start:j + 1])
@@ -439,7 +442,7 @@ class OffloadingConnectorScheduler:
 
     def _spill(self, unit: HostUnit) -> None:
         """The host tier evicts ``unit``: to disk per the write policy, before its slot is reused."""
-        if self.disk is None or self._is_filed(unit.key):
+        if self.disk is None or self._is_filed(unit.key, written_through=False):
             return
         policy = self.config.kv_offloading_disk_write_policy
         if policy == "write_through_selective" and unit.hits < self.config.kv_offloading_disk_hit_threshold:
@@ -456,15 +459,16 @@ class OffloadingConnectorScheduler:
             ids.append(block.block_id)
         return ids
 
-    def _is_filed(self, key: bytes) -> bool:
-        """Whether the disk tier holds (or this engine is writing) the unit ``key``."""
+    def _is_filed(self, key: bytes, written_through: bool = True) -> bool:
+        """Whether the disk tier holds (or this engine is writing) the unit ``key``; a
+        write-through still queued counts only with ``written_through``."""
         filed = self._filed.get(key)
-        if filed is not None and self._clock() - filed < FILED_SECONDS:
+        if filed is not None and self._clock() - filed[0] < FILED_SECONDS and (written_through or not filed[1]):
             return True
         return self.disk is not None and self.disk.blocks(key) > 0
 
-    def _mark_filed(self, key: bytes) -> None:
-        self._filed[key] = self._clock()
+    def _mark_filed(self, key: bytes, write_through: bool = False) -> None:
+        self._filed[key] = (self._clock(), write_through)
         self._filed.move_to_end(key)
         if len(self._filed) > FILED_KEYS_KEPT:
             self._filed.popitem(last=False)

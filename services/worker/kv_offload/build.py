@@ -17,6 +17,7 @@ import time
 from shared.config import ConfigError, KVOffloadConfig
 from shared.kv_transfer_faults import KVTransferFaults
 
+from ..forward_activity import ForwardActivity
 from ..kv_transfer.load_reports import LoadReports
 from .connector import OffloadingConnectorWorker
 from .disk_tier import DiskTier, disk_namespace
@@ -29,9 +30,11 @@ TIMED_PREFILL_TOKENS = 256
 
 
 def build_offloading_worker(runner, config: KVOffloadConfig, reports: LoadReports,
-                            faults: KVTransferFaults = KVTransferFaults()) -> tuple[OffloadingConnectorWorker, str]:
+                            faults: KVTransferFaults = KVTransferFaults(), activity: ForwardActivity | None = None
+                            ) -> tuple[OffloadingConnectorWorker, str]:
     """The connector for ``runner``'s KV cache (on the forward thread: it times a prefill),
-    and this rank's disk namespace ("" without a disk tier). A model with sliding-window
+    and this rank's disk namespace ("" without a disk tier). ``activity``: the forward
+    thread's; on a CPU host, write-through unit files wait for it to be idle. A model with sliding-window
     attention (KV cache groups) is refused: a tier's unit is a run of one block table's blocks."""
     if runner.kv_layout.is_hybrid:
         raise ConfigError(f"kv_offloading_size: the host and disk KV tiers hold one block table per request; "
@@ -52,7 +55,8 @@ def build_offloading_worker(runner, config: KVOffloadConfig, reports: LoadReport
         disk = DiskTier(config.kv_offloading_path, namespace, int(config.kv_offloading_disk_size * GIB / world_size))
     unit_bytes = unit_blocks * runner.kv_caches[0][0][0].nbytes * 2 * len(runner.kv_caches)
     host_slots = int(config.kv_offloading_size * GIB / world_size // unit_bytes)
-    worker = OffloadingConnectorWorker(runner.kv_caches, unit_blocks, host_slots, disk, reports, faults)
+    worker = OffloadingConnectorWorker(runner.kv_caches, unit_blocks, host_slots, disk, reports, faults,
+                                       activity if runner.device.type == "cpu" else None)
     measure_costs(worker, runner)
     worker.start()
     costs = worker.costs

@@ -20,13 +20,19 @@ Per step (``apply``, when the step's message arrives):
    truncated file, a store that does not run in time, or any error, fails the load: the
    scheduler recomputes the request.
 
-Unit files are written on a thread of their own ("kv-disk-write") from copies taken in step
-2, so the forward pass never waits for a disk, nor a load from disk behind writes. That thread
-runs at a lower CPU priority (nice +10): on a CPU host the forward pass's OpenMP threads have
-every core, and a writer that takes one of them mid-step holds the whole step at its next
-barrier, so the kernel is told to prefer them; when the writes queued pass
-WRITE_BACKLOG_BYTES (the engine busy for long) further stores to disk are skipped (counted),
-never queued without bound. One lock orders the loads' writes against cancellation (as P/D's).
+Unit files are written on threads of their own from copies taken in step 2, so the forward
+pass never waits for a disk, nor a load from disk behind writes: "kv-disk-write" writes what
+is leaving the tiers (host evictions, device evictions without a host tier) at once, and
+"kv-disk-write-through" the write-through copies of units the device or the host tier still
+holds. Both run at a lower CPU priority (nice +10): on a CPU host the forward pass's OpenMP
+threads have every core, and a writer that takes one of them mid-step holds the whole step at
+its next barrier. On a CPU host the write-through thread also waits until the forward thread
+has been idle WRITE_THROUGH_IDLE_S (``ForwardActivity``): those files (what another engine or a
+restart would find) are written in the engine's spare time, never at the expense of a step
+(measured: writing every finished request's units took 4-9% of the output throughput of a
+saturated 2-vCPU engine). When either thread's queue passes WRITE_BACKLOG_BYTES (the engine
+busy for long) its further stores are skipped (counted), never queued without bound; a
+write-through skipped is written when its unit is evicted, as under write-back. One lock orders the loads' writes against cancellation (as P/D's).
 The host slots' pages are taken at start-up (``CpuUnitCopier.allocate_slots``).
 """
 
@@ -51,6 +57,7 @@ from shared.protocol import (
 
 from ..kv_transfer.block_io import KVBlockIO
 from ..kv_transfer.load_reports import LoadReports
+from ..forward_activity import ForwardActivity
 from .copies import unit_copier
 from .disk_tier import DiskTier
 
@@ -62,8 +69,14 @@ _DELAY_STEP = 0.05
 # A load waits at most this long for its step's stores to run on the forward thread (behind
 # the steps queued before it); past it the load fails and the request recomputes.
 STORES_DEADLINE_S = 120.0
-# Bytes of unit files queued for the writer thread past which a store to disk is skipped.
+# Bytes of unit files queued for a writer thread past which its stores to disk are skipped.
 WRITE_BACKLOG_BYTES = 256 << 20
+# On a CPU host a write-through file waits until no step has run for this long.
+WRITE_THROUGH_IDLE_S = 0.05
+# How long a write-through file waiting for an idle forward thread sleeps between looks.
+IDLE_POLL_S = 0.01
+# A graceful stop waits this long for the unit files queued (then drops the rest).
+STOP_FLUSH_S = 10.0
 # How much nicer the writer thread is than the process (Linux: a thread's own nice value).
 WRITER_NICENESS = 10
 
@@ -100,7 +113,9 @@ class StepStores:
 
 class OffloadingConnectorWorker:
     def __init__(self, kv_caches, unit_blocks: int, host_slots: int, disk: DiskTier | None, reports: LoadReports,
-                 faults: KVTransferFaults = KVTransferFaults()) -> None:
+                 faults: KVTransferFaults = KVTransferFaults(), activity: ForwardActivity | None = None) -> None:
+        """``activity``: the forward thread's, for write-through files to wait until it is
+        idle (a CPU host); None writes them at once."""
         self.io = KVBlockIO(kv_caches)
         self.copier = unit_copier(self.io)
         self.unit_blocks = unit_blocks
@@ -114,7 +129,14 @@ class OffloadingConnectorWorker:
         self._disk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk")
         self._disk_writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk-write",
                                                initializer=_lower_priority)
-        self._queued_write_bytes = 0
+        self._write_throughs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk-write-through",
+                                                  initializer=_lower_priority)
+        self._writers = {False: self._disk_writes, True: self._write_throughs}
+        self._queued_write_bytes = {False: 0, True: 0}
+        self.activity = activity
+        self._flushing = 0  # flushes waiting: write-throughs go without waiting for an idle forward thread
+        self._disk_write_lock = threading.Lock()  # one writer thread at a time in the disk tier's bookkeeping
+        self._closed = False
         self._lock = threading.Lock()
         self._loads: dict[str, dict] = {}
         self._counter_lock = threading.Lock()
@@ -126,20 +148,35 @@ class OffloadingConnectorWorker:
 
     def start(self) -> None:
         if self.disk is not None:
-            self._disk_writes.submit(self.disk.scan)  # its size, and what earlier runs and other engines left
+            self._disk_writes.submit(self._scan)  # its size, and what earlier runs and other engines left
+
+    def _scan(self) -> None:
+        with self._disk_write_lock:
+            self.disk.scan()
 
     def info(self, namespace: str) -> KVOffloadWorkerInfo:
         self.costs.disk_namespace = namespace
         return self.costs
 
     def close(self) -> None:
+        self._closed = True
         self._kv.shutdown(wait=False, cancel_futures=True)
         self._disk.shutdown(wait=False, cancel_futures=True)
-        self._disk_writes.shutdown(wait=False, cancel_futures=True)
+        for writer in self._writers.values():
+            writer.shutdown(wait=False, cancel_futures=True)
 
     def flush(self, timeout: float = STORES_DEADLINE_S) -> None:
-        """Wait until every unit file queued so far is written (or skipped)."""
-        self._disk_writes.submit(lambda: None).result(timeout)
+        """Wait until every unit file queued so far is written (or skipped), write-throughs
+        without waiting for the forward thread to be idle. TimeoutError past ``timeout``."""
+        with self._counter_lock:
+            self._flushing += 1
+        try:
+            deadline = time.monotonic() + timeout
+            for writer in self._writers.values():
+                writer.submit(lambda: None).result(max(0.0, deadline - time.monotonic()))
+        finally:
+            with self._counter_lock:
+                self._flushing -= 1
 
     # ------------------------------------------------------------------ per step
 
@@ -172,18 +209,18 @@ class OffloadingConnectorWorker:
 
     def _store_all(self, spills: list[KVOffloadSpill], stores: list[KVOffloadStore]) -> None:
         for spill in spills:  # before the stores: they may refill these slots
-            if self._reserve_write(len(spill.block_hashes)):
+            if self._reserve_write(len(spill.block_hashes), False):
                 start = time.perf_counter()
                 data = bytes(self.copier.to_bytes(self._host(spill.slot, len(spill.block_hashes))))
                 self._disk_writes.submit(self._write_file, spill.block_hashes, data, "CPU_to_DISK",
-                                         time.perf_counter() - start)
+                                         time.perf_counter() - start, False)
         for store in stores:
             n = len(store.block_ids)
             start = time.perf_counter()
             if store.slot >= 0:
                 self.copier.gather(store.block_ids, self._host(store.slot, n))
                 self._count("GPU_to_CPU", n, time.perf_counter() - start)
-            if store.block_hashes and self._reserve_write(n):
+            if store.block_hashes and self._reserve_write(n, store.write_through):
                 start = time.perf_counter()
                 if store.slot >= 0:
                     data = bytes(self.copier.to_bytes(self._host(store.slot, n)))
@@ -191,27 +228,43 @@ class OffloadingConnectorWorker:
                     buffer = self.copier.empty(n)
                     self.copier.gather(store.block_ids, buffer)
                     data = self.copier.to_bytes(buffer)
-                self._disk_writes.submit(self._write_file, store.block_hashes, data, "GPU_to_DISK",
-                                         time.perf_counter() - start)
+                self._writers[store.write_through].submit(self._write_file, store.block_hashes, data, "GPU_to_DISK",
+                                                          time.perf_counter() - start, store.write_through)
         self.copier.fence()
 
-    def _reserve_write(self, num_blocks: int) -> bool:
-        """Room in the writer's queue for a unit of ``num_blocks``; False (a store skipped) past
+    def _reserve_write(self, num_blocks: int, write_through: bool) -> bool:
+        """Room in a writer's queue for a unit of ``num_blocks``; False (a store skipped) past
         WRITE_BACKLOG_BYTES."""
         nbytes = num_blocks * self.copier.block_bytes
         with self._counter_lock:
-            if self._queued_write_bytes + nbytes > WRITE_BACKLOG_BYTES:
+            if self._queued_write_bytes[write_through] + nbytes > WRITE_BACKLOG_BYTES:
                 self.disk.stores_skipped += 1
                 return False
-            self._queued_write_bytes += nbytes
+            self._queued_write_bytes[write_through] += nbytes
             return True
 
-    def _write_file(self, block_hashes: list[bytes], data, transfer: str, copy_seconds: float) -> None:
+    def _wait_until_idle(self) -> None:
+        """A write-through waits (on its thread) for the forward thread to have been idle
+        WRITE_THROUGH_IDLE_S, or for a flush; it waits as long as the engine is busy (its
+        queue is bounded: later ones are skipped meanwhile)."""
+        while not self._closed and not self._flushing:
+            idle = self.activity.idle_seconds()
+            if idle >= WRITE_THROUGH_IDLE_S:
+                return
+            time.sleep(max(IDLE_POLL_S, WRITE_THROUGH_IDLE_S - idle))
+
+    def _write_file(self, block_hashes: list[bytes], data, transfer: str, copy_seconds: float,
+                    write_through: bool) -> None:
+        if write_through and self.activity is not None:
+            self._wait_until_idle()
+            if self._closed:
+                return
         start = time.perf_counter()
         with self._counter_lock:
-            self._queued_write_bytes -= len(block_hashes) * self.copier.block_bytes
+            self._queued_write_bytes[write_through] -= len(block_hashes) * self.copier.block_bytes
         try:
-            written = self.disk.write(block_hashes, data)
+            with self._disk_write_lock:
+                written = self.disk.write(block_hashes, data)
         except Exception:  # a store is a cache entry: never an error for the engine
             logger.exception("disk tier: a unit could not be written")
             written = False
