@@ -1,9 +1,11 @@
 """A model of bench_routing.py's shared-prefix load: what each policy's hit rate can be.
 
-Not a benchmark: it runs no engine. Each engine is a block pool as ours (and vLLM's): every
-block not in use waits in one LRU queue, a new block is taken from its old end (dropping the
-hash it held), a hit takes its block out of the queue, and a finished request gives its
-blocks back tail first. The load is the benchmark's (``--groups`` prefixes of
+Not a benchmark: it runs no engine. Each engine is a block pool as ours: every block not in
+use waits in an LRU queue, a new block is taken from its old end (dropping the hash it held),
+a hit takes its block out of the queue, and a finished request gives its blocks back tail
+first. With ``--protect F`` (the engine's ``--prefix-cache-protected-fraction``; 0 is plain
+LRU, as vLLM's) blocks that were hit wait in a second queue, taken from only when the first
+is empty, at most F of the pool (past it the least recent goes back to the first queue). The load is the benchmark's (``--groups`` prefixes of
 ``--prefix-blocks`` blocks, a request is one of them at random plus ``--suffix-blocks``
 blocks of its own and one block for its output, Poisson arrivals at ``--rate``); each
 request holds its blocks for ``--hold`` seconds. Policies:
@@ -19,7 +21,7 @@ kv / random moves with random's luck at 80 blocks and stays near one engine hold
 caches: the LRU gives up prefix tails to the requests' own blocks however the prefixes are
 placed (2026-11-26, docs/BENCHMARKS-diary.md, routing).
 
-    .venv/bin/python scripts/sim_routing_cache.py --seeds 200
+    .venv/bin/python scripts/sim_routing_cache.py --seeds 200 --protect 0.8
 """
 
 from __future__ import annotations

@@ -55,6 +55,10 @@ class CacheConfig:
     # On CPU the pool is sized from this many GiB unless num_gpu_blocks is set.
     cpu_kv_cache_gib: float = setting(1.0, "KV cache size on CPU in GiB")
     enable_prefix_caching: bool = setting(True, "prefix caching")
+    prefix_cache_protected_fraction: float = setting(
+        0.8, "of the KV blocks, at most this fraction wait free as prefix-cache blocks that were hit, evicted after "
+             "those never hit (segmented LRU: a shared prompt prefix outlives each request's own blocks); 0 = plain "
+             "LRU")
     kv_cache_dtype: str = setting(
         "auto", "KV cache storage: auto (the model's dtype; on CPU, bfloat16 where --dtype auto chose float32 "
         "and the weights stay quantized) | bfloat16 | float32")
@@ -75,6 +79,9 @@ class CacheConfig:
             )
         if self.cpu_kv_cache_gib <= 0:
             raise ConfigError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if not 0.0 <= self.prefix_cache_protected_fraction <= 1.0:
+            raise ConfigError(f"prefix_cache_protected_fraction must be in [0, 1], "
+                              f"got {self.prefix_cache_protected_fraction}")
 
 
 # Speculative decoding: the keys each method of --speculative-config takes (vLLM's names).

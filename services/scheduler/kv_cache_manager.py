@@ -181,12 +181,15 @@ class KVCacheManager:
     full-attention group when not given."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_windows: list[int] | tuple[int, ...] = (0,), kv_events: KVEventRecorder | None = None) -> None:
-        """``kv_events``: told what joins and leaves group 0's prefix cache (None: KV events off)."""
+                 sliding_windows: list[int] | tuple[int, ...] = (0,), kv_events: KVEventRecorder | None = None,
+                 protected_fraction: float = 0.0) -> None:
+        """``kv_events``: told what joins and leaves group 0's prefix cache (None: KV events off);
+        ``protected_fraction``: the block pool's (segmented LRU)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         # The null block stands for the blocks a sliding window let go.
-        self.block_pool = BlockPool(num_blocks, enable_caching, kv_events, reserve_null_block=any(sliding_windows))
+        self.block_pool = BlockPool(num_blocks, enable_caching, kv_events, reserve_null_block=any(sliding_windows),
+                                    protected_fraction=protected_fraction)
         self.groups = [GroupBlocks(g, self.block_pool, block_size, window) for g, window in enumerate(sliding_windows)]
         self.prefix_cache_stats = PrefixCacheStats()
         # Told of each request whose blocks are freed (the offloading connector: which chain

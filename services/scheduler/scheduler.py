@@ -97,8 +97,8 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.num_blocks = num_blocks
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, cache_config.enable_prefix_caching, sliding_windows, kv_events
-        )
+            num_blocks, self.block_size, cache_config.enable_prefix_caching, sliding_windows, kv_events,
+            cache_config.prefix_cache_protected_fraction)
         # A lone request must always fit the pool, or preempting it could never help.
         self.max_model_len = min(max_model_len,
                                  self.kv_cache_manager.max_request_tokens(scheduler_config.max_num_batched_tokens))

@@ -99,3 +99,50 @@ def test_reset_prefix_cache_only_when_idle():
     pool.free_blocks([a])
     assert pool.reset_prefix_cache()
     assert pool.get_cached_block(b"A" * 32) is None
+
+
+def _cached_and_freed(pool, names):
+    blocks = pool.get_new_blocks(len(names))
+    for block, name in zip(blocks, names):
+        pool.cache_full_block(block, name * 32)
+    pool.free_blocks(list(reversed(blocks)))
+    return blocks
+
+
+def test_a_block_hit_again_outlives_blocks_never_hit_freed_after_it():
+    pool = BlockPool(6, protected_fraction=0.5)
+    shared, own = _cached_and_freed(pool, [b"S", b"O"])  # a prefix block, then a request's own block
+    pool.touch([shared])  # a second request hits the prefix
+    pool.free_blocks([shared])
+    assert pool.protected_queue.block_ids() == [shared.block_id] and pool.num_free_blocks == 6
+    _cached_and_freed(pool, [b"X", b"Y", b"Z"])  # later requests' own blocks, freed after it
+    taken = pool.get_new_blocks(5)  # plain LRU would take the prefix block second
+    assert shared not in taken and pool.get_cached_block(b"S" * 32) is shared
+    assert pool.get_cached_block(b"O" * 32) is None
+    taken += pool.get_new_blocks(1)  # nothing else left: the protected block goes last
+    assert taken[-1] is shared and pool.get_cached_block(b"S" * 32) is None and not shared.reused
+
+
+def test_past_its_limit_the_protected_queue_gives_its_least_recent_block_back_as_not_hit():
+    pool = BlockPool(8, protected_fraction=0.25)  # at most 2 blocks
+    first, second, third = _cached_and_freed(pool, [b"A", b"B", b"C"])
+    for block in (first, second, third):  # hit in this order: the first is the least recent
+        pool.touch([block])
+        pool.free_blocks([block])
+    assert pool.protected_queue.block_ids() == [second.block_id, third.block_id]
+    assert not first.reused and pool.free_block_queue.block_ids()[-1] == first.block_id  # the most recent there
+    assert pool.num_free_blocks == 8
+
+
+def test_without_a_protected_fraction_hits_are_plain_lru_and_a_reset_empties_the_protected_queue():
+    pool = BlockPool(4)
+    a, b = _cached_and_freed(pool, [b"A", b"B"])
+    pool.touch([a])
+    pool.free_blocks([a])
+    assert pool.protected_queue.num_free_blocks == 0 and pool.free_block_queue.block_ids() == [2, 3, 1, 0]
+    protected = BlockPool(4, protected_fraction=1.0)
+    a, _ = _cached_and_freed(protected, [b"A", b"B"])
+    protected.touch([a])
+    protected.free_blocks([a])
+    assert protected.reset_prefix_cache()
+    assert protected.protected_queue.num_free_blocks == 0 and protected.num_free_blocks == 4 and not a.reused
