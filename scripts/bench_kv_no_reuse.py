@@ -17,6 +17,7 @@ prints the wall milliseconds of each step phase (the tiers' copies run in "updat
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -40,6 +41,9 @@ def run(args: list[str], prompts: list[list[int]], output_tokens: int,
             timed = list(pool.map(lambda p: complete(stack.base_url, p, output_tokens), prompts))
         seconds, cpu_after = time.perf_counter() - start, cpu_seconds_by_process(stack)
         values = metrics(stack.base_url)
+    # The stop writes the unit files still queued (an idle server would write them between
+    # bursts): their write-back goes to the disk now, not into the next configuration's run.
+    os.sync()
     assert all(t.cached_tokens == 0 for t in timed), "a prompt was reused"
     output_tokens = sum(t.output_tokens for t in timed)
     cpu = {name: 1000 * (cpu_after[name] - cpu_before.get(name, 0.0)) / output_tokens for name in cpu_after}
@@ -90,6 +94,7 @@ def in_process(args, configs: dict[str, list[str]]) -> tuple[dict, dict]:
             seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
             if eng.offload_worker is not None:  # the files it writes once idle: not in the next engine's time
                 eng.offload_worker.flush()
+                os.sync()
             assert all(r.num_cached_tokens == 0 for r in results), "a prompt was reused"
             tokens = sum(len(r.token_ids) for r in results)
             throughput[name].append(tokens / seconds)
@@ -109,17 +114,22 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--pool-blocks", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--configs", default="off,host,host+disk", help="which of off, host, host+disk to run")
     parser.add_argument("--in-process", action="store_true",
                         help="in-process engines side by side in one process instead of a stack per run")
     args = parser.parse_args()
     header("KV tiers: no reuse (every block stored, never loaded)" + (", in-process engines" if args.in_process else ""))
     pool = ["--num-gpu-blocks", str(args.pool_blocks)]
-    throughput: dict[str, list[float]] = {"off": [], "host": [], "host+disk": []}
+    names = args.configs.split(",")
+    if "off" not in names or not set(names) <= {"off", "host", "host+disk"}:
+        parser.error("--configs: off and any of host, host+disk")
+    throughput: dict[str, list[float]] = {name: [] for name in names}
     cpu_per_1k: dict[str, list[float]] = {name: [] for name in throughput}
     cpu_by_process: dict[str, list[dict[str, float]]] = {name: [] for name in throughput}
     with tempfile.TemporaryDirectory() as folder:
         configs = {"off": [], "host": ["--kv-offloading-size", "1"],
                    "host+disk": ["--kv-offloading-size", "1", "--kv-offloading-path", folder]}
+        configs = {name: configs[name] for name in names}
         if args.in_process:
             throughput, cpu_per_1k = in_process(args, configs)
         for repeat in range(0 if args.in_process else args.repeats):
@@ -146,7 +156,7 @@ def main() -> int:
     processes = sorted({p for runs in cpu_by_process.values() for by in runs for p in by})
     process_medians = {name: {p: statistics.median(by.get(p, 0.0) for by in runs) for p in processes}
                        for name, runs in cpu_by_process.items()}
-    for name in ("host", "host+disk"):
+    for name in names[1:]:
         print(f"tiers {name} / off: {ratios[name]:.3f}x output throughput, {cpu_ratios[name]:.3f}x CPU seconds "
               f"per output token", flush=True)
     print("CPU s per 1k output tokens by process (medians): "

@@ -75,8 +75,9 @@ WRITE_BACKLOG_BYTES = 256 << 20
 WRITE_THROUGH_IDLE_S = 0.05
 # How long a write-through file waiting for an idle forward thread sleeps between looks.
 IDLE_POLL_S = 0.01
-# A graceful stop waits this long for the unit files queued (then drops the rest).
-STOP_FLUSH_S = 10.0
+# A graceful stop waits this long for the unit files queued, then drops the rest (the
+# launcher kills a service 8 s after asking it to stop; docker compose after 10 s).
+STOP_FLUSH_S = 5.0
 # How much nicer the writer thread is than the process (Linux: a thread's own nice value).
 WRITER_NICENESS = 10
 
