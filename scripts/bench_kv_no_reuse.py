@@ -1,6 +1,6 @@
 """A workload with no reuse: every prompt distinct, a pool small enough that every new
 prompt evicts (so with the tiers on every evicted block is stored, and with the disk tier
-every finished request is written through), no hit ever. Output throughput with the tiers
+every finished request is written through, in the engine's idle time), no hit ever. Output throughput with the tiers
 off and on, the configurations run in turn (ABC, then CBA, so a drift of the machine weighs
 on each alike), and the CPU seconds every process of the stack spent per 1,000 output tokens
 (what the tiers cost the machine, less sensitive than throughput to a neighbour's load).
@@ -12,6 +12,9 @@ process (scheduler and worker, no bus; ``--max-num-seqs`` = the concurrency), a 
 ``--requests`` prompts on each in turn, round after round: no stack start between them, so
 the ratios are read without the ±10% a stack start moves a served run by here. It also
 prints the wall milliseconds of each step phase (the tiers' copies run in "update_states").
+``--configs off,host`` runs fewer configurations; ``--host-gib`` sizes the host tier (below
+a run's ~665 MiB, its evictions go to disk while serving). Each run ends with ``os.sync()``:
+the files it queued are written back before the next configuration starts.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ def main() -> int:
     parser.add_argument("--pool-blocks", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--configs", default="off,host,host+disk", help="which of off, host, host+disk to run")
+    parser.add_argument("--host-gib", default="1", help="--kv-offloading-size of the tier configurations")
     parser.add_argument("--in-process", action="store_true",
                         help="in-process engines side by side in one process instead of a stack per run")
     args = parser.parse_args()
@@ -127,8 +131,8 @@ def main() -> int:
     cpu_per_1k: dict[str, list[float]] = {name: [] for name in throughput}
     cpu_by_process: dict[str, list[dict[str, float]]] = {name: [] for name in throughput}
     with tempfile.TemporaryDirectory() as folder:
-        configs = {"off": [], "host": ["--kv-offloading-size", "1"],
-                   "host+disk": ["--kv-offloading-size", "1", "--kv-offloading-path", folder]}
+        configs = {"off": [], "host": ["--kv-offloading-size", args.host_gib],
+                   "host+disk": ["--kv-offloading-size", args.host_gib, "--kv-offloading-path", folder]}
         configs = {name: configs[name] for name in names}
         if args.in_process:
             throughput, cpu_per_1k = in_process(args, configs)

@@ -10,8 +10,8 @@ Eviction is a segmented LRU: a free block that was a prefix-cache hit since it w
 waits in a second queue (``protected_queue``), taken from only when the first is empty, and
 at most ``protected_fraction`` of the pool waits there (past it, its least recent block goes
 back to the first queue's tail, as not hit). So a prompt prefix that requests share (a system
-prompt) outlives the blocks of each request's own tokens, which plain LRU (vLLM's) gives up
-them for: on the shared-prefix load of ``scripts/bench_routing.py`` an engine holding every
+prompt) outlives the blocks of each request's own tokens, to which plain LRU (vLLM's) gives
+it up: on the shared-prefix load of ``scripts/bench_routing.py`` an engine holding every
 prefix hit 0.84 of the prompt tokens instead of 0.76 (``scripts/sim_routing_cache.py``);
 with no hits, as on a load with no reuse, it is plain LRU.
 
