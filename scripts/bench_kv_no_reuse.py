@@ -147,10 +147,12 @@ def main() -> int:
                 cpu_by_process[name].append(by_process)
                 stored = metric(values, "natsllm:kv_offload_total_bytes_total", transfer_type="GPU_to_CPU")
                 filed = metric(values, "natsllm:kv_offload_total_bytes_total", transfer_type="GPU_to_DISK")
+                spilled = metric(values, "natsllm:kv_offload_total_bytes_total", transfer_type="CPU_to_DISK")
                 throughput[name].append(rate)
                 cpu_per_1k[name].append(cpu)
                 print(f"repeat {repeat + 1}, tiers {name}: {rate:.1f} output tok/s, {cpu:.2f} CPU s per 1k tokens "
-                      f"(stored {stored / 2**20:.0f} MiB to host, {filed / 2**20:.0f} MiB to disk)", flush=True)
+                      f"(stored {stored / 2**20:.0f} MiB to host, {filed / 2**20:.0f} MiB to disk, "
+                      f"{spilled / 2**20:.0f} MiB from host to disk)", flush=True)
     medians = {name: statistics.median(rates) for name, rates in throughput.items()}
     ratios = {name: medians[name] / medians["off"] for name in medians}
     cpu_medians = {name: statistics.median(values) for name, values in cpu_per_1k.items()}
