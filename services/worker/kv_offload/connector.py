@@ -32,7 +32,8 @@ restart would find) are written in the engine's spare time, never at the expense
 (measured: writing every finished request's units took 4-9% of the output throughput of a
 saturated 2-vCPU engine). When either thread's queue passes WRITE_BACKLOG_BYTES (the engine
 busy for long) its further stores are skipped (counted), never queued without bound; a
-write-through skipped is written when its unit is evicted, as under write-back. One lock orders the loads' writes against cancellation (as P/D's).
+write-through skipped is written when its unit is evicted, as under write-back. One lock
+orders the loads' writes against cancellation (as P/D's).
 The host slots' pages are taken at start-up (``CpuUnitCopier.allocate_slots``).
 """
 
