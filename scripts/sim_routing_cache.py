@@ -3,12 +3,14 @@
 Not a benchmark: it runs no engine. Each engine is a block pool as ours: every block not in
 use waits in an LRU queue, a new block is taken from its old end (dropping the hash it held),
 a hit takes its block out of the queue, and a finished request gives its blocks back tail
-first. With ``--protect F`` (the engine's ``--prefix-cache-protected-fraction``; 0 is plain
-LRU, as vLLM's) blocks that were hit wait in a second queue, taken from only when the first
-is empty, at most F of the pool (past it the least recent goes back to the first queue). The load is the benchmark's (``--groups`` prefixes of
-``--prefix-blocks`` blocks, a request is one of them at random plus ``--suffix-blocks``
-blocks of its own and one block for its output, Poisson arrivals at ``--rate``); each
-request holds its blocks for ``--hold`` seconds. Policies:
+first. With ``--protect F`` (the engine's ``--prefix-cache-protected-fraction``, whose default
+is 0.8; this model's default, 0, is the plain LRU, vLLM's and ours before, which the diary's
+earlier figures modelled) blocks that were hit wait in a second queue, taken from only when
+the first is empty, at most F of the pool (past it the least recent goes back to the first
+queue). The load is the benchmark's (``--groups`` prefixes of ``--prefix-blocks`` blocks, a
+request is one of them at random plus ``--suffix-blocks`` blocks of its own and one block
+for its output, Poisson arrivals at ``--rate``); each request holds its blocks for
+``--hold`` seconds. Policies:
 
     random      an engine at random
     kv          the engine holding the longest prefix of the prompt, then the one with the
