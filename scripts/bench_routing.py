@@ -18,9 +18,16 @@ holding both engines' blocks (``--num-gpu-blocks`` doubled), and ``kv-faults`` (
 kv with 1% of the KV event batches dropped (``NATSLLM_TEST_KV_EVENT_FAULTS``) and one router
 (tokenizer replica) killed when half the requests were sent (the launcher starts it again); its hit rate is also given per
 window of ``--window`` requests, beside kv's. Prompts are real text (``bench_common``), seeded;
-each run has its own ``cache_salt``, so no run hits another's blocks.
+each run has its own ``cache_salt``, so no run hits another's blocks. ``--temperature`` and
+``--top-p`` make the requests sampled. ``--client vllm`` sends the same loads with vLLM's own
+`bench serve` instead (``bench.vllm_client``; its datasets ``prefix_repetition`` and ``random``,
+random tokens instead of text), the hit rate then from the engines' prefix-cache counters.
 
-    .venv/bin/python scripts/bench_routing.py --policies kv,least-loaded,round-robin,random --fault
+The result is one record (``bench.record``: every run's figures, a table of them and issue 31's
+targets met or not); ``--record`` keeps it for docs/BENCHMARKS.md ("Routing", and "Routing,
+measured with vLLM's client" for ``--client vllm``).
+
+    .venv/bin/python scripts/bench_routing.py --policies kv,least-loaded,round-robin,random --fault --record
     .venv/bin/python scripts/bench_routing.py --merge a.json b.json   # the ratios over several runs' files
 """
 
@@ -31,6 +38,8 @@ import asyncio
 import json
 import random
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import nats  # noqa: E402
 
+from bench import record, vllm_client  # noqa: E402
 from bench_common import describe_cpu, load_sentences, summarize, text_of_tokens  # noqa: E402
 from services.launch.nats_server import free_port  # noqa: E402
 from services.launch.stack import Stack, StackConfig  # noqa: E402
@@ -61,9 +71,10 @@ def no_reuse_load(rng: random.Random, prompt, args) -> list[list[int]]:
     return [prompt(args.prefix_len + args.suffix_len) for _ in range(args.requests)]
 
 
-async def one_request(http: httpx.AsyncClient, prompt: list[int], salt: str, max_tokens: int) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
+async def one_request(http: httpx.AsyncClient, prompt: list[int], salt: str, args) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": args.output_len, "temperature": args.temperature,
+            "top_p": args.top_p, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "cache_salt": salt}
     start = time.monotonic()
     first = None
     usage = {}
@@ -92,7 +103,7 @@ async def run_load(base_url: str, prompts: list[list[int]], salt: str, args, at_
         for i, prompt in enumerate(prompts):
             if i == len(prompts) // 2 and at_half is not None:
                 side = asyncio.get_running_loop().run_in_executor(None, at_half)
-            tasks.append(asyncio.ensure_future(one_request(http, prompt, salt, args.output_len)))
+            tasks.append(asyncio.ensure_future(one_request(http, prompt, salt, args)))
             await asyncio.sleep(rng.expovariate(args.rate))
         results = await asyncio.gather(*tasks)
         wall = time.monotonic() - start
@@ -140,6 +151,68 @@ async def admissions(stack: Stack) -> dict[str, int]:
     return latest
 
 
+# vLLM's `bench serve` datasets for the same loads (``--client vllm``): its prefix_repetition
+# is ``--groups`` random-token prefixes, each with ``--requests / --groups`` random suffixes,
+# shuffled: our shared-prefix load on tokens instead of text.
+VLLM_DATASETS = {
+    "shared-prefix": lambda args: [
+        "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
+        "--prefix-repetition-suffix-len", str(args.suffix_len), "--prefix-repetition-num-prefixes", str(args.groups),
+        "--prefix-repetition-output-len", str(args.output_len)],
+    "no-reuse": lambda args: [
+        "--dataset-name", "random", "--random-input-len", str(args.prefix_len + args.suffix_len),
+        "--random-output-len", str(args.output_len), "--random-range-ratio", "0"],
+}
+
+
+def vllm_load(base_url: str, name: str, args, result_file: Path, at_half=None) -> dict:
+    """The load ``name`` sent by vLLM's client at the same rate; ``at_half()`` runs (in a
+    thread) when half the load's time has passed. Its result, and the engines' prefix-cache
+    token counts (queries, hits) over it, from /metrics."""
+    load_args = [*VLLM_DATASETS[name](args), "--num-prompts", str(args.requests), "--request-rate", str(args.rate),
+                 "--ignore-eos", "--seed", str(args.seed), "--num-warmups", "0",
+                 "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
+    before = prefix_cache_tokens(base_url)
+    timer = threading.Timer(args.requests / args.rate / 2, at_half) if at_half is not None else None
+    if timer is not None:
+        timer.start()
+    try:
+        result = vllm_client.bench_serve(base_url, MODEL, load_args, result_file, args.timeout)
+    finally:
+        if timer is not None:
+            timer.join()
+    time.sleep(1.5)  # the stats after the load
+    after = prefix_cache_tokens(base_url)
+    return {"result": result, "queries": after[0] - before[0], "hits": after[1] - before[1]}
+
+
+def vllm_summary(load: dict, admitted: dict[str, int]) -> dict:
+    """``summary``'s figures from a run of vLLM's client (the hit rate from the engines'
+    counters: no per-request ``cached_tokens``, so no windows)."""
+    result = load["result"]
+    shares = sorted(admitted.values())
+    return {
+        "hit_rate": load["hits"] / max(1.0, load["queries"]),
+        "ttft_p50": result["median_ttft_ms"] / 1000, "ttft_p90": result["p90_ttft_ms"] / 1000,
+        "throughput": result["output_throughput"],
+        "requests_per_engine": admitted,
+        "busiest_over_least_busy": shares[-1] / shares[0] if shares and shares[0] else float("inf"),
+        "hit_rate_windows": [],
+        "cached_tokens": [],
+    }
+
+
+def prefix_cache_tokens(base_url: str) -> tuple[float, float]:
+    """The engines' prefix-cache queried and hit tokens so far (the gateway's /metrics)."""
+    queries = hits = 0.0
+    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("natsllm:prefix_cache_queries_total{"):
+            queries += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("natsllm:prefix_cache_hits_total{"):
+            hits += float(line.rsplit(" ", 1)[1])
+    return queries, hits
+
+
 def router_decisions(base_url: str) -> dict[str, float]:
     """The routers' decisions so far by reason (the gateway's /metrics, summed over routers)."""
     decisions: dict[str, float] = {}
@@ -167,10 +240,14 @@ def run(label: str, loads: dict[str, list[list[int]]], args, mode: str = "kv", d
             before, decided = asyncio.run(admissions(stack)), router_decisions(stack.base_url)
             # The router's restart: tokenizer-0 is killed (-9); the launcher starts it again.
             kill = (lambda: stack.supervisor.kill("tokenizer-0")) if fault else None
-            load = asyncio.run(run_load(stack.base_url, prompts, f"{label}-{name}", args, kill))
-            time.sleep(1.5)  # the stats after the load
+            if args.client == "vllm":
+                load = vllm_load(stack.base_url, name, args, Path(args.vllm_results) / f"{label}-{name}.json", kill)
+            else:
+                load = asyncio.run(run_load(stack.base_url, prompts, f"{label}-{name}", args, kill))
+                time.sleep(1.5)  # the stats after the load
             after = asyncio.run(admissions(stack))
-            out[name] = summary(load, {e: after[e] - before.get(e, 0) for e in after}, args.window)
+            admitted = {e: after[e] - before.get(e, 0) for e in after}
+            out[name] = vllm_summary(load, admitted) if args.client == "vllm" else summary(load, admitted, args.window)
             r = out[name]
             r["router_decisions"] = {k: v - decided.get(k, 0.0) for k, v in router_decisions(stack.base_url).items()
                                      if v - decided.get(k, 0.0) > 0}
@@ -202,11 +279,47 @@ def ratios(results: dict) -> dict:
     return got
 
 
+# Issue 31's targets: (ratio, how it compares, the bound, what it says).
+TARGETS = (
+    ("hit_kv_over_random", ">=", 2.0, "shared-prefix hit rate, kv / random"),
+    ("hit_kv_over_one_big_engine", ">=", 0.9, "shared-prefix hit rate, kv / one engine holding both engines' blocks"),
+    ("ttft_p50_kv_over_random", "<=", 0.5, "shared-prefix median TTFT, kv / random"),
+    ("hit_points_lost_with_faults", "<=", 2.0,
+     "hit-rate points lost with 1% of the events dropped and a router restarted"),
+    ("no_reuse_kv_busiest_over_least_busy", "<=", 1.3, "no-reuse requests, busiest engine / least busy (kv)"),
+    ("no_reuse_ttft_p50_kv_over_least_loaded", "<=", 1.1, "no-reuse median TTFT, kv / least-loaded"),
+)
+
+
+def targets(got: dict) -> list[str]:
+    """Each target of issue 31 this run measured, its figure and whether it is met."""
+    notes = []
+    for key, how, bound, what in TARGETS:
+        if key in got:
+            met = got[key] >= bound if how == ">=" else got[key] <= bound
+            notes.append(f"{what}: {got[key]:.2f} (target {'≥' if how == '>=' else '≤'} {bound:g}: "
+                         f"{'met' if met else 'not met'})")
+    return notes
+
+
+def table(results: dict) -> list[dict]:
+    """One row per run and load: what docs/BENCHMARKS.md shows."""
+    rows = []
+    for label, loads in results.items():
+        for name, r in loads.items():
+            rows.append({"run": label, "load": name, "hit rate": r["hit_rate"], "TTFT p50 ms": 1000 * r["ttft_p50"],
+                         "TTFT p90 ms": 1000 * r["ttft_p90"], "output tok/s": r["throughput"],
+                         "busiest / least busy engine": r["busiest_over_least_busy"]})
+    return rows
+
+
 def report(results: dict, args) -> dict:
     """Print the acceptance ratios and, with a fault run, both runs' hit rate per window."""
     got = ratios(results)
     for key, value in got.items():
         print(f"{key}: {value:.3f}")
+    for note in targets(got):
+        print(note)
     shared = {k: v["shared-prefix"] for k, v in results.items() if "shared-prefix" in v}
     if "kv" in shared and "kv-faults" in shared:
         print(f"hit rate per window of {args.window} requests, kv / kv-faults (a router killed after request "
@@ -226,6 +339,11 @@ def main() -> int:
     parser.add_argument("--prefix-len", type=int, default=256)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--client", choices=("ours", "vllm"), default="ours",
+                        help="vllm: the loads sent by vLLM's `bench serve` (prefix_repetition, random; "
+                             "from build/vllm-venv), the hit rate from the engines' counters")
     parser.add_argument("--num-gpu-blocks", type=int, default=80, help="KV cache blocks per engine")
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                         help="also one engine with both engines' blocks (shared-prefix)")
@@ -236,13 +354,14 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default=None)
-    parser.add_argument("--result-file", default=None)
     parser.add_argument("--merge", nargs="+", default=None, help="result files: print their runs' ratios, run nothing")
+    record.add_arguments(parser)
     args = parser.parse_args()
     if args.merge:
         results = {}
         for path in args.merge:
-            for label, runs in json.loads(Path(path).read_text())["results"].items():
+            kept = json.loads(Path(path).read_text())["results"]
+            for label, runs in kept.get("runs", kept).items():  # a record, or a file of before records
                 results.setdefault(label, {}).update(runs)
         report(results, args)
         return 0
@@ -260,19 +379,25 @@ def main() -> int:
         loads[name] = makers[name](rng, prompt, args)
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    if args.client == "vllm" and vllm_client.available():
+        raise SystemExit(f"--client vllm: {vllm_client.available()}")
     print(f"CPU: {describe_cpu()}", flush=True)
     results = {}
-    for mode in filter(None, args.policies.split(",")):  # "": only --reference / --fault runs
-        results[mode] = run(mode, loads, args, mode)
-    if args.reference and "shared-prefix" in loads:
-        results["reference"] = run("reference", {"shared-prefix": loads["shared-prefix"]}, args, dp=1,
-                                   blocks=2 * args.num_gpu_blocks)
-    if args.fault and "shared-prefix" in loads:
-        results["kv-faults"] = run("kv-faults", {"shared-prefix": loads["shared-prefix"]}, args, fault=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        args.vllm_results = args.log_dir or scratch  # vLLM's client's result files
+        for mode in filter(None, args.policies.split(",")):  # "": only --reference / --fault runs
+            results[mode] = run(mode, loads, args, mode)
+        if args.reference and "shared-prefix" in loads:
+            results["reference"] = run("reference", {"shared-prefix": loads["shared-prefix"]}, args, dp=1,
+                                       blocks=2 * args.num_gpu_blocks)
+        if args.fault and "shared-prefix" in loads:
+            results["kv-faults"] = run("kv-faults", {"shared-prefix": loads["shared-prefix"]}, args, fault=True)
     got = report(results, args)
-    if args.result_file:
-        Path(args.result_file).write_text(json.dumps({"args": vars(args), "cpu": describe_cpu(), "results": results,
-                                                      "ratios": got}, indent=2))
+    config = {k: v for k, v in vars(args).items()
+              if k not in ("merge", "record", "result_file", "log_dir", "vllm_results")}
+    question = "routing-vllm-client" if args.client == "vllm" else "routing"
+    record.save(record.Record("routing", question, config=config, results={
+        "table": table(results), "targets": targets(got), "ratios": got, "runs": results}), args)
     return 0
 
 

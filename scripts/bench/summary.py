@@ -74,6 +74,16 @@ QUESTIONS = (
              "colocated engine, on one 2-core machine."),
     Question("quantization", "Quantized weights",
              "Greedy agreement with the float32 model and perplexity, int4 weights kept as int4."),
+    Question("routing", "Routing: data-parallel engines",
+             "`--data-parallel-size 2`, each engine's KV cache set small with `--num-gpu-blocks`, under each "
+             "`--router-mode`: prefix-cache hit rate (`cached_tokens` over prompt tokens), TTFT and balance on "
+             "a shared-prefix load (groups of prompts sharing a system prompt; the prefixes exceed one "
+             "engine's cache but fit in both) and on a load that shares nothing; beside them one engine "
+             "holding both engines' blocks, and kv with 1% of its KV events dropped and a router restarted "
+             "mid-run."),
+    Question("routing-vllm-client", "Routing, measured with vLLM's client",
+             "The same loads sent by vLLM's own `bench serve` (its `prefix_repetition` and `random` datasets: "
+             "random tokens), sampled; the hit rate from the engines' prefix-cache counters."),
 )
 
 
