@@ -5,6 +5,7 @@ preemption, loads that finish, fail or time out, and the metadata the workers ge
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -264,6 +265,29 @@ def test_write_through_files_a_finished_requests_units_once(tmp_path):
     hashes = request("x", PROMPT_A).block_hashes
     assert [s.block_hashes for s in disk_stores] == [hashes[0:2], hashes[2:4]]  # two whole units
     assert all(s.slot < 0 for s in disk_stores)
+
+
+def test_a_deleted_folder_makes_the_engine_forget_what_it_filed(tmp_path):
+    # The engine does not file a unit again for a minute after it filed it; when somebody
+    # deletes the folder, those files are gone, and it files them again.
+    os.makedirs(tmp_path / "ns")
+    clock = Clock()
+    sched = make(num_blocks=16, host_slots=4, path=str(tmp_path), policy="write_through", clock=clock)
+    hashes = request("x", PROMPT_A).block_hashes
+
+    def filed(req):
+        steps = run(sched, req)
+        steps.append(sched.schedule())  # the stores of a request's end go with the next step
+        return [s.block_hashes for s in stores_of(steps) if s.block_hashes]
+
+    assert filed(request("a", PROMPT_A)) == [hashes[0:2], hashes[2:4]]
+    file_unit(tmp_path, hashes[0:2])  # the workers wrote them
+    file_unit(tmp_path, hashes[2:4])
+    clock.now += 2
+    assert filed(request("a-again", PROMPT_A)) == []
+    shutil.rmtree(tmp_path / "ns")
+    clock.now += 2
+    assert filed(request("a-third", PROMPT_A)) == [hashes[0:2], hashes[2:4]]
 
 
 def test_a_write_through_not_yet_on_disk_is_still_spilled_when_the_host_tier_evicts_it(tmp_path):

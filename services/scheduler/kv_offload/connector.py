@@ -65,9 +65,12 @@ logger = logging.getLogger(__name__)
 # FILED_SECONDS (the disk tier may evict them later). A write-through is not counted as
 # written when the host tier or the device evicts the unit: the workers write it when the
 # forward pass is idle, or skip it, so the eviction writes it (a unit filed already is only touched).
+# The marks are forgotten when the workers' folders are no longer the ones they were made in
+# (somebody deleted them): checked at most every FOLDER_CHECK_SECONDS, a stat per rank.
 HIT_COUNTS_KEPT = 1 << 16
 FILED_KEYS_KEPT = 1 << 16
 FILED_SECONDS = 60.0
+FOLDER_CHECK_SECONDS = 1.0
 
 
 @dataclass
@@ -141,6 +144,8 @@ class OffloadingConnectorScheduler:
         self._chains: dict[int, tuple[list[bytes], int]] = {}  # free cached block id -> (hashes, index)
         # Disk keys this engine filed: when, and whether by write-through.
         self._filed: OrderedDict[bytes, tuple[float, bool]] = OrderedDict()
+        self._filed_folders: tuple | None = None  # the folders the marks were made in (DiskProbe.folders)
+        self._folders_checked = float("-inf")
         self._hit_counts: OrderedDict[bytes, int] = OrderedDict()
         self._swapped: dict[str, list[HostUnit]] = {}
         self._no_lookup: set[str] = set()  # their load failed: they recompute
@@ -463,15 +468,32 @@ class OffloadingConnectorScheduler:
         """Whether the disk tier holds (or this engine is writing) the unit ``key``; a
         write-through still queued counts only with ``written_through``."""
         filed = self._filed.get(key)
-        if filed is not None and self._clock() - filed[0] < FILED_SECONDS and (written_through or not filed[1]):
+        if (filed is not None and self._clock() - filed[0] < FILED_SECONDS and (written_through or not filed[1])
+                and self._folders_unchanged()):
             return True
         return self.disk is not None and self.disk.blocks(key) > 0
 
     def _mark_filed(self, key: bytes, write_through: bool = False) -> None:
+        if not self._filed:
+            self._filed_folders = self.disk.folders() if self.disk is not None else None
+            self._folders_checked = self._clock()
         self._filed[key] = (self._clock(), write_through)
         self._filed.move_to_end(key)
         if len(self._filed) > FILED_KEYS_KEPT:
             self._filed.popitem(last=False)
+
+    def _folders_unchanged(self) -> bool:
+        """False, with every mark forgotten, when the workers' folders were deleted (or made
+        again) since the marks were made: the files the marks stand for are gone."""
+        now = self._clock()
+        if self.disk is None or now - self._folders_checked < FOLDER_CHECK_SECONDS:
+            return True
+        self._folders_checked = now
+        if self.disk.folders() == self._filed_folders:
+            return True
+        logger.info("the disk tier's folders changed: forgetting what this engine filed before")
+        self._filed.clear()
+        return False
 
     def _count_hits(self, block_hashes: list[bytes]) -> None:
         """Hit counts per block (write_through_selective)."""

@@ -5,7 +5,8 @@ The folder is shared by the host's engines and outlives them, so no index the sc
 could keep would be true for long: it asks the file system (one ``stat`` per rank and name,
 microseconds; the file's size tells its block count, ``shared/kv_unit_file.py``). Files
 appear whole (atomic rename) or not at all; a file that turns out corrupt when read fails
-its load, and the request recomputes.
+its load, and the request recomputes. ``folders`` names the ranks' folders as the file
+system knows them, so a scheduler can tell that somebody deleted them (or their root).
 """
 
 from __future__ import annotations
@@ -32,3 +33,15 @@ class DiskProbe:
                 return 0
             counts.add(num_blocks_of(size, block_bytes))
         return counts.pop() if len(counts) == 1 else 0
+
+    def folders(self) -> tuple:
+        """Each rank's folder as (device, inode), None where it is missing: the same tuple
+        later means the same folders (a folder deleted and made again has another inode)."""
+        out = []
+        for namespace, _ in self.ranks:
+            try:
+                stat = os.stat(os.path.join(self.root, namespace))
+                out.append((stat.st_dev, stat.st_ino))
+            except OSError:
+                out.append(None)
+        return tuple(out)
