@@ -4,10 +4,15 @@
 blocks that engine already holds (``PrefixIndex``), plus ``LOAD_WEIGHT`` times the work queued
 there: the prefill tokens waiting (its stats plus what was sent since) and
 ``DECODE_COST_TOKENS`` per request it runs or queues (each adds a row to every step). The
-cheapest wins; ties go to the engine after the last one chosen. The blocks the request would
-evict there (its new blocks past the room the engine's cache has for them: its blocks less
-the hashes it holds) add ``EVICTION_WEIGHT`` of their tokens: each is a prefix some later
-request may miss, so a new prefix goes where it evicts least. Queued work counts for less
+cheapest wins; ties go to the engine after the last one chosen, and prices at most
+``TIE_TOKENS`` apart are ties: the router's view of an engine is not finer than that (its
+count of cached blocks is a block or two off, since each finished request leaves a partial
+block nobody hashes and events are in flight; its load is up to a second old), and a
+smaller difference, were it decisive, would send every request of a quiet moment to the
+same engine. The blocks the request would evict there (its new blocks past the room the
+engine's cache has for them: its blocks less the hashes it holds) add ``EVICTION_WEIGHT``
+of their tokens: each is a prefix some later request may miss, so a new prefix goes where
+it evicts least. Queued work counts for less
 than the prompt's own tokens because a prefix computed again is dearer than its tokens: it
 takes blocks that other requests of that prefix would have hit, on an engine whose cache is
 already full of other prefixes; and a request just sent with the same prompt is part of the
@@ -16,7 +21,8 @@ engine holding it is busier than another by twice the prefix's tokens. Engines o
 threshold (KV cache nearly full with requests waiting) are skipped while another is not.
 A block the engine holds only in a lower tier (the KV offloading tiers' host memory) saves
 ``LOWER_TIER_CREDIT`` of its tokens: it is loaded, not computed, but the load takes time and
-a device block. Where no engine holds any of the prompt, the price is the load alone: ``kv``
+a device block. Where no engine holds any of the prompt, the price is the load and what the
+prompt would evict, the same everywhere once the caches are full (to ``TIE_TOKENS``): ``kv``
 then chooses as ``least-loaded`` does, which prices every engine as if it held nothing,
 with one rule more (below).
 
@@ -55,6 +61,8 @@ EVICTION_WEIGHT = 0.5
 LOWER_TIER_CREDIT = 0.8
 # What a prefix block that a new prefix would push out weighs, per token (see above).
 PREFIX_EVICTION_WEIGHT = 1.0
+# Prices closer than this, in prompt tokens, are equal (see above): two queued requests' worth.
+TIE_TOKENS = 2 * LOAD_WEIGHT * DECODE_COST_TOKENS
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,13 @@ def price(candidate: Candidate, num_prompt_tokens: int, block_size: int) -> floa
             + EVICTION_WEIGHT * candidate.evicted_blocks * block_size)
 
 
+def cheapest(pool: list[Candidate], cost) -> Candidate:
+    """The first candidate of ``pool`` (in its order) at most ``TIE_TOKENS`` above the lowest cost."""
+    costs = [cost(c) for c in pool]
+    lowest = min(costs)
+    return next(c for c, value in zip(pool, costs) if value <= lowest + TIE_TOKENS)
+
+
 class Policies:
     """The policies over an ordered list of candidates; keeps the round-robin position."""
 
@@ -122,12 +137,12 @@ class Policies:
         ``new_prefix_blocks``: the request starts a prefix of that many blocks (see above)."""
         free = [c for c in candidates if not is_busy(c.engine, busy_threshold)]
         pool = self._rotated(free or candidates)
-        best = min(pool, key=lambda c: price(c, num_prompt_tokens, block_size))
+        best = cheapest(pool, lambda c: price(c, num_prompt_tokens, block_size))
         if not free:
             reason = "all_busy"
         elif new_prefix_blocks and any(prefix_eviction(c, new_prefix_blocks) == 0 for c in pool):
-            placed = min(pool, key=lambda c: price(c, num_prompt_tokens, block_size)
-                         + PREFIX_EVICTION_WEIGHT * prefix_eviction(c, new_prefix_blocks) * block_size)
+            placed = cheapest(pool, lambda c: price(c, num_prompt_tokens, block_size)
+                              + PREFIX_EVICTION_WEIGHT * prefix_eviction(c, new_prefix_blocks) * block_size)
             if placed is not best:
                 best, reason = placed, "kv_room"
         return self._chose(best, reason)

@@ -9,6 +9,7 @@ request there at once: as load (``loads.py``) and, for ``kv``, its prompt's bloc
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from collections import Counter
@@ -22,7 +23,9 @@ from .config import RouterConfig
 from .events import EngineEvents
 from .index import PrefixIndex
 from .loads import EngineLoads, Sent, takes_new_requests
-from .policy import LOWER_TIER_CREDIT, Candidate, Policies
+from .policy import LOWER_TIER_CREDIT, Candidate, Policies, price
+
+logger = logging.getLogger(__name__)
 
 # A prompt's block size before any engine said its own (the engines' default).
 DEFAULT_BLOCK_SIZE = 16
@@ -121,6 +124,11 @@ class Router:
                                        "kv_load", new_prefix)
             if choice.hit_blocks and choice.reason == "kv_load":
                 choice = dataclasses.replace(choice, reason="kv_prefix")
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("route %s -> %s (%s): %s", request.request_id, choice.engine_id, choice.reason, "; ".join(
+                    f"{c.engine_id}: price {price(c, num_tokens, block_size):.0f} hit {c.hit_blocks} "
+                    f"evicts {c.evicted_blocks} prefix room {c.prefix_room} prefill {c.engine.prefill_tokens} "
+                    f"requests {c.engine.num_requests} (sent {len(c.engine.sent)})" for c in candidates))
             self.index.hit(choice.engine_id, hashes[:choice.hit_blocks])
         self.decisions[choice.reason] += 1
         new_tokens = max(0, num_tokens - choice.hit_blocks * block_size)

@@ -363,9 +363,9 @@ def test_a_predicted_new_prefix_counts_until_it_expires_unstored():
 
 def test_a_new_prefix_goes_where_it_fits_beside_the_prefixes_held():
     # "a" holds 4 prefixes of 18 blocks (72 of 80), "b" 3 (54): a fifth fits only on "b",
-    # though "b" is the busier engine of the moment (one prompt of 288 tokens in prefill).
+    # though "b" is the busier engine of the moment (one prompt of 256 tokens in prefill).
     router, _ = two_engines(72, 54)
-    router.on_stats(stats("b", seq=2, num_gpu_blocks=80, num_prefill_tokens_pending=288, num_requests_running=1))
+    router.on_stats(stats("b", seq=2, num_gpu_blocks=80, num_prefill_tokens_pending=256, num_requests_running=1))
     route = router.route(engine_request(list(range(288))))
     assert (route.engine_id, route.reason) == ("b", "kv_room")
     assert router.index.num_prefix_blocks("b") == 3 * 18 + 18  # counted there at once
@@ -398,6 +398,39 @@ def test_room_changes_nothing_where_the_prefix_fits_everywhere_or_nowhere():
     # Caches with room for all of them.
     router, _ = two_engines(2000, 0, capacity=10_000)
     assert all(kv == ll for kv, ll in least_loaded_choices(router))
+
+
+def test_a_quiet_load_that_shares_nothing_is_shared_evenly_by_caches_a_block_apart():
+    # Both caches full of one-off prompts, one holding a block less (a request's last,
+    # partial block is never hashed). Each request is served before the next comes (its
+    # blocks stored, as many old ones evicted, its admission in the stats), so both engines
+    # are idle at every choice: the one block must not decide them all.
+    router, clock = kv_router()
+    seq = {"a": 2, "b": 2}
+    admitted = {"a": 0, "b": 0}
+    held = {"a": [f"a-old:{i}".encode() for i in range(80)], "b": [f"b-old:{i}".encode() for i in range(79)]}
+    for engine_id in "ab":
+        router.on_stats(stats(engine_id, seq=1, num_gpu_blocks=80))
+        router.on_batch(batch(engine_id, 2, [BlockStored(held[engine_id], b"p", [], BS, None, "GPU", None)]))
+    clock.now += NEW_CHAIN_TTL + 1
+    for engine_id in "ab":
+        router.on_stats(stats(engine_id, seq=2, num_gpu_blocks=80))
+    chosen = []
+    for i in range(20):
+        prompt = [i] * 16 + list(range(1000 * i, 1000 * i + 272))  # 18 blocks, no block like another's
+        route = router.route(engine_request(prompt))
+        engine_id = route.engine_id
+        chosen.append(engine_id)
+        admitted[engine_id] += 1
+        router.answered(route, admitted[engine_id])
+        hashes = prompt_block_hashes(engine_request(prompt), BS)
+        evicted, held[engine_id] = held[engine_id][:len(hashes)], held[engine_id][len(hashes):] + hashes
+        seq[engine_id] += 1
+        router.on_batch(batch(engine_id, seq[engine_id], [BlockRemoved(evicted, "GPU"), stored(hashes)]))
+        for e in "ab":
+            router.on_stats(stats(e, seq=seq[e], num_gpu_blocks=80, admitted=admitted[e]))
+        clock.now += 0.5
+    assert chosen.count("a") == chosen.count("b") == 10, chosen
 
 
 def test_a_request_that_hits_a_prefix_is_not_a_new_prefix():
