@@ -8,12 +8,18 @@ misses batches (``events.py``), one task per engine asks that engine for them: a
 (``llm.engine.<id>.kv_events.dump``), each within ``SYNC_TIMEOUT``; an engine that does not
 answer is asked again after its next stats. A tokenizer's router publishes its counters
 (``RouterStats``) once a second for the gateways' /metrics.
+
+A router just started knows no engine: routing then would send its first requests to the
+queue group, blind (after a restart, to engines that miss their prefixes). So ``settled``
+holds them until it has heard the engines' stats (``LISTEN_S``: they come once a second)
+and caught up with their caches (a dump each), for ``SETTLE_S`` at most from its start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from nats.aio.msg import Msg
 
@@ -36,6 +42,8 @@ SYNC_TIMEOUT = 2.0  # seconds for one replay or dump page
 MAX_SYNC_ROUNDS = 16  # replays and dumps in a row before waiting for the engine's next stats
 DUMP_ATTEMPTS = 3  # a dump whose snapshot went before all its pages were read starts again
 STATS_INTERVAL = 1.0
+LISTEN_S = 1.5  # a router's first seconds, hearing every engine's stats (they come once a second)
+SETTLE_S = 3.0  # ... and its caches, at most: then it routes as it can
 
 
 class RouterOnBus:
@@ -45,11 +53,28 @@ class RouterOnBus:
         self.publish_stats = publish_stats
         self._syncing: set[str] = set()
         self._followed: set[str] = set()  # engines whose KV events this router subscribed to
+        self._started = time.monotonic()
+        self._settled = False
 
     async def setup(self) -> None:
+        self._started = time.monotonic()
         await self.service.subscribe(ENGINE_STATS_CHANNEL.subject(), self._on_stats)
         if self.publish_stats:
             self.service.spawn(self._stats_loop())
+
+    async def settled(self) -> None:
+        """Returns once the router has listened ``LISTEN_S`` and is in sync with the engines
+        it heard, or ``SETTLE_S`` after its start (at once ever after)."""
+        while not self._settled:
+            age = time.monotonic() - self._started
+            in_sync = self.router.mode != "kv" or self.router.in_sync()
+            if age >= SETTLE_S or (age >= LISTEN_S and in_sync):
+                self._settled = True
+                if not in_sync:
+                    logger.warning("router: not in sync with every engine's cache %.1fs after its start; routing "
+                                   "by load where it is not", SETTLE_S)
+                break
+            await asyncio.sleep(0.05)
 
     async def _on_stats(self, msg: Msg) -> None:
         stats = ENGINE_STATS_CHANNEL.decode(msg.data)

@@ -1,30 +1,29 @@
 """The routing policies: which of the ready engines takes a request.
 
 ``kv`` (the default) prices each engine in prompt tokens: the request's own prompt past the
-blocks that engine already holds (``PrefixIndex``), plus ``LOAD_WEIGHT`` times the work queued
-there: the prefill tokens waiting (its stats plus what was sent since) and
+blocks that engine already holds (``PrefixIndex``), plus ``LOAD_WEIGHT`` times the work
+queued there: the prefill tokens waiting (its stats plus what was sent since) and
 ``DECODE_COST_TOKENS`` per request it runs or queues (each adds a row to every step). The
 cheapest wins; ties go to the engine after the last one chosen, and prices at most
 ``TIE_TOKENS`` apart are ties: the router's view of an engine is not finer than that (its
 count of cached blocks is a block or two off, since each finished request leaves a partial
-block nobody hashes and events are in flight; its load is up to a second old), and a
-smaller difference, were it decisive, would send every request of a quiet moment to the
-same engine. The blocks the request would evict there (its new blocks past the room the
-engine's cache has for them: its blocks less the hashes it holds) add ``EVICTION_WEIGHT``
-of their tokens: each is a prefix some later request may miss, so a new prefix goes where
-it evicts least. Queued work counts for less
-than the prompt's own tokens because a prefix computed again is dearer than its tokens: it
-takes blocks that other requests of that prefix would have hit, on an engine whose cache is
-already full of other prefixes; and a request just sent with the same prompt is part of the
-queue, whose blocks this one finds computed. So a request follows its prefix until the
-engine holding it is busier than another by twice the prefix's tokens. Engines over the busy
-threshold (KV cache nearly full with requests waiting) are skipped while another is not.
-A block the engine holds only in a lower tier (the KV offloading tiers' host memory) saves
-``LOWER_TIER_CREDIT`` of its tokens: it is loaded, not computed, but the load takes time and
-a device block. Where no engine holds any of the prompt, the price is the load and what the
-prompt would evict, the same everywhere once the caches are full (to ``TIE_TOKENS``): ``kv``
-then chooses as ``least-loaded`` does, which prices every engine as if it held nothing,
-with one rule more (below).
+block nobody hashes and events are in flight; its load is up to a second old), and a smaller
+difference, were it decisive, would send every request of a quiet moment to the same engine.
+The blocks the request would evict there (its new blocks past the room the engine's cache
+has for them: its blocks less the hashes it holds) add ``EVICTION_WEIGHT`` of their tokens:
+each is a prefix some later request may miss, so a new prefix goes where it evicts least.
+Queued work counts for less than the prompt's own tokens because a prefix computed again is
+dearer than its tokens: it takes blocks that other requests of that prefix would have hit,
+on an engine whose cache is already full of other prefixes; and a request just sent with the
+same prompt is part of the queue, whose blocks this one finds computed. So a request follows
+its prefix until the engine holding it is busier than another by twice the prefix's tokens.
+Engines over the busy threshold (KV cache nearly full with requests waiting) are skipped
+while another is not. A block the engine holds only in a lower tier (the KV offloading
+tiers' host memory) saves ``LOWER_TIER_CREDIT`` of its tokens: it is loaded, not computed,
+but the load takes time and a device block. Where no engine holds any of the prompt, the
+price is the load and what the prompt would evict, the same everywhere once the caches are
+full (to ``TIE_TOKENS``): ``kv`` then chooses as ``least-loaded`` does, which prices every
+engine as if it held nothing, with one rule more (below).
 
 A new prefix (a prompt no engine holds any block of) is where the engines' caches are
 shared out: every later request of that prefix follows it to where it went. So it goes
@@ -61,7 +60,7 @@ EVICTION_WEIGHT = 0.5
 LOWER_TIER_CREDIT = 0.8
 # What a prefix block that a new prefix would push out weighs, per token (see above).
 PREFIX_EVICTION_WEIGHT = 1.0
-# Prices closer than this, in prompt tokens, are equal (see above): two queued requests' worth.
+# Prices at most this far apart, in prompt tokens, are equal (see above): two queued requests' worth.
 TIE_TOKENS = 2 * LOAD_WEIGHT * DECODE_COST_TOKENS
 
 

@@ -224,7 +224,9 @@ class TokenizerService(Service):
         or that engine has no responder (it died: another takes the request; in the queue
         group no responder is asked again for a moment: ``shared.bus.NO_RESPONDERS_WINDOW``).
         After a timeout the request may be queued after all (only the answer was lost): the
-        gateway aborts a sample refused with 503."""
+        gateway aborts a sample refused with 503. A router just started first waits to hear
+        the engines (``RouterOnBus.settled``, 3 s at most)."""
+        await self.router_bus.settled()
         route = self.router.route(engine_request)
         if route is not None:
             try:

@@ -2,7 +2,8 @@
 KV events on, and tokenizer services' routers. Requests land on the engine holding their
 prefix, on that engine's own subject; a lost batch is replayed; a router started later
 (or after the batches it needs left the ring) rebuilds its index from a dump; a restarted
-scheduler's cache starts empty in the index; with no engine known, the queue group."""
+scheduler's cache starts empty in the index; a router just started hears the engines before
+it routes; with no engine known, the queue group."""
 
 from __future__ import annotations
 
@@ -182,6 +183,7 @@ async def test_without_a_known_engine_or_a_responder_the_queue_group_takes_the_r
         async with started(engine), started(make_router(server.url)) as tok:
             await worker.start()
             await wait_for(lambda: engine.ready, what="engine ready")
+            await tok.router_bus.settled()
             tok.router.loads._engines.clear()  # as if no stats had come yet (submit routes at once)
             reply = await tok.submit(request("q", list(range(40))))
             assert reply.error is None and reply.engine_id == "e0"
@@ -194,3 +196,18 @@ async def test_without_a_known_engine_or_a_responder_the_queue_group_takes_the_r
             assert tok.router.decisions["kv_load"] == 1 and not tok.router.loads.get("ghost").sent
         worker.task.cancel()
         await nc.close()
+
+
+async def test_a_router_just_started_hears_the_engines_before_it_routes():
+    async with two_engines() as (server, engines):
+        async with started(make_router(server.url)) as first:
+            await wait_for(lambda: len(first.router.loads.ready()) == 2, what="engines seen")
+            prefix = list(range(2000, 2160))
+            home = (await first.submit(request("p0", prefix + [1]))).engine_id
+            await wait_for(lambda: home in {e.engine_id for e in engines if held(e)}, what="the prefix cached")
+        # A new router (a restarted tokenizer) gets a request the moment it starts: it routes
+        # it by the engines' caches, not blind to the queue group.
+        async with started(make_router(server.url)) as restarted:
+            reply = await restarted.submit(request("p1", prefix + [2]))
+            assert reply.error is None and reply.engine_id == home
+            assert restarted.router.decisions == {"kv_prefix": 1}
