@@ -9,7 +9,7 @@ predicted): one only in a lower tier (the KV offloading tiers' ``CPU``) is loade
 device block, not computed, and the router credits it at less (``router.py``).
 
 Of the device blocks, those that are prefixes (``num_prefix_blocks``, ``prefixes.py``): blocks
-a request this router sent there hit, and for a while the blocks of a chain that started
+a request this router sent there hit lately, and for a while the blocks of a chain that started
 there (a ``BlockStored`` with no parent: its request hit nothing there; with chunked
 prefill, its first chunk) or of a prompt this router sent there while no engine held any
 of it. A router that rebuilt its index from a dump knows no prefixes until new ones start
@@ -94,7 +94,7 @@ class PrefixIndex:
         """A routed request hit these blocks on ``engine_id``: those on its device are prefixes."""
         device = self._held.get(engine_id, {}).get(MEDIUM_GPU, set())
         predicted = self._predicted.get(engine_id, {})
-        self._prefixes_of(engine_id).hit(h for h in block_hashes if h in device or h in predicted)
+        self._prefixes_of(engine_id).hit((h for h in block_hashes if h in device or h in predicted), self._clock())
 
     def num_prefix_blocks(self, engine_id: str) -> int:
         """The device blocks (held or predicted) of ``engine_id`` that are prefixes."""

@@ -28,7 +28,7 @@ engine as if it held nothing, with one rule more (below).
 A new prefix (a prompt no engine holds any block of) is where the engines' caches are
 shared out: every later request of that prefix follows it to where it went. So it goes
 where it fits beside the prefixes already held there (``prefixes.py``: blocks requests hit
-there, and chains that just started there), not where the load of the moment happens to be
+there lately, and chains that just started there), not where the load of the moment happens to be
 lower: while some engine has room for all its blocks, each engine without that room pays
 ``PREFIX_EVICTION_WEIGHT`` per token of the prefix blocks it would have to give up (each is
 computed again by a later request of its own prefix, or it would not be one). Load still

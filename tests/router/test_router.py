@@ -11,7 +11,7 @@ from services.router.config import RouterConfig
 from services.router.events import EngineEvents
 from services.router.index import PREDICTION_TTL, PrefixIndex
 from services.router.loads import UNANSWERED_TTL, EngineLoads, takes_handoffs
-from services.router.prefixes import NEW_CHAIN_TTL
+from services.router.prefixes import NEW_CHAIN_TTL, REUSED_TTL
 from services.router.router import Router, prompt_block_hashes
 from services.scheduler.request import Request
 from shared.config import ConfigError
@@ -338,11 +338,17 @@ def test_the_prefix_blocks_an_engine_holds():
     assert index.num_prefix_blocks("e") == 11
     index.apply("e", [BlockRemoved([b"q2"], "GPU")])
     assert index.num_prefix_blocks("e") == 10
-    # New chains nobody hit count for NEW_CHAIN_TTL; blocks hit count until evicted.
+    # New chains nobody hit count for NEW_CHAIN_TTL; blocks hit count until evicted, or
+    # until nobody hit them for REUSED_TTL.
     clock.now += NEW_CHAIN_TTL + 1
     assert index.num_prefix_blocks("e") == 2
     index.apply("e", [BlockRemoved([b"q1"], "GPU")])
     assert index.num_prefix_blocks("e") == 1
+    index.hit("e", [b"y"])
+    clock.now += REUSED_TTL - NEW_CHAIN_TTL  # x was hit REUSED_TTL + 1 ago, y NEW_CHAIN_TTL + 1 less
+    assert index.num_prefix_blocks("e") == 1
+    index.hit("e", [b"x"])  # asked for again
+    assert index.num_prefix_blocks("e") == 2
     index.apply("e", [AllBlocksCleared()])
     assert index.num_prefix_blocks("e") == 0
 
@@ -429,6 +435,42 @@ def test_a_quiet_load_that_shares_nothing_is_shared_evenly_by_caches_a_block_apa
         router.on_batch(batch(engine_id, seq[engine_id], [BlockRemoved(evicted, "GPU"), stored(hashes)]))
         for e in "ab":
             router.on_stats(stats(e, seq=seq[e], num_gpu_blocks=80, admitted=admitted[e]))
+        clock.now += 0.5
+    assert chosen.count("a") == chosen.count("b") == 10, chosen
+
+
+def test_prefixes_nobody_asks_for_any_more_leave_a_load_that_shares_nothing_even():
+    # A shared-prefix load left "a" with four prefixes of 16 blocks that were hit, "b" with
+    # two (the engines' segmented LRU keeps them); then the load moves on to prompts that
+    # share nothing, one at a time. Were the old prefixes still counted, "b" would seem to
+    # have room for new prompts and "a" none, and "b" would take most of them.
+    router, clock = kv_router()
+    seq = {"a": 2, "b": 2}
+    admitted = {"a": 0, "b": 0}
+    tails = {}
+    for engine_id, groups in (("a", 4), ("b", 2)):
+        prefixes = [f"{engine_id}-prefix:{g}:{i}".encode() for g in range(groups) for i in range(16)]
+        tails[engine_id] = [f"{engine_id}-tail:{i}".encode() for i in range(80 - len(prefixes))]
+        router.on_stats(stats(engine_id, seq=1, num_gpu_blocks=80))
+        router.on_batch(batch(engine_id, 2, [BlockStored(prefixes + tails[engine_id], b"p", [], BS, None, "GPU",
+                                                         None)]))
+        router.index.hit(engine_id, prefixes)
+    assert router.index.num_prefix_blocks("a") == 64 and router.index.num_prefix_blocks("b") == 32
+    clock.now += REUSED_TTL + 1
+    chosen = []
+    for i in range(20):
+        for engine_id in "ab":
+            router.on_stats(stats(engine_id, seq=seq[engine_id], num_gpu_blocks=80, admitted=admitted[engine_id]))
+        prompt = [i] * 16 + list(range(1000 * i, 1000 * i + 272))  # 18 blocks, a chain of its own
+        route = router.route(engine_request(prompt))
+        engine_id = route.engine_id
+        chosen.append(engine_id)
+        admitted[engine_id] += 1
+        router.answered(route, admitted[engine_id])
+        hashes = prompt_block_hashes(engine_request(prompt), BS)
+        evicted, tails[engine_id] = tails[engine_id][:len(hashes)], tails[engine_id][len(hashes):] + hashes
+        seq[engine_id] += 1
+        router.on_batch(batch(engine_id, seq[engine_id], [BlockRemoved(evicted, "GPU"), stored(hashes)]))
         clock.now += 0.5
     assert chosen.count("a") == chosen.count("b") == 10, chosen
 
