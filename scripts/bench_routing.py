@@ -321,7 +321,7 @@ def report(results: dict, args) -> dict:
     for note in targets(got):
         print(note)
     shared = {k: v["shared-prefix"] for k, v in results.items() if "shared-prefix" in v}
-    if "kv" in shared and "kv-faults" in shared:
+    if "kv" in shared and "kv-faults" in shared and shared["kv"]["hit_rate_windows"]:  # none from vLLM's client
         print(f"hit rate per window of {args.window} requests, kv / kv-faults (a router killed after request "
               f"{args.requests // 2}):")
         print(" ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(shared["kv"]["hit_rate_windows"],
