@@ -35,8 +35,9 @@ class DiskProbe:
         return counts.pop() if len(counts) == 1 else 0
 
     def folders(self) -> tuple:
-        """Each rank's folder as (device, inode), None where it is missing: the same tuple
-        later means the same folders (a folder deleted and made again has another inode)."""
+        """Each rank's folder as (device, inode), None where it is missing: another tuple
+        later means other folders (one deleted and made again gets another inode, unless the
+        file system hands the same number out again)."""
         out = []
         for namespace, _ in self.ranks:
             try:
