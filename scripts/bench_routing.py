@@ -50,6 +50,7 @@ import httpx  # noqa: E402
 import nats  # noqa: E402
 
 from bench import record, vllm_client  # noqa: E402
+from bench.client import prefix_cache_counts  # noqa: E402
 from bench_common import describe_cpu, load_sentences, summarize, text_of_tokens  # noqa: E402
 from services.launch.nats_server import free_port  # noqa: E402
 from services.launch.stack import Stack, StackConfig  # noqa: E402
@@ -172,7 +173,7 @@ def vllm_load(base_url: str, name: str, args, result_file: Path, at_half=None) -
     load_args = [*VLLM_DATASETS[name](args), "--num-prompts", str(args.requests), "--request-rate", str(args.rate),
                  "--ignore-eos", "--seed", str(args.seed), "--num-warmups", "0",
                  "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
-    before = prefix_cache_tokens(base_url)
+    before = prefix_cache_counts(base_url)
     timer = threading.Timer(args.requests / args.rate / 2, at_half) if at_half is not None else None
     if timer is not None:
         timer.start()
@@ -182,8 +183,8 @@ def vllm_load(base_url: str, name: str, args, result_file: Path, at_half=None) -
         if timer is not None:
             timer.join()
     time.sleep(1.5)  # the stats after the load
-    after = prefix_cache_tokens(base_url)
-    return {"result": result, "queries": after[0] - before[0], "hits": after[1] - before[1]}
+    after = prefix_cache_counts(base_url)
+    return {"result": result, "queries": after["queries"] - before["queries"], "hits": after["hits"] - before["hits"]}
 
 
 def vllm_summary(load: dict, admitted: dict[str, int]) -> dict:
@@ -200,17 +201,6 @@ def vllm_summary(load: dict, admitted: dict[str, int]) -> dict:
         "hit_rate_windows": [],
         "cached_tokens": [],
     }
-
-
-def prefix_cache_tokens(base_url: str) -> tuple[float, float]:
-    """The engines' prefix-cache queried and hit tokens so far (the gateway's /metrics)."""
-    queries = hits = 0.0
-    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("natsllm:prefix_cache_queries_total{"):
-            queries += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("natsllm:prefix_cache_hits_total{"):
-            hits += float(line.rsplit(" ", 1)[1])
-    return queries, hits
 
 
 def router_decisions(base_url: str) -> dict[str, float]:

@@ -35,6 +35,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from bench.client import prefix_cache_counts as served_prefix_cache_counts
+from bench.vllm_client import HF_TOKENIZER, VLLM_VENV
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -91,7 +94,6 @@ def cpu_seconds(pids: list[int]) -> dict[int, float]:
     return out
 
 
-VLLM_VENV = ROOT / "build/vllm-venv"
 # Each client's load run wrapped to write its process's CPU seconds (all threads) over the run
 # alone, not its start-up (imports, tokenizer, dataset), to $CLIENT_CPU_FILE.
 TIMED = """
@@ -126,18 +128,11 @@ sys.exit(bench_serving.main(sys.argv[1:]))
 
 
 def prefix_cache_counts(port: int) -> dict[str, float]:
-    """The prefix cache's queried and hit tokens so far (the gateway's /metrics)."""
+    """The prefix cache's queried and hit tokens so far, once the engines' next stats are in."""
     import time
-    import urllib.request
 
     time.sleep(1.5)  # the engines' stats come once a second
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    counts = {"queries": 0.0, "hits": 0.0}
-    for line in text.splitlines():
-        for kind in counts:
-            if line.startswith(f"natsllm:prefix_cache_{kind}_total"):
-                counts[kind] += float(line.rsplit(" ", 1)[1])
-    return counts
+    return served_prefix_cache_counts(f"http://127.0.0.1:{port}")
 
 
 def bench(port: int, args, num_prompts: int, output_len: int, result_file: str | None, seed: int) -> None:
@@ -157,7 +152,6 @@ def bench(port: int, args, num_prompts: int, output_len: int, result_file: str |
 
 
 def bench_vllm(port: int, args, num_prompts: int, output_len: int, result_file: str, seed: int) -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
     from bench.client import served_model
     from bench.peers import from_vllm_bench
 
@@ -165,7 +159,7 @@ def bench_vllm(port: int, args, num_prompts: int, output_len: int, result_file: 
     raw = Path(result_file).with_suffix(".vllm.json")
     cmd = [str(VLLM_VENV / "bin/python"), "-c", VLLM_BENCH, "--backend", "openai", "--base-url",
            f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", model, "--served-model-name",
-           model, "--tokenizer", str(ROOT / "build/hf-model"), "--dataset-name", "random", "--random-input-len",
+           model, "--tokenizer", str(HF_TOKENIZER), "--dataset-name", "random", "--random-input-len",
            str(args.input_len), "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
            "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", str(seed), "--num-warmups", "1",
            "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(raw.parent),

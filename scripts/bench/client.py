@@ -314,3 +314,17 @@ def served_model(base_url: str, api_key: str = "") -> str:
         return r.json()["data"][0]["id"]
     except Exception:
         return "default"
+
+
+def prefix_cache_counts(base_url: str) -> dict[str, float]:
+    """The engines' prefix-cache queried and hit tokens so far, summed over engines (the
+    gateway's /metrics: ``natsllm:prefix_cache_queries_total`` and ``_hits_total``)."""
+    import httpx
+
+    counts = {"queries": 0.0, "hits": 0.0}
+    text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10, trust_env=False).text
+    for line in text.splitlines():
+        for kind in counts:
+            if line.startswith(f"natsllm:prefix_cache_{kind}_total"):
+                counts[kind] += float(line.rsplit(" ", 1)[1])
+    return counts

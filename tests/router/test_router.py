@@ -406,36 +406,42 @@ def test_room_changes_nothing_where_the_prefix_fits_everywhere_or_nowhere():
     assert all(kv == ll for kv, ll in least_loaded_choices(router))
 
 
-def test_a_quiet_load_that_shares_nothing_is_shared_evenly_by_caches_a_block_apart():
-    # Both caches full of one-off prompts, one holding a block less (a request's last,
-    # partial block is never hashed). Each request is served before the next comes (its
-    # blocks stored, as many old ones evicted, its admission in the stats), so both engines
-    # are idle at every choice: the one block must not decide them all.
-    router, clock = kv_router()
-    seq = {"a": 2, "b": 2}
-    admitted = {"a": 0, "b": 0}
-    held = {"a": [f"a-old:{i}".encode() for i in range(80)], "b": [f"b-old:{i}".encode() for i in range(79)]}
-    for engine_id in "ab":
-        router.on_stats(stats(engine_id, seq=1, num_gpu_blocks=80))
-        router.on_batch(batch(engine_id, 2, [BlockStored(held[engine_id], b"p", [], BS, None, "GPU", None)]))
-    clock.now += NEW_CHAIN_TTL + 1
-    for engine_id in "ab":
-        router.on_stats(stats(engine_id, seq=2, num_gpu_blocks=80))
+def serve_one_at_a_time(router, clock, evictable: dict[str, list[bytes]], n: int = 20) -> list[str]:
+    """``n`` prompts of 18 blocks that share nothing, each served before the next comes: its
+    engine's fresh stats count it admitted, its blocks are stored and as many of the engine's
+    ``evictable`` blocks (oldest first; batches after seq 2) evicted. The engines chosen."""
+    seq = {e: 2 for e in evictable}
+    admitted = {e: 0 for e in evictable}
     chosen = []
-    for i in range(20):
-        prompt = [i] * 16 + list(range(1000 * i, 1000 * i + 272))  # 18 blocks, no block like another's
+    for i in range(n):
+        for engine_id in evictable:
+            router.on_stats(stats(engine_id, seq=seq[engine_id], num_gpu_blocks=80, admitted=admitted[engine_id]))
+        prompt = [i] * 16 + list(range(1000 * i, 1000 * i + 272))
         route = router.route(engine_request(prompt))
         engine_id = route.engine_id
         chosen.append(engine_id)
         admitted[engine_id] += 1
         router.answered(route, admitted[engine_id])
         hashes = prompt_block_hashes(engine_request(prompt), BS)
-        evicted, held[engine_id] = held[engine_id][:len(hashes)], held[engine_id][len(hashes):] + hashes
+        held = evictable[engine_id]
+        evicted, evictable[engine_id] = held[:len(hashes)], held[len(hashes):] + hashes
         seq[engine_id] += 1
         router.on_batch(batch(engine_id, seq[engine_id], [BlockRemoved(evicted, "GPU"), stored(hashes)]))
-        for e in "ab":
-            router.on_stats(stats(e, seq=seq[e], num_gpu_blocks=80, admitted=admitted[e]))
         clock.now += 0.5
+    return chosen
+
+
+def test_a_quiet_load_that_shares_nothing_is_shared_evenly_by_caches_a_block_apart():
+    # Both caches full of one-off prompts, one holding a block less (a request's last,
+    # partial block is never hashed). Each request is served before the next comes, so both
+    # engines are idle at every choice: the one block must not decide them all.
+    router, clock = kv_router()
+    held = {"a": [f"a-old:{i}".encode() for i in range(80)], "b": [f"b-old:{i}".encode() for i in range(79)]}
+    for engine_id in "ab":
+        router.on_stats(stats(engine_id, seq=1, num_gpu_blocks=80))
+        router.on_batch(batch(engine_id, 2, [BlockStored(held[engine_id], b"p", [], BS, None, "GPU", None)]))
+    clock.now += NEW_CHAIN_TTL + 1
+    chosen = serve_one_at_a_time(router, clock, held)
     assert chosen.count("a") == chosen.count("b") == 10, chosen
 
 
@@ -445,8 +451,6 @@ def test_prefixes_nobody_asks_for_any_more_leave_a_load_that_shares_nothing_even
     # share nothing, one at a time. Were the old prefixes still counted, "b" would seem to
     # have room for new prompts and "a" none, and "b" would take most of them.
     router, clock = kv_router()
-    seq = {"a": 2, "b": 2}
-    admitted = {"a": 0, "b": 0}
     tails = {}
     for engine_id, groups in (("a", 4), ("b", 2)):
         prefixes = [f"{engine_id}-prefix:{g}:{i}".encode() for g in range(groups) for i in range(16)]
@@ -457,21 +461,7 @@ def test_prefixes_nobody_asks_for_any_more_leave_a_load_that_shares_nothing_even
         router.index.hit(engine_id, prefixes)
     assert router.index.num_prefix_blocks("a") == 64 and router.index.num_prefix_blocks("b") == 32
     clock.now += REUSED_TTL + 1
-    chosen = []
-    for i in range(20):
-        for engine_id in "ab":
-            router.on_stats(stats(engine_id, seq=seq[engine_id], num_gpu_blocks=80, admitted=admitted[engine_id]))
-        prompt = [i] * 16 + list(range(1000 * i, 1000 * i + 272))  # 18 blocks, a chain of its own
-        route = router.route(engine_request(prompt))
-        engine_id = route.engine_id
-        chosen.append(engine_id)
-        admitted[engine_id] += 1
-        router.answered(route, admitted[engine_id])
-        hashes = prompt_block_hashes(engine_request(prompt), BS)
-        evicted, tails[engine_id] = tails[engine_id][:len(hashes)], tails[engine_id][len(hashes):] + hashes
-        seq[engine_id] += 1
-        router.on_batch(batch(engine_id, seq[engine_id], [BlockRemoved(evicted, "GPU"), stored(hashes)]))
-        clock.now += 0.5
+    chosen = serve_one_at_a_time(router, clock, tails)
     assert chosen.count("a") == chosen.count("b") == 10, chosen
 
 
