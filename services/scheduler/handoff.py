@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from nats.aio.msg import Msg
 
@@ -57,13 +57,16 @@ LOCAL = "local"  # a hand-off no decode engine took: decoded on the prefill engi
 
 class HandoffSender:
     """Prefill side. ``router``: chooses among the decode engines (the service feeds it their
-    stats and KV events); ``wake()``: the step loop has work."""
+    stats and KV events); ``settled()``: returns once that router has heard the decode engines
+    (``RouterOnBus.settled``); ``wake()``: the step loop has work."""
 
     def __init__(self, engine_id: str, incarnation: str, recovery: WorkerRecovery, intake: Intake,
-                 outputs: OutputPublisher, publish, request, spawn, wake: Callable[[], None], router: Router) -> None:
+                 outputs: OutputPublisher, publish, request, spawn, wake: Callable[[], None], router: Router,
+                 settled: Callable[[], Awaitable[None]]) -> None:
         self.engine_id = engine_id
         self.incarnation = incarnation
         self.router = router
+        self._settled = settled
         # Requests handed to each decode engine (LOCAL: none took it): natsllm:handoffs_total.
         self.decisions: dict[str, int] = {}
         self._recovery = recovery
@@ -113,7 +116,9 @@ class HandoffSender:
 
     async def _hand_off_one(self, request: Request, params, output: EngineOutput) -> bool:
         """Offer the request to the router's decode engines in turn; on acceptance its first
-        output names the new owner (the gateway watches that engine from then on)."""
+        output names the new owner (the gateway watches that engine from then on). A prefill
+        engine just started first lets its router hear the decode engines: routing at once
+        would find none, and decode the request here."""
         handoff = KVHandoff(
             request=EngineRequest(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
@@ -128,6 +133,7 @@ class HandoffSender:
         traces = self._intake.traces
         headers = traces.headers(request.request_id) if traces is not None else None
         tried: set[str] = set()
+        await self._settled()
         for _ in range(HANDOFF_ATTEMPTS):
             route = self.router.route(handoff.request, exclude=frozenset(tried))
             if route is None:

@@ -171,8 +171,10 @@ class SchedulerService(Service):
                              self.outputs, self.stops, self.counters, lambda: self.ready, wake, self.traces)
         # P/D, prefill side: the decode engine of each hand-off (kv: prefix and load).
         self.decode_router = Router(eligible=takes_handoffs)
+        self.decode_router_bus = RouterOnBus(self, self.decode_router, publish_stats=False)
         self.handoff_sender = HandoffSender(engine_id, self.incarnation, self.recovery, self.intake, self.outputs,
-                                            self.publish, self.request, self.spawn, wake, self.decode_router)
+                                            self.publish, self.request, self.spawn, wake, self.decode_router,
+                                            self.decode_router_bus.settled)
         self.handoff_receiver = HandoffReceiver(engine_id, self.incarnation, cache_config.block_size, self.recovery,
                                                 self.intake, self.publish, self.spawn, wake)
         self.kv_events: KVEventsPublisher | None = None
@@ -238,7 +240,7 @@ class SchedulerService(Service):
             await self.subscribe(KV_LOADS_DONE_CHANNEL.subject(engine), self.handoff_receiver.on_kv_loads_done)
         if self.kv_transfer_config.hands_off:
             await self.subscribe(KV_RELEASE_CHANNEL.subject(engine), self.handoff_sender.on_release)
-            await RouterOnBus(self, self.decode_router, publish_stats=False).setup()
+            await self.decode_router_bus.setup()
         await self.subscribe(ABORT_CHANNEL.subject("*"), self.intake.on_abort)
         await self.subscribe(RESEND_CHANNEL.subject("*"), self.intake.on_resend)
         await self.subscribe(STOP_STRINGS_QUERY_CHANNEL.subject(engine), self.stops.on_query)
