@@ -77,6 +77,7 @@ class FakeWorker:
         self.lengths: dict[str, int] = {}
         self.beating = True
         self.answering = True
+        self.before_answer = None  # async (step) -> None: awaited before each step is answered
         # Faults of the bus: steps lost on their way here (from the next one on), results
         # lost on their way back; after a lost step the later ones are dropped until a
         # reset step, as a real worker does (services/worker/step_order.py).
@@ -132,6 +133,8 @@ class FakeWorker:
             await asyncio.sleep(self.step_seconds)
             # Reported as the forward pass, the way a profiling worker reports its phases.
             out.timings = [time.perf_counter() - start if p == "forward" else 0.0 for p in WORKER_PHASES]
+        if self.before_answer is not None:
+            await self.before_answer(step)
         self.answered_at[step.step_id] = time.monotonic()
         if self.lose_results:
             self.lose_results -= 1
@@ -466,6 +469,9 @@ async def test_stats_carry_the_schedulers_counts(bus):
     worker.task.cancel()
 
 
+NEXT_STEP_WAIT_S = 1.5
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 async def test_async_scheduling_sends_the_next_step_before_the_current_one_is_answered(async_scheduling):
     config = SchedulerConfig(max_num_batched_tokens=64, async_scheduling=async_scheduling)
@@ -477,6 +483,15 @@ async def test_async_scheduling_sends_the_next_step_before_the_current_one_is_an
 
         await nc.subscribe(engine_step_subject(ENGINE), cb=on_step_arrival)
         worker = FakeWorker(nc, step_seconds=0.05)
+        if async_scheduling:
+            # Each step "runs" until the next one has come (or NEXT_STEP_WAIT_S): ahead of
+            # its answer only if the scheduler sent it ahead, however slow this machine is.
+            async def until_the_next_step_came(step):
+                deadline = time.monotonic() + NEXT_STEP_WAIT_S
+                while step.step_id + 1 not in arrived_at and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
+
+            worker.step_seconds, worker.before_answer = 0.0, until_the_next_step_came
         await worker.start()
         try:
             await wait_for(lambda: service.ready)
