@@ -298,6 +298,28 @@ def test_write_throughs_wait_for_an_idle_forward_thread_and_evictions_do_not(tmp
     assert os.path.exists(worker.disk.path(bytes(32)))
 
 
+def test_a_write_through_that_finds_no_idle_moment_is_dropped_after_its_deadline(tmp_path, monkeypatch):
+    import time
+
+    import services.worker.kv_offload.connector as connector
+    from services.worker.forward_activity import ForwardActivity
+
+    monkeypatch.setattr(connector, "WRITE_THROUGH_MAX_WAIT_S", 0.3)
+    activity = ForwardActivity()
+    worker, _ = _worker(_caches(), tmp_path, activity=activity)
+    activity.step_queued()  # busy for good: a client sending each request as the last ends
+    _step(worker, True, KVConnectorMetadata(offload_stores=[
+        KVOffloadStore([1, 2], block_hashes=[FIRST, KEY], write_through=True)]))
+    deadline = time.monotonic() + 10
+    while worker.disk.stores_skipped == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.disk.stores_skipped == 1 and worker._queued_write_bytes[True] == 0  # its copy let go
+    activity.step_ended()
+    worker.flush(timeout=10)
+    assert not os.path.exists(worker.disk.path(KEY))  # dropped, not written late
+    assert worker.take_counters().stores_skipped == 1
+
+
 def test_forward_activity_is_idle_only_without_steps_and_counts_from_the_last_end():
     from services.worker.forward_activity import ForwardActivity
 

@@ -31,9 +31,13 @@ has been idle WRITE_THROUGH_IDLE_S (``ForwardActivity``): those files (what anot
 restart would find) are written in the engine's spare time, never at the expense of a step
 (measured: writing every finished request's units took 4-9% of the output throughput of a
 saturated 2-vCPU engine). When either thread's queue passes WRITE_BACKLOG_BYTES (the engine
-busy for long) its further stores are skipped (counted), never queued without bound; a
-write-through skipped is written when its unit is evicted, as under write-back. One lock
-orders the loads' writes against cancellation (as P/D's).
+busy for long) its further stores are skipped (counted), never queued without bound, and a
+write-through that found no idle moment within WRITE_THROUGH_MAX_WAIT_S of its queueing is
+dropped (counted the same), so an engine that is never idle (a saturated one, or a client
+sending each request as the last ends) holds no copy for long; a write-through skipped or
+dropped is written when its unit is evicted, as under write-back, and queued again when a
+later request frees its unit after the scheduler's mark lapses. One lock orders the loads'
+writes against cancellation (as P/D's).
 The host slots' pages are taken at start-up (``CpuUnitCopier.allocate_slots``).
 """
 
@@ -74,8 +78,10 @@ STORES_DEADLINE_S = 120.0
 WRITE_BACKLOG_BYTES = 256 << 20
 # On a CPU host a write-through file waits until no step has run for this long.
 WRITE_THROUGH_IDLE_S = 0.05
-# How long a write-through file waiting for an idle forward thread sleeps between looks.
+# How long a write-through file waiting for an idle forward thread sleeps between looks,
+# and how long after its queueing it is dropped if the forward thread was never idle.
 IDLE_POLL_S = 0.01
+WRITE_THROUGH_MAX_WAIT_S = 30.0
 # A graceful stop waits this long for the unit files queued, then drops the rest (the
 # launcher kills a service 8 s after asking it to stop; docker compose after 10 s).
 STOP_FLUSH_S = 5.0
@@ -215,7 +221,7 @@ class OffloadingConnectorWorker:
                 start = time.perf_counter()
                 data = bytes(self.copier.to_bytes(self._host(spill.slot, len(spill.block_hashes))))
                 self._disk_writes.submit(self._write_file, spill.block_hashes, data, "CPU_to_DISK",
-                                         time.perf_counter() - start, False)
+                                         time.perf_counter() - start, False, time.monotonic())
         for store in stores:
             n = len(store.block_ids)
             start = time.perf_counter()
@@ -231,7 +237,8 @@ class OffloadingConnectorWorker:
                     self.copier.gather(store.block_ids, buffer)
                     data = self.copier.to_bytes(buffer)
                 self._writers[store.write_through].submit(self._write_file, store.block_hashes, data, "GPU_to_DISK",
-                                                          time.perf_counter() - start, store.write_through)
+                                                          time.perf_counter() - start, store.write_through,
+                                                          time.monotonic())
         self.copier.fence()
 
     def _reserve_write(self, num_blocks: int, write_through: bool) -> bool:
@@ -245,25 +252,32 @@ class OffloadingConnectorWorker:
             self._queued_write_bytes[write_through] += nbytes
             return True
 
-    def _wait_until_idle(self) -> None:
+    def _wait_until_idle(self, deadline: float) -> bool:
         """A write-through waits (on its thread) for the forward thread to have been idle
-        WRITE_THROUGH_IDLE_S, or for a flush; it waits as long as the engine is busy (its
-        queue is bounded: later ones are skipped meanwhile)."""
+        WRITE_THROUGH_IDLE_S, or for a flush: True; False once the worker closed or at
+        ``deadline`` (its queue is bounded meanwhile: later ones are skipped)."""
         while not self._closed and not self._flushing:
             idle = self.activity.idle_seconds()
             if idle >= WRITE_THROUGH_IDLE_S:
-                return
-            time.sleep(max(IDLE_POLL_S, WRITE_THROUGH_IDLE_S - idle))
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            time.sleep(min(max(IDLE_POLL_S, WRITE_THROUGH_IDLE_S - idle), deadline - now))
+        return not self._closed
 
     def _write_file(self, block_hashes: list[bytes], data, transfer: str, copy_seconds: float,
-                    write_through: bool) -> None:
+                    write_through: bool, queued_at: float) -> None:
+        go = True
         if write_through and self.activity is not None:
-            self._wait_until_idle()
-            if self._closed:
-                return
+            go = self._wait_until_idle(queued_at + WRITE_THROUGH_MAX_WAIT_S)
         start = time.perf_counter()
         with self._counter_lock:
             self._queued_write_bytes[write_through] -= len(block_hashes) * self.copier.block_bytes
+            if not go and not self._closed:
+                self.disk.stores_skipped += 1
+        if not go:
+            return
         try:
             with self._disk_write_lock:
                 written = self.disk.write(block_hashes, data)
