@@ -34,10 +34,11 @@ saturated 2-vCPU engine). When either thread's queue passes WRITE_BACKLOG_BYTES 
 busy for long) its further stores are skipped (counted), never queued without bound, and a
 write-through that found no idle moment within WRITE_THROUGH_MAX_WAIT_S of its queueing is
 dropped (counted the same), so an engine that is never idle (a saturated one, or a client
-sending each request as the last ends) holds no copy for long; a write-through skipped or
-dropped is written when its unit is evicted, as under write-back, and queued again when a
-later request frees its unit after the scheduler's mark lapses. One lock orders the loads'
-writes against cancellation (as P/D's).
+sending each request as the last ends) holds no copy for long, and a graceful stop writes
+its latest units, not the first of a busy hour; a write-through skipped or dropped is
+written when its unit is evicted, as under write-back, and queued again when a later
+request frees its unit after the scheduler's mark lapses. One lock orders the loads' writes
+against cancellation (as P/D's).
 The host slots' pages are taken at start-up (``CpuUnitCopier.allocate_slots``).
 """
 
