@@ -64,6 +64,7 @@ STREAMS = 16
 MAX_TOKENS = 24
 HEALTHY_TIMEOUT = 900  # seconds for a stack to become healthy (model loads, first kernel builds)
 RECOVERY_TIMEOUT = 300  # seconds for a killed container to serve again
+STATS_WAIT_S = 10  # seconds for the engines' counters in /metrics to catch up (stats come once a second)
 REQUEST_TIMEOUT = 300  # seconds one streamed request may take (it may wait for a restart)
 LOCAL = ROOT / "docker" / "local"  # what this host lends the build (Dockerfile)
 # In order; each is Check.<name>_step.
@@ -621,12 +622,18 @@ class Check:
             raise CheckFailed("engine 0 still runs beside the pd engines")
         # The gateways route only once the prefill engine's stats say it is ready.
         wait_until(lambda: streams_at_once(self.model, 1)[0].ok, 120, "a first P/D request served")
-        before = metric("natsllm:kv_transfer_requests_total")
+        # The engines' counters reach /metrics with their stats (once a second): read them
+        # once they count the requests just served, or after STATS_WAIT_S.
+        counter = "natsllm:kv_transfer_requests_total"
+        before = wait_until(lambda: metric(counter), STATS_WAIT_S, "KV transfer of the first P/D request",
+                            interval=0.5)
         results = streams_at_once(self.model, STREAMS)
         failed = [r.error for r in results if not r.ok]
         if failed:
             raise CheckFailed(f"{len(failed)} of {STREAMS} P/D streams failed: {failed[0]}")
-        transfers = metric("natsllm:kv_transfer_requests_total") - before
+        deadline = time.monotonic() + STATS_WAIT_S
+        while (transfers := metric(counter) - before) < STREAMS and time.monotonic() < deadline:
+            time.sleep(0.5)
         failures = metric("natsllm:kv_transfer_failures_total")
         if transfers < STREAMS or failures:
             raise CheckFailed(f"{transfers:g} KV transfers and {failures:g} failures for {STREAMS} streams")
