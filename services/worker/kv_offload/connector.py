@@ -349,9 +349,9 @@ class OffloadingConnectorWorker:
             self._seconds = [0.0] * len(KV_OFFLOAD_TRANSFERS)
         if self.disk is not None:
             disk = self.disk
-            counters.stores_skipped, self._reported_skipped = (disk.stores_skipped - self._reported_skipped,
-                                                               disk.stores_skipped)
-            counters.corrupt_files, self._reported_corrupt = (disk.corrupt_files - self._reported_corrupt,
-                                                              disk.corrupt_files)
+            # Each read once: a writer thread may count one more meanwhile (the next report's).
+            skipped, corrupt = disk.stores_skipped, disk.corrupt_files
+            counters.stores_skipped, self._reported_skipped = skipped - self._reported_skipped, skipped
+            counters.corrupt_files, self._reported_corrupt = corrupt - self._reported_corrupt, corrupt
             counters.disk_bytes_used = disk.used_bytes
         return counters
