@@ -17,7 +17,10 @@ throughput (output tokens per second of the run) and each engine's share of the 
 holding both engines' blocks (``--num-gpu-blocks`` doubled), and ``kv-faults`` (``--fault``):
 kv with 1% of the KV event batches dropped (``NATSLLM_TEST_KV_EVENT_FAULTS``) and one router
 (tokenizer replica) killed when half the requests were sent (the launcher starts it again); its hit rate is also given per
-window of ``--window`` requests, beside kv's. Prompts are real text (``bench_common``), seeded;
+window of ``--window`` requests, beside kv's. Beside the ratios, the shared-prefix load's ceiling:
+its hit rate if every request but its group's first hit its prefix's full blocks (no
+placement does better, but for the odd first block two text prompts share), as
+``hit_kv_over_ceiling`` and ``hit_ceiling_over_random`` (the most kv / random can be on this load). Prompts are real text (``bench_common``), seeded;
 each run has its own ``cache_salt``, so no run hits another's blocks. ``--temperature`` and
 ``--top-p`` make the requests sampled. ``--client vllm`` sends the same loads with vLLM's own
 `bench serve` instead (``bench.vllm_client``; its datasets ``prefix_repetition`` and ``random``,
@@ -54,12 +57,14 @@ from bench.client import prefix_cache_counts  # noqa: E402
 from bench_common import describe_cpu, load_sentences, summarize, text_of_tokens  # noqa: E402
 from services.launch.nats_server import free_port  # noqa: E402
 from services.launch.stack import Stack, StackConfig  # noqa: E402
+from shared.config import CacheConfig  # noqa: E402
 from shared.kv_event_faults import ENV_VAR as FAULTS_ENV  # noqa: E402
 from shared.model_config import default_model_path  # noqa: E402
 from shared.protocol import ENGINE_STATS, ENGINE_STATS_MSG  # noqa: E402
 from shared.tokenizer import load_tokenizer  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
+BLOCK_SIZE = CacheConfig().block_size  # the engines' (the stacks here keep the default)
 POLICIES = ("kv", "least-loaded", "round-robin", "random")
 
 
@@ -70,6 +75,22 @@ def shared_prefix_load(rng: random.Random, prompt, args) -> list[list[int]]:
 
 def no_reuse_load(rng: random.Random, prompt, args) -> list[list[int]]:
     return [prompt(args.prefix_len + args.suffix_len) for _ in range(args.requests)]
+
+
+def shared_prefix_ceiling(args, prompts: list[list[int]] | None) -> float:
+    """The best hit rate any placement can give the shared-prefix load: every request but its
+    group's first hits its prefix's full blocks, and nothing else is hit. ``prompts``: our
+    load; None: vLLM's prefix_repetition (``--requests / --groups`` requests per prefix)."""
+    hit = args.prefix_len // BLOCK_SIZE * BLOCK_SIZE
+    if prompts is None:
+        return (args.requests - args.groups) * hit / (args.requests * (args.prefix_len + args.suffix_len))
+    seen: set[tuple[int, ...]] = set()
+    hits = 0
+    for p in prompts:
+        prefix = tuple(p[:args.prefix_len])
+        hits += hit if prefix in seen else 0
+        seen.add(prefix)
+    return hits / sum(map(len, prompts))
 
 
 async def one_request(http: httpx.AsyncClient, prompt: list[int], salt: str, args) -> dict:
@@ -239,6 +260,8 @@ def run(label: str, loads: dict[str, list[list[int]]], args, mode: str = "kv", d
             admitted = {e: after[e] - before.get(e, 0) for e in after}
             out[name] = vllm_summary(load, admitted) if args.client == "vllm" else summary(load, admitted, args.window)
             r = out[name]
+            if name == "shared-prefix":
+                r["ceiling"] = args.ceiling
             r["router_decisions"] = {k: v - decided.get(k, 0.0) for k, v in router_decisions(stack.base_url).items()
                                      if v - decided.get(k, 0.0) > 0}
             print(f"{label:14s} {name:14s} hit {r['hit_rate']:.3f}  TTFT p50 {r['ttft_p50'] * 1000:7.1f} ms  "
@@ -256,6 +279,10 @@ def ratios(results: dict) -> dict:
     if "kv" in shared and "random" in shared:
         got["hit_kv_over_random"] = shared["kv"]["hit_rate"] / max(shared["random"]["hit_rate"], 1e-9)
         got["ttft_p50_kv_over_random"] = shared["kv"]["ttft_p50"] / shared["random"]["ttft_p50"]
+    if "kv" in shared and shared["kv"].get("ceiling"):
+        got["hit_kv_over_ceiling"] = shared["kv"]["hit_rate"] / shared["kv"]["ceiling"]
+    if "random" in shared and shared["random"].get("ceiling"):  # the most kv / random could be here
+        got["hit_ceiling_over_random"] = shared["random"]["ceiling"] / max(shared["random"]["hit_rate"], 1e-9)
     if "kv" in shared and "reference" in shared:
         got["hit_kv_over_one_big_engine"] = shared["kv"]["hit_rate"] / shared["reference"]["hit_rate"]
     if "kv" in shared and "kv-faults" in shared:
@@ -367,6 +394,8 @@ def main() -> int:
                                   tokenizer.decode)[1]
 
         loads[name] = makers[name](rng, prompt, args)
+    if "shared-prefix" in loads:
+        args.ceiling = shared_prefix_ceiling(args, None if args.client == "vllm" else loads["shared-prefix"])
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     if args.client == "vllm" and vllm_client.available():
@@ -384,7 +413,7 @@ def main() -> int:
             results["kv-faults"] = run("kv-faults", {"shared-prefix": loads["shared-prefix"]}, args, fault=True)
     got = report(results, args)
     config = {k: v for k, v in vars(args).items()
-              if k not in ("merge", "record", "result_file", "log_dir", "vllm_results")}
+              if k not in ("merge", "record", "result_file", "log_dir", "vllm_results", "ceiling")}
     question = "routing-vllm-client" if args.client == "vllm" else "routing"
     record.save(record.Record("routing", question, config=config, results={
         "table": table(results), "targets": targets(got), "ratios": got, "runs": results}), args)
