@@ -316,6 +316,10 @@ def targets(got: dict) -> list[str]:
             met = got[key] >= bound if how == ">=" else got[key] <= bound
             notes.append(f"{what}: {got[key]:.2f} (target {'≥' if how == '>=' else '≤'} {bound:g}: "
                          f"{'met' if met else 'not met'})")
+    if "hit_kv_over_ceiling" in got and "hit_ceiling_over_random" in got:
+        notes.append(f"shared-prefix hit rate, kv / the load's ceiling (every request but its group's first hits "
+                     f"its prefix): {got['hit_kv_over_ceiling']:.2f}; the ceiling / random: "
+                     f"{got['hit_ceiling_over_random']:.2f}, the most kv / random can be on this load (not a target)")
     return notes
 
 
