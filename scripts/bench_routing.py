@@ -16,11 +16,12 @@ throughput (output tokens per second of the run) and each engine's share of the 
 (from its stats' admissions). Two more runs of the shared-prefix load: ``reference``, one engine
 holding both engines' blocks (``--num-gpu-blocks`` doubled), and ``kv-faults`` (``--fault``):
 kv with 1% of the KV event batches dropped (``NATSLLM_TEST_KV_EVENT_FAULTS``) and one router
-(tokenizer replica) killed when half the requests were sent (the launcher starts it again); its hit rate is also given per
-window of ``--window`` requests, beside kv's. Beside the ratios, the shared-prefix load's ceiling:
-its hit rate if every request but its group's first hit its prefix's full blocks (no
-placement does better, but for the odd first block two text prompts share), as
-``hit_kv_over_ceiling`` and ``hit_ceiling_over_random`` (the most kv / random can be on this load). Prompts are real text (``bench_common``), seeded;
+(tokenizer replica) killed when half the requests were sent (the launcher starts it again);
+its hit rate is also given per window of ``--window`` requests, beside kv's. Beside the
+ratios, the shared-prefix load's ceiling: its hit rate if every request but its group's
+first hit its prefix's full blocks (no placement does better, but for the odd first block
+two text prompts share), as ``hit_kv_over_ceiling`` and ``hit_ceiling_over_random`` (the
+most kv / random can be on this load). Prompts are real text (``bench_common``), seeded;
 each run has its own ``cache_salt``, so no run hits another's blocks. ``--temperature`` and
 ``--top-p`` make the requests sampled. ``--client vllm`` sends the same loads with vLLM's own
 `bench serve` instead (``bench.vllm_client``; its datasets ``prefix_repetition`` and ``random``,
