@@ -8,9 +8,9 @@ is 0.8; this model's default, 0, is the plain LRU, vLLM's and ours before, which
 earlier figures modelled) blocks that were hit wait in a second queue, taken from only when
 the first is empty, at most F of the pool (past it the least recent goes back to the first
 queue). The load is the benchmark's (``--groups`` prefixes of ``--prefix-blocks`` blocks, a
-request is one of them at random plus ``--suffix-blocks`` blocks of its own and one block
-for its output, Poisson arrivals at ``--rate``); each request holds its blocks for
-``--hold`` seconds. Policies:
+request is one of them at random plus ``--suffix-blocks`` blocks of its own and
+``--output-blocks`` for its output, Poisson arrivals at ``--rate``); each request holds its
+blocks for ``--hold`` seconds. Policies:
 
     random      an engine at random
     kv          the engine holding the longest prefix of the prompt, then the one with the
@@ -121,7 +121,7 @@ def run(policy: str, seed: int, args) -> float:
             engine = home[group]
         else:
             engine = choice_rng.randrange(len(engines))
-        hit, blocks = engines[engine].start(hashes, 1)
+        hit, blocks = engines[engine].start(hashes, args.output_blocks)
         if policy == "ceiling":
             hit = args.prefix_blocks if group in seen else 0
         seen.add(group)
@@ -139,6 +139,7 @@ def main() -> int:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--prefix-blocks", type=int, default=16)
     parser.add_argument("--suffix-blocks", type=int, default=2)
+    parser.add_argument("--output-blocks", type=int, default=1, help="blocks of each request's output")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--rate", type=float, default=3.0)
