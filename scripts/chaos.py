@@ -4,6 +4,7 @@ process of it is killed (SIGKILL) every 10-30 s; then a check that nothing was l
     .venv/bin/python scripts/chaos.py                       # 10 minutes, every process a target
     .venv/bin/python scripts/chaos.py --minutes 2 --tp 3 --json report.json  # the default model: 3 ranks
     .venv/bin/python scripts/chaos.py --spare scheduler     # the scheduler left out of the kill set
+    .venv/bin/python scripts/chaos.py --data-parallel-size 2 --nats-cluster 3  # other flags go to scripts/serve
 
 The load: ``--concurrency`` clients send chat and completion requests, streamed and not,
 greedy and sampled (seeded, ``n`` up to 3), some with stop strings, and about one in ten
@@ -303,7 +304,7 @@ class Report:
     greedy_differing: list[dict] = field(default_factory=list)
     refused_connections: int = 0
     kills: list[dict] = field(default_factory=list)
-    engine_after: dict = field(default_factory=dict)  # the engine's gauges once idle
+    engine_after: dict = field(default_factory=dict)  # the engines' gauges, summed, once idle
     leaked: bool = False
     check_after: int = 0  # greedy pool requests sent again in a fault-free pass after the chaos
     check_after_differing: int = 0  # of those, texts differing from the first fault-free run
@@ -420,18 +421,18 @@ async def chaos_phase(stack: Launched, pool: list[Spec], refs: list[list[str]], 
     report.kills = [asdict(k) for k in kills]
 
 
-def wait_idle(stack: Launched, timeout: float = IDLE_TIMEOUT) -> dict[str, float]:
-    """The engine's gauges once it is healthy, heard from, and holds no request and no KV
-    block; or as they are at the deadline."""
+def wait_idle(stack: Launched, timeout: float = IDLE_TIMEOUT, engines: float = 1) -> dict[str, float]:
+    """The engines' gauges, summed, once the stack is healthy, hears from ``engines`` engines,
+    and they hold no request and no KV block; or as they are at the deadline."""
     deadline = time.monotonic() + timeout
     gauges: dict[str, float] = {}
     while time.monotonic() < deadline:
         try:
             if stack.healthy():
                 gauges = engine_gauges(stack.base_url)
-                engines = _metric(stack.base_url, "natsllm:num_engines")
-                gauges["natsllm:num_engines"] = engines
-                if engines >= 1 and not any(v for k, v in gauges.items() if k != "natsllm:num_engines"):
+                heard = _metric(stack.base_url, "natsllm:num_engines")
+                gauges["natsllm:num_engines"] = heard
+                if heard >= engines and not any(v for k, v in gauges.items() if k != "natsllm:num_engines"):
                     return gauges
         except httpx.HTTPError:
             pass
@@ -481,14 +482,15 @@ def run(minutes: float = 10.0, tp: int = 1, concurrency: int = 16, seed: int = 0
         log(f"stack up ({', '.join(sorted(stack.processes()))}); fault-free run of {pool_size} greedy requests")
         refs = asyncio.run(reference_texts(stack.base_url, pool, concurrency))
         before = memory(stack)
+        engines = max(1.0, _metric(stack.base_url, "natsllm:num_engines"))
         log(f"chaos for {minutes:g} min: {concurrency} clients, a kill every {kill_every[0]:g}-{kill_every[1]:g} s"
             + (f", sparing {', '.join(sorted(spare))}" if spare else ""))
         asyncio.run(chaos_phase(stack, pool, refs, report, minutes * 60, concurrency, seed, kill_every, set(spare),
                                 log))
-        report.engine_after = wait_idle(stack)
+        report.engine_after = wait_idle(stack, engines=engines)
         report.leaked = not report.engine_after or any(
             v for k, v in report.engine_after.items() if k != "natsllm:num_engines") or (
-            report.engine_after.get("natsllm:num_engines", 0) < 1)
+            report.engine_after.get("natsllm:num_engines", 0) < engines)
         check = pool[: min(len(pool), 48)]
         report.check_after = len(check)
         again = asyncio.run(reference_texts(stack.base_url, check, concurrency))

@@ -110,13 +110,15 @@ async def soak(base_url: str, model: str, num_requests: int, concurrency: int, s
 
 
 def engine_gauges(base_url: str, headers: dict | None = None) -> dict[str, float]:
+    """Requests running and waiting and the KV cache's use, summed over the engines (one
+    labelled series each when there are several)."""
     text = httpx.get(base_url + "/metrics", timeout=10, headers=headers or {}).text
     wanted = ("natsllm:num_requests_running", "natsllm:num_requests_waiting", "natsllm:kv_cache_usage_perc")
-    values = {}
+    values: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in wanted:
-            values[name] = float(line.rsplit(" ", 1)[1])
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return values
 
 
