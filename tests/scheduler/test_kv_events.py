@@ -136,6 +136,7 @@ def test_publisher_numbers_batches_replays_them_and_dumps_in_pages():
     # The ring keeps the last 3: seq 3..5.
     replay = publisher.replay(KVEventsReplayRequest("inc", 4))
     assert replay.available and [b.seq for b in replay.batches] == [4, 5] and replay.last_seq == 5
+    assert replay.batches == [b for _, b in bus.sent[3:]]  # kept encoded, replayed whole
     assert not publisher.replay(KVEventsReplayRequest("inc", 2)).available  # gone: ask for a dump
     assert not publisher.replay(KVEventsReplayRequest("other", 4)).available
     assert publisher.replay(KVEventsReplayRequest("inc", 6)).batches == []  # nothing missed
