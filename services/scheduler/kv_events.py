@@ -11,10 +11,10 @@ already dropped still records goes nowhere.
 calls ``flush`` after scheduling and after each result, and the stats loop once a second;
 pending events become one ``KVEventBatch`` with the next sequence number of this scheduler
 incarnation, kept in a ring of the last ``buffer_steps`` batches (encoded, as vLLM keeps
-them: about a fifth of their size as objects) and published on ``llm.kv_events.<engine>``. A consumer that missed batches asks for them again (``replay``);
-when they left the ring it asks for the block pool's hashes and the host tier's (``dump``: a
-snapshot taken at one sequence number, served in pages that each fit a bus message and hold
-one medium's hashes).
+them: about a fifth of their size as objects) and published on ``llm.kv_events.<engine>``.
+A consumer that missed batches asks for them again (``replay``); when they left the ring it
+asks for the block pool's hashes and the host tier's (``dump``: a snapshot taken at one
+sequence number, served in pages that each fit a bus message and hold one medium's hashes).
 """
 
 from __future__ import annotations
