@@ -168,11 +168,13 @@ async def test_a_restarted_scheduler_starts_empty_in_the_index():
 async def test_other_modes_place_requests_on_engines_own_subjects(mode):
     async with two_engines() as (server, engines), started(make_router(server.url, mode)) as tok:
         await wait_for(lambda: len(tok.router.loads.ready()) == 2, what="engines seen")
-        replies = [await tok.submit(request(f"r{i}", list(range(i * 50, i * 50 + 40)))) for i in range(8)]
+        # random (unseeded) leaves an engine without one of n requests with chance 2 / 2**n
+        n = 24 if mode == "random" else 8
+        replies = [await tok.submit(request(f"r{i}", list(range(i * 50, i * 50 + 40)))) for i in range(n)]
         assert all(r.error is None for r in replies)
         counts = [sum(r.engine_id == e.engine_id for r in replies) for e in engines]
         assert min(counts) >= (4 if mode != "random" else 1)
-        assert sum(tok.router.decisions.values()) == 8
+        assert sum(tok.router.decisions.values()) == n
 
 
 async def test_without_a_known_engine_or_a_responder_the_queue_group_takes_the_request():
