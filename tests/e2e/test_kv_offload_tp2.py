@@ -77,6 +77,11 @@ def test_tp2_with_tiers_gives_tp1s_greedy_text_from_the_host_tier_and_after_a_re
     wait_until(lambda: metric(stack, host_hits) > 0, 10, "no host-tier hits in /metrics")  # stats every second
     namespaces = sorted(p.name for p in folder.iterdir())
     assert [n.rsplit("-", 1)[1] for n in namespaces] == ["tp0of2", "tp1of2"]  # a namespace per rank
+    # Each rank writes its files in its own idle time: both must have written every document's
+    # full blocks (one file each) before the kill, or the restarted engine has half a unit.
+    full_blocks = len(DOCUMENTS) * ((len(DOCUMENTS[0]) + len(QUESTION)) // 16)
+    wait_until(lambda: all(sum(1 for p in (folder / n).rglob("*.kv")) >= full_blocks for n in namespaces), 30,
+               "a rank did not write its unit files")
     # Both ranks' engine processes restart: the host tier is gone, the disk tier is not.
     for name in ("worker-0", "worker-1", "scheduler"):
         stack.restart_service(name)
