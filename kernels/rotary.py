@@ -31,11 +31,11 @@ def compute_cos_sin_cache(
     """
     if inv_freq is None:
         # Computed exactly as Hugging Face does, so fp32 models match it bit for bit.
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         inv_freq = 1.0 / (base**exponents)
     inv_freq = inv_freq.float().cpu()
     assert inv_freq.shape == (head_dim // 2,), "inv_freq must have head_dim/2 entries"
-    t = torch.arange(max_position, dtype=torch.float32)
+    t = torch.arange(max_position, dtype=torch.float32, device="cpu")
     freqs = torch.outer(t, inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 

@@ -11,8 +11,10 @@ from kernels import KernelOps
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """The inverse frequencies, computed as Hugging Face computes them."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """The inverse frequencies, computed as Hugging Face computes them: on the CPU, whatever
+    device is current (a model is built under ``torch.device(cuda)``)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
     scaling = scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type == "linear":
