@@ -242,7 +242,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="on the CPU: Triton's interpreter, tiny models and shapes (what CI runs)")
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for the whole check")
-    parser.add_argument("--only", default="", help="comma-separated steps to run (the wheels step always runs)")
+    parser.add_argument("--only", default="", help="comma-separated steps to run (the wheels and environment steps always run: the "
+                             "summary names the device and versions)")
     parser.add_argument("--keep-work", action="store_true", help="keep the scratch folder (models, step logs)")
     args = parser.parse_args(argv)
     names = [s.name for s in STEPS]
@@ -250,7 +251,7 @@ def main(argv=None) -> int:
     unknown = set(only) - set(names)
     if unknown:
         parser.error(f"unknown steps {sorted(unknown)}; the steps are {names}")
-    steps = tuple(s for s in STEPS if not only or s.name in only)
+    steps = tuple(s for s in STEPS if not only or s.name in only or s.name == "environment")
     args.out.mkdir(parents=True, exist_ok=True)
     for name in ("summary.json", "summary.md", "gpu-check.log"):
         (args.out / name).unlink(missing_ok=True)

@@ -7,7 +7,8 @@ Both in bfloat16 on the GPU on the random SmolLM2-135M-shaped model, at batch 1,
 timed run; each side first runs the same batch for 4 tokens (Triton and cuBLAS pick and
 compile their kernels there, not in the timed run). Ours gets the whole batch at once and
 schedules it itself (token budget 8192); transformers runs it as one static batch. Every
-batch is recorded as it ends.
+batch is recorded as it ends, with how many outputs are identical and for how many tokens
+the two sides agree (median): other bfloat16 kernels part at a near tie, a bug at once.
 
 The step split, at batch 32 decoding: the wall time of a step; the GPU's busy time in it
 (the kernels' durations from torch's profiler, CUPTI); the difference is the engine's
@@ -131,10 +132,17 @@ def compare(ctx: StepContext, sides: Sides, batch: int) -> None:
         "hf_tok_s": round(hf_tok_s, 1), "ratio": round(ours_tok_s / hf_tok_s, 2),
         # bfloat16 on both sides, other kernels: equal outputs are not expected, only likely.
         "identical_outputs": round(sum(a == b for a, b in zip(ours, theirs)) / batch, 3),
+        # How far they agree: a bug shows as a difference at the first tokens, bfloat16 as a later one.
+        "agreeing_tokens_median": statistics.median(_agreeing_tokens(a, b) for a, b in zip(ours, theirs)),
         "kernels": sides.worker.ops.name,
     })
     print(f"{sides.shape.name} batch {batch}: ours {ours_tok_s:.0f} tok/s, transformers {hf_tok_s:.0f} tok/s",
           flush=True)
+
+
+def _agreeing_tokens(ours: list[int], theirs: list[int]) -> int:
+    """How many tokens the two outputs share before their first difference."""
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
 
 
 def step_split(ctx: StepContext, sides: Sides, batch: int) -> None:
@@ -217,10 +225,11 @@ def summary(data: dict) -> str:
 def section(data: dict) -> list[str]:
     lines = ["Output tokens per second (bfloat16, greedy), ours against transformers' `generate`:", "",
              "| model | batch | in / out tokens | ours tok/s | transformers tok/s | ours / transformers | identical | "
-             "ours s | transformers s |", "|---|---|---|---|---|---|---|---|---|"]
+             "agreeing tokens (median) | ours s | transformers s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data.get("rows", []):
         lines.append(f"| {r['model']} | {r['batch']} | {r['input_len']} / {r['output_len']} | {r['ours_tok_s']} "
-                     f"| {r['hf_tok_s']} | {r['ratio']}x | {r['identical_outputs']:.0%} | {r['ours_s']} | {r['hf_s']} |")
+                     f"| {r['hf_tok_s']} | {r['ratio']}x | {r['identical_outputs']:.0%} "
+                     f"| {r.get('agreeing_tokens_median', 'n/a')} | {r['ours_s']} | {r['hf_s']} |")
     if data.get("skipped"):
         lines += ["", f"Not run: {data['skipped']}."]
     split = data.get("step_split")

@@ -116,3 +116,35 @@ def test_the_carried_wheels_are_the_dependencies_a_gpu_machine_lacks_at_our_vers
     assert names - wheels.ON_THE_MACHINE - set(wheels.WHEELS) == set()
     for name, version in wheels.WHEELS.items():
         assert importlib.metadata.version(name) == version, name
+
+
+def _summary(started: str, steps: list[tuple[str, str, dict]], goals: list[tuple[str, str, bool]]) -> dict:
+    return {"dry_run": False, "started": started, "elapsed_s": 1.0, "budget_s": 420.0,
+            "steps": [{"name": n, "title": n, "status": status, "seconds": 1.0, "failures": [] if status == "passed"
+                       else [f"{n} broke"], "data": data} for n, status, data in steps],
+            "goals": [{"goal": g, "target": "t", "measured": m, "met": met} for g, m, met in goals]}
+
+
+def test_a_run_and_its_rerun_make_one_record_the_latest_step_winning():
+    from gpu_check import to_record
+
+    env = {"device_name": "NVIDIA H200", "capability": "9.0", "cpu_count": 16, "versions": {"torch": "2.11.0"}}
+    first = _summary("2026-11-27T04:09:18Z", [("environment", "passed", env), ("kernels", "passed", {}),
+                                               ("greedy", "error", {})],
+                     [("every kernel", "120 passed", True), ("greedy", "not run", None)])
+    rerun = _summary("2026-11-27T04:13:37Z", [("greedy", "passed", {"models": []})], [("greedy", "equal", True)])
+    record = to_record.make_record([first, rerun], "abc1234", ["a note"], "scripts/gpu-check --out X")
+    assert record.question == "gpu-check" and record.commit == "abc1234"
+    assert record.date.startswith("2026-11-27T04:13:37")
+    assert record.results["table"] == [
+        {"goal": "every kernel", "target": "t", "measured": "120 passed", "met": "yes"},
+        {"goal": "greedy", "target": "t", "measured": "equal", "met": "yes"}]
+    assert record.results["targets"][0] == "a note"
+    assert "greedy: passed" in record.results["targets"][1] and "broke" not in record.results["targets"][1]
+    assert record.machine["cpu"].startswith("NVIDIA H200 (capability 9.0") and "torch 2.11.0" in record.machine["cpu"]
+    try:
+        to_record.make_record([{**first, "dry_run": True}], "abc1234", [], "")
+    except ValueError as e:
+        assert "dry run" in str(e)
+    else:
+        raise AssertionError("a dry run was recorded")
