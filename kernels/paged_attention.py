@@ -208,6 +208,18 @@ def _choose_num_splits(
     return 1 << (wanted.bit_length() - 1)
 
 
+def _keys_per_tile(head_dim: int, max_query_len: int) -> int:
+    """Keys per inner-loop tile. A decode program is latency-bound (a block-table load, then
+    K, then V, one tile after another), so decode batches take 128 keys a tile: on an H200
+    at batch 32 with 1k contexts that moved decode attention from 19/42/60% of copy bandwidth
+    to 27/57/77% for SmolLM2-135M's, Llama-3.2-1B's and Llama-3-8B's heads (docs/BENCHMARKS-
+    diary.md, "The first real run"). Prefill tiles hold 64 query rows: they keep 64 keys,
+    not measured larger; past 128 dims, 32."""
+    if head_dim > 128:
+        return 32
+    return 128 if max_query_len == 1 else 64
+
+
 def paged_attention_triton(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -217,11 +229,16 @@ def paged_attention_triton(
     *,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton paged attention, one launch for the whole mixed batch; same contract as the ref.
 
     num_splits (a power of two) splits each sequence's keys among that many programs, merged
     by a second small launch; None chooses it from the batch shape (see _choose_num_splits).
+    block_n (keys per inner-loop tile; None: _keys_per_tile's choice), num_warps and
+    num_stages (None: Triton's default) are the launch's tuning, for the GPU check's sweep.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -285,10 +302,11 @@ def paged_attention_triton(
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_N=64 if head_dim <= 128 else 32,
+        BLOCK_N=block_n or _keys_per_tile(head_dim, max_query_len),
         HEAD_DIM=head_dim_padded,
         INPUT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

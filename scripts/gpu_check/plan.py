@@ -29,5 +29,7 @@ STEPS = (
     Step("services", "gpu_check.services_stack", 150, "the services stack serving 16 concurrent streams"),
     Step("throughput", "gpu_check.throughput", 150,
          "the in-process engine against transformers' generate (bfloat16), and a step's time split"),
+    Step("decode_graph", "gpu_check.decode_graph", 90,
+         "what CUDA graphs would give: a decode forward pass replayed from a graph against launched"),
 )
 MODULES = {step.name: step.module for step in (WHEELS_STEP, *STEPS)}
