@@ -55,8 +55,9 @@ QUESTIONS = (
     Question("gpu-check", "Triton kernels on a GPU",
              "`scripts/gpu-check` on a lent NVIDIA GPU (docs/GPU.md): every Triton kernel against its PyTorch "
              "reference, greedy output against transformers in float32 on random models of SmolLM2-135M's and "
-             "Llama-3.2-1B's shapes, the services stack, decode attention's bandwidth against a copy, and the "
-             "in-process engine against transformers' `generate` in bfloat16."),
+             "Llama-3.2-1B's shapes, the services stack, decode attention's bandwidth against a copy, the "
+             "in-process engine against transformers' `generate` in bfloat16, and a decode forward pass replayed "
+             "from a CUDA graph against launched."),
     Question("tracing-cost", "What tracing costs",
              "Output tokens/s of the stack at concurrency 32 (to a local OTLP receiver): in one stack started "
              "with tracing, requests traced against requests not traced (W3C traceparent sampled or not); and "
