@@ -34,7 +34,7 @@ from gpu_check.plan import STEPS, WHEELS_STEP, Step  # noqa: E402
 STEP_RUNNER = ROOT / "scripts" / "gpu_check" / "step.py"
 # What the real run may take in all: the GPU machine gives a command 10 minutes, and a
 # rerun of the failed steps must fit in the device time left.
-DEFAULT_BUDGET_S = 420.0
+DEFAULT_BUDGET_S = 450.0
 LOG_LIMIT_BYTES = 12 << 20  # one file that comes back is at most 16 MiB
 STEP_LOG_LIMIT_BYTES = 2 << 20
 # A step given less than this is skipped: it could not do anything useful.

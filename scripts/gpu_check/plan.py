@@ -31,5 +31,7 @@ STEPS = (
          "the in-process engine against transformers' generate (bfloat16), and a step's time split"),
     Step("decode_graph", "gpu_check.decode_graph", 90,
          "what CUDA graphs would give: a decode forward pass replayed from a graph against launched"),
+    Step("features", "gpu_check.features", 120,
+         "the engine's request features on the GPU against the same engine on the CPU"),
 )
 MODULES = {step.name: step.module for step in (WHEELS_STEP, *STEPS)}

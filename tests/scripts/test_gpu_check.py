@@ -51,6 +51,12 @@ def test_dry_run_runs_every_step_and_writes_the_summary(tmp_path):
     assert [r["batch"] for r in throughput["rows"]][:3] == [1, 4, 8]
     assert all(r["ours_tok_s"] > 0 and r["hf_tok_s"] > 0 for r in throughput["rows"])
     assert {"schedule", "forward", "sampling", "update"} <= set(throughput["step_split"]["phases_ms"])
+    assert all("agreeing_tokens_median" in r for r in throughput["rows"])
+    assert bandwidth["variants"] and all(r["max_abs_error"] <= 2e-2 for r in bandwidth["variants"])
+    assert steps["decode_graph"]["data"]["launched_ms"] > 0
+    features = steps["features"]["data"]["checks"]
+    assert [c["feature"] for c in features] == ["greedy", "ngram", "structured", "logprobs", "sampled", "lora"]
+    assert all(c["ok"] for c in features), features
     assert {g["goal"].split(" ")[0] for g in summary["goals"]} >= {"every", "greedy", "decode", "services", "in-process"}
 
     markdown = (out / "summary.md").read_text()
