@@ -15,7 +15,7 @@ import functools
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.triton_import import tl, triton
+from kernels.triton_import import OutOfResources, tl, triton
 
 
 @triton.jit
@@ -208,16 +208,25 @@ def _choose_num_splits(
     return 1 << (wanted.bit_length() - 1)
 
 
-def _keys_per_tile(head_dim: int, max_query_len: int) -> int:
+# (head_dim, dtype) whose 128-key decode tile the GPU could not hold (shared memory): 64 then.
+_DECODE_TILE_TOO_BIG: set[tuple[int, torch.dtype]] = set()
+BASE_KEYS_PER_TILE = 64
+
+
+def _keys_per_tile(head_dim: int, max_query_len: int, dtype: torch.dtype) -> int:
     """Keys per inner-loop tile. A decode program is latency-bound (a block-table load, then
     K, then V, one tile after another), so decode batches take 128 keys a tile: on an H200
     at batch 32 with 1k contexts that moved decode attention from 19/42/60% of copy bandwidth
     to 27/57/77% for SmolLM2-135M's, Llama-3.2-1B's and Llama-3-8B's heads (docs/BENCHMARKS-
-    diary.md, "The first real run"). Prefill tiles hold 64 query rows: they keep 64 keys,
-    not measured larger; past 128 dims, 32."""
+    diary.md, "The first real run"). A GPU with less shared memory may not hold that tile
+    with Triton's pipelining: its first launch falls back to 64 (``_DECODE_TILE_TOO_BIG``).
+    Prefill tiles hold 64 query rows: they keep 64 keys, not measured larger; past 128
+    dims, 32."""
     if head_dim > 128:
         return 32
-    return 128 if max_query_len == 1 else 64
+    if max_query_len == 1 and (head_dim, dtype) not in _DECODE_TILE_TOO_BIG:
+        return 128
+    return BASE_KEYS_PER_TILE
 
 
 def paged_attention_triton(
@@ -273,7 +282,9 @@ def paged_attention_triton(
     else:
         partial = partial_max = partial_sum = out  # unused
     grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
-    _paged_attention_kernel[grid](
+    keys_per_tile = block_n or _keys_per_tile(head_dim, max_query_len, query.dtype)
+    launch = functools.partial(
+        _paged_attention_kernel[grid],
         out,
         partial,
         partial_max,
@@ -302,12 +313,18 @@ def paged_attention_triton(
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_N=block_n or _keys_per_tile(head_dim, max_query_len),
         HEAD_DIM=head_dim_padded,
         INPUT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
+    try:
+        launch(BLOCK_N=keys_per_tile)
+    except OutOfResources:
+        if block_n is not None or keys_per_tile == BASE_KEYS_PER_TILE:
+            raise
+        _DECODE_TILE_TOO_BIG.add((head_dim, query.dtype))
+        launch(BLOCK_N=BASE_KEYS_PER_TILE)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out,

@@ -8,6 +8,7 @@ of a Triton kernel raises. Kernel modules take `triton` and `tl` from here.
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 
     HAS_TRITON = True
 except ImportError:
@@ -26,4 +27,7 @@ except ImportError:
     # Only what kernel signatures evaluate when they are defined.
     tl = types.SimpleNamespace(constexpr=object)
 
-__all__ = ["HAS_TRITON", "tl", "triton"]
+    class OutOfResources(Exception):
+        """Triton's error for a launch the GPU cannot hold (never raised without Triton)."""
+
+__all__ = ["HAS_TRITON", "OutOfResources", "tl", "triton"]

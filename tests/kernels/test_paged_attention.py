@@ -39,6 +39,37 @@ def test_triton_decode_only_batch(block_size):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_decode_tile_the_gpu_cannot_hold_falls_back_to_64_keys_once(monkeypatch):
+    # A GPU with less shared memory than the H200 the 128-key decode tile was measured on
+    # raises OutOfResources at its first launch: the call falls back and remembers.
+    import kernels.paged_attention as pa
+    from kernels.triton_import import OutOfResources
+
+    tiles = []
+
+    class SmallGPU:
+        def __getitem__(self, grid):
+            def launch(*args, BLOCK_N, **kwargs):
+                tiles.append(BLOCK_N)
+                if BLOCK_N > 64:
+                    raise OutOfResources(196608, 101376, "shared memory")
+                return real[grid](*args, BLOCK_N=BLOCK_N, **kwargs)
+            return launch
+
+    real = pa._paged_attention_kernel
+    monkeypatch.setattr(pa, "_paged_attention_kernel", SmallGPU())
+    monkeypatch.setattr(pa, "_DECODE_TILE_TOO_BIG", set())
+    batch = make_batch([1, 1, 1], [0, 9, 100], 8, 2, 128, seed=12)
+    expected = paged_attention_ref(*batch.args())
+    for _ in range(2):
+        out = paged_attention_triton(*batch.args(), out=poisoned_out(batch.query))
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert tiles == [128, 64, 64]
+    assert pa._DECODE_TILE_TOO_BIG == {(128, batch.query.dtype)}
+    with pytest.raises(OutOfResources):  # a tile asked for is not replaced
+        paged_attention_triton(*batch.args(), block_n=128)
+
+
 def test_triton_returns_new_tensor_in_query_dtype():
     batch = make_batch([3, 1], [0, 5], 2, 2, 64, dtype=torch.float16, seed=6)
     out = paged_attention_triton(*batch.args())
