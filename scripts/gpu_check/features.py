@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+import traceback
 
 from gpu_check.step import StepContext, require_cuda
 
@@ -58,6 +59,7 @@ def run(ctx: StepContext) -> None:
         try:
             ok, detail = check(sides, prompts, adapters, dry)
         except Exception as exc:  # one feature's crash is its finding; the others still run
+            traceback.print_exc()  # into gpu-check.log, where it can be read after the run
             ok, detail = False, f"{type(exc).__name__}: {exc}"[:500]
         ctx.append("checks", {"feature": check.__name__, "ok": ok, "detail": detail})
         if not ok:
