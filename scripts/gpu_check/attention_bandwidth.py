@@ -24,8 +24,8 @@ Two times per row:
 from __future__ import annotations
 
 import math
-import statistics
 
+from gpu_check.cuda_graph import replay_ms
 from gpu_check.step import StepContext, require_cuda
 
 GOAL_SHARE = 0.70
@@ -123,31 +123,9 @@ def _l2_bytes() -> int:
 
 
 def _graph_ms(calls) -> float:
-    """GPU milliseconds per call: ``calls`` captured in one CUDA graph, which is replayed
-    (median of GRAPH_REPLAYS, timed by CUDA events)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # a warm-up outside the capture, as torch.cuda.graph asks
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(GRAPH_REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) / len(calls)
+    """GPU milliseconds per call: ``calls`` replayed from one CUDA graph."""
+    ms, _ = replay_ms(calls, GRAPH_REPLAYS)
+    return ms / len(calls)
 
 
 def _once(fn) -> float:

@@ -23,6 +23,7 @@ import statistics
 import time
 
 from gpu_check import models
+from gpu_check.cuda_graph import replay_ms
 from gpu_check.step import StepContext, require_cuda
 
 BATCH = {False: 32, True: 4}
@@ -83,37 +84,12 @@ def run(ctx: StepContext) -> None:
             ctx.record("replayed_ms", None)
             return
         try:
-            replayed_ms, replayed = _replay_ms(model, args)
+            replayed_ms, [replayed] = replay_ms([lambda: model(*args)], REPEATS)
         except Exception as exc:  # what keeps the forward pass out of a graph: the finding itself
             ctx.record("capture_error", f"{type(exc).__name__}: {exc}"[:600])
             return
     ctx.record("replayed_ms", round(replayed_ms, 3))
     ctx.record("max_abs_difference", float((replayed.float() - launched.float()).abs().max()))
-
-
-def _replay_ms(model, args) -> tuple[float, object]:
-    """(median ms of a replay, the graph's output) for ``model(*args)`` captured in a CUDA graph."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graph asks
-        model(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = model(*args)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), output
 
 
 def summary(data: dict) -> str:
