@@ -2,9 +2,9 @@
 and where a decode step's time goes.
 
 Both in bfloat16 on the GPU on the random SmolLM2-135M-shaped model, at batch 1, 32 and
-256: the same prompts (128 random tokens each), 128 greedy output tokens each (ours with
-``ignore_eos``, transformers with ``min_new_tokens``), output tokens per second of the
-timed run; each side first runs the same batch for 4 tokens (Triton and cuBLAS pick and
+256 greedy, and at batch 32 sampled as users send (temperature 0.8, top_p 0.95): the same
+prompts (128 random tokens each), 128 output tokens each (ours with ``ignore_eos``,
+transformers with ``min_new_tokens``), output tokens per second of the timed run; each side first runs the same batch for 4 tokens (Triton and cuBLAS pick and
 compile their kernels there, not in the timed run). Ours gets the whole batch at once and
 schedules it itself (token budget 8192); transformers runs it as one static batch. Every
 batch is recorded as it ends, with how many outputs are identical and for how many tokens
@@ -35,7 +35,9 @@ WARMUP_TOKENS = 4
 MAX_MODEL_LEN = 512
 # The second model's row runs only with this much of the step's time left.
 SECOND_MODEL_MIN_S = 75
-GOAL_RATIO = 2.0  # at SPLIT_BATCH (32 on the GPU)
+GOAL_RATIO = 2.0  # at SPLIT_BATCH (32 on the GPU), greedy
+# The sampled row at SPLIT_BATCH, as users send (both sides: other generators, so no comparison).
+TEMPERATURE, TOP_P = 0.8, 0.95
 
 
 def _sync(device: str):
@@ -68,26 +70,29 @@ class Sides:
 
         return Engine(cache_config=self.cache_config, scheduler_config=self.scheduler_config, worker=self.worker)
 
-    def ours(self, prompts: list[list[int]], num_tokens: int) -> tuple[float, list[list[int]]]:
+    def ours(self, prompts: list[list[int]], num_tokens: int, sampled: bool = False) -> tuple[float, list[list[int]]]:
         from shared.protocol import SamplingParams
 
         engine = self.engine()  # a fresh prefix cache: nothing carries over between runs
+        sampling = dict(temperature=TEMPERATURE, top_p=TOP_P) if sampled else dict(temperature=0.0)
         self.sync()
         start = time.perf_counter()
-        results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True))
+        results = engine.generate(prompts, SamplingParams(max_tokens=num_tokens, ignore_eos=True, **sampling))
         self.sync()
         return time.perf_counter() - start, [r.token_ids for r in results]
 
-    def transformers(self, prompts: list[list[int]], num_tokens: int) -> tuple[float, list[list[int]]]:
+    def transformers(self, prompts: list[list[int]], num_tokens: int,
+                     sampled: bool = False) -> tuple[float, list[list[int]]]:
         import torch
 
         ids = torch.tensor(prompts, device=self.device)
+        sampling = (dict(do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, top_k=None) if sampled
+                    else dict(do_sample=False, temperature=None, top_p=None, top_k=None))
         with torch.inference_mode():
             self.sync()
             start = time.perf_counter()
-            out = self.hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=num_tokens, min_new_tokens=num_tokens, pad_token_id=0,
-                                   temperature=None, top_p=None, top_k=None)
+            out = self.hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
+                                   min_new_tokens=num_tokens, pad_token_id=0, **sampling)
             self.sync()
         return time.perf_counter() - start, out[:, ids.shape[1]:].tolist()
 
@@ -100,6 +105,7 @@ def run(ctx: StepContext) -> None:
     for batch in batches:
         compare(ctx, sides, batch)
         if batch == SPLIT_BATCH[dry]:
+            compare(ctx, sides, batch, sampled=True)
             step_split(ctx, sides, batch)
     del sides
     if ctx.seconds_left() < SECOND_MODEL_MIN_S:
@@ -113,30 +119,34 @@ def run(ctx: StepContext) -> None:
     compare(ctx, Sides(ctx, models.llama_1b(dry), SPLIT_BATCH[dry]), SPLIT_BATCH[dry])
 
 
-def compare(ctx: StepContext, sides: Sides, batch: int) -> None:
+def compare(ctx: StepContext, sides: Sides, batch: int, sampled: bool = False) -> None:
     dry = ctx.dry_run
     prompts = models.random_prompts(sides.shape.vocab_size, [INPUT_LEN[dry]] * batch, seed=batch)
     warmup = models.random_prompts(sides.shape.vocab_size, [INPUT_LEN[dry]] * batch, seed=batch + 1000)
     num_tokens = OUTPUT_LEN[dry]
-    sides.ours(warmup, WARMUP_TOKENS)
-    ours_s, ours = sides.ours(prompts, num_tokens)
-    sides.transformers(warmup, WARMUP_TOKENS)
-    hf_s, theirs = sides.transformers(prompts, num_tokens)
+    sides.ours(warmup, WARMUP_TOKENS, sampled)
+    ours_s, ours = sides.ours(prompts, num_tokens, sampled)
+    sides.transformers(warmup, WARMUP_TOKENS, sampled)
+    hf_s, theirs = sides.transformers(prompts, num_tokens, sampled)
     produced = sum(len(t) for t in ours)
     if produced != batch * num_tokens or sum(len(t) for t in theirs) != batch * num_tokens:
         ctx.fail(f"{sides.shape.name} batch {batch}: expected {batch * num_tokens} tokens on each side")
     ours_tok_s, hf_tok_s = produced / ours_s, batch * num_tokens / hf_s
     ctx.append("rows", {
         "model": sides.shape.name, "batch": batch, "input_len": INPUT_LEN[dry], "output_len": num_tokens,
+        "sampling": f"temperature {TEMPERATURE}, top_p {TOP_P}" if sampled else "greedy",
         "ours_s": round(ours_s, 3), "hf_s": round(hf_s, 3), "ours_tok_s": round(ours_tok_s, 1),
         "hf_tok_s": round(hf_tok_s, 1), "ratio": round(ours_tok_s / hf_tok_s, 2),
         # bfloat16 on both sides, other kernels: equal outputs are not expected, only likely.
-        "identical_outputs": round(sum(a == b for a, b in zip(ours, theirs)) / batch, 3),
+        # (Sampled outputs come from other generators: not compared.)
+        "identical_outputs": None if sampled else round(sum(a == b for a, b in zip(ours, theirs)) / batch, 3),
         # How far they agree: a bug shows as a difference at the first tokens, bfloat16 as a later one.
-        "agreeing_tokens_median": statistics.median(_agreeing_tokens(a, b) for a, b in zip(ours, theirs)),
+        "agreeing_tokens_median": None if sampled else statistics.median(
+            _agreeing_tokens(a, b) for a, b in zip(ours, theirs)),
         "kernels": sides.worker.ops.name,
     })
-    print(f"{sides.shape.name} batch {batch}: ours {ours_tok_s:.0f} tok/s, transformers {hf_tok_s:.0f} tok/s",
+    print(f"{sides.shape.name} batch {batch}{' sampled' if sampled else ''}: ours {ours_tok_s:.0f} tok/s, "
+          f"transformers {hf_tok_s:.0f} tok/s",
           flush=True)
 
 
@@ -214,8 +224,13 @@ def _device_ms(events) -> float:
     return total_us / 1e3
 
 
+def _greedy(row: dict) -> bool:
+    return row.get("sampling", "greedy") == "greedy"
+
+
 def summary(data: dict) -> str:
-    parts = [f"{r['model']} batch {r['batch']}: {r['ratio']}x" for r in data.get("rows", [])]
+    parts = [f"{r['model']} batch {r['batch']}{'' if _greedy(r) else ' sampled'}: {r['ratio']}x"
+             for r in data.get("rows", [])]
     split = data.get("step_split")
     if split and split.get("gpu_busy_share") is not None:
         parts.append(f"GPU busy {split['gpu_busy_share']:.0%} of a batch-{split['batch']} decode step")
@@ -223,13 +238,16 @@ def summary(data: dict) -> str:
 
 
 def section(data: dict) -> list[str]:
-    lines = ["Output tokens per second (bfloat16, greedy), ours against transformers' `generate`:", "",
-             "| model | batch | in / out tokens | ours tok/s | transformers tok/s | ours / transformers | identical | "
-             "agreeing tokens (median) | ours s | transformers s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["Output tokens per second (bfloat16), ours against transformers' `generate`:", "",
+             "| model | batch | decoding | in / out tokens | ours tok/s | transformers tok/s | ours / transformers "
+             "| identical | agreeing tokens (median) | ours s | transformers s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data.get("rows", []):
-        lines.append(f"| {r['model']} | {r['batch']} | {r['input_len']} / {r['output_len']} | {r['ours_tok_s']} "
-                     f"| {r['hf_tok_s']} | {r['ratio']}x | {r['identical_outputs']:.0%} "
-                     f"| {r.get('agreeing_tokens_median', 'n/a')} | {r['ours_s']} | {r['hf_s']} |")
+        identical = "n/a" if r["identical_outputs"] is None else f"{r['identical_outputs']:.0%}"
+        agreeing = r.get("agreeing_tokens_median")
+        lines.append(f"| {r['model']} | {r['batch']} | {r.get('sampling', 'greedy')} | {r['input_len']} / "
+                     f"{r['output_len']} | {r['ours_tok_s']} | {r['hf_tok_s']} | {r['ratio']}x | {identical} "
+                     f"| {'n/a' if agreeing is None else agreeing} | {r['ours_s']} | {r['hf_s']} |")
     if data.get("skipped"):
         lines += ["", f"Not run: {data['skipped']}."]
     split = data.get("step_split")
@@ -245,7 +263,7 @@ def section(data: dict) -> list[str]:
 def goals(data: dict, dry_run: bool) -> list[dict]:
     from gpu_check.report import goal
 
-    row = next((r for r in data.get("rows", []) if r["batch"] == SPLIT_BATCH[dry_run]), None)
+    row = next((r for r in data.get("rows", []) if r["batch"] == SPLIT_BATCH[dry_run] and _greedy(r)), None)
     measured = f"{row['ratio']}x ({row['ours_tok_s']} against {row['hf_tok_s']} tok/s)" if row else "not run"
     met = None if dry_run or row is None else row["ratio"] >= GOAL_RATIO
     return [goal(f"in-process engine against transformers' generate, batch {SPLIT_BATCH[False]}, bfloat16",

@@ -48,7 +48,8 @@ def test_dry_run_runs_every_step_and_writes_the_summary(tmp_path):
     services = steps["services"]["data"]
     assert services["streams"]["completed"] == 16 and services["greedy"]["equal"] == services["greedy"]["compared"] > 0
     throughput = steps["throughput"]["data"]
-    assert [r["batch"] for r in throughput["rows"]][:3] == [1, 4, 8]
+    assert [(r["batch"], r["sampling"]) for r in throughput["rows"]][:4] == [
+        (1, "greedy"), (4, "greedy"), (4, "temperature 0.8, top_p 0.95"), (8, "greedy")]
     assert all(r["ours_tok_s"] > 0 and r["hf_tok_s"] > 0 for r in throughput["rows"])
     assert {"schedule", "forward", "sampling", "update"} <= set(throughput["step_split"]["phases_ms"])
     assert all("agreeing_tokens_median" in r for r in throughput["rows"])
