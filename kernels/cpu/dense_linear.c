@@ -30,8 +30,16 @@
 #define NT 1
 #endif
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
+/* Vectors of the host's width (16 floats with AVX-512, 8 otherwise), VPT of them per tile:
+ * GCC lowers wider vectors than the host has through the stack, 5-10x slower. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+#define VPT (TILE_N / VL)
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -40,8 +48,14 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 #define DPBF16 0
 #endif
 
-static inline __attribute__((always_inline)) v16f load16f(const void *p) {
-    v16f v;
+static inline __attribute__((always_inline)) vf loadvf(const void *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) vu loadvu(const void *p) {
+    vu v;
     memcpy(&v, p, sizeof v);
     return v;
 }
@@ -68,28 +82,31 @@ static inline __attribute__((always_inline)) void micro_bf16(const uint16_t *x, 
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nt; j++) _mm512_storeu_ps(acc_out[i][j], acc[i][j]);
 #else
-    v16f acc[MR][NT];
+    vf acc[MR][NT][VPT];
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nt; j++) acc[i][j] = (v16f){0};
+        for (int j = 0; j < nt; j++)
+            for (int h = 0; h < VPT; h++) acc[i][j][h] = (vf){0};
     for (int p = 0; p < pairs; p++) {
-        v16f even[NT], odd[NT];
-        for (int j = 0; j < nt; j++) {
-            v16u w;
-            memcpy(&w, tiles + (int64_t)(t0 + j) * tile_bytes + 64 * (int64_t)p, 64);
-            even[j] = (v16f)(w << 16);
-            odd[j] = (v16f)(w & 0xffff0000u);
-        }
+        vf even[NT][VPT], odd[NT][VPT];
+        for (int j = 0; j < nt; j++)
+            for (int h = 0; h < VPT; h++) {
+                const vu w = loadvu(tiles + (int64_t)(t0 + j) * tile_bytes + 64 * (int64_t)p + 4 * VL * h);
+                even[j][h] = (vf)(w << 16);
+                odd[j][h] = (vf)(w & 0xffff0000u);
+            }
         for (int i = 0; i < mr; i++) {
             const uint16_t *xr = x + (int64_t)(m0 + i) * x_stride + 2 * p;
             const float a0 = bf16_to_f32(xr[0]), a1 = bf16_to_f32(xr[1]);
-            for (int j = 0; j < nt; j++) {
-                acc[i][j] += a0 * even[j];
-                acc[i][j] += a1 * odd[j];
-            }
+            for (int j = 0; j < nt; j++)
+                for (int h = 0; h < VPT; h++) {
+                    acc[i][j][h] += a0 * even[j][h];
+                    acc[i][j][h] += a1 * odd[j][h];
+                }
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nt; j++) memcpy(acc_out[i][j], &acc[i][j], sizeof(v16f));
+        for (int j = 0; j < nt; j++)
+            for (int h = 0; h < VPT; h++) memcpy(acc_out[i][j] + VL * h, &acc[i][j][h], sizeof(vf));
 #endif
 }
 
@@ -97,19 +114,24 @@ static inline __attribute__((always_inline)) void micro_bf16(const uint16_t *x, 
 static inline __attribute__((always_inline)) void micro_f32(const float *x, int64_t x_stride, int m0, const int mr,
                                                             const uint8_t *tiles, int64_t tile_bytes, int t0,
                                                             const int nt, int K, float acc_out[MR][NT][TILE_N]) {
-    v16f acc[MR][NT];
+    vf acc[MR][NT][VPT];
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nt; j++) acc[i][j] = (v16f){0};
+        for (int j = 0; j < nt; j++)
+            for (int h = 0; h < VPT; h++) acc[i][j][h] = (vf){0};
     for (int k = 0; k < K; k++) {
-        v16f w[NT];
-        for (int j = 0; j < nt; j++) w[j] = load16f(tiles + (int64_t)(t0 + j) * tile_bytes + 64 * (int64_t)k);
+        vf w[NT][VPT];
+        for (int j = 0; j < nt; j++)
+            for (int h = 0; h < VPT; h++)
+                w[j][h] = loadvf(tiles + (int64_t)(t0 + j) * tile_bytes + 64 * (int64_t)k + 4 * VL * h);
         for (int i = 0; i < mr; i++) {
             const float a = x[(int64_t)(m0 + i) * x_stride + k];
-            for (int j = 0; j < nt; j++) acc[i][j] += a * w[j];
+            for (int j = 0; j < nt; j++)
+                for (int h = 0; h < VPT; h++) acc[i][j][h] += a * w[j][h];
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nt; j++) memcpy(acc_out[i][j], &acc[i][j], sizeof(v16f));
+        for (int j = 0; j < nt; j++)
+            for (int h = 0; h < VPT; h++) memcpy(acc_out[i][j] + VL * h, &acc[i][j][h], sizeof(vf));
 }
 
 /* Store a micro-tile's accumulators: float32 or bf16 (rounded to nearest even) outputs,
