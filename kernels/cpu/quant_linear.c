@@ -29,13 +29,16 @@
 #define NT 2
 #endif
 typedef float vf __attribute__((vector_size(VL * 4)));
-typedef uint8_t v16u8 __attribute__((vector_size(16)));
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i32 __attribute__((vector_size(64)));
+typedef int32_t vi32 __attribute__((vector_size(VL * 4)));
+typedef uint8_t vu8 __attribute__((vector_size(VL)));
 
-/* Through int32: GCC converts 8-bit lanes straight to float one lane at a time. */
-#define TO_FLOAT(v) __builtin_convertvector(__builtin_convertvector((v), v16i32), v16f)
+/* VL bytes widened to int32 lanes (GCC converts 8-bit lanes straight to float one lane at
+ * a time, and lowers vectors wider than the host's through the stack). */
+static inline __attribute__((always_inline)) vi32 load_widened(const void *p) {
+    vu8 q;
+    memcpy(&q, p, VL);
+    return __builtin_convertvector(q, vi32);
+}
 
 static inline __attribute__((always_inline)) vf loadv(const float *p) {
     vf v;
@@ -59,16 +62,16 @@ static inline __attribute__((always_inline)) float hsum(vf v) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-static inline __attribute__((always_inline)) void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+static inline __attribute__((always_inline)) void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 static void dequant_row_int4(const uint8_t *packed, const float *scale, const float *offset, int nb, float *w) {
     for (int b = 0; b < nb; b++) {
-        v16u8 q;
-        memcpy(&q, packed + 16 * b, 16);
         const float s = scale[b], o = offset[b];
-        store16(w + BLOCK * b, TO_FLOAT(q & 15) * s + o);
-        /* x86 shifts no 8-bit lanes: shift 16-bit ones, then mask. */
-        store16(w + BLOCK * b + 16, TO_FLOAT((v16u8)((v8u16)q >> 4) & 15) * s + o);
+        for (int h = 0; h < 16; h += VL) {
+            const vi32 q = load_widened(packed + 16 * b + h);
+            storev(w + BLOCK * b + h, __builtin_convertvector(q & 15, vf) * s + o);
+            storev(w + BLOCK * b + 16 + h, __builtin_convertvector(q >> 4, vf) * s + o);
+        }
     }
 }
 
@@ -76,12 +79,9 @@ static void dequant_row_int4(const uint8_t *packed, const float *scale, const fl
  * scale * q exactly for GGUF's float16 scales (scale * u fits float32's 24 bits). */
 static void dequant_row_int8(const int8_t *q8, const float *scale, int nb, float *w) {
     for (int b = 0; b < nb; b++) {
-        v16u8 lo, hi;
-        memcpy(&lo, q8 + BLOCK * b, 16);
-        memcpy(&hi, q8 + BLOCK * b + 16, 16);
         const float s = scale[b], o = -128.0f * s;
-        store16(w + BLOCK * b, TO_FLOAT(lo ^ 0x80) * s + o);
-        store16(w + BLOCK * b + 16, TO_FLOAT(hi ^ 0x80) * s + o);
+        for (int h = 0; h < BLOCK; h += VL)
+            storev(w + BLOCK * b + h, __builtin_convertvector(load_widened(q8 + BLOCK * b + h) ^ 0x80, vf) * s + o);
     }
 }
 
