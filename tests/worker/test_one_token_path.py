@@ -16,10 +16,13 @@ from shared.protocol import SamplingParams
 
 @pytest.fixture(scope="module")
 def default_worker(smollm_path):
+    """The default model in bfloat16, the dtype the one-token path runs: what ``--dtype auto``
+    picks where the CPU has native bf16 dot products (without, auto is float32 and the path
+    is off; asked for here, it runs on any CPU)."""
     from services.worker.model_runner import ModelRunner
 
-    return ModelRunner(ModelRunConfig(model=smollm_path, kernel_backend="torch"), CacheConfig(num_gpu_blocks=64),
-                       SchedulerConfig(max_num_seqs=4))
+    return ModelRunner(ModelRunConfig(model=smollm_path, kernel_backend="torch", dtype="bfloat16"),
+                       CacheConfig(num_gpu_blocks=64), SchedulerConfig(max_num_seqs=4))
 
 
 def logits_per_step(worker, prompt, one_token: bool, monkeypatch) -> tuple[list[torch.Tensor], int]:
