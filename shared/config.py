@@ -217,7 +217,8 @@ class ModelRunConfig:
     """How a worker runs the model: which weights, dtype, device, kernels."""
 
     model: str = model_setting()
-    dtype: str = setting("auto", "auto|float32|bfloat16|float16 (auto: bfloat16 on CUDA and on CPUs with native bf16 dot products, else float32)")
+    dtype: str = setting("auto", "auto|float32|bfloat16|float16 (auto: bfloat16 on CUDA, on CPUs with native bf16 dot "
+                                 "products, and where the GGUF weights stay quantized; else float32)")
     device: str = setting("auto", "auto|cpu|cuda|cuda:N")
     kernel_backend: str = setting("auto", "auto|torch|triton")
     # CPU: services/worker/linear.py weight_packer.

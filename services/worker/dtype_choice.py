@@ -1,12 +1,17 @@
 """The model's dtype from ``--dtype``: what ``auto`` picks on this machine, and why.
 
-On CUDA ``auto`` is bfloat16. On a CPU it is bfloat16 only where both hold: the CPU
+On CUDA ``auto`` is bfloat16. On a CPU it is bfloat16 where both hold: the CPU
 multiplies bf16 pairs natively (``shared.cpu_features.native_bf16_dot``), and oneDNN
 can prepack a bf16 weight and multiply with it (a tiny probe at start-up). Without
-either, bf16 products are widened to float32 on every call and run several times
-slower than float32 (docs/BENCHMARKS.md, /work/shared/CPU-NOTES.md), so ``auto`` is
-float32 there. The decision and its reason are logged; an explicit ``bfloat16`` on a
-CPU without native bf16 dot products runs as asked, with a warning.
+native bf16 dot products, products of bf16 float weights are widened to float32 on every
+call and run several times slower than float32 (docs/BENCHMARKS.md,
+/work/shared/CPU-NOTES.md), so ``auto`` is float32 there, unless the weights stay
+quantized: their products quantize the activations to int8 whatever the rows' dtype, and
+bfloat16 rows (half the bytes, and the one-token path, ``kernels/decode_layers.py``) made
+the default model 1.64x faster at concurrency 1 and 1.23x at 32 on an AVX2-only CPU
+(docs/BENCHMARKS-diary.md, "A real AVX2-only CPU"). The decision and its reason are
+logged; an explicit ``bfloat16`` of float weights on a CPU without native bf16 dot
+products runs as asked, with a warning.
 
 The KV cache's dtype from ``--kv-cache-dtype``: ``auto`` is the model's dtype, as in vLLM,
 except on a CPU where ``--dtype auto`` fell back to float32 for speed and the weights stay
@@ -55,9 +60,11 @@ def resolve_dtype(
     device: torch.device,
     flags: frozenset[str] | None = None,
     prepack_works: Callable[[], bool] = bf16_prepack_works,
+    keep_quantized: bool = False,
 ) -> torch.dtype:
     """The dtype ``name`` (auto|float32|bfloat16|float16) means on ``device``; ``flags``
-    are the CPU's (default: this machine's)."""
+    are the CPU's (default: this machine's); ``keep_quantized``: whether the weights stay
+    quantized (their products take int8 activations)."""
     if device.type != "cpu":
         return torch.bfloat16 if name == "auto" else DTYPES[name]
     if name not in ("auto", "bfloat16"):
@@ -65,12 +72,16 @@ def resolve_dtype(
     flags = cpu_flags() if flags is None else flags
     native = native_bf16_dot(flags)
     if name == "bfloat16":
-        if not native:
+        if not native and not keep_quantized:
             logger.warning(
                 "--dtype bfloat16 on a CPU without native bf16 dot products (flags: %s): every product "
                 "widens bf16 to float32, several times slower than --dtype float32 at larger batches",
                 describe(flags),
             )
+        return torch.bfloat16
+    if not native and keep_quantized:
+        logger.info("dtype auto -> bfloat16: the CPU has no native bf16 dot products (flags: %s), but the weights "
+                    "stay quantized and their products take int8 activations", describe(flags))
         return torch.bfloat16
     if not native:
         logger.info("dtype auto -> float32: the CPU has no native bf16 dot products (flags: %s)", describe(flags))

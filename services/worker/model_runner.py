@@ -89,8 +89,12 @@ class ModelRunner:
         self.cache_config = cache_config
         self.parallel_config = parallel_config
         self.device = resolve_device(run_config.device, parallel_config)
-        self.dtype = resolve_dtype(run_config.dtype, self.device)
         self.model_path = run_config.model or default_model_path()
+        # A rank's shard of a matrix is not a whole quantized tensor: under tensor
+        # parallelism the weights are dequantized.
+        model_kind, _ = resolve_model_path(self.model_path)
+        self.keep_quantized = run_config.keeps_gguf_quantized(model_kind, parallel_config.tensor_parallel_size)
+        self.dtype = resolve_dtype(run_config.dtype, self.device, keep_quantized=self.keep_quantized)
         self.model_config: ModelConfig = load_model_config(self.model_path)
         self.max_model_len = resolve_max_model_len(self.model_config, run_config.max_model_len)
         self.block_size = cache_config.block_size
@@ -112,10 +116,6 @@ class ModelRunner:
         self.pack = weight_packer(self.device, self.dtype, run_config.cpu_prepack, run_config.batch_invariant)
         # The threads the model runs on; a CPU step of few tokens takes one (execute_model).
         self.num_threads = torch.get_num_threads()
-        # A rank's shard of a matrix is not a whole quantized tensor: under tensor
-        # parallelism the weights are dequantized.
-        model_kind, _ = resolve_model_path(self.model_path)
-        self.keep_quantized = run_config.keeps_gguf_quantized(model_kind, parallel_config.tensor_parallel_size)
         if run_config.quantization == "auto" and self.tp.enabled:
             logger.info("quantization auto: weights dequantized (tensor_parallel_size > 1)")
         # Dequantized weights keep Hugging Face's float32 operation order (greedy parity);

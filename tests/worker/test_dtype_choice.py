@@ -30,6 +30,14 @@ def test_auto_is_float32_without_native_bf16_dot_products(caplog):
     assert "float32" in caplog.text and "no native bf16" in caplog.text and "avx2 fma" in caplog.text
 
 
+def test_auto_is_bfloat16_without_native_bf16_dot_products_where_the_weights_stay_quantized(caplog):
+    with caplog.at_level(logging.INFO, logger=dtype_choice.__name__):
+        assert resolve_dtype("auto", CPU, AVX2_ONLY, works, keep_quantized=True) == torch.bfloat16
+    assert "bfloat16" in caplog.text and "stay quantized" in caplog.text
+    # Dequantized (float) weights would multiply in bf16, widened on every call: float32.
+    assert resolve_dtype("auto", CPU, AVX2_ONLY, works, keep_quantized=False) == torch.float32
+
+
 @pytest.mark.parametrize("flags", [AVX512_BF16, AMX], ids=["avx512_bf16", "amx_bf16"])
 def test_auto_is_bfloat16_with_native_bf16_and_prepacking(flags, caplog):
     with caplog.at_level(logging.INFO, logger=dtype_choice.__name__):
@@ -50,6 +58,7 @@ def test_explicit_bfloat16_without_native_bf16_warns_and_runs(caplog):
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=dtype_choice.__name__):
         assert resolve_dtype("bfloat16", CPU, AVX512_BF16, works) == torch.bfloat16
+        assert resolve_dtype("bfloat16", CPU, AVX2_ONLY, works, keep_quantized=True) == torch.bfloat16
     assert caplog.text == ""
 
 
