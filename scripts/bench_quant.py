@@ -10,8 +10,7 @@ Models of the same weights, each in our offline engine:
   dequantized weight (``kernels/quant_linear.py``), none with int8 activations
   (``services/worker/linear.py``'s ``INT8_ACTIVATIONS_MIN_ROWS`` set out of reach and its
   ``REPACK_TILES`` cleared);
-- ``int4-bf16kv``: ``int4`` with its K/V stored in bfloat16 (``--kv-cache-dtype bfloat16``,
-  what ``auto`` picks where ``--dtype auto`` falls back to float32).
+- ``int4-bf16kv``: ``int4`` with its K/V stored in bfloat16 (``--kv-cache-dtype bfloat16``).
 
 Accuracy: greedy agreement with ``none`` over ``--num-prompts`` prompts x ``--output-len``
 tokens, two ways: per token (the model reads the prompt and ``none``'s greedy output and

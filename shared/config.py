@@ -60,8 +60,7 @@ class CacheConfig:
              "those never hit (segmented LRU: a shared prompt prefix outlives each request's own blocks); 0 = plain "
              "LRU")
     kv_cache_dtype: str = setting(
-        "auto", "KV cache storage: auto (the model's dtype; on CPU, bfloat16 where --dtype auto chose float32 "
-        "and the weights stay quantized) | bfloat16 | float32")
+        "auto", "KV cache storage: auto (the model's dtype) | bfloat16 (also under a float32 model on CPU) | float32")
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype.startswith("fp8"):

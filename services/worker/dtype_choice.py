@@ -3,23 +3,19 @@
 On CUDA ``auto`` is bfloat16. On a CPU it is bfloat16 where both hold: the CPU
 multiplies bf16 pairs natively (``shared.cpu_features.native_bf16_dot``), and oneDNN
 can prepack a bf16 weight and multiply with it (a tiny probe at start-up). Without
-native bf16 dot products, products of bf16 float weights are widened to float32 on every
-call and run several times slower than float32 (docs/BENCHMARKS.md,
-/work/shared/CPU-NOTES.md), so ``auto`` is float32 there, unless the weights stay
-quantized: their products quantize the activations to int8 whatever the rows' dtype, and
-bfloat16 rows (half the bytes, and the one-token path, ``kernels/decode_layers.py``) made
-the default model 1.64x faster at concurrency 1 and 1.23x at 32 on an AVX2-only CPU
-(docs/BENCHMARKS-diary.md, "A real AVX2-only CPU"). The decision and its reason are
-logged; an explicit ``bfloat16`` of float weights on a CPU without native bf16 dot
-products runs as asked, with a warning.
+either, products of bf16 float weights are widened to float32 on every call and run
+several times slower than float32 (docs/BENCHMARKS.md, /work/shared/CPU-NOTES.md), so
+``auto`` is float32 there, unless the weights stay quantized: their products quantize
+the activations to int8 whatever the rows' dtype, and bfloat16 rows (half the bytes, and
+the one-token path, ``kernels/decode_layers.py``) served the default model 1.64x faster at
+concurrency 1 and 1.23x at 32 than float32 on an AVX2-only CPU (docs/BENCHMARKS-diary.md,
+"A real AVX2-only CPU"). The decision and its reason are logged; an explicit ``bfloat16``
+of float weights on a CPU without native bf16 dot products runs as asked, with a warning.
 
-The KV cache's dtype from ``--kv-cache-dtype``: ``auto`` is the model's dtype, as in vLLM,
-except on a CPU where ``--dtype auto`` fell back to float32 for speed and the weights stay
-quantized: the cache is bfloat16 there (the precision such checkpoints' configs name, e.g.
-SmolLM2's, which vLLM's own auto runs and stores), half the bytes that decode attention
-streams, while products stay float32.
-Dequantized weights keep a float32 cache, so ``--quantization none`` still matches Hugging
-Face bit for bit. bfloat16 under a float32 model runs on CPU only.
+The KV cache's dtype from ``--kv-cache-dtype``: ``auto`` is the model's dtype, as in vLLM
+(so a quantized model's cache is bfloat16 on every CPU, and ``--quantization none`` keeps
+float32 weights and cache, which match Hugging Face bit for bit). bfloat16 under a float32
+model runs on CPU only.
 """
 
 from __future__ import annotations
@@ -79,33 +75,25 @@ def resolve_dtype(
                 describe(flags),
             )
         return torch.bfloat16
-    if not native and keep_quantized:
-        logger.info("dtype auto -> bfloat16: the CPU has no native bf16 dot products (flags: %s), but the weights "
-                    "stay quantized and their products take int8 activations", describe(flags))
+    if native and prepack_works():
+        logger.info("dtype auto -> bfloat16: the CPU has native bf16 dot products (flags: %s) and oneDNN "
+                    "prepacks bf16 weights", describe(flags))
         return torch.bfloat16
-    if not native:
-        logger.info("dtype auto -> float32: the CPU has no native bf16 dot products (flags: %s)", describe(flags))
-        return torch.float32
-    if not prepack_works():
-        logger.info("dtype auto -> float32: the CPU has native bf16 dot products (flags: %s), but oneDNN "
-                    "cannot prepack bf16 weights in this torch build", describe(flags))
-        return torch.float32
-    logger.info("dtype auto -> bfloat16: the CPU has native bf16 dot products (flags: %s) and oneDNN "
-                "prepacks bf16 weights", describe(flags))
-    return torch.bfloat16
+    why = (f"the CPU has native bf16 dot products (flags: {describe(flags)}), but oneDNN cannot prepack bf16 "
+           "weights in this torch build" if native else
+           f"the CPU has no native bf16 dot products (flags: {describe(flags)})")
+    if keep_quantized:
+        logger.info("dtype auto -> bfloat16: %s; the weights stay quantized and their products take int8 "
+                    "activations", why)
+        return torch.bfloat16
+    logger.info("dtype auto -> float32: %s", why)
+    return torch.float32
 
 
-def resolve_kv_cache_dtype(
-    name: str, model_dtype: torch.dtype, device: torch.device, dtype_name: str, keep_quantized: bool
-) -> torch.dtype:
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache dtype ``name`` (auto|bfloat16|float32) means for a ``model_dtype`` model
-    on ``device``, chosen by ``--dtype dtype_name``; raises ConfigError for a pairing the
-    kernels do not run."""
+    on ``device``; raises ConfigError for a pairing the kernels do not run."""
     if name == "auto":
-        if device.type == "cpu" and dtype_name == "auto" and model_dtype == torch.float32 and keep_quantized:
-            logger.info("kv_cache_dtype auto -> bfloat16: dtype auto chose float32 on this CPU and the weights "
-                        "stay quantized (--kv-cache-dtype float32 keeps float32)")
-            return torch.bfloat16
         return model_dtype
     cache_dtype = DTYPES[name]
     if cache_dtype == model_dtype or (

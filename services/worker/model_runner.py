@@ -122,8 +122,7 @@ class ModelRunner:
         # quantized ones differ from Hugging Face's results anyway and take the C kernels.
         self.ops = get_kernel_ops(run_config.kernel_backend, float32_hf_order=not self.keep_quantized,
                                   batch_invariant=run_config.batch_invariant)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.device,
-                                                     run_config.dtype, self.keep_quantized)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype, self.device)
         # Each rank reads only its rows / columns of the sharded tensors.
         startup.phase(f"loading weights of {self.model_path}")
         self.model = self._load_model(self.model_path, self.model_config, self.tp)

@@ -49,6 +49,7 @@ def test_auto_is_float32_when_bf16_prepacking_fails(caplog):
     with caplog.at_level(logging.INFO, logger=dtype_choice.__name__):
         assert resolve_dtype("auto", CPU, AVX512_BF16, fails) == torch.float32
     assert "cannot prepack" in caplog.text
+    assert resolve_dtype("auto", CPU, AVX512_BF16, fails, keep_quantized=True) == torch.bfloat16
 
 
 def test_explicit_bfloat16_without_native_bf16_warns_and_runs(caplog):
@@ -78,32 +79,19 @@ def test_the_probe_agrees_with_torch():
     assert bf16_prepack_works() == supported
 
 
-@pytest.mark.parametrize("dtype_name,model_dtype,keep_quantized,expected", [
-    ("auto", torch.float32, True, torch.bfloat16),  # auto fell back to float32, weights quantized
-    ("auto", torch.float32, False, torch.float32),  # --quantization none: Hugging Face parity
-    ("float32", torch.float32, True, torch.float32),  # an explicit float32 model, as in vLLM
-    ("auto", torch.bfloat16, True, torch.bfloat16),
-    ("bfloat16", torch.bfloat16, False, torch.bfloat16),
-])
-def test_kv_cache_dtype_auto_on_cpu(dtype_name, model_dtype, keep_quantized, expected, caplog):
-    with caplog.at_level(logging.INFO, logger=dtype_choice.__name__):
-        assert resolve_kv_cache_dtype("auto", model_dtype, CPU, dtype_name, keep_quantized) == expected
-    assert ("kv_cache_dtype auto -> bfloat16" in caplog.text) == (model_dtype != expected)
-
-
-def test_kv_cache_dtype_auto_on_cuda_is_the_models():
-    cuda = torch.device("cuda")
-    assert resolve_kv_cache_dtype("auto", torch.float32, cuda, "auto", True) == torch.float32
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda, "auto", True) == torch.bfloat16
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", [CPU, torch.device("cuda")], ids=["cpu", "cuda"])
+def test_kv_cache_dtype_auto_is_the_models(model_dtype, device):
+    assert resolve_kv_cache_dtype("auto", model_dtype, device) == model_dtype
 
 
 def test_explicit_kv_cache_dtypes_and_the_pairings_refused():
-    assert resolve_kv_cache_dtype("bfloat16", torch.float32, CPU, "float32", False) == torch.bfloat16
-    assert resolve_kv_cache_dtype("float32", torch.float32, CPU, "auto", True) == torch.float32
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, CPU) == torch.bfloat16
+    assert resolve_kv_cache_dtype("float32", torch.float32, CPU) == torch.float32
     with pytest.raises(ConfigError, match="bfloat16 under a float32 model on CPU"):
-        resolve_kv_cache_dtype("float32", torch.bfloat16, CPU, "bfloat16", True)
+        resolve_kv_cache_dtype("float32", torch.bfloat16, CPU)
     with pytest.raises(ConfigError, match="on cuda"):
-        resolve_kv_cache_dtype("bfloat16", torch.float32, torch.device("cuda"), "float32", True)
+        resolve_kv_cache_dtype("bfloat16", torch.float32, torch.device("cuda"))
 
 
 @pytest.mark.parametrize("name,message", [("fp8", "fp8 KV caches are not supported"),
