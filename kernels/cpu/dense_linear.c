@@ -31,7 +31,7 @@
 #endif
 
 /* Vectors of the host's width (16 floats with AVX-512, 8 otherwise), VPT of them per tile:
- * GCC lowers wider vectors than the host has through the stack (25x slower on a Zen 3). */
+ * GCC lowers wider vectors than the host has through the stack (8-10x slower on a Zen 3). */
 #if defined(__AVX512F__)
 #define VL 16
 #else
