@@ -16,9 +16,9 @@ from shared.protocol import SamplingParams
 
 @pytest.fixture(scope="module")
 def default_worker(smollm_path):
-    """The default model in bfloat16, the dtype the one-token path runs: what ``--dtype auto``
-    picks where the CPU has native bf16 dot products (without, auto is float32 and the path
-    is off; asked for here, it runs on any CPU)."""
+    """The default model in bfloat16, the only dtype the one-token path runs. ``--dtype auto``
+    picks it for these quantized weights on every CPU; it is asked for here so that the
+    test does not depend on that choice."""
     from services.worker.model_runner import ModelRunner
 
     return ModelRunner(ModelRunConfig(model=smollm_path, kernel_backend="torch", dtype="bfloat16"),
