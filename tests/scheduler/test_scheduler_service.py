@@ -376,6 +376,9 @@ async def test_a_restarted_worker_resumes_the_running_request(bus):
     worker = await ready_worker(service, nc)
     worker.answering = False  # the request's step is still running when the worker restarts
     assert await submit(nc, "long") is None
+    # The restart comes after the step reached the worker: on a loaded machine the step can
+    # arrive later than the reply to the submission.
+    await wait_for(lambda: worker.ready.running_step_id != 0)
     worker.steps.clear()
     worker.ready.instance_id = "w2"
     worker.answering = True
