@@ -89,7 +89,7 @@ def parse_tensor_name(name: str, num_layers: int) -> tuple[int, str, str]:
 
 
 def _open(path: str | Path):
-    from shared.gguf_reader import PlainViewGGUFReader
+    from shared.gguf_reader import GGUFFile
 
     try:
         with open(path, "rb") as f:
@@ -100,7 +100,7 @@ def _open(path: str | Path):
         raise LoRAAdapterError(f"LoRA adapter file {str(path)!r} is not a GGUF file "
                                f"(a PEFT adapter is a folder)")
     try:
-        return PlainViewGGUFReader(path, "r")
+        return GGUFFile(path)
     except (OSError, ValueError, IndexError, KeyError, struct.error, UnicodeDecodeError) as e:
         raise LoRAAdapterError(f"cannot read GGUF file {str(path)!r}: {e}") from None
 

@@ -208,13 +208,13 @@ def resolve_model_path(path: str | os.PathLike) -> tuple[str, Path]:
 
 @functools.lru_cache(maxsize=4)
 def _open_gguf(path: str, mtime_ns: int):
-    from shared.gguf_reader import PlainViewGGUFReader
+    from shared.gguf_reader import GGUFFile
 
-    return PlainViewGGUFReader(path)
+    return GGUFFile(path)
 
 
 def open_gguf(path: str | os.PathLike):
-    """A ``gguf.GGUFReader`` (memory-mapped), parsed once per file and version."""
+    """The file's ``GGUFFile`` (header parsed, tensors memory-mapped), once per file and version."""
     p = Path(path).resolve()
     return _open_gguf(str(p), p.stat().st_mtime_ns)
 
