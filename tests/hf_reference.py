@@ -16,6 +16,7 @@ Everything is offline: nothing is fetched from a model hub.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -41,8 +42,53 @@ def load_hf_model_from_gguf(gguf_path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     path = Path(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    with _gguf_py_memoised():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _gguf_py_memoised():
+    """transformers' GGUF loader parses the file's header twice (the config, then the
+    weights) with gguf-py's ``GGUFReader``, and builds gguf-py's tensor-name map once per
+    module of the model (397 times for SmolLM2): ~10 s of a 15 s load on a slow CPU, in
+    every test process. Both are functions of their arguments alone, so while it loads they
+    are memoised (the reader per file and version, reading through a plain ndarray view of
+    its memory map, which numpy slices in C). What transformers reads and dequantizes is
+    still gguf-py's."""
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = lambda path, mode="r": _gguf_py_reader(os.fspath(path), os.stat(path).st_mtime_ns, mode)
+    gguf.get_tensor_name_map = _tensor_name_map
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_py_reader(path: str, mtime_ns: int, mode: str):
+    import numpy as np
+    from gguf.gguf_reader import GGUFReader  # the module's own: gguf.GGUFReader is swapped meanwhile
+
+    class PlainViewReader(GGUFReader):
+        @property
+        def data(self):
+            return self._plain_data
+
+        @data.setter
+        def data(self, value):  # GGUFReader.__init__ assigns its memmap here, then parses through it
+            self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return PlainViewReader(path, mode)
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_name_map(arch, n_blocks):
+    from gguf.tensor_mapping import get_tensor_name_map
+
+    return get_tensor_name_map(arch, n_blocks)
 
 
 @functools.lru_cache(maxsize=4)
