@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -65,7 +66,15 @@ def test_config_from_args_takes_fields_without_flags():
     assert config_from_args(Example, parse(), internal=2.0).internal == 2.0
 
 
-def test_the_engine_flags_default_to_the_configs_defaults():
+@pytest.fixture
+def no_engine_env(monkeypatch):
+    """The engine flags' environment variables unset (scripts/test sets OMP_WAIT_POLICY)."""
+    for config_cls in ENGINE_CONFIGS:
+        for field in dataclasses.fields(config_cls):
+            monkeypatch.delenv(field.name.upper(), raising=False)
+
+
+def test_the_engine_flags_default_to_the_configs_defaults(no_engine_env):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args([])
@@ -73,7 +82,7 @@ def test_the_engine_flags_default_to_the_configs_defaults():
         assert config_from_args(config_cls, args) == config_cls()
 
 
-def test_engine_flags_fill_the_engine_configs():
+def test_engine_flags_fill_the_engine_configs(no_engine_env):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args([
