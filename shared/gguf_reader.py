@@ -3,11 +3,13 @@ memory-mapped data.
 
 gguf-py's ``GGUFReader`` keeps a numpy view of every part of every value: about a million
 views for the default model's 49,152-token vocabulary and its merges, which cost every
-service 1-1.5 s of CPU at each start (the tokenizer's start-up was two thirds of it). This
-reader decodes the values straight into Python objects with ``struct`` (~0.1 s for the same
-file) and maps the tensors' bytes with numpy. Its fields and tensors carry the names that
-gguf-py's do (``fields[key].contents()``, ``.types``; ``tensors[i].name``, ``.tensor_type``,
-``.shape`` innermost first, ``.data``); tests/shared/test_gguf_reader.py compares the two.
+service 1-1.5 s of CPU at each start, even read through a plain ndarray view of its memory
+map (two thirds of the tokenizer's start-up). This reader decodes the values straight into
+Python objects with ``struct`` and maps the tensors' bytes with numpy: 0.22 s of CPU for the
+default model where gguf-py took 3.4 s (AVX2 machine, side by side, a test run beside them).
+Its fields and tensors carry the names that gguf-py's do (``fields[key].contents()``,
+``.types``; ``tensors[i].name``, ``.tensor_type``, ``.shape`` innermost first, ``.data``);
+tests/shared/test_gguf_reader.py compares the two.
 
 Two differences from gguf-py: an array of arrays is given as nested lists (gguf-py flattens
 it), and an empty array's ``types`` name its element type (gguf-py's end at ``ARRAY``).
