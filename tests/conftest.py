@@ -24,6 +24,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The longest single tests (a subprocess each: ~3 min and ~1.5 min on CI's 2 cores) start
+# first, so that in several test processes (scripts/test) neither is left running alone at
+# the end; the other files keep their order.
+LONGEST_FIRST = ("tests/scripts/test_gpu_check.py", "tests/e2e/test_chaos.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in LONGEST_FIRST)
+
 
 @pytest.fixture(scope="session")
 def smollm_path():
