@@ -27,7 +27,7 @@ STEPS = (
          "decode attention's bandwidth against a device-to-device copy"),
     Step("greedy", "gpu_check.greedy", 150, "the in-process engine against transformers, float32, token for token"),
     Step("services", "gpu_check.services_stack", 150, "the services stack serving 16 concurrent streams"),
-    Step("throughput", "gpu_check.throughput", 150,
+    Step("throughput", "gpu_check.throughput", 210,
          "the in-process engine against transformers' generate (bfloat16), and a step's time split"),
     Step("decode_graph", "gpu_check.decode_graph", 90,
          "what CUDA graphs would give: a decode forward pass replayed from a graph against launched"),
