@@ -28,6 +28,15 @@ def max_model_len_setting():
     return setting(None, "context length cap (default: the model's)")
 
 
+def structured_outputs_warmup_setting():
+    # Off, the first constrained request after a start waits for the import and the
+    # vocabulary: ~4.5 s of CPU in a tokenizer (xgrammar imports torch and transformers),
+    # ~1.5 s in a worker, whose step (every running request) waits for it.
+    return setting(True, "build the structured-output backend (import xgrammar, read the vocabulary) in the "
+                         "background at start-up, so the first constrained request does not wait for it; off: "
+                         "on the first such request (a tokenizer that never sees one then stays ~240 MB smaller)")
+
+
 def check_max_model_len(value: int | None) -> None:
     if value is not None and value < 2:
         raise ConfigError(f"max_model_len must be >= 2, got {value}")
@@ -233,6 +242,7 @@ class ModelRunConfig:
                 "Hugging Face folder or under TP; none dequantizes every weight to --dtype")
     max_model_len: int | None = max_model_len_setting()
     seed: int = setting(0, "seed of the worker's shared sampling generator")
+    structured_outputs_warmup: bool = structured_outputs_warmup_setting()
     # Applied by the worker before torch loads OpenMP (services/worker/openmp_wait.py). The
     # flag's environment variable is OpenMP's own, so an OMP_WAIT_POLICY already set wins.
     # libgomp's default (idle threads spin ~3 ms, then sleep) is the fastest when the worker

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import check_max_model_len, max_model_len_setting, model_setting, setting
+from shared.config import (
+    check_max_model_len,
+    max_model_len_setting,
+    model_setting,
+    setting,
+    structured_outputs_warmup_setting,
+)
 
 
 @dataclass(frozen=True)
@@ -17,6 +23,7 @@ class TokenizerConfig:
         False, "special-token texts typed in chat message contents become control tokens (default: plain text)")
     chat_template: str = setting(
         "", "chat template (a Jinja file, or the template itself) used instead of the model's ('' = the model's)")
+    structured_outputs_warmup: bool = structured_outputs_warmup_setting()
 
     def __post_init__(self) -> None:
         check_max_model_len(self.max_model_len)

@@ -57,6 +57,7 @@ from shared.protocol import (
 from shared.request_preparation import RequestPreparer
 from shared.request_validation import InvalidRequest
 from shared.service_metrics import counter
+from shared.structured_output.validation import compile_cache_for
 from shared.tracing import Attr
 
 from .config import TokenizerConfig
@@ -94,6 +95,7 @@ class TokenizerService(Service):
         self.preparer = RequestPreparer(max_model_len, vocab_size, tuple(eos_token_ids),
                                         config.special_tokens_in_content)
         self.scheduler_timeout = config.scheduler_timeout
+        self.structured_outputs_warmup = config.structured_outputs_warmup
         self.num_requests = 0
         self.num_rejected = 0
         self.routed: dict[str, int] = {}  # samples each engine's scheduler took
@@ -128,6 +130,9 @@ class TokenizerService(Service):
         await self.subscribe(TOKENIZE_TEXT_CHANNEL.subject(), self._on_tokenize_text, queue="tokenizer")
         await self.subscribe(DETOKENIZE_TOKENS_CHANNEL.subject(), self._on_detokenize_tokens, queue="tokenizer")
         await self.router_bus.setup()
+        if self.structured_outputs_warmup:
+            # The same cache the requests' checks use (shared/request_preparation.py).
+            compile_cache_for(self.tokenizer, self.preparer.vocab_size).warm_up()
 
     async def _on_tokenize_text(self, msg: Msg) -> None:
         """vLLM's /tokenize (``tokens.py``): ids only, nothing scheduled."""

@@ -93,6 +93,7 @@ class WorkerService(Service):
         self._peer_seen: dict[int, float] = {}
         self.parallel_config = parallel_config
         self.rank = parallel_config.rank
+        self.structured_outputs_warmup = run_config.structured_outputs_warmup
         device = resolve_device(run_config.device, parallel_config)
         # CUDA's current device is per thread.
         initializer = None
@@ -185,6 +186,9 @@ class WorkerService(Service):
         await self._announce()
         self.spawn(self._heartbeat())
         self.spawn(self._trim_heap_when_idle())
+        if self.structured_outputs_warmup:
+            # After the start-up's timed work (the KV tiers time a prefill), before any request.
+            self.runner.structured_output.cache.warm_up()
         if self.world_size > 1:
             await self.subscribe(WORKER_READY_CHANNEL.subject(self.engine_id), self._watch_peers)
             self.spawn(self._check_peers())

@@ -1,19 +1,24 @@
 """Each distinct spec compiled once, in a thread: ``get`` returns at once with a future.
 
-The backend itself is built lazily in the compile thread too (reading the vocabulary
-takes a fraction of a second), so a process that never sees a constrained request
-never pays for it, and one that does never pays for it on its event loop or in a step.
+The backend itself is built in the compile thread too: lazily, by the first compile, or
+at start-up by ``warm_up`` (the services' ``--structured-outputs-warmup``, so that the
+first constrained request does not wait for xgrammar's import). Either way it is never
+built on an event loop or in a step.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from .backend import StructuredOutputBackend
 from .spec import GrammarSpec
+
+logger = logging.getLogger(__name__)
 
 # Compiled grammars kept (least recently used dropped first); a JSON schema's takes
 # tens to hundreds of KiB.
@@ -37,6 +42,22 @@ class GrammarCompileCache:
             if self._backend is None:
                 self._backend = self._make_backend()
             return self._backend
+
+    def warm_up(self) -> Future:
+        """Build the backend now, in the compile thread (a compile asked for meanwhile waits
+        for it, as it would have to anyway). Its end is logged; a failure only so: the first
+        constrained request meets it again."""
+        return self._pool.submit(self._build_logged)
+
+    def _build_logged(self) -> StructuredOutputBackend:
+        started = time.monotonic()
+        try:
+            backend = self.backend
+        except Exception as e:
+            logger.warning("structured-output backend not built at start-up: %s", e)
+            raise
+        logger.info("structured-output backend ready (%s, %.1f s)", backend.name, time.monotonic() - started)
+        return backend
 
     def get(self, spec: GrammarSpec) -> Future:
         """The compiled grammar of ``spec`` (a future; its exception is a GrammarError).

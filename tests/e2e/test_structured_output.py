@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -75,7 +76,9 @@ ISO_DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     # 40 blocks of 16 tokens: the concurrent tests need more, so requests wait for blocks.
-    args = ["--max-num-seqs", "32", "--max-num-batched-tokens", "256", "--num-gpu-blocks", "40"]
+    # The backend built at start-up, as by default (tests/conftest.py turns that off elsewhere).
+    args = ["--max-num-seqs", "32", "--max-num-batched-tokens", "256", "--num-gpu-blocks", "40",
+            "--structured-outputs-warmup"]
     with running_stack(replicated_config(tmp_path_factory.mktemp("stack-logs"), args)) as stack:
         yield stack
 
@@ -120,6 +123,15 @@ async def sample_every_schema(client, names=tuple(SCHEMAS)):
         for choice in resp.choices:
             assert choice.finish_reason == "stop", (name, choice.message.content)
             jsonschema.validate(json.loads(choice.message.content), SCHEMAS[name])
+
+
+def test_the_backend_is_built_at_start_up(stack):
+    """--structured-outputs-warmup: every tokenizer replica and the worker build the backend
+    before any constrained request (this module's first test; none has been sent)."""
+    logs = Path(stack.config.log_dir)
+    for name in ("tokenizer-0.log", "tokenizer-1.log", "worker-0.log"):
+        wait_until(lambda: "structured-output backend ready (xgrammar" in (logs / name).read_text(), 60,
+                   f"{name}: the structured-output backend built at start-up")
 
 
 async def test_sampled_outputs_follow_their_json_schemas(client):

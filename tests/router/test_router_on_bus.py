@@ -20,6 +20,7 @@ from services.router.config import RouterConfig
 from services.router.router import prompt_block_hashes
 from services.scheduler.config import KVEventsConfig, SchedulerServiceConfig
 from services.scheduler.service import SchedulerService
+from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.service import TokenizerService
 from shared.config import CacheConfig, SchedulerConfig
 from shared.kv_event_faults import KVEventFaults
@@ -52,6 +53,7 @@ def make_scheduler(url: str, engine_id: str, buffer_steps: int = 1000) -> Schedu
 def make_router(url: str, mode: str = "kv") -> TokenizerService:
     """A tokenizer service for its router alone (``submit``: route and hand over a request)."""
     return TokenizerService(SimpleNamespace(eos_token_id=None), max_model_len=1024, vocab_size=50_000, nats_url=url,
+                            config=TokenizerConfig(structured_outputs_warmup=False),
                             router_config=RouterConfig(router_mode=mode))
 
 

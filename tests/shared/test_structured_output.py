@@ -154,6 +154,31 @@ def test_compile_cache_compiles_each_spec_once(backend):
     assert cache.get(bad).exception(timeout=30) is not None and compiled.count(bad) == 2
 
 
+def test_warm_up_builds_the_backend_once_before_any_compile(backend, caplog):
+    built = []
+
+    def make():
+        built.append(1)
+        return backend
+
+    cache = GrammarCompileCache(make)
+    with caplog.at_level("INFO", logger="shared.structured_output.compile_cache"):
+        assert cache.warm_up().result(timeout=30) is backend
+    assert built == [1] and "structured-output backend ready (xgrammar" in caplog.text
+    cache.get(GrammarSpec("regex", "a+")).result(timeout=30)
+    assert built == [1]
+
+    def broken():
+        raise RuntimeError("no library")
+
+    failing = GrammarCompileCache(broken)
+    with caplog.at_level("WARNING", logger="shared.structured_output.compile_cache"):
+        assert isinstance(failing.warm_up().exception(timeout=30), RuntimeError)
+    assert "not built at start-up: no library" in caplog.text
+    # A constrained request meets the failure again, as without the warm-up.
+    assert isinstance(failing.get(GrammarSpec("regex", "a+")).exception(timeout=30), RuntimeError)
+
+
 def test_tokenizer_check(smollm_tokenizer):
     vocab = smollm_tokenizer.vocab_size
     check_structured_outputs(SamplingParams(structured_outputs=Spec(json=json.dumps(PERSON))), smollm_tokenizer, vocab)

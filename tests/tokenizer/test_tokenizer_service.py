@@ -77,7 +77,7 @@ class FakeScheduler:
 async def tokenizer_service(nats_server, smollm_tokenizer):
     service = TokenizerService(smollm_tokenizer, max_model_len=MAX_MODEL_LEN, vocab_size=smollm_tokenizer.vocab_size,
                                extra_eos_token_ids=[smollm_tokenizer.eos_token_id],
-                               config=TokenizerConfig(scheduler_timeout=1.0),
+                               config=TokenizerConfig(scheduler_timeout=1.0, structured_outputs_warmup=False),
                                nats_url=nats_server.url)
     await service.start()
     yield service
