@@ -1,4 +1,5 @@
-"""``truncate_prompt_tokens`` (vLLM's): keep only the last k tokens of the prompt.
+"""``truncate_prompt_tokens`` (vLLM's): keep only the last k tokens of the prompt (or, with
+``truncation_side: "right"``, the first k).
 
 The tokenizer service applies it to the prompt's ids (text, chat or token ids alike)
 before the context check, so a long prompt can still run. ``-1`` means the model's
@@ -12,6 +13,8 @@ from __future__ import annotations
 from shared.request_validation import InvalidRequest
 
 PARAM = "truncate_prompt_tokens"
+SIDE_PARAM = "truncation_side"
+SIDES = ("left", "right")
 TO_MAX_MODEL_LEN = -1
 
 
@@ -39,9 +42,12 @@ def truncation_size(truncate_prompt_tokens: int | None, max_model_len: int) -> i
 
 
 def truncate_prompt(prompt_token_ids: list[int], truncate_prompt_tokens: int | None,
-                    max_model_len: int) -> list[int]:
-    """The last ``truncation_size`` ids of the prompt (left truncation, as vLLM)."""
+                    max_model_len: int, side: str = "left") -> list[int]:
+    """The last ``truncation_size`` ids of the prompt (``side`` "left", vLLM's default), or
+    the first ("right")."""
+    if side not in SIDES:
+        raise InvalidRequest(f"{SIDE_PARAM} must be 'left' or 'right', got {side!r}", param=SIDE_PARAM)
     size = truncation_size(truncate_prompt_tokens, max_model_len)
     if size is None or len(prompt_token_ids) <= size:
         return prompt_token_ids
-    return prompt_token_ids[-size:]
+    return prompt_token_ids[-size:] if side == "left" else prompt_token_ids[:size]

@@ -57,14 +57,17 @@ class RequestPreparer:
             prompt_param = "messages"
             prompt_token_ids = tokenize_chat(tokenizer, request.messages, request.add_generation_prompt,
                                              self.special_tokens_in_content, request.tools,
-                                             request.chat_template_kwargs)
+                                             request.chat_template_kwargs, request.continue_final_message,
+                                             request.add_special_tokens is True)
         elif request.prompt is not None:
             prompt_param = "prompt"
-            prompt_token_ids = tokenizer.encode(request.prompt, add_special_tokens=True)
+            prompt_token_ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens
+                                                is not False)
         else:
             prompt_param = "prompt_token_ids"
             prompt_token_ids = list(request.prompt_token_ids)
-        prompt_token_ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
+        prompt_token_ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len,
+                                           request.truncation_side)
         params = self.stop_at_every_eos(resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len,
                                                            prompt_param))
         arrival_time = time.time()
@@ -110,14 +113,18 @@ def tokenize_chat(
     special_tokens_in_content: bool = False,
     tools: list[dict] | None = None,
     chat_template_kwargs: dict | None = None,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """The chat prompt's ids, as transformers' ``apply_chat_template(tokenize=True)``
-    (the rendered text already holds the special tokens, so none are added), except that
-    special-token texts inside the client's strings stay text unless allowed. ``tools``
-    and ``chat_template_kwargs`` reach the template (the gateway checked their shape)."""
+    (the rendered text already holds the special tokens, so none are added unless
+    ``add_special_tokens``), except that special-token texts inside the client's strings
+    stay text unless allowed. ``tools`` and ``chat_template_kwargs`` reach the template
+    (the gateway checked their shape); ``continue_final_message``: the prompt ends inside
+    the final message."""
     messages = chat_messages(messages)
     try:
         return tokenizer.encode_chat(messages, add_generation_prompt, special_tokens_in_content, tools,
-                                     chat_template_kwargs)
+                                     chat_template_kwargs, continue_final_message, add_special_tokens)
     except Exception as e:  # the template's raise_exception, or a template that needs fields we lack
         raise InvalidRequest(f"the chat template cannot render these messages: {e}", param="messages") from e

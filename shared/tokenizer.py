@@ -70,6 +70,9 @@ _GGUF_PRE_TOKENIZERS = {
 
 # Supplementary private-use code points: never in a real prompt's text.
 _SENTINEL_BASE = 0xF0000
+# continue_final_message: appended to the final message's content, so that the rendered
+# prompt can be cut right where that content ends (transformers' way).
+_CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_HERE "
 
 
 class Tokenizer:
@@ -160,17 +163,29 @@ class Tokenizer:
         special_in_content: bool = False,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """The chat prompt's ids. Special-token texts inside the messages and tools (their
         contents, tool calls, tool descriptions: every string the client sent) are encoded
         as plain text (a user cannot forge the template's control tokens) unless
-        ``special_in_content``; the template's own special tokens stay control tokens."""
-        template_kwargs = template_kwargs or {}
+        ``special_in_content``; the template's own special tokens stay control tokens.
+        ``add_special_tokens``: what the tokenizer adds around a text (BOS, ...) is added
+        around the rendered prompt too (vLLM's field; off by default, the template has them)."""
+        render = functools.partial(self.apply_chat_template, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, **(template_kwargs or {}))
+        ids = self._encode_rendered_chat(render, messages, tools, special_in_content)
+        if add_special_tokens:
+            before, after = special_ids_around(self)
+            ids = before + ids + after
+        return ids
+
+    def _encode_rendered_chat(self, render, messages, tools, special_in_content: bool) -> list[int]:
+        """The ids of ``render(messages, tools=tools)``, special texts in the client's strings as text."""
         texts = _strings([messages, tools])
         found = [t for t in self.special_token_texts if any(t in c for c in texts)]
         if special_in_content or not found:
-            rendered = self.apply_chat_template(messages, add_generation_prompt, tools=tools, **template_kwargs)
-            return self.encode(rendered, add_special_tokens=False)
+            return self.encode(render(messages, tools=tools), add_special_tokens=False)
         # Each special text in a client's string becomes a private-use sentinel character;
         # the rendered prompt is encoded piece by piece around the sentinels.
         sentinel = {text: chr(_SENTINEL_BASE + i) for i, text in enumerate(found)}
@@ -179,8 +194,7 @@ class Tokenizer:
         def guard(text: str) -> str:
             return pattern.sub(lambda mt: sentinel[mt.group(0)], text)
 
-        rendered = self.apply_chat_template(_map_strings(messages, guard), add_generation_prompt,
-                                            tools=_map_strings(tools, guard), **template_kwargs)
+        rendered = render(_map_strings(messages, guard), tools=_map_strings(tools, guard))
         text_of = {v: k for k, v in sentinel.items()}
         ids: list[int] = []
         for piece in re.split(f"([{''.join(text_of)}])", rendered):
@@ -195,11 +209,30 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """The prompt text for ``messages`` (and ``tools``), rendered as transformers
         renders it; ``kwargs`` reach the template as variables. A template that knows
-        nothing of tools gets them through the built-in fallback (``shared.tool_template``)."""
+        nothing of tools gets them through the built-in fallback (``shared.tool_template``).
+        ``continue_final_message``: the text ends where the final message's content does
+        (no end-of-turn after it), so the model goes on with that message."""
+        if not continue_final_message:
+            return self._render_chat(messages, add_generation_prompt, tools, **kwargs)
+        if add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        final = messages[-1].get("content") or ""
+        marked = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_MARK}]
+        rendered = self._render_chat(marked, False, tools, **kwargs)
+        at = rendered.rfind(_CONTINUE_MARK.strip())
+        if at < 0 or final.strip() not in rendered[:at]:
+            raise ValueError("continue_final_message: the chat template does not render the final message's "
+                             "content as it is, so there is no place to continue it from")
+        # A template that trims the content trims the mark's trailing space too: then the
+        # content's own trailing spaces are gone as well.
+        return rendered[:at] if rendered.startswith(_CONTINUE_MARK, at) else rendered[:at].rstrip()
+
+    def _render_chat(self, messages, add_generation_prompt: bool, tools, **kwargs: Any) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         if not template_handles_tools(self.chat_template):
@@ -216,6 +249,16 @@ class Tokenizer:
         return compile_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **context
         )
+
+
+def special_ids_around(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids ``tokenizer`` adds before and after a text when adding special tokens."""
+    marker = tokenizer.encode("a", add_special_tokens=False)
+    ids = tokenizer.encode("a", add_special_tokens=True)
+    for start in range(len(ids) - len(marker) + 1):
+        if ids[start:start + len(marker)] == marker:
+            return ids[:start], ids[start + len(marker):]
+    return [], []
 
 
 def _strings(value) -> list[str]:

@@ -127,7 +127,9 @@ class GenerationEndpoint:
         if trace is not None:
             trace.parsed(request_id, parsed.model, parsed.stream, parsed.n, parsed.sampling_params)
         generation = Generation(self.gateway, parsed, request_id, trace)
-        fmt = response_format(self.kind, generation.request_id, generation.created, parsed)
+        client_id = request.headers.get("x-request-id") or parsed.client_request_id
+        response_id = f"{self.id_prefix}-{client_id}" if client_id else generation.request_id
+        fmt = response_format(self.kind, response_id, generation.created, parsed)
         try:
             await until_disconnected(request, generation.start())
             if parsed.stream:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from shared.prompt_truncation import SIDE_PARAM, SIDES
 from shared.protocol import LoRARequest, SamplingParams
 
 from .errors import ApiError, invalid
@@ -69,6 +70,9 @@ class GenerationRequest:
     # Completions: the prompt's text (and logprobs) before the completion's.
     echo: bool = False
     tool_calling: ToolCalling | None = None  # chat: tools, tool_choice (services/gateway/tool_choice.py)
+    # vLLM's request_id: the response's id is "<chatcmpl|cmpl>-" and it (the engines' own
+    # ids stay unique); the X-Request-Id header wins over it, as in vLLM.
+    client_request_id: str = ""
     lora_request: LoRARequest | None = None  # "model" named this LoRA adapter
 
     def __post_init__(self) -> None:
@@ -215,28 +219,62 @@ def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> Sampli
 
 # Fields of OpenAI's and vLLM's requests that this server does not honour yet, each with
 # the values that ask for nothing (those pass): any other value is a 400 naming the
-# field, never an answer that silently differs from what was asked.
+# field, never an answer that silently differs from what was asked. Fields that change
+# nothing here, as in vLLM for a model like ours, pass whatever their value: ``user``,
+# ``session_id``, ``reasoning_effort`` and ``include_reasoning`` (no reasoning parser),
+# ``length_penalty`` and ``early_stopping`` (beam search only), ``return_token_offsets``
+# (render endpoints only), ``routed_experts_prompt_start``; and OpenAI's that vLLM
+# ignores: ``store``, ``metadata``, ``service_tier``, ``prediction``, ``verbosity``.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "functions": (None, []),
     "function_call": (None, "none"),
+    "use_beam_search": (None, False),
+    "watermarking": (None, False),
+    "logprob_token_ids": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "return_prompt_text": (None, False),
+    "thinking_token_budget": (None,),
+    "repetition_detection": (None,),
+    "priority": (None, 0),  # vLLM refuses it too unless --scheduling-policy priority
+    "vllm_xargs": (None, {}),
+    "kv_transfer_params": (None,),  # P/D is the engines' own here (--prefill-engines)
+    "ec_transfer_params": (None,),
+    "mm_payload": (None,),
+    "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
+    "return_mm_kwargs": (None, False),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "web_search_options": (None,),
 }
+# vLLM refuses a request's own chat template unless started with
+# --trust-request-chat-template; this server takes only --chat-template.
+CHAT_UNSUPPORTED_FIELDS: dict[str, tuple] = {"chat_template": (None,)}
+COMPLETION_UNSUPPORTED_FIELDS: dict[str, tuple] = {"prompt_embeds": (None,)}
 # Chat's fields that /v1/completions has no use for: refused there unless inert.
 CHAT_ONLY_FIELDS: dict[str, tuple] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None,),
     "chat_template_kwargs": (None, {}),
+    "continue_final_message": (None, False),
+    "documents": (None, []),
 }
 
 
-def _refuse_unsupported(f: Fields, n: int, fields: dict[str, tuple] = UNSUPPORTED_FIELDS) -> None:
+def _refuse_unsupported(f: Fields, n: int) -> None:
+    _refuse(f, UNSUPPORTED_FIELDS)
+    best_of = f.body.get("best_of")
+    if best_of is not None and not (_is_int(best_of) and best_of == n):
+        raise invalid(f"best_of is not supported by this server (only null or equal to n = {n})", param="best_of")
+
+
+def _refuse(f: Fields, fields: dict[str, tuple]) -> None:
     for name, inert in fields.items():
         value = f.body.get(name)
         if not any(type(value) is type(ok) and value == ok for ok in inert):
             raise invalid(f"{name} is not supported by this server (only {_inert_text(inert)})", param=name)
-    best_of = f.body.get("best_of")
-    if best_of is not None and not (_is_int(best_of) and best_of == n):
-        raise invalid(f"best_of is not supported by this server (only null or equal to n = {n})", param="best_of")
 
 
 def _inert_text(inert: tuple) -> str:
@@ -245,7 +283,7 @@ def _inert_text(inert: tuple) -> str:
 
 def _common(f: Fields) -> dict:
     """Settings shared by chat and completions: n, stream, stream_options, stream_interval,
-    user; refuses the fields we cannot honour."""
+    user, request_id; refuses the fields we cannot honour."""
     n = f.int("n", 1, minimum=1)
     if n > MAX_N:
         raise invalid(f"n must be at most {MAX_N}, got {n}", param="n")
@@ -265,7 +303,7 @@ def _common(f: Fields) -> dict:
     f.str("user", "")
     return {"n": n, "stream": stream, "include_usage": include_usage,
             "stream_interval": f.int("stream_interval", 1, minimum=1), "cache_salt": f.str("cache_salt", ""),
-            "prompt_logprobs": f.has("prompt_logprobs")}
+            "prompt_logprobs": f.has("prompt_logprobs"), "client_request_id": f.str("request_id", "")}
 
 
 def _max_tokens(f: Fields, names: tuple[str, ...], absent: int) -> int:
@@ -292,6 +330,7 @@ def parse_chat(body, served_model_names: tuple[str, ...]) -> GenerationRequest:
         raise invalid("when top_logprobs is given, logprobs must be true", param="top_logprobs")
     if f.bool("echo", False):  # vLLM's chat echo (the last message) is another thing
         raise invalid("echo is not supported on chat completions by this server (only null or false)", param="echo")
+    _refuse(f, CHAT_UNSUPPORTED_FIELDS)
     common = _common(f)
     max_tokens = _max_tokens(f, ("max_completion_tokens", "max_tokens"), MAX_TOKENS_NOT_GIVEN)
     params = _sampling_params(f, max_tokens, (top_logprobs or 0) if logprobs else None)
@@ -302,8 +341,12 @@ def parse_chat(body, served_model_names: tuple[str, ...]) -> GenerationRequest:
             raise invalid("tool_choice 'required' or a named function cannot be combined with structured output",
                           param="tool_choice")
         params = msgspec.structs.replace(params, structured_outputs=constraint)
+    add_generation_prompt, continue_final_message = generation_prompt_fields(f)
     prompt = {"messages": messages, "tools": list(tools.tools) if tools and tools.tools else None,
-              "chat_template_kwargs": chat_template_kwargs(f.body)}
+              "chat_template_kwargs": _with_documents(f, chat_template_kwargs(f.body)),
+              **_prompt_rendering(f, add_special_tokens=False)}
+    if continue_final_message:
+        prompt["continue_final_message"] = True
     for name in ("tools", "chat_template_kwargs"):
         if not _fits_bus(prompt[name]):
             raise invalid(f"{name} has an integer outside the signed 64-bit range", param=name)
@@ -313,10 +356,48 @@ def parse_chat(body, served_model_names: tuple[str, ...]) -> GenerationRequest:
         prompts=(prompt,),
         sampling_params=params,
         logprobs=logprobs,
-        add_generation_prompt=f.bool("add_generation_prompt", True),
+        add_generation_prompt=add_generation_prompt,
         tool_calling=tools,
         **common,
     )
+
+
+def generation_prompt_fields(f: Fields) -> tuple[bool, bool]:
+    """``add_generation_prompt`` (default true) and ``continue_final_message`` (vLLM's: the
+    prompt ends inside the final message), which exclude each other."""
+    add_generation_prompt = f.bool("add_generation_prompt", True)
+    continue_final_message = f.bool("continue_final_message", False)
+    if continue_final_message and add_generation_prompt:
+        raise invalid("continue_final_message cannot be combined with add_generation_prompt (true unless given): "
+                      "set add_generation_prompt to false", param="continue_final_message")
+    return add_generation_prompt, continue_final_message
+
+
+def _with_documents(f: Fields, template_kwargs: dict | None) -> dict | None:
+    """vLLM's ``documents`` (for retrieval-augmented templates: objects of strings, such as
+    ``{"title", "text"}``) reach the template as ``documents``; ``chat_template_kwargs``
+    may set that name too, and wins, as in vLLM."""
+    documents = f.raw("documents", [])
+    if not isinstance(documents, list) or not all(
+            isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents):
+        raise invalid("documents must be a list of objects whose values are strings", param="documents")
+    if not documents:
+        return template_kwargs
+    return {"documents": documents, **(template_kwargs or {})}
+
+
+def _prompt_rendering(f: Fields, add_special_tokens: bool) -> dict:
+    """The ``TokenizeRequest`` fields of vLLM's ``add_special_tokens`` (the route's default
+    given) and ``truncation_side``, those that differ from their defaults."""
+    fields = {}
+    if f.bool("add_special_tokens", add_special_tokens) != add_special_tokens:
+        fields["add_special_tokens"] = not add_special_tokens
+    side = f.str(SIDE_PARAM, SIDES[0])
+    if side not in SIDES:
+        raise invalid(f"{SIDE_PARAM} must be 'left' or 'right', got {side!r}", param=SIDE_PARAM)
+    if side != SIDES[0]:
+        fields[SIDE_PARAM] = side
+    return fields
 
 
 def chat_messages(messages) -> list[dict]:
@@ -354,7 +435,10 @@ def parse_completion(body, served_model_names: tuple[str, ...]) -> GenerationReq
         raise invalid("suffix is not supported", param="suffix")
     logprobs = f.int("logprobs", None, minimum=0)
     common = _common(f)
-    _refuse_unsupported(f, common["n"], CHAT_ONLY_FIELDS)
+    _refuse(f, COMPLETION_UNSUPPORTED_FIELDS)
+    _refuse(f, CHAT_ONLY_FIELDS)
+    rendering = _prompt_rendering(f, add_special_tokens=True)
+    prompts = [{**prompt, **rendering} for prompt in prompts]
     if len(prompts) * common["n"] > MAX_SUB_REQUESTS:
         raise invalid(
             f"at most {MAX_SUB_REQUESTS} choices per request (prompts x n), got {len(prompts) * common['n']}",

@@ -38,13 +38,12 @@ from .bus_client import GatewayService
 from .errors import ApiError, error_response, invalid, json_response
 from .http_endpoints import CLIENT_CLOSED
 from .json_body import ClientGone, read_json
-from .openai_requests import Fields, chat_messages, check_model
+from .openai_requests import Fields, chat_messages, check_model, generation_prompt_fields
 
 logger = logging.getLogger(__name__)
 
-# Chat-tokenize fields of vLLM's that this server does not honour (null, or false for
-# continue_final_message, asks for nothing).
-_UNSUPPORTED_CHAT_FIELDS = ("continue_final_message", "chat_template", "chat_template_kwargs", "tools")
+# Chat-tokenize fields of vLLM's that this server does not honour (null asks for nothing).
+_UNSUPPORTED_CHAT_FIELDS = ("chat_template", "chat_template_kwargs", "tools")
 
 
 def parse_tokenize(body, served_model_names: tuple[str, ...]) -> TokenizeTextRequest:
@@ -57,12 +56,14 @@ def parse_tokenize(body, served_model_names: tuple[str, ...]) -> TokenizeTextReq
         if "prompt" in body:
             raise invalid("give either prompt or messages, not both", param="prompt")
         for name in _UNSUPPORTED_CHAT_FIELDS:
-            if f.has(name) and not (name == "continue_final_message" and f.bool(name, False) is False):
+            if f.has(name):
                 raise invalid(f"{name} is not supported by /tokenize on this server", param=name)
+        add_generation_prompt, continue_final_message = generation_prompt_fields(f)
         return TokenizeTextRequest(
             messages=chat_messages(body["messages"]),
             add_special_tokens=f.bool("add_special_tokens", False),
-            add_generation_prompt=f.bool("add_generation_prompt", True),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             return_token_strs=return_token_strs,
         )
     if not isinstance(body.get("prompt"), str):

@@ -32,7 +32,7 @@ _FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 MAX_TOOLS = 128
 # The names the template is rendered with: chat_template_kwargs may not replace them.
-RESERVED_TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt")
+RESERVED_TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "continue_final_message")
 CHOICES = ("none", "auto", "required")
 
 

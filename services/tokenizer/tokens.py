@@ -28,26 +28,14 @@ def tokenize_text(preparer: RequestPreparer, tokenizer, request: TokenizeTextReq
             raise InvalidRequest("exactly one of prompt and messages must be given", param="prompt")
         if request.messages is not None:
             ids = tokenize_chat(tokenizer, request.messages, request.add_generation_prompt,
-                                preparer.special_tokens_in_content)
-            if request.add_special_tokens:
-                before, after = special_tokens_around(tokenizer)
-                ids = before + ids + after
+                                preparer.special_tokens_in_content, continue_final_message=request.continue_final_message,
+                                add_special_tokens=request.add_special_tokens)
         else:
             ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
     except InvalidRequest as e:
         return TokenizeTextReply(error=e.error)
     token_strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
     return TokenizeTextReply(tokens=ids, token_strs=token_strs, max_model_len=preparer.max_model_len)
-
-
-def special_tokens_around(tokenizer) -> tuple[list[int], list[int]]:
-    """The ids the tokenizer adds before and after a text when adding special tokens."""
-    marker = tokenizer.encode("a", add_special_tokens=False)
-    ids = tokenizer.encode("a", add_special_tokens=True)
-    for start in range(len(ids) - len(marker) + 1):
-        if ids[start:start + len(marker)] == marker:
-            return ids[:start], ids[start + len(marker):]
-    return [], []
 
 
 def detokenize_tokens(vocab_size: int, tokenizer, request: DetokenizeTokensRequest) -> DetokenizeTokensReply:

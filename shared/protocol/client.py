@@ -105,6 +105,13 @@ class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     # objects) and chat_template_kwargs, both handed to the chat template.
     tools: list[dict] | None = None
     chat_template_kwargs: dict | None = None
+    # vLLM's fields. Chat only: the prompt ends inside the final message, which the model
+    # goes on with. The ids the tokenizer adds around a text (BOS, ...): None is the
+    # default, added to a prompt, not to messages (their template has them).
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None
+    # Which end truncate_prompt_tokens keeps: "left" cuts the start (keeps the last k).
+    truncation_side: str = "left"
     lora_request: LoRARequest | None = None  # the adapter "model" named (None: the base model)
     # Resumed samples (their engine was lost), one per request id; empty: new samples
     # (request_ids[i] is sample i).
@@ -131,6 +138,7 @@ class TokenizeTextRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     messages: list[dict] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -136,7 +136,7 @@ def test_bad_values_are_400(stack, field, value):
     assert r.json()["error"]["param"] == field
 
 
-def test_truncate_prompt_tokens_keeps_the_last_tokens(stack, smollm_tokenizer):
+def test_truncate_prompt_tokens_keeps_the_last_tokens_or_the_first(stack, smollm_tokenizer):
     ids = smollm_tokenizer.encode(PROMPT)
     k = 6
     r = post(stack, "/v1/completions", {"prompt": PROMPT, "temperature": 0, "max_tokens": 8,
@@ -147,9 +147,34 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(stack, smollm_tokenizer):
     assert r.json()["choices"][0]["text"] == same.json()["choices"][0]["text"]
     r = post(stack, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "truncate_prompt_tokens": k})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == k
+    right = post(stack, "/v1/completions", {"prompt": PROMPT, "temperature": 0, "max_tokens": 8,
+                                            "truncate_prompt_tokens": k, "truncation_side": "right"})
+    assert right.status_code == 200 and right.json()["usage"]["prompt_tokens"] == k
+    first = post(stack, "/v1/completions", {"prompt": ids[:k], "temperature": 0, "max_tokens": 8})
+    assert right.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
     too_big = post(stack, "/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 10**6})
     assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "truncate_prompt_tokens"
     assert "max_model_len" in too_big.json()["error"]["message"]
+
+
+def test_continue_final_message_goes_on_with_the_assistants_words(stack, smollm_tokenizer, hf_smollm_greedy):
+    """vLLM's continue_final_message: the prompt ends inside the assistant's message (as
+    /tokenize says too), and the greedy continuation is transformers' on those ids."""
+    messages = [*CHAT, {"role": "assistant", "content": "Hello! My name is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    r = httpx.post(stack.base_url + "/tokenize", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    assert smollm_tokenizer.decode(ids, skip_special_tokens=False).endswith(
+        "<|im_end|>\n<|im_start|>assistant\nHello! My name is")
+    r = post(stack, "/v1/chat/completions", {**body, "temperature": 0, "max_tokens": 12})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    [(want, _)] = hf_smollm_greedy([ids], 12)
+    assert len(want) == 12  # a continuation, not an end of turn
+    assert r.json()["choices"][0]["message"]["content"] == smollm_tokenizer.decode(want, skip_special_tokens=True)
+    refused = post(stack, "/v1/chat/completions", {"messages": messages, "continue_final_message": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
 
 
 def test_tokenize_and_detokenize(stack, smollm_tokenizer):

@@ -72,6 +72,28 @@ async def test_chat_non_stream(client, fake, gateway):
     assert seen.add_generation_prompt is True
 
 
+async def test_request_id_names_the_response_and_the_header_wins(http, fake):
+    """vLLM's request_id field, or its X-Request-Id header (which wins): the response's id is
+    the route's prefix and it; the engine requests keep ids of their own (two clients may
+    send the same id)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "request_id": "mine"}
+    answers = [await http.post("/v1/chat/completions", json=body) for _ in range(2)]
+    assert [r.json()["id"] for r in answers] == ["chatcmpl-mine", "chatcmpl-mine"]
+    assert [r.json()["choices"][0]["message"]["content"] for r in answers] == [expected_text("hello")] * 2
+    assert fake.requests and not [q for q in fake.requests if "mine" in q.request_id]
+    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "request_id": "mine"},
+                        headers={"X-Request-Id": "from-header"})
+    assert r.json()["id"] == "cmpl-from-header"
+    chunks = []
+    async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as streamed:
+        async for line in streamed.aiter_lines():
+            if line.startswith("data: {"):
+                chunks.append(line)
+    assert chunks and all('"id":"chatcmpl-mine"' in c.replace(" ", "") for c in chunks)
+    r = await http.post("/v1/chat/completions", json={**body, "request_id": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+
+
 async def test_no_prompt_tokens_details_without_the_flag(nats_server, fake):
     """vLLM's --enable-prompt-tokens-details is on by default here; turned off, usage has no
     prompt_tokens_details (as vLLM without the flag), streamed or not."""

@@ -93,6 +93,13 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 @pytest.mark.parametrize("field, value", [
     ("functions", [TOOL["function"]]), ("function_call", "auto"), ("best_of", 3),
+    ("use_beam_search", True), ("watermarking", True), ("logprob_token_ids", [5]),
+    ("return_tokens_as_token_ids", True), ("return_token_ids", True), ("return_prompt_text", True),
+    ("thinking_token_budget", 10), ("repetition_detection", {"max_pattern_size": 4}), ("priority", 1),
+    ("vllm_xargs", {"a": 1}), ("kv_transfer_params", {"do_remote_decode": True}), ("ec_transfer_params", {}),
+    ("mm_payload", {}), ("mm_processor_kwargs", {"x": 1}), ("media_io_kwargs", {"image": {}}),
+    ("return_mm_kwargs", True), ("audio", {"voice": "alloy"}), ("modalities", ["text", "audio"]),
+    ("web_search_options", {}),
 ])
 def test_fields_we_cannot_honour_are_refused_by_name(field, value):
     for parse, body in ((parse_chat, {"messages": USER}), (parse_completion, {"prompt": "x"})):
@@ -104,7 +111,8 @@ def test_fields_we_cannot_honour_are_refused_by_name(field, value):
 
 @pytest.mark.parametrize("field, value", [
     ("tools", [TOOL]), ("tool_choice", "required"), ("parallel_tool_calls", False),
-    ("chat_template_kwargs", {"enable_thinking": True}),
+    ("chat_template_kwargs", {"enable_thinking": True}), ("continue_final_message", True),
+    ("documents", [{"title": "a", "text": "b"}]), ("prompt_embeds", "AAAA"),
 ])
 def test_chat_fields_are_refused_on_completions(field, value):
     with pytest.raises(ApiError) as info:
@@ -113,11 +121,63 @@ def test_chat_fields_are_refused_on_completions(field, value):
     assert "not supported" in info.value.info.message
 
 
+def test_a_requests_own_chat_template_is_refused():
+    with pytest.raises(ApiError) as info:
+        parse_chat({"messages": USER, "chat_template": "{{ messages }}"}, NAMES)
+    assert info.value.info.param == "chat_template" and "not supported" in info.value.info.message
+
+
 def test_their_inert_values_pass():
     inert = {"tools": [], "tool_choice": "none", "echo": False, "chat_template_kwargs": {},
-             "best_of": 2, "n": 2}
+             "best_of": 2, "n": 2, "use_beam_search": False, "priority": 0, "modalities": ["text"],
+             "return_token_ids": None, "vllm_xargs": {}, "continue_final_message": False, "documents": []}
     assert parse_chat({"messages": USER, **inert}, NAMES).n == 2
     assert parse_completion({"prompt": "x", **inert}, NAMES).n == 2
+
+
+def test_fields_that_change_nothing_here_pass_as_in_vllm():
+    """No reasoning parser, no beam search, nothing stored: vLLM ignores these for such a model."""
+    fields = {"user": "u", "session_id": "s", "reasoning_effort": "low", "include_reasoning": False,
+              "length_penalty": 0.5, "early_stopping": True, "return_token_offsets": True,
+              "routed_experts_prompt_start": 3, "store": True, "metadata": {"k": "v"}, "service_tier": "auto",
+              "prediction": {"type": "content", "content": "x"}, "verbosity": "low"}
+    assert parse_chat({"messages": USER, **fields}, NAMES).prompts[0]["messages"] == USER
+
+
+def test_prompt_rendering_fields_reach_the_tokenize_request():
+    """continue_final_message, documents, add_special_tokens and truncation_side (vLLM's)
+    travel in the prompt's TokenizeRequest fields, each only when it is not its default."""
+    plain = parse_chat({"messages": USER}, NAMES).prompts[0]
+    assert plain.keys() == {"messages", "tools", "chat_template_kwargs"}
+    docs = [{"title": "a", "text": "b"}]
+    chat = parse_chat({"messages": USER, "add_generation_prompt": False, "continue_final_message": True,
+                       "documents": docs, "chat_template_kwargs": {"x": 1}, "add_special_tokens": True,
+                       "truncation_side": "right", "truncate_prompt_tokens": 4}, NAMES)
+    assert chat.prompts[0] == {"messages": USER, "tools": None, "continue_final_message": True,
+                               "chat_template_kwargs": {"documents": docs, "x": 1},
+                               "add_special_tokens": True, "truncation_side": "right"}
+    assert not chat.add_generation_prompt
+    ours = parse_chat({"messages": USER, "documents": docs, "chat_template_kwargs": {"documents": []}}, NAMES)
+    assert ours.prompts[0]["chat_template_kwargs"] == {"documents": []}  # chat_template_kwargs win, as vLLM
+    completion = parse_completion({"prompt": ["a", "b"], "add_special_tokens": False, "truncation_side": "left"},
+                                  NAMES)
+    assert completion.prompts == ({"prompt": "a", "add_special_tokens": False},
+                                  {"prompt": "b", "add_special_tokens": False})
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is true by default
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ({"truncation_side": "middle"}, "truncation_side"),
+    ({"documents": [{"title": 1}]}, "documents"),
+    ({"documents": "text"}, "documents"),
+    ({"add_special_tokens": "yes"}, "add_special_tokens"),
+    ({"chat_template_kwargs": {"continue_final_message": True}}, "chat_template_kwargs"),
+])
+def test_bad_prompt_rendering_fields_are_400(body, param):
+    with pytest.raises(ApiError) as info:
+        parse_chat({"messages": USER, **body}, NAMES)
+    assert info.value.status == 400 and info.value.info.param == param
 
 
 def test_output_text_settings_reach_the_sampling_params():

@@ -49,3 +49,5 @@ async def test_inert_chat_fields_pass_to_the_tokenizer(http):
     assert (await http.post("/tokenize", json=body)).status_code == 503  # past the checks, no tokenizer
     r = await http.post("/tokenize", json={**body, "continue_final_message": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    continuing = {**body, "continue_final_message": True, "add_generation_prompt": False}
+    assert (await http.post("/tokenize", json=continuing)).status_code == 503

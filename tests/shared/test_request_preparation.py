@@ -117,3 +117,45 @@ def test_bad_truncation_sizes_are_refused(size, words):
     with pytest.raises(InvalidRequest) as info:
         PREPARER.prepare(ids_request(SamplingParams(truncate_prompt_tokens=size)))
     assert info.value.error.param == "truncate_prompt_tokens" and words in str(info.value)
+
+
+def test_truncation_side_right_keeps_the_first_tokens():
+    prompt = list(range(40))
+    request = ids_request(SamplingParams(truncate_prompt_tokens=5, max_tokens=0), prompt)
+    request.truncation_side = "right"
+    assert PREPARER.prepare(request)[0].prompt_token_ids == prompt[:5]
+    request.truncation_side = "up"
+    with pytest.raises(InvalidRequest) as info:
+        PREPARER.prepare(request)
+    assert info.value.error.param == "truncation_side"
+
+
+def test_rendering_fields_of_text_and_chat_prompts(smollm_path, smollm_tokenizer):
+    """add_special_tokens (a prompt's default true, messages' false) and continue_final_message."""
+    from shared.tokenizer import load_tokenizer
+
+    bos = load_tokenizer(smollm_path)
+    encode, first = bos.encode, 0  # <|endoftext|>: the chat template starts with <|im_start|> (1)
+
+    def encode_with_bos(text, add_special_tokens=True):  # as Llama's tokenizers: a BOS before a text
+        return [first] * add_special_tokens + encode(text, add_special_tokens=False)
+
+    bos.encode = encode_with_bos
+    preparer = RequestPreparer(4096, bos.vocab_size, (bos.eos_token_id,))
+    text = TokenizeRequest(request_ids=["t"], gateway_id="g", prompt="Once upon a time")
+    assert preparer.prepare(text, bos)[0].prompt_token_ids[0] == first
+    text.add_special_tokens = False
+    assert preparer.prepare(text, bos)[0].prompt_token_ids == bos.encode("Once upon a time", add_special_tokens=False)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    chat = TokenizeRequest(request_ids=["c"], gateway_id="g", messages=messages, add_generation_prompt=False)
+    plain = preparer.prepare(chat, bos)[0].prompt_token_ids
+    assert plain[0] != first
+    chat.add_special_tokens = True
+    assert preparer.prepare(chat, bos)[0].prompt_token_ids == [first] + plain
+    chat.add_special_tokens, chat.continue_final_message = None, True
+    ids = preparer.prepare(chat, bos)[0].prompt_token_ids
+    assert bos.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\nHello, I am")
+    chat.add_generation_prompt = True
+    with pytest.raises(InvalidRequest) as info:
+        preparer.prepare(chat, bos)
+    assert info.value.error.param == "messages" and "cannot both be true" in str(info.value)

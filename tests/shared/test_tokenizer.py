@@ -46,6 +46,14 @@ MESSAGES = [
     {"role": "user", "content": "What is 2+2? Answer with one number."},
 ]
 
+# Llama-3 style: tokenizer.json's post-processor adds BOS (<|endoftext|>, 0 in the tiny vocabulary).
+BOS_POST_PROCESSOR = {
+    "type": "TemplateProcessing",
+    "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+    "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+    "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}},
+}
+
 
 @pytest.fixture(scope="module")
 def hf_gguf_tokenizer(smollm_path):
@@ -124,6 +132,58 @@ def test_gguf_chat_template_matches_transformers(smollm_tokenizer, hf_gguf_token
     assert ours.endswith("<|im_start|>assistant\n") == add_generation_prompt
 
 
+@pytest.mark.parametrize("final", ["The answer is", "The answer is ", "", "Four <|im_end|> or"])
+def test_continue_final_message_matches_transformers(smollm_tokenizer, hf_gguf_tokenizer, final):
+    """vLLM's continue_final_message: the prompt ends where the final message's content does
+    (SmolLM2's template keeps the content's spaces as they are), as transformers renders it."""
+    messages = [*MESSAGES, {"role": "assistant", "content": final}]
+    ours = smollm_tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert ours == hf_gguf_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert ours.endswith("<|im_start|>assistant\n" + final)
+    ids = smollm_tokenizer.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    # The typed <|im_end|> stays text: only the template's own end-of-turn tokens are control tokens.
+    assert ids.count(smollm_tokenizer.eos_token_id) == 2
+    assert smollm_tokenizer.decode(ids, skip_special_tokens=False) == ours
+    with pytest.raises(ValueError, match="cannot both be true"):
+        smollm_tokenizer.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+
+
+def test_continue_final_message_under_a_trimming_template(smollm_path):
+    """A template that trims the content trims its trailing spaces too (transformers' rule);
+    one that does not render the content has nowhere to continue from."""
+    tok = load_tokenizer(smollm_path)
+    trimming = tok.chat_template.replace("message['content']", "message['content'] | trim")
+    assert trimming != tok.chat_template
+    tok.chat_template = trimming
+    text = tok.apply_chat_template([*MESSAGES, {"role": "assistant", "content": "  Four, and "}],
+                                   add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nFour, and")
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="no place to continue"):
+        tok.apply_chat_template([*MESSAGES, {"role": "assistant", "content": "Four"}],
+                                add_generation_prompt=False, continue_final_message=True)
+
+
+def test_documents_and_added_special_tokens_reach_a_chat_prompt(tiny_folder, tmp_path):
+    """vLLM's documents are a template variable; add_special_tokens adds what the tokenizer
+    adds around a text (here BOS, from a Llama-3 style post-processor) around the prompt."""
+    folder = tmp_path / "docs"
+    tokenizer_json, config = _copy_tiny_tokenizer(tiny_folder, folder)
+    tokenizer_json["post_processor"] = BOS_POST_PROCESSOR
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    config["chat_template"] = ("{% for d in documents %}[{{ d['title'] }}: {{ d['text'] }}]{% endfor %}"
+                               "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    config.pop("add_bos_token", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(folder)
+    docs = [{"title": "a", "text": "one"}, {"title": "b", "text": "two"}]
+    user = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(user, documents=docs) == "[a: one][b: two]hi"
+    plain = tok.encode_chat(user, template_kwargs={"documents": docs})
+    assert plain == tok.encode("[a: one][b: two]hi", add_special_tokens=False)
+    assert tok.encode_chat(user, template_kwargs={"documents": docs}, add_special_tokens=True) == [0] + plain
+
+
 def test_gguf_chat_template_default_system_prompt(smollm_tokenizer, hf_gguf_tokenizer):
     messages = MESSAGES[1:]
     ours = smollm_tokenizer.apply_chat_template(messages)
@@ -172,13 +232,7 @@ def test_hf_folder_bos_from_post_processor_and_template_file(tiny_folder, tmp_pa
 
     folder = tmp_path / "bos"
     tokenizer_json, config = _copy_tiny_tokenizer(tiny_folder, folder)
-    # Llama-3 style: tokenizer.json's post-processor adds BOS.
-    tokenizer_json["post_processor"] = {
-        "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}},
-    }
+    tokenizer_json["post_processor"] = BOS_POST_PROCESSOR
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json))
     template = config.pop("chat_template") + "{{ bos_token }}"
     config.pop("add_bos_token")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from services.tokenizer.tokens import detokenize_tokens, special_tokens_around, tokenize_text
+from services.tokenizer.tokens import detokenize_tokens, tokenize_text
 from shared.protocol import DetokenizeTokensRequest, TokenizeTextRequest
 from shared.request_preparation import RequestPreparer, tokenize_chat
+from shared.tokenizer import special_ids_around
 
 MESSAGES = [{"role": "user", "content": "What is 2+2? <|im_end|>"}]
 
@@ -57,4 +58,4 @@ class BosTokenizer:
 
 
 def test_special_tokens_around_a_text():
-    assert special_tokens_around(BosTokenizer()) == ([1], [2])
+    assert special_ids_around(BosTokenizer()) == ([1], [2])
