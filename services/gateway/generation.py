@@ -53,6 +53,7 @@ class Generation:
             for i in range(n)
         ]
         self.prompt_tokens = [0] * len(request.prompts)
+        self.prompt_token_ids: list[list[int]] = [[] for _ in request.prompts]  # return_token_ids
         self._refused: set[str] = set()  # ids the tokenizer turned down: nothing to abort
         self._last_token_time: dict[int, float] = {}
         self._closed = False
@@ -75,6 +76,7 @@ class Generation:
             add_generation_prompt=r.add_generation_prompt,
             cache_salt=r.cache_salt,
             lora_request=r.lora_request,
+            return_prompt_token_ids=r.return_token_ids,
             **r.prompts[prompt_index],
         )
 
@@ -98,6 +100,7 @@ class Generation:
                     self._refused.update(s.request_id for s in streams)
                 continue
             self.prompt_tokens[p] = result.num_prompt_tokens
+            self.prompt_token_ids[p] = result.prompt_token_ids
             for stream, choice in zip(streams, result.choices):
                 if choice.error is None or self.gateway.waits_for_an_engine(stream, choice):
                     self.gateway.metrics.prompt_tokens.inc(result.num_prompt_tokens)

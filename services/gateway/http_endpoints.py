@@ -129,7 +129,7 @@ class GenerationEndpoint:
         generation = Generation(self.gateway, parsed, request_id, trace)
         client_id = request.headers.get("x-request-id") or parsed.client_request_id
         response_id = f"{self.id_prefix}-{client_id}" if client_id else generation.request_id
-        fmt = response_format(self.kind, response_id, generation.created, parsed)
+        fmt = response_format(self.kind, response_id, generation.created, parsed, generation.prompt_token_ids)
         try:
             await until_disconnected(request, generation.start())
             if parsed.stream:

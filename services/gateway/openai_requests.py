@@ -73,6 +73,8 @@ class GenerationRequest:
     # vLLM's request_id: the response's id is "<chatcmpl|cmpl>-" and it (the engines' own
     # ids stay unique); the X-Request-Id header wins over it, as in vLLM.
     client_request_id: str = ""
+    # vLLM's return_token_ids: the prompt's and each choice's token ids in the response.
+    return_token_ids: bool = False
     lora_request: LoRARequest | None = None  # "model" named this LoRA adapter
 
     def __post_init__(self) -> None:
@@ -232,7 +234,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "watermarking": (None, False),
     "logprob_token_ids": (None, []),
     "return_tokens_as_token_ids": (None, False),
-    "return_token_ids": (None, False),
     "return_prompt_text": (None, False),
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),
@@ -303,7 +304,8 @@ def _common(f: Fields) -> dict:
     f.str("user", "")
     return {"n": n, "stream": stream, "include_usage": include_usage,
             "stream_interval": f.int("stream_interval", 1, minimum=1), "cache_salt": f.str("cache_salt", ""),
-            "prompt_logprobs": f.has("prompt_logprobs"), "client_request_id": f.str("request_id", "")}
+            "prompt_logprobs": f.has("prompt_logprobs"), "client_request_id": f.str("request_id", ""),
+            "return_token_ids": f.bool("return_token_ids", False)}
 
 
 def _max_tokens(f: Fields, names: tuple[str, ...], absent: int) -> int:

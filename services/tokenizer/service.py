@@ -206,7 +206,9 @@ class TokenizerService(Service):
         for answer in answers:
             if answer.error is None:
                 self.routed[answer.engine_id] = self.routed.get(answer.engine_id, 0) + 1
-        return TokenizeReply(len(engine_requests[0].prompt_token_ids), choices=list(answers))
+        prompt = engine_requests[0].prompt_token_ids
+        return TokenizeReply(len(prompt), choices=list(answers),
+                             prompt_token_ids=prompt if request.return_prompt_token_ids else [])
 
     async def submit(self, engine_request: EngineRequest, parent_span=None) -> EngineRequestReply:
         """Hand one sample to a scheduler: its answer (the engine that queued the request,

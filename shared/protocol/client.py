@@ -112,6 +112,8 @@ class TokenizeRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     add_special_tokens: bool | None = None
     # Which end truncate_prompt_tokens keeps: "left" cuts the start (keeps the last k).
     truncation_side: str = "left"
+    # The reply carries the prompt's ids (vLLM's return_token_ids).
+    return_prompt_token_ids: bool = False
     lora_request: LoRARequest | None = None  # the adapter "model" named (None: the base model)
     # Resumed samples (their engine was lost), one per request id; empty: new samples
     # (request_ids[i] is sample i).
@@ -127,6 +129,7 @@ class TokenizeReply(msgspec.Struct, omit_defaults=True):
     num_prompt_tokens: int = 0
     error: ErrorInfo | None = None
     choices: list[EngineRequestReply] = []
+    prompt_token_ids: list[int] = []  # when the request asked for them
 
 
 class TokenizeTextRequest(msgspec.Struct, omit_defaults=True, kw_only=True):

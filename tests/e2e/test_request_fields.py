@@ -177,6 +177,26 @@ def test_continue_final_message_goes_on_with_the_assistants_words(stack, smollm_
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
 
 
+def test_return_token_ids(stack, smollm_tokenizer):
+    """vLLM's return_token_ids: the prompt's ids (those /tokenize gives) and the output's,
+    which decode to the text; streamed, the chunks' ids are the same ones."""
+    ids = httpx.post(stack.base_url + "/tokenize", json={"messages": CHAT}, timeout=60).json()["tokens"]
+    chat_body = {"messages": CHAT, "temperature": 0, "max_tokens": 12, "return_token_ids": True}
+    r = post(stack, "/v1/chat/completions", chat_body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["prompt_token_ids"] == ids
+    [choice] = answer["choices"]
+    assert len(choice["token_ids"]) == answer["usage"]["completion_tokens"]
+    assert smollm_tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == choice["message"]["content"]
+    text, chunks = streamed(stack, "/v1/chat/completions", chat_body)
+    assert text == choice["message"]["content"]
+    assert [t for c in chunks for t in c.get("token_ids", [])] == choice["token_ids"]
+    completion = complete(stack, return_token_ids=True, max_tokens=8)
+    assert completion["prompt_token_ids"] == smollm_tokenizer.encode(PROMPT)
+    assert smollm_tokenizer.decode(completion["token_ids"]) == completion["text"]
+
+
 def test_tokenize_and_detokenize(stack, smollm_tokenizer):
     r = httpx.post(stack.base_url + "/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True},
                    timeout=60)

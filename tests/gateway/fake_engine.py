@@ -17,7 +17,8 @@ attempt: a tokenizer that died), ``GHOST`` (queued by engine "ghost", which
 never sends stats), a word of ``SCRIPTS`` (the output is that script's tokens: a model's
 tool calls, say). Other requests are queued by engine ``FAKE_ENGINE_ID`` under
 the fake's current ``incarnation`` (a test changes it to play a restarted scheduler).
-Token ``j`` of an output has id ``j``. A resumed sample (``TokenizeRequest.resumed``: its
+Token ``j`` of an output has id ``j``, token ``j`` of a prompt ``PROMPT_TOKEN_BASE + j``
+(in the reply when asked for). A resumed sample (``TokenizeRequest.resumed``: its
 engine was lost) goes on from the tokens its client has, to the end of its text (``HANG``,
 ``FAIL`` and ``GHOST`` play only the first engine), on engine ``FAKE_ENGINE_ID``; with
 ``NORESUME`` in the prompt no engine takes it again (503).
@@ -69,6 +70,7 @@ from shared.request_validation import InvalidRequest, chat_messages
 
 FAKE_ENGINE_ID = "fake"
 STATS_INTERVAL = 0.5
+PROMPT_TOKEN_BASE = 1000
 WORDS = "The quick brown fox jumps over the lazy dog .".split()
 # Scripted outputs, by control word: the tokens a model would write.
 SCRIPTS = {
@@ -222,7 +224,9 @@ class FakeEngine(Service):
         # Half the output before the tokenize reply: the engine can be faster than the reply.
         for subject, shuffled in published:
             await self.publish(subject, shuffled[: len(shuffled) // 2] + [StreamDelta("no-such-request", 0, 1, "junk")])
-        await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(num_prompt_tokens, choices=choices)))
+        prompt_ids = [PROMPT_TOKEN_BASE + j for j in range(num_prompt_tokens)] if request.return_prompt_token_ids else []
+        await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(num_prompt_tokens, choices=choices,
+                                                              prompt_token_ids=prompt_ids)))
         for (subject, shuffled), sample in zip(published, accepted):
             rest = shuffled[len(shuffled) // 2:]
             for i in range(0, len(rest), 2):

@@ -3,6 +3,8 @@ real NATS bus, with the fake tokenizer/engine of ``fake_engine.py`` behind it.""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -11,7 +13,7 @@ from services.gateway.uvicorn_runner import GatewayServer
 from shared.protocol import SamplingParams
 
 from .conftest import MODEL, gateway_config, until_engine_ready
-from .fake_engine import WORDS, expected_text, output_tokens
+from .fake_engine import PROMPT_TOKEN_BASE, WORDS, expected_text, output_tokens
 
 
 async def test_an_unknown_model_is_404(http, fake):
@@ -92,6 +94,43 @@ async def test_request_id_names_the_response_and_the_header_wins(http, fake):
     assert chunks and all('"id":"chatcmpl-mine"' in c.replace(" ", "") for c in chunks)
     r = await http.post("/v1/chat/completions", json={**body, "request_id": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+
+
+async def test_return_token_ids_in_vllm_shapes(http):
+    """vLLM's return_token_ids: chat's prompt_token_ids at the top (the opening chunks when
+    streamed) and each choice's token_ids (each chunk's own); a completion choice's both."""
+    n_tokens = len(output_tokens("hello"))
+    prompt = [PROMPT_TOKEN_BASE + j for j in range(4)]  # the fake's 3 + one word
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "return_token_ids": True, "n": 2}
+    body = (await http.post("/v1/chat/completions", json=chat)).json()
+    assert body["prompt_token_ids"] == prompt
+    assert [c["token_ids"] for c in body["choices"]] == [list(range(n_tokens))] * 2
+    plain = (await http.post("/v1/chat/completions", json={**chat, "return_token_ids": False})).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    chunks = await sse_events(http, "/v1/chat/completions", {**chat, "stream": True})
+    openings = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
+    assert len(openings) == 2 and all(c["prompt_token_ids"] == prompt for c in openings)
+    for index in (0, 1):
+        ids = [t for c in chunks for ch in c["choices"] if ch["index"] == index for t in ch.get("token_ids", [])]
+        assert ids == list(range(n_tokens))
+    completion = {"model": MODEL, "prompt": ["hello", "world"], "return_token_ids": True, "max_tokens": 50}
+    body = (await http.post("/v1/completions", json=completion)).json()
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in body["choices"]] == [(prompt, list(range(n_tokens)))] * 2
+    chunks = await sse_events(http, "/v1/completions", {**completion, "stream": True})
+    for index in (0, 1):
+        mine = [ch for c in chunks for ch in c["choices"] if ch["index"] == index]
+        assert mine[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in ch for ch in mine[1:])
+        assert [t for ch in mine for t in ch["token_ids"]] == list(range(n_tokens))
+
+
+async def sse_events(http, path: str, body: dict) -> list[dict]:
+    events = []
+    async with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[len("data: "):]))
+    return events
 
 
 async def test_no_prompt_tokens_details_without_the_flag(nats_server, fake):

@@ -94,7 +94,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 @pytest.mark.parametrize("field, value", [
     ("functions", [TOOL["function"]]), ("function_call", "auto"), ("best_of", 3),
     ("use_beam_search", True), ("watermarking", True), ("logprob_token_ids", [5]),
-    ("return_tokens_as_token_ids", True), ("return_token_ids", True), ("return_prompt_text", True),
+    ("return_tokens_as_token_ids", True), ("return_prompt_text", True),
     ("thinking_token_budget", 10), ("repetition_detection", {"max_pattern_size": 4}), ("priority", 1),
     ("vllm_xargs", {"a": 1}), ("kv_transfer_params", {"do_remote_decode": True}), ("ec_transfer_params", {}),
     ("mm_payload", {}), ("mm_processor_kwargs", {"x": 1}), ("media_io_kwargs", {"image": {}}),
