@@ -34,7 +34,8 @@ def structured_outputs_warmup_setting():
     # ~1.5 s in a worker, whose step (every running request) waits for it.
     return setting(True, "build the structured-output backend (import xgrammar, read the vocabulary) in the "
                          "background at start-up, so the first constrained request does not wait for it; off: "
-                         "on the first such request (a tokenizer replica that never sees one then stays ~230 MiB smaller)")
+                         "on the first such request (a tokenizer replica that never sees one then stays ~230 MiB "
+                         "smaller)")
 
 
 def check_max_model_len(value: int | None) -> None:

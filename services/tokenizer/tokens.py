@@ -28,7 +28,8 @@ def tokenize_text(preparer: RequestPreparer, tokenizer, request: TokenizeTextReq
             raise InvalidRequest("exactly one of prompt and messages must be given", param="prompt")
         if request.messages is not None:
             ids = tokenize_chat(tokenizer, request.messages, request.add_generation_prompt,
-                                preparer.special_tokens_in_content, continue_final_message=request.continue_final_message,
+                                preparer.special_tokens_in_content,
+                                continue_final_message=request.continue_final_message,
                                 add_special_tokens=request.add_special_tokens)
         else:
             ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)

@@ -224,7 +224,8 @@ class FakeEngine(Service):
         # Half the output before the tokenize reply: the engine can be faster than the reply.
         for subject, shuffled in published:
             await self.publish(subject, shuffled[: len(shuffled) // 2] + [StreamDelta("no-such-request", 0, 1, "junk")])
-        prompt_ids = [PROMPT_TOKEN_BASE + j for j in range(num_prompt_tokens)] if request.return_prompt_token_ids else []
+        asked = request.return_prompt_token_ids
+        prompt_ids = [PROMPT_TOKEN_BASE + j for j in range(num_prompt_tokens)] if asked else []
         await msg.respond(TOKENIZE_REPLY.encode(TokenizeReply(num_prompt_tokens, choices=choices,
                                                               prompt_token_ids=prompt_ids)))
         for (subject, shuffled), sample in zip(published, accepted):
