@@ -124,8 +124,8 @@ class IncrementalDetokenizer:
         holdback = holdback_chars(stop)
         if num_new == 0:
             # An error report without tokens: nothing to decode.
-            return DetokenizedOutput("", output.finish_reason, logprobs=self.token_logprobs(output.logprobs),
-                                     stop_reason=output.stop_reason)
+            logprobs = self.token_logprobs(output.logprobs, settings.return_tokens_as_token_ids)
+            return DetokenizedOutput("", output.finish_reason, logprobs=logprobs, stop_reason=output.stop_reason)
         if output.finish_reason == FinishReason.STOP and not settings.include_stop_str_in_output:
             # vLLM: the EOS or stop token that ended the request adds no text.
             window = window[:-1]
@@ -169,27 +169,37 @@ class IncrementalDetokenizer:
         text = cur[emitted_before:emitted_now] if emitted_now > emitted_before else ""
         return DetokenizedOutput(
             text, finish_reason, stopped=stopped, window_too_short=window_too_short,
-            logprobs=self.token_logprobs(output.logprobs), stop_reason=stop_reason,
+            logprobs=self.token_logprobs(output.logprobs, settings.return_tokens_as_token_ids),
+            stop_reason=stop_reason,
             prompt_logprobs=self.prompt_logprobs(output.prompt_logprobs),
         )
 
     # ------------------------------------------------------------------ logprobs
 
-    def token_logprobs(self, logprobs: list[Logprobs]) -> list[TokenLogprob]:
-        """OpenAI-shaped logprobs: the sampled token first, then its top alternatives."""
+    def token_logprobs(self, logprobs: list[Logprobs], as_token_ids: bool = False) -> list[TokenLogprob]:
+        """OpenAI-shaped logprobs: the sampled token first, then its top alternatives.
+        ``as_token_ids`` (vLLM's return_tokens_as_token_ids): each token is "token_id:<id>",
+        its bytes that text's."""
+        token = self._token_id_text if as_token_ids else self._token_text_and_bytes
         result = []
         for lp in logprobs:
             if not lp.token_ids:
                 continue
-            tops = [
-                TopLogprob(self.token_text(t), float(v), list(self.token_bytes(t)))
-                for t, v in zip(lp.token_ids[1:], lp.logprobs[1:])
-            ]
-            sampled = lp.token_ids[0]
-            result.append(
-                TokenLogprob(self.token_text(sampled), float(lp.logprobs[0]), list(self.token_bytes(sampled)), tops)
-            )
+            tops = []
+            for t, v in zip(lp.token_ids[1:], lp.logprobs[1:]):
+                text, raw = token(t)
+                tops.append(TopLogprob(text, float(v), raw))
+            text, raw = token(lp.token_ids[0])
+            result.append(TokenLogprob(text, float(lp.logprobs[0]), raw, tops))
         return result
+
+    def _token_text_and_bytes(self, token_id: int) -> tuple[str, list[int]]:
+        return self.token_text(token_id), list(self.token_bytes(token_id))
+
+    @staticmethod
+    def _token_id_text(token_id: int) -> tuple[str, list[int]]:
+        text = f"token_id:{token_id}"
+        return text, list(text.encode())
 
     def prompt_logprobs(self, entries: list[Logprobs]) -> list[PromptLogprob]:
         """Prompt logprobs with each token's text (vLLM's ``decoded_token``)."""

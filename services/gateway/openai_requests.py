@@ -233,7 +233,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (None, False),
     "watermarking": (None, False),
     "logprob_token_ids": (None, []),
-    "return_tokens_as_token_ids": (None, False),
     "return_prompt_text": (None, False),
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),

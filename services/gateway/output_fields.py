@@ -1,8 +1,9 @@
 """vLLM's request fields about the output text and the prompt, read at the edge.
 
-``include_stop_str_in_output``, ``skip_special_tokens`` and
-``spaces_between_special_tokens`` go into ``SamplingParams`` as they are (the
-detokenizers apply them, see ``services/detokenizer/incremental.py``), and so does
+``include_stop_str_in_output``, ``skip_special_tokens``,
+``spaces_between_special_tokens`` and ``return_tokens_as_token_ids`` go into
+``SamplingParams`` as they are (the detokenizers apply them, see
+``services/detokenizer/incremental.py``), and so does
 ``truncate_prompt_tokens`` (-1 or >= 1 here; the tokenizer checks it against
 max_model_len and applies it, ``shared/prompt_truncation.py``) and ``prompt_logprobs``
 (the workers compute them, ``services/worker/prompt_logprobs.py``).
@@ -17,7 +18,8 @@ from shared.request_validation import MAX_LOGPROBS, InvalidRequest
 from .errors import ApiError, invalid
 
 _DEFAULTS = SamplingParams()
-_TEXT_SETTINGS = ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
+_TEXT_SETTINGS = ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                  "return_tokens_as_token_ids")
 
 
 def output_text_settings(f) -> dict:

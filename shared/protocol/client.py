@@ -246,11 +246,12 @@ class RequestStopStrings(msgspec.Struct, array_like=True, omit_defaults=True, fr
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
 
     @classmethod
     def of(cls, request_id: str, params: SamplingParams) -> "RequestStopStrings":
         return cls(request_id, params.stop, params.include_stop_str_in_output, params.skip_special_tokens,
-                   params.spaces_between_special_tokens)
+                   params.spaces_between_special_tokens, params.return_tokens_as_token_ids)
 
 
 class StopStrings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

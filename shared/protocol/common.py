@@ -64,6 +64,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's return_tokens_as_token_ids: each logprob's token is "token_id:<id>".
+    return_tokens_as_token_ids: bool = False
     # Keep only the prompt's last k tokens (-1: max_model_len); the tokenizer applies it.
     truncate_prompt_tokens: int | None = None
     # Logprobs of each prompt token (and the top-n at its position), vLLM's
@@ -79,7 +81,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
         """Whether the detokenizers must be told anything about this request (stop strings
         or an output text setting other than the default)."""
         return bool(self.stop) or self.include_stop_str_in_output or not self.skip_special_tokens \
-            or not self.spaces_between_special_tokens
+            or not self.spaces_between_special_tokens or self.return_tokens_as_token_ids
 
     def for_choice(self, i: int) -> "SamplingParams":
         """The settings of sample ``i`` of a prompt's ``n`` (vLLM's rule): a given seed

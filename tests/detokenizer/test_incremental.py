@@ -199,3 +199,12 @@ def test_logprobs_carry_token_text_and_raw_bytes(detok, smollm_tokenizer):
         text = smollm_tokenizer.decode([token_id])
         if "\ufffd" not in text:
             assert detok.token_bytes(token_id) == text.encode()
+    # vLLM's return_tokens_as_token_ids: "token_id:<id>" and that text's bytes, the text unchanged.
+    as_ids = RequestStopStrings("r", [], return_tokens_as_token_ids=True)
+    same = detok.process(engine_output(out, 2, 1, BASE_WINDOW, logprobs=[lp]), as_ids)
+    assert same.text == result.text
+    [token] = same.logprobs
+    name = f"token_id:{out[1]}"
+    assert (token.token, token.bytes, token.logprob) == (name, list(name.encode()), -0.5)
+    assert [(t.token, t.logprob) for t in token.top_logprobs] == [(f"token_id:{out[0]}", -1.5),
+                                                                  (f"token_id:{eos}", -2.5)]

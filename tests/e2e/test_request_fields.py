@@ -195,6 +195,14 @@ def test_return_token_ids(stack, smollm_tokenizer):
     completion = complete(stack, return_token_ids=True, max_tokens=8)
     assert completion["prompt_token_ids"] == smollm_tokenizer.encode(PROMPT)
     assert smollm_tokenizer.decode(completion["token_ids"]) == completion["text"]
+    # return_tokens_as_token_ids (a text setting both detokenizer replicas must know): the
+    # logprobs name the very ids, the text is unchanged.
+    as_ids = chat(stack, return_token_ids=True, return_tokens_as_token_ids=True, logprobs=True, top_logprobs=2,
+                  max_tokens=12)
+    assert as_ids["message"]["content"] == choice["message"]["content"]
+    content = as_ids["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in as_ids["token_ids"]]
+    assert all(top["token"].startswith("token_id:") for e in content for top in e["top_logprobs"])
 
 
 def test_tokenize_and_detokenize(stack, smollm_tokenizer):

@@ -94,7 +94,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 @pytest.mark.parametrize("field, value", [
     ("functions", [TOOL["function"]]), ("function_call", "auto"), ("best_of", 3),
     ("use_beam_search", True), ("watermarking", True), ("logprob_token_ids", [5]),
-    ("return_tokens_as_token_ids", True), ("return_prompt_text", True),
+    ("return_prompt_text", True),
     ("thinking_token_budget", 10), ("repetition_detection", {"max_pattern_size": 4}), ("priority", 1),
     ("vllm_xargs", {"a": 1}), ("kv_transfer_params", {"do_remote_decode": True}), ("ec_transfer_params", {}),
     ("mm_payload", {}), ("mm_processor_kwargs", {"x": 1}), ("media_io_kwargs", {"image": {}}),
@@ -181,14 +181,16 @@ def test_bad_prompt_rendering_fields_are_400(body, param):
 
 
 def test_output_text_settings_reach_the_sampling_params():
-    fields = {"include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False}
+    fields = {"include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+              "return_tokens_as_token_ids": True}
     for parse, body in ((parse_chat, {"messages": USER}), (parse_completion, {"prompt": "x"})):
         params = parse({**body, **fields}, NAMES).sampling_params
         assert (params.include_stop_str_in_output, params.skip_special_tokens,
-                params.spaces_between_special_tokens) == (True, False, False)
+                params.spaces_between_special_tokens, params.return_tokens_as_token_ids) == (True, False, False, True)
+        assert params.has_text_settings  # the detokenizers are told
         default = parse({**body, "skip_special_tokens": None}, NAMES).sampling_params
         assert (default.include_stop_str_in_output, default.skip_special_tokens,
-                default.spaces_between_special_tokens) == (False, True, True)
+                default.spaces_between_special_tokens, default.return_tokens_as_token_ids) == (False, True, True, False)
         for name in fields:
             with pytest.raises(ApiError) as info:
                 parse({**body, name: "yes"}, NAMES)
