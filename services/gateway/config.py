@@ -55,6 +55,9 @@ class GatewayConfig:
     enable_prompt_tokens_details: bool = setting(
         True, "usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix cache or the KV "
               "tiers) in responses; vLLM's flag, on here unless --no-enable-prompt-tokens-details")
+    return_tokens_as_token_ids: bool = setting(
+        False, "logprobs name each token 'token_id:<id>' unless a request's return_tokens_as_token_ids says "
+               "otherwise; vLLM's flag")
     enable_auto_tool_choice: bool = setting(
         False, 'tool_choice "auto": the model decides when to call tools (needs --tool-call-parser)')
     tool_call_parser: str = setting(

@@ -120,6 +120,9 @@ class GenerationEndpoint:
         body = await read_json(request, self.gateway.config.max_request_body_bytes)
         config = self.gateway.config
         parsed = with_lora_adapter(self.gateway, body, self.parse)
+        if config.return_tokens_as_token_ids and body.get("return_tokens_as_token_ids") is None:
+            params = msgspec.structs.replace(parsed.sampling_params, return_tokens_as_token_ids=True)
+            parsed = dataclasses.replace(parsed, sampling_params=params)
         if parsed.tool_calling is not None:
             calling = require_tool_parser(parsed.tool_calling, config.enable_auto_tool_choice, config.tool_call_parser)
             parsed = dataclasses.replace(parsed, tool_calling=calling)

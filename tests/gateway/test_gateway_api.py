@@ -149,6 +149,20 @@ async def test_no_prompt_tokens_details_without_the_flag(nats_server, fake):
             assert '"prompt_tokens"' in lines[-1] and "prompt_tokens_details" not in lines[-1]
 
 
+async def test_the_return_tokens_as_token_ids_flag_is_the_requests_default(nats_server, fake):
+    """vLLM's --return-tokens-as-token-ids: a request that does not say otherwise gets it."""
+    async with GatewayServer(gateway_config(return_tokens_as_token_ids=True), nats_url=nats_server.url) as server:
+        await until_engine_ready(server)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
+            for word, field in (("flagdefault", {}), ("flagoff", {"return_tokens_as_token_ids": False})):
+                body = {"model": MODEL, "messages": [{"role": "user", "content": word}], **field}
+                assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+            [default] = fake.requests_with("flagdefault")
+            [off] = fake.requests_with("flagoff")
+            assert default.sampling_params.return_tokens_as_token_ids
+            assert not off.sampling_params.return_tokens_as_token_ids
+
+
 async def test_chat_stream_equals_non_stream(client):
     messages = [{"role": "user", "content": "streaming please"}]
     whole = await client.chat.completions.create(model=MODEL, messages=messages)
