@@ -13,6 +13,7 @@ vLLM.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 import msgspec
@@ -43,6 +44,8 @@ MAX_TOKENS_NOT_GIVEN = 0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 _MISSING = object()
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,34 @@ def _is_int(value) -> bool:
 def _as_object(body) -> Fields:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    return Fields(body)
+    return Fields(_ReadFields(body))
+
+
+class _ReadFields(dict):
+    """A request body that remembers which of its fields the parsing read."""
+
+    def __init__(self, body: dict) -> None:
+        super().__init__(body)
+        self.read: set[str] = set(NO_EFFECT_FIELDS)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def _log_ignored(f: Fields) -> None:
+    """vLLM's warning for the fields of a request that nothing reads (unknown to both)."""
+    ignored = sorted(set(f.body) - f.body.read)
+    if ignored:
+        logger.warning("The following fields were present in the request but ignored: %s", ignored)
 
 
 def check_model(f: Fields, served_model_names: tuple[str, ...]) -> str:
@@ -219,14 +249,19 @@ def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> Sampli
     )
 
 
+# Fields that change nothing here, as in vLLM for a model like ours: they pass whatever their
+# value. No reasoning parser (reasoning_effort, include_reasoning), no beam search
+# (length_penalty, early_stopping), render endpoints only (return_token_offsets), routed
+# experts' data only (routed_experts_prompt_start); and OpenAI's that vLLM ignores.
+NO_EFFECT_FIELDS = frozenset({
+    "user", "session_id", "reasoning_effort", "include_reasoning", "length_penalty", "early_stopping",
+    "return_token_offsets", "routed_experts_prompt_start", "store", "metadata", "service_tier", "prediction",
+    "verbosity",
+})
 # Fields of OpenAI's and vLLM's requests that this server does not honour yet, each with
 # the values that ask for nothing (those pass): any other value is a 400 naming the
-# field, never an answer that silently differs from what was asked. Fields that change
-# nothing here, as in vLLM for a model like ours, pass whatever their value: ``user``,
-# ``session_id``, ``reasoning_effort`` and ``include_reasoning`` (no reasoning parser),
-# ``length_penalty`` and ``early_stopping`` (beam search only), ``return_token_offsets``
-# (render endpoints only), ``routed_experts_prompt_start``; and OpenAI's that vLLM
-# ignores: ``store``, ``metadata``, ``service_tier``, ``prediction``, ``verbosity``.
+# field, never an answer that silently differs from what was asked. A field in neither
+# table nor read by the parsing is logged as ignored, as vLLM logs it.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "functions": (None, []),
     "function_call": (None, "none"),
@@ -351,6 +386,7 @@ def parse_chat(body, served_model_names: tuple[str, ...]) -> GenerationRequest:
     for name in ("tools", "chat_template_kwargs"):
         if not _fits_bus(prompt[name]):
             raise invalid(f"{name} has an integer outside the signed 64-bit range", param=name)
+    _log_ignored(f)
     return GenerationRequest(
         kind="chat",
         model=model,
@@ -450,6 +486,7 @@ def parse_completion(body, served_model_names: tuple[str, ...]) -> GenerationReq
     echo = f.bool("echo", False)
     if echo:
         params = echo_params(prompts, params)
+    _log_ignored(f)
     return GenerationRequest(
         kind="completion",
         model=model,
