@@ -183,11 +183,16 @@ class _ReadFields(dict):
         return super().__contains__(key)
 
 
+MAX_LOGGED_FIELDS = 10  # a client's field names in one log line, each cut to 64 characters
+
+
 def _log_ignored(f: Fields) -> None:
     """vLLM's warning for the fields of a request that nothing reads (unknown to both)."""
     ignored = sorted(set(f.body) - f.body.read)
     if ignored:
-        logger.warning("The following fields were present in the request but ignored: %s", ignored)
+        names = [name[:64] for name in ignored[:MAX_LOGGED_FIELDS]]
+        more = f" and {len(ignored) - MAX_LOGGED_FIELDS} more" if len(ignored) > MAX_LOGGED_FIELDS else ""
+        logger.warning("The following fields were present in the request but ignored: %s%s", names, more)
 
 
 def check_model(f: Fields, served_model_names: tuple[str, ...]) -> str:

@@ -218,3 +218,8 @@ def test_fields_nothing_reads_are_logged_as_vllm_logs_them(caplog):
         parse_completion({"prompt": "x", "max_completion_tokens": 5, "frobnicate": 1, "seed": 2}, NAMES)
     assert [r.getMessage() for r in caplog.records] == [
         "The following fields were present in the request but ignored: ['frobnicate', 'max_completion_tokens']"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="services.gateway.openai_requests"):  # bounded, whatever is sent
+        parse_completion({"prompt": "x", **{f"{'f' * 100}{i:03}": 1 for i in range(300)}}, NAMES)
+    [record] = caplog.records
+    assert record.getMessage().endswith("and 290 more") and len(record.getMessage()) < 1000
