@@ -41,12 +41,17 @@ def truncation_size(truncate_prompt_tokens: int | None, max_model_len: int) -> i
     return truncate_prompt_tokens
 
 
+def check_side(side: str) -> None:
+    """``truncation_side``: "left" (cut the start, vLLM's default) or "right" (cut the end)."""
+    if side not in SIDES:
+        raise InvalidRequest(f"{SIDE_PARAM} must be 'left' or 'right', got {side!r}", param=SIDE_PARAM)
+
+
 def truncate_prompt(prompt_token_ids: list[int], truncate_prompt_tokens: int | None,
                     max_model_len: int, side: str = "left") -> list[int]:
     """The last ``truncation_size`` ids of the prompt (``side`` "left", vLLM's default), or
     the first ("right")."""
-    if side not in SIDES:
-        raise InvalidRequest(f"{SIDE_PARAM} must be 'left' or 'right', got {side!r}", param=SIDE_PARAM)
+    check_side(side)
     size = truncation_size(truncate_prompt_tokens, max_model_len)
     if size is None or len(prompt_token_ids) <= size:
         return prompt_token_ids

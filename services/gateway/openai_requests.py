@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from shared.prompt_truncation import SIDE_PARAM, SIDES
+from shared.prompt_truncation import SIDE_PARAM, SIDES, check_side
+from shared.request_validation import InvalidRequest
 from shared.protocol import LoRARequest, SamplingParams
 
 from .errors import ApiError, invalid
@@ -254,14 +255,14 @@ def _sampling_params(f: Fields, max_tokens: int, logprobs: int | None) -> Sampli
     )
 
 
-# Fields that change nothing here, as in vLLM for a model like ours: they pass whatever their
-# value. No reasoning parser (reasoning_effort, include_reasoning), no beam search
-# (length_penalty, early_stopping), render endpoints only (return_token_offsets), routed
-# experts' data only (routed_experts_prompt_start); and OpenAI's that vLLM ignores.
+# vLLM's fields that change nothing here, as in vLLM for a model like ours: they pass
+# whatever their value. No reasoning parser (reasoning_effort, include_reasoning), no beam
+# search (length_penalty, early_stopping), render endpoints only (return_token_offsets),
+# routed experts' data only (routed_experts_prompt_start). OpenAI's fields that vLLM does
+# not know (store, metadata, prediction, ...) are logged as ignored, as vLLM logs them.
 NO_EFFECT_FIELDS = frozenset({
     "user", "session_id", "reasoning_effort", "include_reasoning", "length_penalty", "early_stopping",
-    "return_token_offsets", "routed_experts_prompt_start", "store", "metadata", "service_tier", "prediction",
-    "verbosity",
+    "return_token_offsets", "routed_experts_prompt_start",
 })
 # Fields of OpenAI's and vLLM's requests that this server does not honour yet, each with
 # the values that ask for nothing (those pass): any other value is a 400 naming the
@@ -435,8 +436,10 @@ def _prompt_rendering(f: Fields, add_special_tokens: bool) -> dict:
     if f.bool("add_special_tokens", add_special_tokens) != add_special_tokens:
         fields["add_special_tokens"] = not add_special_tokens
     side = f.str(SIDE_PARAM, SIDES[0])
-    if side not in SIDES:
-        raise invalid(f"{SIDE_PARAM} must be 'left' or 'right', got {side!r}", param=SIDE_PARAM)
+    try:
+        check_side(side)
+    except InvalidRequest as e:
+        raise ApiError.from_info(e.error) from e
     if side != SIDES[0]:
         fields[SIDE_PARAM] = side
     return fields

@@ -65,13 +65,13 @@ class ResponseFormat:
     chunk_object_name = ""
 
     def __init__(self, response_id: str, created: int, request: GenerationRequest,
-                 prompt_token_ids: list[list[int]] | None = None) -> None:
+                 prompt_token_ids: list[list[int]]) -> None:
         self.response_id = response_id
         self.created = created
         self.request = request
         # Each prompt's ids (return_token_ids): filled in when the prompts are tokenized,
         # before any chunk or response is made.
-        self.prompt_token_ids = prompt_token_ids if prompt_token_ids is not None else [[] for _ in request.prompts]
+        self.prompt_token_ids = prompt_token_ids
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.request.model}
@@ -121,7 +121,7 @@ class ChatFormat(ResponseFormat):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, response_id: str, created: int, request: GenerationRequest,
-                 prompt_token_ids: list[list[int]] | None = None) -> None:
+                 prompt_token_ids: list[list[int]]) -> None:
         super().__init__(response_id, created, request, prompt_token_ids)
         calling = request.tool_calling
         self.tool_calling = calling if calling is not None and calling.reads_calls else None
@@ -215,7 +215,7 @@ class CompletionFormat(ResponseFormat):
     chunk_object_name = "text_completion"
 
     def __init__(self, response_id: str, created: int, request: GenerationRequest,
-                 prompt_token_ids: list[list[int]] | None = None) -> None:
+                 prompt_token_ids: list[list[int]]) -> None:
         super().__init__(response_id, created, request, prompt_token_ids)
         self._text_len: dict[int, int] = {}  # per streamed choice: characters sent so far
 
@@ -287,6 +287,6 @@ class CompletionFormat(ResponseFormat):
 
 
 def response_format(kind: str, response_id: str, created: int, request: GenerationRequest,
-                    prompt_token_ids: list[list[int]] | None = None) -> ResponseFormat:
+                    prompt_token_ids: list[list[int]]) -> ResponseFormat:
     """``prompt_token_ids``: each prompt's ids once tokenized (vLLM's return_token_ids)."""
     return (ChatFormat if kind == "chat" else CompletionFormat)(response_id, created, request, prompt_token_ids)

@@ -212,12 +212,17 @@ def test_fields_nothing_reads_are_logged_as_vllm_logs_them(caplog):
     """vLLM's warning for a request's unknown fields (completions have no max_completion_tokens
     in vLLM either); fields read, refused-unless-inert or without effect are not named."""
     with caplog.at_level("WARNING", logger="services.gateway.openai_requests"):
-        parse_chat({"messages": USER, "user": "u", "store": True, "seed": 1, "top_k": 3, "logprobs": True,
+        parse_chat({"messages": USER, "user": "u", "session_id": "s", "seed": 1, "top_k": 3, "logprobs": True,
                     "use_beam_search": False, "documents": [], "return_token_ids": True}, NAMES)
         assert not caplog.records
         parse_completion({"prompt": "x", "max_completion_tokens": 5, "frobnicate": 1, "seed": 2}, NAMES)
     assert [r.getMessage() for r in caplog.records] == [
         "The following fields were present in the request but ignored: ['frobnicate', 'max_completion_tokens']"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="services.gateway.openai_requests"):  # OpenAI's, unknown to vLLM
+        parse_chat({"messages": USER, "store": True, "metadata": {"k": "v"}}, NAMES)
+    assert [r.getMessage() for r in caplog.records] == [
+        "The following fields were present in the request but ignored: ['metadata', 'store']"]
     caplog.clear()
     with caplog.at_level("WARNING", logger="services.gateway.openai_requests"):  # bounded, whatever is sent
         parse_completion({"prompt": "x", **{f"{'f' * 100}{i:03}": 1 for i in range(300)}}, NAMES)
