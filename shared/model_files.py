@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.gguf_quants import QuantizedTensor, quantized_from_gguf
+from shared.gguf_quants import QuantizedTensor, dequantize, quantized_from_gguf
 from shared.architectures import ARCHITECTURES
 from shared.model_config import (  # noqa: F401  (load_model_config, ModelConfig: re-exported)
     default_model_path,
@@ -117,7 +117,8 @@ def unpermute_rows(num_heads: int, rows: int) -> np.ndarray:
 
 
 class GGUFWeights(WeightSource):
-    """A GGUF file's tensors, dequantized one at a time with ``gguf.quants.dequantize``.
+    """A GGUF file's tensors, dequantized one at a time (``shared.gguf_quants.dequantize``
+    where it knows the type, else ``gguf.quants.dequantize``: the same values).
 
     Every tensor is given under its Hugging Face name and with HF's values: llama.cpp's
     Q/K row permutation undone ("llama" files), and the 1 it adds to zero-centred norm
@@ -185,10 +186,13 @@ class GGUFWeights(WeightSource):
             data = tensor_data[start:stop]
         else:
             data = tensor_data
-        values = self._dequantize(data, t.tensor_type)
-        # F32 tensors come back as a view of the read-only memory map: copy them.
-        values = np.require(values, dtype=np.float32, requirements=["C", "O", "W"])
-        out = torch.from_numpy(values).reshape(data.shape[0], *shape[1:])
+        out = dequantize(np.asarray(data), t.tensor_type.name, shape[1]) if len(shape) == 2 else None
+        if out is None:
+            values = self._dequantize(data, t.tensor_type)
+            # F32 tensors come back as a view of the read-only memory map: copy them.
+            values = np.require(values, dtype=np.float32, requirements=["C", "O", "W"])
+            out = torch.from_numpy(values)
+        out = out.reshape(data.shape[0], *shape[1:])
         if dim != 0:
             out = out.narrow(dim, start, stop - start).contiguous()
         if self._offset_norm(name):

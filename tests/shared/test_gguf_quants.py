@@ -1,5 +1,6 @@
-"""GGUF blocks kept as int8 / int4 (``shared.gguf_quants``): their dequantized values are
-``gguf.quants.dequantize``'s bit for bit, for every kept type and for the shipped model."""
+"""GGUF blocks kept as int8 / int4 (``shared.gguf_quants``): their dequantized values, and
+``dequantize``'s, are ``gguf.quants.dequantize``'s bit for bit, for every kept type and for
+the shipped model."""
 
 import gguf
 import numpy as np
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from kernels.quant_linear import dequantize_int4_ref, dequantize_int8_ref
-from shared.gguf_quants import QuantizedTensor, quantized_from_gguf, requantize_gguf
+import shared.model_files
+from shared.gguf_quants import QuantizedTensor, dequantize, quantized_from_gguf, requantize_gguf
 from shared.model_config import load_model_config
 from shared.model_files import open_weights
 
@@ -39,12 +41,26 @@ def test_kept_blocks_dequantize_to_gguf_values(type_name):
     assert kept.shape == (ROWS, COLS)
     expected = torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(ROWS, COLS))
     assert torch.equal(dequantized(kept), expected)
+    assert torch.equal(dequantize(data, type_name, COLS), expected)
 
 
 def test_other_types_are_not_kept():
     data = np.zeros((2, 64), dtype=np.float32)
     assert quantized_from_gguf(data.view(np.uint8), "F32", 64) is None
     assert quantized_from_gguf(np.zeros((2, 210), dtype=np.uint8), "Q6_K", 256) is None
+    assert dequantize(np.zeros((2, 210), dtype=np.uint8), "Q6_K", 256) is None
+
+
+def test_the_shipped_models_tensors_load_as_gguf_py_dequantizes_them(smollm_path, monkeypatch):
+    with open_weights(smollm_path) as weights:
+        names = weights.names()
+        loaded = {name: weights.load(name) for name in names}
+        monkeypatch.setattr(shared.model_files, "dequantize", lambda *args: None)  # gguf-py for every type
+        for name in names:
+            assert torch.equal(loaded[name], weights.load(name)), name
+        name = "model.layers.3.self_attn.k_proj.weight"  # permuted rows, sliced either way
+        assert torch.equal(weights.load_slice(name, 0, 16, 48), loaded[name][16:48])
+        assert torch.equal(weights.load_slice(name, 1, 64, 128), loaded[name][:, 64:128])
 
 
 def test_fused_parts_keep_their_rows():
