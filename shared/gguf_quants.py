@@ -17,7 +17,7 @@ Other types (Q6_K, Q5_1, Q5_K, ...) are dequantized to float at load: Q6_K's two
 32 values have no exact int8 form with one scale per block.
 
 ``dequantize`` turns the kept types into float32 through this form and the worker's C kernel
-(``--quantization none``): the same values as gguf-py's, 10-20x faster (gguf-py splits every
+(``--quantization none``): the same values as gguf-py's, about 4x faster (gguf-py splits every
 tensor into groups of rows in Python, 1.8 s of every start of the default model).
 """
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.quant_linear import dequantize_int4_ref, dequantize_int8_ref
 import shared.model_files
+from kernels.quant_linear import dequantize_int4_ref, dequantize_int8_ref
 from shared.gguf_quants import QuantizedTensor, dequantize, quantized_from_gguf, requantize_gguf
 from shared.model_config import load_model_config
 from shared.model_files import open_weights
