@@ -79,9 +79,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, frozen=True):
     @property
     def has_text_settings(self) -> bool:
         """Whether the detokenizers must be told anything about this request (stop strings
-        or an output text setting other than the default)."""
+        or an output text setting other than the default; token ids as logprob names only
+        where there are logprobs to name)."""
         return bool(self.stop) or self.include_stop_str_in_output or not self.skip_special_tokens \
-            or not self.spaces_between_special_tokens or self.return_tokens_as_token_ids
+            or not self.spaces_between_special_tokens \
+            or (self.return_tokens_as_token_ids and self.logprobs is not None)
 
     def for_choice(self, i: int) -> "SamplingParams":
         """The settings of sample ``i`` of a prompt's ``n`` (vLLM's rule): a given seed

@@ -188,6 +188,10 @@ def test_output_text_settings_reach_the_sampling_params():
         assert (params.include_stop_str_in_output, params.skip_special_tokens,
                 params.spaces_between_special_tokens, params.return_tokens_as_token_ids) == (True, False, False, True)
         assert params.has_text_settings  # the detokenizers are told
+        # Token ids as names change nothing without logprobs: no settings message for them alone.
+        assert not parse({**body, "return_tokens_as_token_ids": True}, NAMES).sampling_params.has_text_settings
+        assert parse({**body, "return_tokens_as_token_ids": True, "logprobs": 0 if body.get("prompt") else True},
+                     NAMES).sampling_params.has_text_settings
         default = parse({**body, "skip_special_tokens": None}, NAMES).sampling_params
         assert (default.include_stop_str_in_output, default.skip_special_tokens,
                 default.spaces_between_special_tokens, default.return_tokens_as_token_ids) == (False, True, True, False)
