@@ -219,6 +219,7 @@ class SchedulerConfig:
 # --quantization's methods (vLLM's flag; "auto" and "none" are ours).
 QUANTIZATION_METHODS = ("none", "auto", "gguf")
 OMP_WAIT_POLICIES = ("passive", "active", "default")
+SMALL_STEP_THREADS = ("auto", "one", "all")
 
 
 @dataclass(frozen=True)
@@ -270,18 +271,24 @@ class ModelRunConfig:
               "was chunked or cached (every query token attended alone, products computed row by row in one "
               "order); off: attention of prompt chunks by padded SDPA calls and products chosen by row count")
 
-    # services/worker/model_runner.py. A batch-1 decode step is a chain of small products and
-    # kernels that a second thread barely speeds up (SmolLM2-135M here: 6.5 ms against 6.9 at
-    # best, docs/BENCHMARKS.md), while the rest of the stack (scheduler, bus, detokenizer,
-    # gateway) needs a core for every token it streams.
+    # services/worker/small_step_threads.py: whether a second thread shortens a batch-1
+    # decode step served depends on the machine (one thread faster on the AVX-512 benchmark
+    # CPU, both 1.3x faster on an AVX2-only one), so by default the worker measures both.
     cpu_single_thread_max_tokens: int = setting(
-        1, "CPU: steps of at most this many tokens (decoding one request) run on one thread, the other "
-           "cores left to the stack's other services; 0: every step on all threads")
+        1, "CPU: steps of at most this many tokens (1: one request decoding) are small steps, run on the "
+           "threads --cpu-small-step-threads chooses; 0: every step on all threads")
+    cpu_small_step_threads: str = setting(
+        "auto", "CPU: threads of a small step: auto (the worker times runs of small steps on one thread and on "
+                "all, keeps the faster, and measures the other again every few thousand) | one (the other cores "
+                "left to the stack's other services) | all")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "omp_wait_policy", self.omp_wait_policy.lower())
         if self.cpu_single_thread_max_tokens < 0:
             raise ConfigError(f"cpu_single_thread_max_tokens must be >= 0, got {self.cpu_single_thread_max_tokens}")
+        if self.cpu_small_step_threads not in SMALL_STEP_THREADS:
+            raise ConfigError(f"cpu_small_step_threads must be {'|'.join(SMALL_STEP_THREADS)}, "
+                              f"got {self.cpu_small_step_threads!r}")
         try:
             check_bind(self.cpu_omp_threads_bind)
         except ValueError as e:

@@ -54,6 +54,7 @@ from .models.registry import model_class
 from .parallel import ShardLayout, TensorParallel, init_distributed, tp_device
 from .prompt_logprobs import compute_prompt_logprobs, wanted
 from .sampler import Sampler, skip_draws
+from .small_step_threads import SmallStepThreads
 from .spec_decode import SpecDecoder
 from .structured_output import StructuredOutputRunner
 
@@ -114,8 +115,9 @@ class ModelRunner:
         torch.manual_seed(run_config.seed)
         # How float weight matrices are laid out for their products (services/worker/linear.py).
         self.pack = weight_packer(self.device, self.dtype, run_config.cpu_prepack, run_config.batch_invariant)
-        # The threads the model runs on; a CPU step of few tokens takes one (execute_model).
+        # The threads the model runs on; a CPU step of few tokens may take one (_set_threads).
         self.num_threads = torch.get_num_threads()
+        self.small_step_threads = SmallStepThreads(self.num_threads, run_config.cpu_small_step_threads)
         if run_config.quantization == "auto" and self.tp.enabled:
             logger.info("quantization auto: weights dequantized (tensor_parallel_size > 1)")
         # Dequantized weights keep Hugging Face's float32 operation order (greedy parity);
@@ -448,11 +450,11 @@ class ModelRunner:
         return output
 
     def _set_threads(self, num_tokens: int) -> None:
-        """On CPU, one thread for a step of at most ``cpu_single_thread_max_tokens`` tokens,
-        all of them otherwise (``ModelRunConfig``)."""
+        """On CPU, a step of at most ``cpu_single_thread_max_tokens`` tokens on the threads
+        ``small_step_threads`` chooses, all of them otherwise (``ModelRunConfig``)."""
         if self.device.type != "cpu":
             return
-        threads = 1 if num_tokens <= self.run_config.cpu_single_thread_max_tokens else self.num_threads
+        threads = self.small_step_threads.threads(num_tokens <= self.run_config.cpu_single_thread_max_tokens)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 

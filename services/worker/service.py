@@ -151,7 +151,9 @@ class WorkerService(Service):
     def info(self) -> dict:
         return {"engine_id": self.engine_id, "rank": self.rank, "num_steps": self.num_steps,
                 "num_sampled_tokens": self.num_sampled_tokens, "last_step_id": self.steps.last_step_id,
-                "running_step_id": self.steps.running_step_id}
+                "running_step_id": self.steps.running_step_id,
+                # CPU: the threads of a batch-1 decode step, once measured (small_step_threads.py).
+                "small_step_threads": self.runner.small_step_threads.chosen}
 
     def metric_families(self):
         return worker_families(self)

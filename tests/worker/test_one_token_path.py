@@ -76,3 +76,30 @@ def test_a_lora_wrapped_product_turns_the_one_token_path_off(default_worker):
     finally:
         layer.proj = plain
     assert model._one_token_plan(default_worker.layer_kv_caches) is not None
+
+
+def test_small_steps_give_the_same_logits_on_one_thread_and_on_two(default_worker, smollm_tokenizer, monkeypatch):
+    """The worker picks a small step's threads by timing (services/worker/small_step_threads.py),
+    so the count must change no bit: each decode step's logits with small steps on one
+    thread equal those with them on two."""
+    from services.worker.small_step_threads import SmallStepThreads
+
+    prompt = smollm_tokenizer.encode("Twelve barrels of apples were loaded onto the cart before dawn")
+    runs = {}
+    for mode in ("one", "all"):
+        seen = []
+        chooser = SmallStepThreads(2, mode)
+        choose = chooser.threads
+
+        def threads(small, choose=choose, seen=seen):
+            count = choose(small)
+            seen.append((small, count))
+            return count
+
+        monkeypatch.setattr(chooser, "threads", threads)
+        monkeypatch.setattr(default_worker, "small_step_threads", chooser)
+        runs[mode], _ = logits_per_step(default_worker, prompt, True, monkeypatch)
+        assert seen[0] == (False, 2) and set(seen[1:]) == {(True, 1 if mode == "one" else 2)}
+    assert len(runs["one"]) == len(runs["all"]) == 24
+    for a, b in zip(runs["one"], runs["all"]):
+        assert torch.equal(a, b)
