@@ -105,10 +105,12 @@ class SmallStepThreads:
         self._current, self._run_left = threads, steps
 
     def _choose(self) -> None:
-        one, every = self.median_ms(1), self.median_ms(self.all_threads)
-        if one is None or every is None:  # a run without two small steps in a row: nothing learnt
+        if any(len(s) < RUN_STEPS for s in self.intervals.values()):
+            # A run cut short (its request ended, the next prompt's steps were not small):
+            # too few intervals to overturn the choice on.
             self.chosen = self._current = self.chosen or 1
             return
+        one, every = self.median_ms(1), self.median_ms(self.all_threads)
         chosen = 1 if one <= every else self.all_threads
         if chosen != self.chosen:
             logger.info("small steps on %d thread(s): a step every %.2f ms on 1 thread, %.2f ms on %d",

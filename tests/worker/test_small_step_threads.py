@@ -72,6 +72,23 @@ def test_other_steps_take_every_thread_and_break_the_intervals():
     assert not chooser.intervals[1] and not chooser.intervals[2] and chooser.chosen is None
 
 
+def test_a_run_cut_short_keeps_the_choice():
+    machine = Machine({1: 0.004, 2: 0.005})
+    chooser = SmallStepThreads(2, "auto", clock=machine.clock)
+    machine.run(chooser, 200)
+    assert chooser.chosen == 1
+    while machine.run(chooser, 1) != [2]:  # up to the run that measures two threads again
+        pass
+    machine.cost = {1: 0.004, 2: 0.001}
+    # The run's other steps come one or two at a time between prompts: 7 intervals in all,
+    # each of them far shorter than one thread's.
+    for i in range(sst.MIN_INTERVALS - 1):
+        machine.run(chooser, 2 if i < 6 else 1)
+        machine.run(chooser, 1, small=False)
+    assert len(chooser.intervals[2]) == 7 and chooser.median_ms(2) == pytest.approx(1.0)
+    assert machine.run(chooser, 5) == [1] * 5 and chooser.chosen == 1
+
+
 def test_a_pause_between_small_steps_does_not_sway_the_choice():
     machine = Machine({1: 0.01, 2: 0.02})
     chooser = SmallStepThreads(2, "auto", clock=machine.clock)
