@@ -273,7 +273,7 @@ class ModelRunConfig:
 
     # services/worker/small_step_threads.py: whether a second thread shortens a batch-1
     # decode step served depends on the machine (one thread faster on the AVX-512 benchmark
-    # CPU, both 1.3x faster on an AVX2-only one), so by default the worker measures both.
+    # CPU, both 1.1-1.3x faster on an AVX2-only one), so by default the worker measures both.
     cpu_single_thread_max_tokens: int = setting(
         1, "CPU: steps of at most this many tokens (1: one request decoding) are small steps, run on the "
            "threads --cpu-small-step-threads chooses; 0: every step on all threads")
