@@ -16,9 +16,9 @@ small steps on one thread and on all of its threads, alternately, timing each st
 start to the next small step's start (what a client sees between tokens, the other
 services' competition for the cores included). Once both have enough intervals it keeps
 the one with the lower median, and every few thousand small steps measures the other
-again for a run, since the machine's load changes. Thread counts change no result: a
-small step's only parallel kernels are the products, which split output columns between
-threads (tests/worker/test_one_token_path.py).
+again for a run, since the machine's load changes. With batch invariance on (the
+default) thread counts change no result: a small step's only parallel kernels are then the
+products, which split output columns between threads (tests/worker/test_one_token_path.py).
 """
 
 from __future__ import annotations
