@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+import socket
+
 import httpx
 import pytest
 
@@ -45,9 +48,23 @@ def test_no_port_with_minus_one_and_bad_ports_refused():
         first.close()
 
 
+def three_free_ports_outside_the_ephemeral_range() -> int:
+    """The first of three consecutive free ports below Linux's ephemeral range (32768 up), where the
+    ports other tests take with bind(0) never land, so no parallel test takes the two above the first."""
+    for base in random.sample(range(20000, 32000, 3), 200):
+        try:
+            for port in range(base, base + 3):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no three consecutive free ports in 20000..32000")
+
+
 def test_replicas_on_one_network_take_the_next_free_port_of_the_span():
     registry = Tokenizer().metrics_registry
-    first = MetricsServer(registry, MetricsServerConfig())
+    first = MetricsServer(registry, MetricsServerConfig(metrics_port=three_free_ports_outside_the_ephemeral_range()))
     servers = [first]
     try:
         span = MetricsServerConfig(metrics_port=first.port, metrics_port_span=3)
