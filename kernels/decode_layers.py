@@ -46,6 +46,7 @@ class _Shape(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
                 ("qkv_bits", _I), ("o_bits", _I), ("gate_up_bits", _I), ("down_bits", _I),
+                ("qkv_scale_bytes", _I), ("o_scale_bytes", _I), ("gate_up_scale_bytes", _I), ("down_scale_bytes", _I),
                 ("key_cache", _P), ("value_cache", _P)]
 
 
@@ -56,7 +57,7 @@ class _Scratch(ctypes.Structure):
 @kernel_binding
 def _driver():
     return bind("decode_layers", "decode_layers_bf16",
-                [_P, _P, _P, _I, _P, _P, _I, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I], ctypes.c_int)
+                [_P, _P, _P, _I, _P, _P, _I, _I, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _I], ctypes.c_int)
 
 
 def _address(fn) -> int | None:
@@ -115,7 +116,7 @@ def _fits(shape: DecoderShape, layer: LayerWeights) -> bool:
                 (layer.down, h, shape.intermediate))
     caches = (layer.key_cache, layer.value_cache)
     return (all(isinstance(w, WeightTiles) and w.shape == (n, k) and w.tiles.is_contiguous()
-                for w, n, k in products)
+                and (w.scale_bytes == 4 or int8_activations.half_scales_available()) for w, n, k in products)
             and all(t.dtype == torch.bfloat16 and t.shape == (h,) and t.is_contiguous()
                     for t in (layer.input_norm, layer.post_norm))
             and all(c.dtype == torch.bfloat16 and c.dim() == 4 and c.shape[2:] == (shape.num_kv_heads, shape.head_dim)
@@ -141,7 +142,8 @@ class DecodeLayers:
         self._layers = (_Layer * len(layers))(*(
             _Layer(l.input_norm.data_ptr(), l.post_norm.data_ptr(), l.qkv.tiles.data_ptr(), l.o.tiles.data_ptr(),
                    l.gate_up.tiles.data_ptr(), l.down.tiles.data_ptr(), l.qkv.bits, l.o.bits, l.gate_up.bits,
-                   l.down.bits, l.key_cache.data_ptr(), l.value_cache.data_ptr()) for l in layers))
+                   l.down.bits, l.qkv.scale_bytes, l.o.scale_bytes, l.gate_up.scale_bytes, l.down.scale_bytes,
+                   l.key_cache.data_ptr(), l.value_cache.data_ptr()) for l in layers))
         q = shape.num_heads * shape.head_dim
         qkv = q + 2 * shape.num_kv_heads * shape.head_dim
         bf16 = lambda n: torch.empty(n, dtype=torch.bfloat16)  # noqa: E731
@@ -153,7 +155,8 @@ class DecodeLayers:
         self._driver = _driver()
         self._args = (ctypes.byref(self._kernels), ctypes.byref(self._shape), self._layers, len(layers),
                       final_norm.data_ptr(), None if embedding is None else embedding.tiles.data_ptr(),
-                      0 if embedding is None else embedding.bits, 0 if embedding is None else embedding.n)
+                      0 if embedding is None else embedding.bits, 0 if embedding is None else embedding.scale_bytes,
+                      0 if embedding is None else embedding.n)
 
     @staticmethod
     def build(shape: DecoderShape, layers: list[LayerWeights], final_norm: torch.Tensor, cos_sin: torch.Tensor,

@@ -16,29 +16,30 @@ from services.worker.linear import quantized_embedding
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, BLOCK, BLOCKS = 192, 6, 2, 32, 320, 3, 16, 12
 
 
-def tiles(n, k, bits, gen):
+def tiles(n, k, bits, gen, scale_bytes=None):
     if bits == 4:
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
         scales = (torch.rand(n, k // 32, generator=gen) * 0.02).half().float()
         offsets = (-8 * scales + 0.001 * torch.randn(n, k // 32, generator=gen)).half().float()
-        return ia.repack_tiles(packed, scales, offsets)
+        return ia.repack_tiles(packed, scales, offsets, scale_bytes=scale_bytes)
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
-    return ia.repack_tiles(q, (torch.rand(n, k // 32, generator=gen) / 600).half().float())
+    return ia.repack_tiles(q, (torch.rand(n, k // 32, generator=gen) / 600).half().float(), scale_bytes=scale_bytes)
 
 
 VOCAB = 40
 
 
-def model(bits, seed=0):
+def model(bits, seed=0, scale_bytes=None):
     gen = torch.Generator().manual_seed(seed)
     shape = dl.DecoderShape(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, 1e-5, HEAD_DIM ** -0.5)
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     norm = lambda: (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(torch.bfloat16)  # noqa: E731
     cache = lambda: torch.randn(BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)  # noqa: E731
-    layers = [dl.LayerWeights(norm(), norm(), tiles(q + 2 * kv, HIDDEN, bits, gen), tiles(HIDDEN, q, bits, gen),
-                              tiles(2 * INTER, HIDDEN, bits, gen), tiles(HIDDEN, INTER, bits, gen), cache(), cache())
+    weight = lambda n, k: tiles(n, k, bits, gen, scale_bytes)  # noqa: E731
+    layers = [dl.LayerWeights(norm(), norm(), weight(q + 2 * kv, HIDDEN), weight(HIDDEN, q), weight(2 * INTER, HIDDEN),
+                              weight(HIDDEN, INTER), cache(), cache())
               for _ in range(LAYERS)]
-    return shape, layers, norm(), compute_cos_sin_cache(HEAD_DIM, 1024, 10000.0), tiles(VOCAB, HIDDEN, bits, gen)
+    return shape, layers, norm(), compute_cos_sin_cache(HEAD_DIM, 1024, 10000.0), weight(VOCAB, HIDDEN)
 
 
 def copy(layers):
@@ -52,13 +53,17 @@ def step(position, block_table, window=None):
     return slot, torch.tensor([position]), attn
 
 
+@pytest.mark.parametrize("scale_bytes", [2, 4], ids=["float16 scales", "float32 scales"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("lookup", [True, False], ids=["embedding in C", "embedding given"])
-def test_driver_equals_the_kernels_one_by_one_and_is_near_the_reference(cpu_isa, bits, window, lookup):
+def test_driver_equals_the_kernels_one_by_one_and_is_near_the_reference(cpu_isa, bits, window, lookup, scale_bytes):
     if not dl.available():
         pytest.skip("the C kernels are not built")
-    shape, layers, final_norm, cos_sin, table = model(bits)
+    if scale_bytes == 2 and not ia.half_scales_available():
+        pytest.skip("this CPU has no F16C: its AVX2 build reads float32 scales only")
+    shape, layers, final_norm, cos_sin, table = model(bits, scale_bytes=scale_bytes)
+    assert all(w.scale_bytes == scale_bytes for w in (layers[0].qkv, layers[0].down, table))
     mine, theirs, reference = layers, copy(layers), copy(layers)
     driver = dl.DecodeLayers.build(shape, mine, final_norm, cos_sin, window, table if lookup else None)
     assert driver is not None

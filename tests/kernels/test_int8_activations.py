@@ -123,13 +123,16 @@ def test_cpu_products_read_strided_rows_and_keep_bfloat16(cpu_isa):
     torch.testing.assert_close(got, ia.int4_linear_ref(xb, *w), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("scale_bytes", [2, 4])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n", [32, 37])
-def test_repacked_tiles_unpack_to_the_weight(n, bits):
+def test_repacked_tiles_unpack_to_the_weight(n, bits, scale_bytes):
     w = int4_weight(n, 96) if bits == 4 else int8_weight(n, 96)
-    tiles = ia.repack_tiles(*w)
-    row_bytes = 96 * bits // 8 + (len(w) - 1) * 4 * 96 // 32
-    assert tiles.shape == (n, 96) and tiles.bits == bits
+    tiles = ia.repack_tiles(*w, scale_bytes=scale_bytes)
+    # Per column and block of 32: the codes, then a scale (and an offset) of scale_bytes:
+    # with float16 ones, GGUF's Q4_1 (20 bytes) and Q8_0 (34).
+    row_bytes = 96 * bits // 8 + (len(w) - 1) * scale_bytes * 96 // 32
+    assert tiles.shape == (n, 96) and tiles.bits == bits and tiles.scale_bytes == scale_bytes
     assert tiles.nbytes() == -(-n // ia.TILE_N) * ia.TILE_N * row_bytes
     for got, want in zip(ia.unpack_tiles(tiles), w):
         assert torch.equal(got, want)
@@ -138,23 +141,37 @@ def test_repacked_tiles_unpack_to_the_weight(n, bits):
         assert torch.equal(got, want[rows])
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_tiles_keep_float16_scales_only_where_that_changes_no_value(bits):
+    w = int4_weight(40, 64) if bits == 4 else int8_weight(40, 64)
+    if ia.half_scales_available():
+        assert ia.repack_tiles(*w).scale_bytes == 2  # GGUF's float16 scales (and offsets)
+    exact_scales_only = (w[0], w[1], w[2] + 1e-4) if bits == 4 else (w[0], w[1] + 1e-4)
+    assert ia.repack_tiles(*exact_scales_only).scale_bytes == 4
+    with pytest.raises(ValueError, match="scale_bytes"):
+        ia.repack_tiles(*w, scale_bytes=3)
+
+
 @needs_kernel
+@pytest.mark.parametrize("scale_bytes", [2, 4])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 33, 70])
 @pytest.mark.parametrize("n,k", [(7, 64), (577, 576), (66, 1536)])
-def test_cpu_products_of_repacked_tiles_match_the_reference_and_the_gather(m, n, k, bits, cpu_isa):
-    """Both builds read the tiles (the same arithmetic as after their per-call gather: equal
-    bit for bit); VNNI products only in the AVX-512 build; a row's result is its own, with
-    others or alone."""
+def test_cpu_products_of_repacked_tiles_match_the_reference_and_the_gather(m, n, k, bits, scale_bytes, cpu_isa):
+    """Both builds read the tiles, with float32 or float16 scales (the same arithmetic as
+    after their per-call gather: equal bit for bit); VNNI products only in the AVX-512 build;
+    a row's result is its own, with others or alone."""
     assert ia.tiles_available()
     if cpu_isa == "avx2":
         assert not ia.vnni_available()
+    if scale_bytes == 2 and not ia.half_scales_available():
+        pytest.skip("this CPU has no F16C: its AVX2 build reads float32 scales only")
     x = activations(m, k, seed=m)
     if bits == 4:
         w, dense, reference, gathered = int4_weight(n, k, seed=m), ql.dequantize_int4_ref, ia.int4_linear_ref, ia.int4_linear_cpu
     else:
         w, dense, reference, gathered = int8_weight(n, k, seed=m), ql.dequantize_int8_ref, ia.int8_linear_ref, ia.int8_linear_cpu
-    tiles = ia.repack_tiles(*w)
+    tiles = ia.repack_tiles(*w, scale_bytes=scale_bytes)
     got = ia.tiled_linear_cpu(x, tiles)
     assert_close_to_reference(got, reference(x, *w), x, dense(*w))
     assert torch.equal(got, gathered(x, *w))
