@@ -29,6 +29,11 @@
 #include "isa.h"
 
 #define MAX_HEADS 256
+/* Fewer requests than threads (a batch of one): their KV heads are split between the
+ * threads from this context length on. Below it a second thread gained nothing measurable;
+ * from it, 1.1-1.3x on two threads of an AVX2 Zen 3 with the KV read from memory
+ * (scripts/bench_decode_attention_threads.py). */
+#define SPLIT_HEADS_MIN_LEN 256
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 typedef struct {
@@ -337,30 +342,45 @@ ALWAYS_INLINE float row_weights_bf16(const float *s, int pbase, int lo, int len,
 }
 #endif
 
-ALWAYS_INLINE void prefetch_block(const void *base, int64_t first_element, int64_t elements, const int elem_size) {
-    const char *p = (const char *)base + first_element * elem_size;
-    for (int64_t offset = 0; offset < elements * elem_size; offset += 64) __builtin_prefetch(p + offset, 0, 1);
-}
-
 /* Prefetches queued a block at a time and issued a few lines at a time between the
  * kernel's computations: a block's lines issued all at once fill the core's miss buffers
- * and stall it until they arrive, so computing and loading would not overlap. */
+ * and stall it until they arrive, so computing and loading would not overlap. Of each
+ * token's row (row bytes: every KV head's values) only the slice the call reads is
+ * fetched: all of it, or its KV heads' part where a call takes some of them (another
+ * thread reads the rest). */
 typedef struct {
-    const char *at[2];
-    int64_t left[2]; /* bytes */
+    const char *at[2]; /* the slice of a queued block's first row */
+    int64_t left[2];   /* bytes of the block's slices still to fetch */
+    int64_t done[2];   /* bytes of them fetched */
+    int64_t slice, row, slice_at; /* bytes: the slice's length, a row's, where the slice starts in it */
 } Prefetcher;
+
+ALWAYS_INLINE void prefetch_line(Prefetcher *pf, int slot) {
+    const int64_t done = pf->done[slot];
+    __builtin_prefetch(pf->at[slot] + (pf->slice == pf->row ? done : done / pf->slice * pf->row + done % pf->slice), 0, 1);
+    pf->done[slot] += 64;
+    pf->left[slot] -= 64;
+}
+
+/* The block's slices now, all at once. */
+ALWAYS_INLINE void prefetch_block(const Prefetcher *pf, const void *base, int64_t first_element, int64_t elements,
+                                  const int elem_size) {
+    const char *p = (const char *)base + first_element * elem_size + pf->slice_at;
+    for (int64_t row = 0; row < elements * elem_size; row += pf->row)
+        for (int64_t offset = 0; offset < pf->slice; offset += 64) __builtin_prefetch(p + row + offset, 0, 1);
+}
 
 ALWAYS_INLINE void prefetch_queue(Prefetcher *pf, int slot, const void *base, int64_t first_element, int64_t elements,
                                   const int elem_size) {
-    for (; pf->left[slot] > 0; pf->left[slot] -= 64, pf->at[slot] += 64) __builtin_prefetch(pf->at[slot], 0, 1);
-    pf->at[slot] = (const char *)base + first_element * elem_size;
-    pf->left[slot] = elements * elem_size;
+    while (pf->left[slot] > 0) prefetch_line(pf, slot);
+    pf->at[slot] = (const char *)base + first_element * elem_size + pf->slice_at;
+    pf->left[slot] = elements * elem_size / pf->row * pf->slice;
+    pf->done[slot] = 0;
 }
 
 ALWAYS_INLINE void prefetch_some(Prefetcher *pf, int lines) {
     for (int slot = 0; slot < 2; slot++)
-        for (; lines > 0 && pf->left[slot] > 0; lines--, pf->left[slot] -= 64, pf->at[slot] += 64)
-            __builtin_prefetch(pf->at[slot], 0, 1);
+        for (; lines > 0 && pf->left[slot] > 0; lines--) prefetch_line(pf, slot);
 }
 
 /* acc[g] += sum over a block's `count` tokens of probs[g * len + j] * V[j], for one KV
@@ -394,13 +414,17 @@ ALWAYS_INLINE void weighted_values(const void *v_rows, int64_t token_stride, int
     memcpy(acc_io, acc, sizeof(float) * (size_t)(G * hd));
 }
 
-/* Request i, all its heads. A block's rows hold every KV head side by side
- * (block_size * num_kv_heads * head_dim contiguous values), so one request reads each of
- * its blocks as one contiguous run, and the next block is prefetched while this one is
- * used. `work` holds num_heads * (seq_lens[i] + 2 * head_dim) + num_kv_heads * head_dim floats.
+/* Request i, the query heads of KV heads kv_lo .. kv_hi - 1. A block's rows hold every KV
+ * head side by side (block_size * num_kv_heads * head_dim contiguous values), so one
+ * request reads each of its blocks as one contiguous run, and the next block is prefetched
+ * while this one is used. Each head's arithmetic is the same whichever KV heads a call
+ * takes (a thread may take some of a request's heads, another the rest: the same bits).
+ * `work` holds num_heads * (seq_lens[i] + 2 * head_dim) + num_kv_heads * head_dim floats.
  * q_bf16: the query and output are bfloat16 (else float32); bf16: the caches are. */
-ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const int q_bf16, const int bf16) {
+ALWAYS_INLINE void attend(const Args *a, int i, int kv_lo, int kv_hi, float *work, const int hd, const int q_bf16,
+                          const int bf16) {
     const int group = a->group, kvh = a->num_kv_heads, nh = kvh * group;
+    const int kv_count = kv_hi - kv_lo, h_lo = kv_lo * group, h_hi = kv_hi * group;
     const int len = a->seq_lens[i], bs = a->block_size;
     /* The first position the query sees: scores, softmax and values run over [lo, len). */
     const int lo = a->window > 0 && len > a->window ? len - a->window : 0;
@@ -414,7 +438,8 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     (void)use_256; /* unused where neither SIMD path is compiled */
     float *scores = work, *q = scores + (int64_t)nh * len, *acc = q + (int64_t)nh * hd, *row = acc + (int64_t)nh * hd;
     memset(acc, 0, sizeof(float) * (size_t)(nh * hd));
-    Prefetcher pf = {{0, 0}, {0, 0}};
+    Prefetcher pf = {{0, 0}, {0, 0}, {0, 0}, (int64_t)kv_count * hd * elem, token_stride * elem, (int64_t)kv_lo * hd * elem};
+    const int64_t block_slice_bytes = bs * pf.slice; /* what the call reads of a block (K or V) */
     int kv_head_of[MAX_HEADS]; /* no integer division in the token loops */
     for (int h = 0; h < nh; h++) kv_head_of[h] = h / group;
     /* Scores, token by token through the blocks. */
@@ -429,8 +454,8 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
         const int run = SCORE_RUN_256;
 #endif
         /* Two blocks' lines (K, V) over a block's block_scores calls. */
-        const int block_lines = (int)((block_elements * elem + 63) / 64);
-        const int score_lines = 2 * block_lines / (((bs + run - 1) / run) * kvh) + 1;
+        const int block_lines = (int)((block_slice_bytes + 63) / 64);
+        const int score_lines = 2 * block_lines / (((bs + run - 1) / run) * kv_count) + 1;
         /* Runs of up to `run` tokens, never across a block's end. */
         for (int start = lo; start < len;) {
             const int in_block = start % bs;
@@ -442,7 +467,7 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
                 prefetch_queue(&pf, 1, a->value_cache, (int64_t)blocks[start / bs] * block_elements, block_elements, elem);
             }
             const int64_t k_at = ((int64_t)blocks[start / bs] * bs + in_block) * token_stride;
-            for (int kv = 0; kv < kvh; kv++) {
+            for (int kv = kv_lo; kv < kv_hi; kv++) {
                 const int64_t k_kv = k_at + (int64_t)kv * hd, q_at = (int64_t)kv * group * hd;
                 float *s_kv = scores + (int64_t)kv * group * len + start;
 #if HAVE_512
@@ -474,10 +499,10 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
         for (int start = lo, count; start < len; start += count) {
             const int64_t first = (int64_t)blocks[start / bs] * bs + start % bs;
             count = bs - start % bs < len - start ? bs - start % bs : len - start;
-            if (start + count < len) prefetch_block(a->key_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
+            if (start + count < len) prefetch_block(&pf, a->key_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
             for (int j = 0; j < count; j++) {
                 load_row(a->key_cache, (first + j) * token_stride, row, kvh * hd, bf16);
-                for (int h = 0; h < nh; h++) {
+                for (int h = h_lo; h < h_hi; h++) {
                     const float *qh = q + (int64_t)h * hd, *kh = row + (int64_t)kv_head_of[h] * hd;
                     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -490,7 +515,7 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     /* Softmax numerators; the denominators divide at the end. */
     float inv_sum[MAX_HEADS];
     const int by_pairs = use_512 && bs % 2 == 0 && len > 0; /* the weights: row_weights_bf16 below */
-    for (int h = 0; h < nh && !by_pairs; h++) {
+    for (int h = h_lo; h < h_hi && !by_pairs; h++) {
         float *sh = scores + (int64_t)h * len, m = -INFINITY, total = 0.0f;
 #pragma omp simd reduction(max : m)
         for (int t = lo; t < len; t++) m = sh[t] > m ? sh[t] : m;
@@ -502,18 +527,18 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
         inv_sum[h] = len > 0 ? 1.0f / total : 0.0f;
     }
     /* Weighted values. */
-    if (len > 0) prefetch_block(a->value_cache, (int64_t)blocks[lo / bs] * block_elements, block_elements, elem);
+    if (len > 0) prefetch_block(&pf, a->value_cache, (int64_t)blocks[lo / bs] * block_elements, block_elements, elem);
 #if HAVE_512
     if (by_pairs) {
         /* Positions from the even one at or before lo; weights and V rows the query does not
          * see are zeros. */
         const int pbase = lo & ~1, npos = len - pbase, pstride = (npos + 15) / 16 * 16, NB = VALUE_REGS / (hd / 16);
         uint16_t *weights = (uint16_t *)(row + (int64_t)kvh * hd);
-        for (int h = 0; h < nh; h++)
+        for (int h = h_lo; h < h_hi; h++)
             inv_sum[h] = row_weights_bf16(scores + (int64_t)h * len + pbase, pbase, lo, len, weights + (int64_t)h * pstride);
         const uint32_t *p[MAX_DOT_GROUP];
         float *acc_of[MAX_DOT_GROUP];
-        const int value_lines = (int)((block_elements * elem + 63) / 64) / kvh + 1;
+        const int value_lines = (int)((block_slice_bytes + 63) / 64) / kv_count + 1;
         for (int start = pbase, count; start < len; start += count) {
             const int in_block = start % bs;
             count = bs - in_block < PAIR_RUN ? bs - in_block : PAIR_RUN;
@@ -521,7 +546,7 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
             if (in_block == 0 && start + bs < len)
                 prefetch_queue(&pf, 0, a->value_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
             const uint16_t *v_run = (const uint16_t *)a->value_cache + ((int64_t)blocks[start / bs] * bs + in_block) * token_stride;
-            for (int kv = 0; kv < kvh; kv++) {
+            for (int kv = kv_lo; kv < kv_hi; kv++) {
                 prefetch_some(&pf, value_lines);
                 for (int g0 = 0; g0 < group; g0 += NB) {
                     const int nb = group - g0 < NB ? group - g0 : NB;
@@ -540,13 +565,13 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
     } else
 #endif
     if (hd == 64 && group <= 4) {
-        const int value_lines = (int)((block_elements * elem + 63) / 64) / kvh + 1;
+        const int value_lines = (int)((block_slice_bytes + 63) / 64) / kv_count + 1;
         /* Block by block, each KV head in turn while the block is in cache. */
         for (int start = lo, count; start < len; start += count) {
             const int64_t first = (int64_t)blocks[start / bs] * bs + start % bs;
             count = bs - start % bs < len - start ? bs - start % bs : len - start;
             if (start + count < len) prefetch_queue(&pf, 0, a->value_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
-            for (int kv = 0; kv < kvh; kv++) {
+            for (int kv = kv_lo; kv < kv_hi; kv++) {
                 prefetch_some(&pf, value_lines);
                 const void *v_rows = (const char *)a->value_cache + (first * token_stride + (int64_t)kv * hd) * elem;
                 const float *probs = scores + (int64_t)kv * group * len + start;
@@ -563,10 +588,10 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
         for (int start = lo, count; start < len; start += count) {
             const int64_t first = (int64_t)blocks[start / bs] * bs + start % bs;
             count = bs - start % bs < len - start ? bs - start % bs : len - start;
-            if (start + count < len) prefetch_block(a->value_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
+            if (start + count < len) prefetch_block(&pf, a->value_cache, (int64_t)blocks[start / bs + 1] * block_elements, block_elements, elem);
             for (int j = 0; j < count; j++) {
                 load_row(a->value_cache, (first + j) * token_stride, row, kvh * hd, bf16);
-                for (int h = 0; h < nh; h++) {
+                for (int h = h_lo; h < h_hi; h++) {
                     const float p = scores[(int64_t)h * len + start + j], *vh = row + (int64_t)kv_head_of[h] * hd;
                     float *ah = acc + (int64_t)h * hd;
 #pragma omp simd
@@ -575,7 +600,7 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
             }
         }
     }
-    for (int h = 0; h < nh; h++) {
+    for (int h = h_lo; h < h_hi; h++) {
         const int64_t dst = (int64_t)i * a->out_row_stride + (int64_t)h * hd;
         if (by_pairs) {
 #if HAVE_512
@@ -592,10 +617,16 @@ ALWAYS_INLINE void attend(const Args *a, int i, float *work, const int hd, const
 
 /* One compiled copy per head size (64, 128, any) and pairing: q: query and output type,
  * kv: cache type. */
-#define ATTEND_COPIES(name, q_bf16, kv_bf16)                                                               \
-    static void name##_hd64(const Args *a, int i, float *w) { attend(a, i, w, 64, q_bf16, kv_bf16); }   \
-    static void name##_hd128(const Args *a, int i, float *w) { attend(a, i, w, 128, q_bf16, kv_bf16); } \
-    static void name##_any(const Args *a, int i, float *w, int hd) { attend(a, i, w, hd, q_bf16, kv_bf16); }
+#define ATTEND_COPIES(name, q_bf16, kv_bf16)                                                    \
+    static void name##_hd64(const Args *a, int i, int lo, int hi, float *w) {                   \
+        attend(a, i, lo, hi, w, 64, q_bf16, kv_bf16);                                           \
+    }                                                                                           \
+    static void name##_hd128(const Args *a, int i, int lo, int hi, float *w) {                  \
+        attend(a, i, lo, hi, w, 128, q_bf16, kv_bf16);                                          \
+    }                                                                                           \
+    static void name##_any(const Args *a, int i, int lo, int hi, float *w, int hd) {            \
+        attend(a, i, lo, hi, w, hd, q_bf16, kv_bf16);                                           \
+    }
 ATTEND_COPIES(attend_f32, 0, 0)
 ATTEND_COPIES(attend_bf16, 1, 1)
 ATTEND_COPIES(attend_f32_bf16kv, 0, 1)
@@ -621,10 +652,17 @@ static int decode_attention(const void *query, int64_t query_row_stride, const v
     const size_t work_floats = (size_t)num_heads * ((size_t)max_len + 2 * (size_t)head_dim) + (size_t)num_kv_heads * head_dim +
                                (size_t)num_heads * ((size_t)max_len / 2 + 16);
     int failed = 0;
-    /* Work is split by request: no more threads than requests, so a batch of one opens no
-     * parallel region (waking an idle thread for nothing costs more than the work when
-     * the cores are busy). */
-    if (num_threads > num_requests) num_threads = num_requests > 0 ? num_requests : 1;
+    /* Work is split by request, and where there are fewer requests than threads and their
+     * contexts are long (SPLIT_HEADS_MIN_LEN), by request and KV head: each thread attends
+     * with some of a request's heads, with the same bits as one thread with all of them.
+     * Below that a batch of one opens no parallel region: waking an idle thread for a few
+     * microseconds of work costs more than the work when the cores are busy. */
+    /* parts: how many runs of consecutive KV heads each request's heads are split into */
+    int parts = 1;
+    if (num_requests < num_threads && max_len >= SPLIT_HEADS_MIN_LEN)
+        parts = num_threads < num_kv_heads ? num_threads : num_kv_heads;
+    const int units = num_requests * parts;
+    if (num_threads > units) num_threads = units > 0 ? units : 1;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         float *work = malloc(sizeof(float) * work_floats);
@@ -633,10 +671,14 @@ static int decode_attention(const void *query, int64_t query_row_stride, const v
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < num_requests; i++) {
+        for (int u = 0; u < units; u++) {
             if (!work) continue;
-#define DISPATCH(name) \
-    (head_dim == 64 ? name##_hd64(&a, i, work) : head_dim == 128 ? name##_hd128(&a, i, work) : name##_any(&a, i, work, head_dim))
+            const int i = u / parts, part = u % parts;
+            const int kv_lo = part * num_kv_heads / parts, kv_hi = (part + 1) * num_kv_heads / parts;
+#define DISPATCH(name)                                                             \
+    (head_dim == 64    ? name##_hd64(&a, i, kv_lo, kv_hi, work)                    \
+     : head_dim == 128 ? name##_hd128(&a, i, kv_lo, kv_hi, work)                   \
+                       : name##_any(&a, i, kv_lo, kv_hi, work, head_dim))
             if (pairing == BF16) DISPATCH(attend_bf16);
             else if (pairing == F32_BF16KV) DISPATCH(attend_f32_bf16kv);
             else DISPATCH(attend_f32);

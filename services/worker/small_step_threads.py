@@ -18,7 +18,9 @@ services' competition for the cores included). Once both have enough intervals i
 the one with the lower median, and every few thousand small steps measures the other
 again for a run, since the machine's load changes. With batch invariance on (the
 default) thread counts change no result: a small step's only parallel kernels are then the
-products, which split output columns between threads (tests/worker/test_one_token_path.py).
+products, which split output columns between threads, and from 256 tokens of context the
+attention, which splits KV heads (tests/worker/test_one_token_path.py,
+tests/kernels/test_paged_attention_torch.py).
 """
 
 from __future__ import annotations

@@ -155,6 +155,36 @@ def test_kernel_takes_strided_query_and_output_rows(cpu_isa):
 
 
 @needs_c_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_lone_long_request_split_between_threads_gets_the_bits_of_one_thread_and_of_a_batch(shape, dtype, cpu_isa):
+    """From 256 tokens of context, fewer requests than threads split their KV heads between
+    the threads: each request's result is the one a single thread gives it, and the one it
+    gets in a batch with others, bit for bit (batch invariance holds); short ones stay whole."""
+    batch = decode_batch([700, 40, 300], shape, dtype, seed=5)
+    args = (batch.key_cache, batch.value_cache)
+
+    def attend(rows: slice, threads: int) -> torch.Tensor:
+        out = poisoned_out(batch.query[rows])
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            assert decode_attention_native(batch.query[rows], *args, batch.attn.block_tables[rows],
+                                           batch.attn.seq_lens[rows], batch.scale, out)
+        finally:
+            torch.set_num_threads(before)
+        return out
+
+    in_a_batch = attend(slice(0, 3), 1)
+    torch.testing.assert_close(in_a_batch.double(), dense_attention(batch), rtol=2e-2, atol=2e-2)
+    for i in range(3):
+        for threads in (1, 2, 3):
+            assert torch.equal(attend(slice(i, i + 1), threads), in_a_batch[i:i + 1]), (i, threads)
+    for threads in (2, 4):  # two requests, more threads than requests
+        assert torch.equal(attend(slice(0, 2), threads), in_a_batch[:2])
+
+
+@needs_c_kernel
 def test_block_table_rows_past_the_used_blocks_are_not_read():
     # make_batch fills table entries past each request's blocks with garbage, some out of
     # range: reading one would crash or change the result.

@@ -81,10 +81,13 @@ def test_a_lora_wrapped_product_turns_the_one_token_path_off(default_worker):
 def test_small_steps_give_the_same_logits_on_one_thread_and_on_two(default_worker, smollm_tokenizer, monkeypatch):
     """The worker picks a small step's threads by timing (services/worker/small_step_threads.py),
     so the count must change no bit: each decode step's logits with small steps on one
-    thread equal those with them on two."""
+    thread equal those with them on two. The context passes 256 tokens, where two threads
+    split the attention's KV heads too (kernels/cpu/paged_decode_attention.c)."""
     from services.worker.small_step_threads import SmallStepThreads
 
-    prompt = smollm_tokenizer.encode("Twelve barrels of apples were loaded onto the cart before dawn")
+    sentence = "Twelve barrels of apples were loaded onto the cart before dawn. "
+    prompt = smollm_tokenizer.encode(sentence * 20)
+    assert 240 < len(prompt) < 256 + 24  # the decode steps cross 256 tokens of context
     runs = {}
     for mode in ("one", "all"):
         seen = []
