@@ -568,40 +568,73 @@ static inline __attribute__((always_inline)) void one_tile(const uint8_t *tiles,
     rows_over_tile(buf, K, qa, da, sa, M, offsets == NULL, GATHERED, y, y_stride, y_type, n0, nt, NULL, 0);
 }
 
+/* Up to this many activation rows (a decode step's few), every thread quantizes them
+ * itself into buffers of its own, and its tiles start at once: quantized by the threads
+ * together, the tiles must wait for all of them at a barrier, and a batch-1 step runs about
+ * 120 products, each barrier a futex wake. The same rows give every thread the same codes. */
+#define OWN_QUANTIZED_ROWS 4
+
 /* Returns 0, -1 when memory could not be had (y is then incomplete). tiles: the weight
  * repacked as `layout` says (data, scales and offsets then unused), else (GATHERED) each
  * thread gathers its tiles from the row layout. x: float32 rows, or bfloat16 (x_bf16); y:
  * as y_type says (store_row), rounded at most once from the same float32 sums. One parallel
- * region: the rows' quantization, then (after its barrier) the tiles. */
+ * region: the rows' quantization (each thread its own copy, or split between the threads
+ * and then a barrier), then the tiles. */
+/* Whether y's rows share bytes with x's (kernels/decode_layers.c writes the down
+ * product's result over its input): then no thread may write y before all have read x. */
+static int overlapping(const void *x, int64_t x_stride, int x_bf16, int M, int K, const void *y, int64_t y_stride,
+                       int y_type, int N) {
+    const char *x0 = x, *y0 = y;
+    const char *x1 = x0 + ((int64_t)(M - 1) * x_stride + K) * (x_bf16 ? 2 : 4);
+    const char *y1 = y0 + ((int64_t)(M - 1) * y_stride + N) * (y_type == Y_BFLOAT16 ? 2 : 4);
+    return x0 < y1 && y0 < x1;
+}
+
 static int i8_linear(const void *x, int64_t x_stride, int x_bf16, int M, int K, const void *data, const float *scales,
                      const float *offsets, const uint8_t *tiles, enum layout layout, int N, void *y,
                      int64_t y_stride, int y_type, int num_threads) {
     const int nb = K / BLOCK;
-    int8_t *qa = malloc((size_t)M * K);
-    float *da = malloc(sizeof(float) * 2 * (size_t)M * nb);
-    int failed = qa == NULL || da == NULL;
-    float *sa = da + (int64_t)M * nb;
+    const int own_rows = M <= OWN_QUANTIZED_ROWS;
+    const int in_place = own_rows && overlapping(x, x_stride, x_bf16, M, K, y, y_stride, y_type, N);
+    int8_t *shared_qa = own_rows ? NULL : malloc((size_t)M * K);
+    float *shared_da = own_rows ? NULL : malloc(sizeof(float) * 2 * (size_t)M * nb);
+    int failed = !own_rows && (shared_qa == NULL || shared_da == NULL);
 #pragma omp parallel num_threads(num_threads) if (!failed)
     {
-        if (!failed) {
+        int8_t *qa = shared_qa;
+        float *da = shared_da;
+        if (own_rows) {
+            qa = malloc((size_t)M * K);
+            da = malloc(sizeof(float) * 2 * (size_t)M * nb);
+            if (qa != NULL && da != NULL) quantize_rows(x, x_stride, x_bf16, 0, M, K, qa, da, da + (int64_t)M * nb);
+            if (in_place) {
+#pragma omp barrier
+            }
+        } else if (!failed) {
 #pragma omp for schedule(static)
-            for (int m = 0; m < M; m++) quantize_rows(x, x_stride, x_bf16, m, m + 1, K, qa, da, sa);
+            for (int m = 0; m < M; m++) quantize_rows(x, x_stride, x_bf16, m, m + 1, K, qa, da, da + (int64_t)M * nb);
         }
         uint8_t *buf = failed || tiles != NULL ? NULL : aligned_alloc(64, (size_t)TILE_BLOCK_BYTES * nb);
-        const int skip = failed || (buf == NULL && tiles == NULL);
+        const int skip = failed || qa == NULL || da == NULL || (buf == NULL && tiles == NULL);
         if (skip) {
 #pragma omp atomic write
             failed = 1;
         }
+        const float *sa = skip ? NULL : da + (int64_t)M * nb;
         /* Static: each thread streams its own run of the weight, prefetching its next tile
-         * (handing tiles out dynamically served fewer tokens, docs/BENCHMARKS-diary.md). */
-#pragma omp for schedule(static)
+         * (handing tiles out dynamically served fewer tokens, docs/BENCHMARKS-diary.md).
+         * nowait: the region's end is the barrier. */
+#pragma omp for schedule(static) nowait
         for (int n0 = 0; n0 < N; n0 += TILE_N)
             if (!skip) one_tile(tiles, layout, data, scales, offsets, buf, qa, da, sa, M, K, N, n0, y, y_stride, y_type);
         free(buf);
+        if (own_rows) {
+            free(qa);
+            free(da);
+        }
     }
-    free(qa);
-    free(da);
+    free(shared_qa);
+    free(shared_da);
     return failed ? -1 : 0;
 }
 
