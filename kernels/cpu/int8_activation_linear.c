@@ -574,12 +574,6 @@ static inline __attribute__((always_inline)) void one_tile(const uint8_t *tiles,
  * 120 products, each barrier a futex wake. The same rows give every thread the same codes. */
 #define OWN_QUANTIZED_ROWS 4
 
-/* Returns 0, -1 when memory could not be had (y is then incomplete). tiles: the weight
- * repacked as `layout` says (data, scales and offsets then unused), else (GATHERED) each
- * thread gathers its tiles from the row layout. x: float32 rows, or bfloat16 (x_bf16); y:
- * as y_type says (store_row), rounded at most once from the same float32 sums. One parallel
- * region: the rows' quantization (each thread its own copy, or split between the threads
- * and then a barrier), then the tiles. */
 /* Whether y's rows share bytes with x's (kernels/decode_layers.c writes the down
  * product's result over its input): then no thread may write y before all have read x. */
 static int overlapping(const void *x, int64_t x_stride, int x_bf16, int M, int K, const void *y, int64_t y_stride,
@@ -590,6 +584,12 @@ static int overlapping(const void *x, int64_t x_stride, int x_bf16, int M, int K
     return x0 < y1 && y0 < x1;
 }
 
+/* Returns 0, -1 when memory could not be had (y is then incomplete). tiles: the weight
+ * repacked as `layout` says (data, scales and offsets then unused), else (GATHERED) each
+ * thread gathers its tiles from the row layout. x: float32 rows, or bfloat16 (x_bf16); y:
+ * as y_type says (store_row), rounded at most once from the same float32 sums. One parallel
+ * region: the rows' quantization (each thread its own copy, or split between the threads
+ * and then a barrier), then the tiles. */
 static int i8_linear(const void *x, int64_t x_stride, int x_bf16, int M, int K, const void *data, const float *scales,
                      const float *offsets, const uint8_t *tiles, enum layout layout, int N, void *y,
                      int64_t y_stride, int y_type, int num_threads) {
@@ -599,7 +599,8 @@ static int i8_linear(const void *x, int64_t x_stride, int x_bf16, int M, int K, 
     int8_t *shared_qa = own_rows ? NULL : malloc((size_t)M * K);
     float *shared_da = own_rows ? NULL : malloc(sizeof(float) * 2 * (size_t)M * nb);
     int failed = !own_rows && (shared_qa == NULL || shared_da == NULL);
-#pragma omp parallel num_threads(num_threads) if (!failed)
+    const int setup_failed = failed; /* read in the region, where `failed` may be written */
+#pragma omp parallel num_threads(num_threads) if (!setup_failed)
     {
         int8_t *qa = shared_qa;
         float *da = shared_da;
@@ -610,12 +611,12 @@ static int i8_linear(const void *x, int64_t x_stride, int x_bf16, int M, int K, 
             if (in_place) {
 #pragma omp barrier
             }
-        } else if (!failed) {
+        } else if (!setup_failed) {
 #pragma omp for schedule(static)
             for (int m = 0; m < M; m++) quantize_rows(x, x_stride, x_bf16, m, m + 1, K, qa, da, da + (int64_t)M * nb);
         }
-        uint8_t *buf = failed || tiles != NULL ? NULL : aligned_alloc(64, (size_t)TILE_BLOCK_BYTES * nb);
-        const int skip = failed || qa == NULL || da == NULL || (buf == NULL && tiles == NULL);
+        uint8_t *buf = setup_failed || tiles != NULL ? NULL : aligned_alloc(64, (size_t)TILE_BLOCK_BYTES * nb);
+        const int skip = setup_failed || qa == NULL || da == NULL || (buf == NULL && tiles == NULL);
         if (skip) {
 #pragma omp atomic write
             failed = 1;
